@@ -1,0 +1,127 @@
+"""Block tables and slot mapping: logical -> physical translation (paper §4.2, §4.3).
+
+A sequence sees its KV cache as consecutive *logical* blocks.  Its block table says
+which *physical* block holds each one, so the physical blocks can sit anywhere in the
+pool.  Token ``i`` lives in logical block ``i // block_size`` at offset
+``i % block_size``; its *slot* is ``physical_block * block_size + offset``.  The slot
+mapping is what the attention kernels use to write new keys and values.
+
+Appending tokens takes a new physical block only when the last one is full.  When the
+last block is shared with a fork (reference count > 1), writing into it would change
+the other sequence's KV, so it is copied first (copy-on-write, §4.4): the table gets
+a private copy and reports the ``(src, dst)`` pair for the cache engine to execute.
+"""
+
+from __future__ import annotations
+
+from .allocator import BlockAllocator, NoFreeBlocksError
+from .prefix_cache import BlockIdentity, CachedBlock, PrefixCachingBlockAllocator
+
+BlockCopy = tuple[int, int]
+"""``(src, dst)``: copy physical block ``src`` into ``dst`` before this step runs."""
+
+
+class BlockTable:
+    """The logical -> physical block list of one sequence, and the token ids it holds."""
+
+    def __init__(self, block_size: int, allocator: BlockAllocator) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.block_size = block_size
+        self.allocator = allocator
+        self.blocks: list[int] = []
+        self.token_ids: list[int] = []
+        # One identity per full block, kept only when the allocator caches prefixes.
+        self.identities: list[BlockIdentity] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def _caching(self) -> bool:
+        return isinstance(self.allocator, PrefixCachingBlockAllocator)
+
+    def slot(self, position: int) -> int:
+        """The cache slot of the token at ``position``."""
+        block, offset = divmod(position, self.block_size)
+        return self.blocks[block] * self.block_size + offset
+
+    def slot_mapping(self, start: int, end: int) -> list[int]:
+        return [self.slot(p) for p in range(start, end)]
+
+    def num_blocks_needed(self, num_new_tokens: int) -> int:
+        """New physical blocks that appending ``num_new_tokens`` would take (CoW included)."""
+        free_in_last = len(self.blocks) * self.block_size - self.num_tokens
+        new_blocks = -(-max(num_new_tokens - free_in_last, 0) // self.block_size)
+        return new_blocks + int(num_new_tokens > 0 and self._last_block_is_shared())
+
+    def _last_block_is_shared(self) -> bool:
+        partial = self.num_tokens % self.block_size != 0
+        return partial and self.allocator.ref_count(self.blocks[-1]) > 1
+
+    def append_tokens(self, token_ids: list[int]) -> tuple[list[int], list[BlockCopy]]:
+        """Give ``token_ids`` slots; returns their slot mapping and any CoW copies.
+
+        All or nothing: if the pool cannot supply the blocks, raises
+        :class:`NoFreeBlocksError` and changes nothing.
+        """
+        needed = self.num_blocks_needed(len(token_ids))
+        if needed > self.allocator.num_free_blocks:
+            raise NoFreeBlocksError(
+                f"appending {len(token_ids)} tokens needs {needed} blocks, "
+                f"{self.allocator.num_free_blocks} free")
+        copies = [self._copy_on_write()] if token_ids and self._last_block_is_shared() else []
+        start = self.num_tokens
+        for token in token_ids:
+            if self.num_tokens == len(self.blocks) * self.block_size:
+                self.blocks.append(self.allocator.allocate())
+            self.token_ids.append(token)
+            if self._caching and self.num_tokens % self.block_size == 0:
+                self._register_last_block()
+        return self.slot_mapping(start, self.num_tokens), copies
+
+    def _copy_on_write(self) -> BlockCopy:
+        src = self.blocks[-1]
+        dst = self.allocator.allocate()
+        self.allocator.free(src)  # one holder fewer; the other sequences keep it
+        self.blocks[-1] = dst
+        return src, dst
+
+    def _register_last_block(self) -> None:
+        parent = self.identities[-1] if self.identities else None
+        tokens = tuple(self.token_ids[-self.block_size:])
+        self.identities.append(self.allocator.register(self.blocks[-1], tokens, parent))
+
+    def adopt_cached_prefix(self, entries: list[CachedBlock]) -> None:
+        """Start an empty table with blocks found in the prefix cache (§4.4)."""
+        if self.blocks:
+            raise ValueError("adopt_cached_prefix needs an empty block table")
+        for entry in entries:
+            self.allocator.acquire(entry)
+            self.blocks.append(entry.block)
+            self.token_ids.extend(entry.token_ids)
+            self.identities.append(BlockIdentity(entry.block_hash, entry.entry_id))
+
+    def fork(self) -> BlockTable:
+        """A child table sharing every physical block (parallel sampling, beam search)."""
+        child = BlockTable(self.block_size, self.allocator)
+        for block in self.blocks:
+            self.allocator.incref(block)
+        child.blocks = list(self.blocks)
+        child.token_ids = list(self.token_ids)
+        child.identities = list(self.identities)
+        return child
+
+    def free(self) -> None:
+        """Let go of every block, tail first so prefix-cache eviction takes tails first."""
+        for block in reversed(self.blocks):
+            self.allocator.free(block)
+        self.blocks.clear()
+        self.token_ids.clear()
+        self.identities.clear()
+
+    def remap(self, mapping: dict[int, int], allocator: BlockAllocator) -> None:
+        """Point at new physical blocks in another pool (swap out / swap in, §4.5)."""
+        self.blocks = [mapping[b] for b in self.blocks]
+        self.allocator = allocator

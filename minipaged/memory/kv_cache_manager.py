@@ -1,0 +1,192 @@
+"""The KV cache manager: every sequence's block table over a GPU and a CPU pool (paper §4.2–4.5).
+
+This is the memory layer's front door.  The scheduler asks it whether a sequence's
+next tokens fit, gives them slots, forks sequences (parallel sampling, beam search),
+frees them, and swaps whole sequence groups between the GPU pool and the CPU pool.
+Every answer is *data* (slot mappings, ``(src, dst)`` block copies, swap mappings):
+the cache engine, which owns the tensors, carries them out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .allocator import BlockAllocator, NoFreeBlocksError
+from .block_table import BlockCopy, BlockTable
+from .prefix_cache import PrefixCachingBlockAllocator
+
+
+@dataclass
+class Allocation:
+    """What the cache engine and the model runner need to run a sequence's new tokens."""
+
+    slot_mapping: list[int]
+    copies: list[BlockCopy] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+class KVCacheManager:
+    """Block tables of all sequences, keyed by sequence id."""
+
+    def __init__(self, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0,
+                 enable_prefix_caching: bool = False) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.block_size = block_size
+        self.gpu: BlockAllocator = (
+            PrefixCachingBlockAllocator(num_gpu_blocks, block_size, "gpu")
+            if enable_prefix_caching else BlockAllocator(num_gpu_blocks, "gpu"))
+        self.cpu = BlockAllocator(num_cpu_blocks, "cpu")
+        self.tables: dict[str, BlockTable] = {}
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+
+    @property
+    def prefix_caching(self) -> bool:
+        return isinstance(self.gpu, PrefixCachingBlockAllocator)
+
+    def _table(self, seq_id: str) -> BlockTable:
+        if seq_id not in self.tables:
+            raise ValueError(f"seq_id {seq_id!r} has no block table")
+        return self.tables[seq_id]
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return list(self._table(seq_id).blocks)
+
+    def num_tokens(self, seq_id: str) -> int:
+        return self._table(seq_id).num_tokens
+
+    def is_swapped(self, seq_id: str) -> bool:
+        return self._table(seq_id).allocator is self.cpu
+
+    # -- admission and growth ---------------------------------------------------------
+    def num_cached_tokens(self, prompt_token_ids: list[int]) -> int:
+        """How many leading prompt tokens the prefix cache could serve (read-only)."""
+        if not self.prefix_caching:
+            return 0
+        return len(self.gpu.match_prefix(prompt_token_ids)) * self.block_size
+
+    def can_allocate(self, prompt_token_ids: list[int], num_new_tokens: int | None = None) -> bool:
+        """Would :meth:`allocate` find the blocks it needs right now?"""
+        entries, end = self._plan(prompt_token_ids, num_new_tokens)
+        return self._fits(entries, end - len(entries) * self.block_size)
+
+    def allocate(self, seq_id: str, prompt_token_ids: list[int],
+                 num_new_tokens: int | None = None) -> Allocation:
+        """Start a sequence: reuse its cached prefix, then give slots to the next tokens.
+
+        ``num_new_tokens`` (default: the rest of the prompt) lets chunked prefill take a
+        prompt in pieces; later pieces go through :meth:`append`.  All or nothing.
+        """
+        if seq_id in self.tables:
+            raise ValueError(f"seq_id {seq_id!r} already has a block table")
+        entries, end = self._plan(prompt_token_ids, num_new_tokens)
+        cached = len(entries) * self.block_size
+        if not self._fits(entries, end - cached):
+            raise NoFreeBlocksError(f"not enough free GPU blocks to start {seq_id!r}")
+        table = BlockTable(self.block_size, self.gpu)
+        if entries:
+            table.adopt_cached_prefix(entries)
+        slots, copies = table.append_tokens(prompt_token_ids[cached:end])
+        if self.prefix_caching:
+            self.gpu.record_lookup(len(prompt_token_ids), cached)
+        self.tables[seq_id] = table
+        return Allocation(slots, copies, cached)
+
+    def _plan(self, prompt_token_ids: list[int], num_new_tokens: int | None):
+        """The cached prefix a new sequence would reuse, and where its first chunk ends."""
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        entries = self.gpu.match_prefix(prompt_token_ids) if self.prefix_caching else []
+        cached = len(entries) * self.block_size
+        if num_new_tokens is None:
+            return entries, len(prompt_token_ids)
+        if not 1 <= num_new_tokens <= len(prompt_token_ids) - cached:
+            raise ValueError(f"num_new_tokens must be in [1, {len(prompt_token_ids) - cached}] "
+                             f"({cached} prompt tokens are cached), got {num_new_tokens!r}")
+        return entries, cached + num_new_tokens
+
+    def _fits(self, entries: list, num_new_tokens: int) -> bool:
+        # A cached block that is only evictable counts as free but is reused in place,
+        # so it cannot also be handed out as a fresh block.
+        revived = sum(self.gpu.ref_count(e.block) == 0 for e in entries)
+        fresh = -(-num_new_tokens // self.block_size)
+        return fresh + revived <= self.gpu.num_free_blocks
+
+    def can_append(self, seq_id: str, num_new_tokens: int = 1) -> bool:
+        table = self._table(seq_id)
+        return table.num_blocks_needed(num_new_tokens) <= self.gpu.num_free_blocks
+
+    def append(self, seq_id: str, token_ids: list[int]) -> Allocation:
+        """Slots for a running sequence's next tokens (a decode token or a prefill chunk)."""
+        table = self._table(seq_id)
+        if table.allocator is not self.gpu:
+            raise ValueError(f"seq_id {seq_id!r} is swapped out; swap it in first")
+        slots, copies = table.append_tokens(token_ids)
+        return Allocation(slots, copies)
+
+    # -- sharing and freeing ----------------------------------------------------------
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares all of the parent's blocks, copy-on-write (§4.4)."""
+        if child_id in self.tables:
+            raise ValueError(f"child_id {child_id!r} already has a block table")
+        self.tables[child_id] = self._table(parent_id).fork()
+
+    def free(self, seq_id: str) -> None:
+        self._table(seq_id).free()
+        del self.tables[seq_id]
+
+    # -- swapping (§4.5): whole groups, all or nothing ---------------------------------
+    def swap_out(self, seq_ids: list[str]) -> list[tuple[int, int]]:
+        """Move a group's blocks to the CPU pool; returns ``(gpu_block, cpu_block)`` pairs."""
+        mapping = self._swap(seq_ids, src=self.gpu, dst=self.cpu)
+        self.num_swapped_out_blocks += len(mapping)
+        return mapping
+
+    def swap_in(self, seq_ids: list[str]) -> list[tuple[int, int]]:
+        """Bring a swapped group back; returns ``(cpu_block, gpu_block)`` pairs."""
+        mapping = self._swap(seq_ids, src=self.cpu, dst=self.gpu)
+        self.num_swapped_in_blocks += len(mapping)
+        return mapping
+
+    def can_swap_in(self, seq_ids: list[str]) -> bool:
+        return len(self._distinct_blocks(seq_ids, self.cpu)) <= self.gpu.num_free_blocks
+
+    def _distinct_blocks(self, seq_ids: list[str], pool: BlockAllocator) -> list[int]:
+        tables = [self._table(s) for s in seq_ids]
+        if any(t.allocator is not pool for t in tables):
+            raise ValueError(f"every sequence in {seq_ids!r} must be in the {pool.device} pool")
+        # A block shared inside the group moves once and stays shared.
+        return list(dict.fromkeys(b for t in tables for b in t.blocks))
+
+    def _swap(self, seq_ids: list[str], src: BlockAllocator,
+              dst: BlockAllocator) -> list[tuple[int, int]]:
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids has duplicates: {seq_ids!r}")
+        blocks = self._distinct_blocks(seq_ids, src)
+        if len(blocks) > dst.num_free_blocks:
+            raise NoFreeBlocksError(f"swapping {len(blocks)} blocks to the {dst.device} pool, "
+                                    f"{dst.num_free_blocks} free")
+        mapping = {b: dst.allocate() for b in blocks}
+        for seq_id in seq_ids:
+            table = self._table(seq_id)
+            for block in reversed(table.blocks):
+                src.free(block)
+                dst.incref(mapping[block])
+            table.remap(mapping, dst)
+        for new_block in mapping.values():
+            dst.free(new_block)  # drop the reference allocate() gave; the tables hold theirs
+        return list(mapping.items())
+
+    def stats(self) -> dict[str, float]:
+        hit_rate = self.gpu.hit_rate if self.prefix_caching else 0.0
+        return {
+            "num_gpu_blocks": self.gpu.num_blocks,
+            "num_free_gpu_blocks": self.gpu.num_free_blocks,
+            "num_cpu_blocks": self.cpu.num_blocks,
+            "num_free_cpu_blocks": self.cpu.num_free_blocks,
+            "num_cached_blocks": self.gpu.num_cached_blocks if self.prefix_caching else 0,
+            "num_swapped_out_blocks": self.num_swapped_out_blocks,
+            "num_swapped_in_blocks": self.num_swapped_in_blocks,
+            "prefix_cache_hit_rate": hit_rate,
+        }

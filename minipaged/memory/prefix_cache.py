@@ -1,0 +1,164 @@
+"""Prefix caching: full KV blocks found again by their content (paper §4.4, "shared prefix").
+
+Two prompts that begin with the same tokens produce the same keys and values for that
+beginning, so their *full* blocks can be the same physical blocks.  Each full block is
+named by a hash chained with its parent block's hash,
+
+    block_hash = hash((parent_block_hash, token_ids_of_this_block)),
+
+so a block's hash stands for the whole prefix up to and including it.  The hash only
+*finds* a candidate; a candidate is accepted only if its stored tokens equal ours and
+its parent is the entry we matched one block earlier.  Entries get ids that are never
+reused, so an accepted chain is exactly our prefix: a hash collision costs a miss, never
+wrong KV.
+
+A cached block whose last holder lets go is not returned to the free list at once: it
+becomes *evictable* and stays findable until a new allocation needs the space.  Then
+the least recently used one goes first.  Sequences release their blocks tail first, so
+among blocks released together the tail of a chain is evicted before its parents.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .allocator import BlockAllocator
+
+ROOT_ID = -1
+"""The entry id that stands for "no parent": the first block of every prompt."""
+
+
+@dataclass(frozen=True)
+class CachedBlock:
+    """One entry of the prefix cache: a full physical block and what is in it."""
+
+    block: int
+    block_hash: int
+    token_ids: tuple[int, ...]
+    entry_id: int
+    parent_id: int
+
+
+@dataclass(frozen=True)
+class BlockIdentity:
+    """What a block table remembers about one of its full blocks.
+
+    ``entry_id`` is the cache entry holding this content (possibly another physical
+    block with the same tokens), or ``None`` when the content cannot be cached.
+    """
+
+    block_hash: int
+    entry_id: int | None
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class PrefixCachingBlockAllocator(BlockAllocator):
+    """A :class:`BlockAllocator` whose full blocks can be found again by content."""
+
+    def __init__(self, num_blocks: int, block_size: int, device: str = "gpu") -> None:
+        super().__init__(num_blocks, device)
+        self.block_size = block_size
+        self._by_hash: dict[int, CachedBlock] = {}
+        self._by_block: dict[int, CachedBlock] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self._entry_ids = itertools.count()
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+
+    # -- pool accounting: evictable blocks count as free ------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._by_block)
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of looked-up prompt tokens whose KV came from the cache."""
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._by_block
+
+    def allocate(self) -> int:
+        """A never-cached free block if there is one, else evict the LRU cached block."""
+        if self._free or not self._evictable:
+            return super().allocate()
+        block, _ = self._evictable.popitem(last=False)
+        self._forget(self._by_block[block])
+        self._ref_counts[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        if block in self._by_block:
+            self._evictable[block] = None  # most recently used goes last
+        else:
+            super()._release(block)
+
+    # -- lookup -----------------------------------------------------------------------
+    def match_prefix(self, token_ids: list[int]) -> list[CachedBlock]:
+        """The longest chain of cached full blocks that begins ``token_ids``.
+
+        The last token is never served from the cache: its logits must be computed,
+        so at most ``(len - 1) // block_size`` blocks match.  Read-only.
+        """
+        bs = self.block_size
+        matched: list[CachedBlock] = []
+        parent_hash, parent_id = None, ROOT_ID
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            entry = self._by_hash.get(hash_block(parent_hash, tokens))
+            if entry is None or entry.token_ids != tokens or entry.parent_id != parent_id:
+                break
+            matched.append(entry)
+            parent_hash, parent_id = entry.block_hash, entry.entry_id
+        return matched
+
+    def acquire(self, entry: CachedBlock) -> None:
+        """Hold a matched block: one more reference, and no longer evictable."""
+        block = entry.block
+        if self._by_block.get(block) is not entry:
+            raise ValueError(f"block {block} no longer holds cache entry {entry.entry_id}")
+        self._evictable.pop(block, None)
+        self._ref_counts[block] += 1
+
+    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.num_query_tokens += num_query_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    # -- registration -----------------------------------------------------------------
+    def register(self, block: int, token_ids: tuple[int, ...],
+                 parent: BlockIdentity | None) -> BlockIdentity:
+        """Offer a block that just became full to the cache.
+
+        ``parent`` is the identity of the previous block of the same sequence (``None``
+        for the first).  Returns the identity the block table should remember.
+        """
+        parent_hash = parent.block_hash if parent else None
+        parent_id = parent.entry_id if parent else ROOT_ID
+        block_hash = hash_block(parent_hash, token_ids)
+        if parent_id is None:  # the prefix before this block is uncacheable
+            return BlockIdentity(block_hash, None)
+        existing = self._by_hash.get(block_hash)
+        if existing is not None:
+            same = existing.token_ids == token_ids and existing.parent_id == parent_id
+            return BlockIdentity(block_hash, existing.entry_id if same else None)
+        entry = CachedBlock(block, block_hash, token_ids, next(self._entry_ids), parent_id)
+        self._by_hash[block_hash] = entry
+        self._by_block[block] = entry
+        return BlockIdentity(block_hash, entry.entry_id)
+
+    def _forget(self, entry: CachedBlock) -> None:
+        del self._by_hash[entry.block_hash]
+        del self._by_block[entry.block]
