@@ -1,0 +1,159 @@
+"""Attention ops over the paged KV cache (paper §4.1, §4.3).
+
+Three ops, each with one signature for every backend:
+
+- ``write_kv`` stores the new tokens' keys and values in their cache slots;
+- ``paged_attention_decode`` attends one new token per sequence to its whole context;
+- ``paged_attention_prefill`` attends a packed chunk of new tokens per sequence, causally.
+
+The cache layout, per layer, is ``[num_blocks, block_size, num_kv_heads, head_dim]`` for
+keys and for values; slot ``s`` is block ``s // block_size``, offset ``s % block_size``.
+Arguments are checked here, once, so every backend may assume well-formed input.
+The contiguous oracle the backends are tested against is exported beside them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minipaged.ops import torch_ref
+from minipaged.ops.oracle import attention_oracle, decode_oracle, prefill_oracle
+
+__all__ = [
+    "BACKENDS", "BackendUnavailableError", "write_kv", "paged_attention_decode",
+    "paged_attention_prefill", "attention_oracle", "decode_oracle", "prefill_oracle",
+]
+
+BACKENDS = ("torch", "triton", "cuda")
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested attention backend cannot run here."""
+
+
+def write_kv(key, value, key_cache, value_cache, slot_mapping, backend="torch") -> None:
+    """Store ``key, value [T, num_kv_heads, head_dim]`` in the cache slots
+    ``slot_mapping [T]``, in place; a slot of -1 skips that token."""
+    impl = _backend(backend)
+    _check_cache(key_cache, value_cache)
+    _require(key.dim() == 3 and key.shape[1:] == key_cache.shape[2:],
+             f"key must be [T, num_kv_heads, head_dim] = [T, {key_cache.shape[2]}, "
+             f"{key_cache.shape[3]}] to match key_cache, got {tuple(key.shape)}")
+    _require(value.shape == key.shape, f"value shape {tuple(value.shape)} must equal "
+             f"key shape {tuple(key.shape)}")
+    _require(key.dtype == value.dtype == key_cache.dtype, f"key and value dtype must equal "
+             f"key_cache dtype {key_cache.dtype}, got {key.dtype} and {value.dtype}")
+    _check_index("slot_mapping", slot_mapping, 1, (key.shape[0],))
+    _check_device(key_cache, key=key, value=value, slot_mapping=slot_mapping)
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"slot_mapping[{i}] = {int(slot_mapping[i])} is not -1 or a slot "
+                         f"in [0, {num_slots})")
+    impl.write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention_decode(query, key_cache, value_cache, block_tables, context_lens,
+                           scale, backend="torch") -> torch.Tensor:
+    """``query [B, num_heads, head_dim]``, one new token per sequence, attends to the
+    ``context_lens[b]`` tokens of its sequence in the cache -> ``[B, num_heads, head_dim]``."""
+    impl = _backend(backend)
+    _check_cache(key_cache, value_cache)
+    _check_query(query, key_cache)
+    _check_tables(block_tables, context_lens, query.shape[0], key_cache)
+    _check_context_lens(context_lens, 1, block_tables.shape[1] * key_cache.shape[1])
+    return impl.paged_attention_decode(query, key_cache, value_cache, block_tables,
+                                       context_lens, scale)
+
+
+def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_start_loc,
+                            context_lens, scale, backend="torch") -> torch.Tensor:
+    """Causal attention for the new tokens of several sequences packed in
+    ``query [T, num_heads, head_dim]``; sequence ``b`` owns rows
+    ``query_start_loc[b]:query_start_loc[b+1]`` -> ``[T, num_heads, head_dim]``."""
+    impl = _backend(backend)
+    _check_cache(key_cache, value_cache)
+    _check_query(query, key_cache)
+    batch = block_tables.shape[0] if block_tables.dim() == 2 else -1
+    _check_tables(block_tables, context_lens, batch, key_cache)
+    _check_index("query_start_loc", query_start_loc, 1, (batch + 1,))
+    _check_device(key_cache, query_start_loc=query_start_loc)
+    starts = query_start_loc.tolist()
+    _require(starts[0] == 0 and starts[-1] == query.shape[0]
+             and all(a <= b for a, b in zip(starts, starts[1:])),
+             f"query_start_loc must rise from 0 to query.shape[0] = {query.shape[0]}, "
+             f"got {starts}")
+    _check_context_lens(context_lens, query_start_loc.diff(),
+                        block_tables.shape[1] * key_cache.shape[1])
+    return impl.paged_attention_prefill(query, key_cache, value_cache, block_tables,
+                                        query_start_loc, context_lens, scale)
+
+
+def _backend(name):
+    if name == "torch":
+        return torch_ref
+    if name in BACKENDS:
+        raise BackendUnavailableError(
+            f"the {name!r} attention backend is not available yet; use backend='torch'")
+    raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+
+
+def _require(ok, message):
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_cache(key_cache, value_cache):
+    _require(key_cache.dim() == 4, "key_cache must be 4-D [num_blocks, block_size, "
+             f"num_kv_heads, head_dim], got shape {tuple(key_cache.shape)}")
+    _require(value_cache.shape == key_cache.shape and value_cache.dtype == key_cache.dtype,
+             f"value_cache ({tuple(value_cache.shape)}, {value_cache.dtype}) must match "
+             f"key_cache ({tuple(key_cache.shape)}, {key_cache.dtype})")
+    _check_device(key_cache, value_cache=value_cache)
+
+
+def _check_query(query, key_cache):
+    _require(query.dim() == 3, "query must be 3-D [tokens, num_heads, head_dim], got shape "
+             f"{tuple(query.shape)}")
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = key_cache.shape[2]
+    _require(head_dim == key_cache.shape[3], f"query head_dim {head_dim} must equal "
+             f"key_cache head_dim {key_cache.shape[3]}")
+    _require(num_heads % num_kv_heads == 0, f"query num_heads {num_heads} must be a "
+             f"multiple of key_cache num_kv_heads {num_kv_heads}")
+    _require(query.dtype == key_cache.dtype, f"query dtype {query.dtype} must equal "
+             f"key_cache dtype {key_cache.dtype}")
+    _check_device(key_cache, query=query)
+
+
+def _check_tables(block_tables, context_lens, batch, key_cache):
+    _check_index("block_tables", block_tables, 2, (batch, block_tables.shape[-1]))
+    _check_index("context_lens", context_lens, 1, (batch,))
+    _check_device(key_cache, block_tables=block_tables, context_lens=context_lens)
+
+
+def _check_index(name, tensor, ndim, shape):
+    _require(tensor.dim() == ndim and tensor.dtype in _INDEX_DTYPES,
+             f"{name} must be a {ndim}-D int32 or int64 tensor, got {tensor.dim()}-D "
+             f"{tensor.dtype}")
+    _require(tuple(tensor.shape) == shape,
+             f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
+
+
+def _check_context_lens(context_lens, at_least, capacity):
+    # One reduction, so one host sync, on the happy path.
+    bad = (context_lens < at_least) | (context_lens > capacity)
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        low = at_least if isinstance(at_least, int) else int(at_least[i])
+        raise ValueError(f"context_lens[{i}] = {int(context_lens[i])} must be in "
+                         f"[{low}, {capacity}]: at least the new tokens, at most "
+                         f"block_tables.shape[1] * block_size")
+
+
+def _check_device(key_cache, **tensors):
+    for name, tensor in tensors.items():
+        _require(tensor.device == key_cache.device,
+                 f"{name} is on {tensor.device} but key_cache is on {key_cache.device}")

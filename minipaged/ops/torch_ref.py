@@ -1,0 +1,105 @@
+"""PagedAttention in plain PyTorch: the reference backend.
+
+The KV cache of one layer is a pool of physical blocks,
+``key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]``.  A
+sequence's keys and values are scattered over that pool; its block table lists which
+physical block holds each of its logical blocks (paper §4.2).  These functions read
+through the block table into dense tensors and then attend the ordinary way.  They are
+short rather than fast: the Triton and CUDA backends do the same work without ever
+materialising the gathered K/V.
+
+Arguments are checked in ``minipaged.ops``; these functions assume well-formed input.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store each new token's key and value in its cache slot, in place (paper §4.3).
+
+    Slot ``s`` is block ``s // block_size``, offset ``s % block_size``.  A slot of -1
+    means "do not store": padding tokens, or tokens whose KV is already cached.
+    """
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key[keep]
+    value_cache[blocks, offsets] = value[keep]
+
+
+def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One new token per sequence attends to its whole context (paper §4.1).
+
+    ``query [B, num_heads, D]``; ``context_lens[b]`` tokens of sequence ``b`` are in the
+    cache, the current one included.  Returns ``[B, num_heads, D]``.
+    """
+    max_len = int(context_lens.max())
+    k, v, valid = _gather_kv(key_cache, value_cache, block_tables, context_lens, max_len)
+    # The new token is the last position, so it may see every valid one: no causal mask.
+    return _attend(query[:, None], k, v, valid[:, None], scale)[:, 0]
+
+
+def paged_attention_prefill(query: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, block_tables: torch.Tensor,
+                            query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """Causal attention for a packed chunk of new tokens per sequence (paper §4.1, §4.5).
+
+    Sequence ``b`` owns query rows ``query_start_loc[b]:query_start_loc[b+1]``; they are
+    its last ``n_new`` tokens, so new token ``j`` sits at ``context_lens[b] - n_new + j``
+    and sees the cached prefix plus the new tokens up to itself.  Returns
+    ``[T, num_heads, D]``.
+    """
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    for b, (start, end, length) in enumerate(zip(starts, starts[1:], context_lens.tolist())):
+        k, v, _ = _gather_kv(key_cache, value_cache, block_tables[b:b + 1],
+                             context_lens[b:b + 1], length)
+        key_pos = torch.arange(length, device=query.device)
+        query_pos = key_pos[length - (end - start):]
+        causal = key_pos[None, :] <= query_pos[:, None]
+        out[start:end] = _attend(query[None, start:end], k, v, causal[None], scale)[0]
+    return out
+
+
+def _gather_kv(key_cache, value_cache, block_tables, context_lens, max_len):
+    """Read the first ``max_len`` positions of each sequence through its block table.
+
+    Position ``i`` of sequence ``b`` lives in physical block ``block_tables[b, i //
+    block_size]`` at offset ``i % block_size`` (paper §4.1).  Returns ``k, v [B, max_len,
+    num_kv_heads, D]`` and ``valid [B, max_len]``; positions past a sequence's length
+    come back as zeros.
+    """
+    block_size = key_cache.shape[1]
+    pos = torch.arange(max_len, device=key_cache.device)
+    valid = pos[None, :] < context_lens[:, None]
+    # Block-table entries past a sequence's last block, and slots past its last token,
+    # may hold anything (even NaN); redirect and zero them so none reaches the softmax.
+    blocks = torch.where(valid, block_tables[:, pos // block_size], 0).long()
+    offsets = pos % block_size
+    keep = valid[:, :, None, None]
+    k = torch.where(keep, key_cache[blocks, offsets], 0)
+    v = torch.where(keep, value_cache[blocks, offsets], 0)
+    return k, v, valid
+
+
+def _attend(query, k, v, mask, scale):
+    """``query [B, n, H, D]`` attends to ``k, v [B, L, H_kv, D]`` where ``mask [B, n, L]``.
+
+    Scores and softmax run in float32 whatever the storage dtype, as the kernels do.
+    """
+    batch, n, num_heads, head_dim = query.shape
+    num_kv_heads = k.shape[2]
+    # GQA: split the query heads into [num_kv_heads, group] so that every group reads
+    # its one kv head by broadcasting, without copying K/V group times.
+    q = query.float().reshape(batch, n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bnkgd,blkd->bkgnl", q, k.float()) * scale
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    out = torch.einsum("bkgnl,blkd->bnkgd", scores.softmax(dim=-1), v.float())
+    return out.reshape(batch, n, num_heads, head_dim).to(query.dtype)
