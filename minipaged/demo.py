@@ -1,4 +1,4 @@
-"""``make demo``: what paging buys, measured with minipaged's own memory layer.
+"""``make demo`` (``minipaged demo``): what paging buys, measured with minipaged's own memory layer.
 
 1. Where KV memory goes when a ShareGPT-like load is served on a pool the size of
    OPT-13B's KV cache on an A100-40GB, paged vs contiguous reservation (§3, Fig. 2).
@@ -20,11 +20,12 @@ def waste_report(num_requests: int = 300, seed: int = 0) -> str:
     lines = [f"KV memory while serving {num_requests} ShareGPT-like requests on "
              f"{OPT13B_A100_SLOTS} token slots (cf. paper Fig. 2)",
              f"{'system':<20}{'tokens':>8}{'reserved':>10}{'internal':>10}{'external':>10}"
-             f"{'batch':>8}"]
+             f"{'free':>8}{'batch':>8}"]
     for system in SYSTEMS:
         r = simulate_memory(requests, system, OPT13B_A100_SLOTS)
         lines.append(f"{system:<20}{r.token_share:>8.1%}{r.reserved_share:>10.1%}"
-                     f"{r.internal_share:>10.1%}{r.external_share:>10.1%}{r.max_batch:>8.1f}")
+                     f"{r.internal_share:>10.1%}{r.external_share:>10.1%}{r.free_share:>8.1%}"
+                     f"{r.max_batch:>8.1f}")
     return "\n".join(lines)
 
 
@@ -56,9 +57,3 @@ def sharing_report(block_size: int = 16) -> str:
         f"hit rate {cache.gpu.hit_rate:.0%}, {cache.gpu.num_used_blocks} blocks instead of "
         f"{8 * -(-(len(system_prompt) + 20) // block_size)}",
     ])
-
-
-def main() -> None:
-    print(waste_report())
-    print()
-    print(sharing_report())

@@ -53,8 +53,8 @@ class MemoryReport:
 
     @property
     def free_share(self) -> float:
-        used = self.token_share + self.reserved_share + self.internal_share
-        return 1.0 - used - self.external_share
+        used = self.token_share + self.reserved_share + self.internal_share + self.external_share
+        return max(0.0, 1.0 - used)  # not -0.0 from rounding
 
     def as_dict(self) -> dict[str, float]:
         """The fields of the ``bench memory`` JSON contract."""

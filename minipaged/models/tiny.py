@@ -1,0 +1,144 @@
+"""Tiny seeded random checkpoints in the Hugging Face format.
+
+No machine this project runs on can download weights, yet the engine must be checked
+against a real model.  So minipaged writes its own: a directory with ``config.json``,
+``model.safetensors``, ``generation_config.json`` and a byte-level tokenizer
+(``tokenizer.json`` + ``tokenizer_config.json`` with a chat template), laid out exactly
+like a checkpoint from the Hub.  Tests, lessons and the demo load these; transformers
+loads them too, which makes it the oracle (same weights: same greedy tokens).  With a
+real checkpoint on disk, point ``model=`` at it instead.
+
+The weights are random, so the text is gibberish, but what sets the architectures apart
+is all there: GQA, RoPE, q/k/v biases, q/k norms, an explicit head_dim, tied and untied
+LM heads, a padded vocabulary.  The same seed always writes byte-identical weights::
+
+    path = make_tiny_model("/tmp/tiny-qwen3", arch="qwen3", seed=0)
+    # or: minipaged make-tiny-model /tmp/tiny-qwen3 --arch qwen3 --seed 0
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# The tokenizer: ids 0..255 are the 256 byte values, so any text round-trips (after NFC
+# normalisation: "e" + combining accent becomes "é"); then the special tokens.
+SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
+# Zephyr-style: role markers are plain text, every turn ends with EOS, so a reply stops there.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+# Shapes shared by every architecture: small enough for CPU tests, with 2 query heads per
+# KV head (GQA).  Real checkpoints pad the vocabulary to a round size (Qwen2: 151,936 rows
+# for ~151,650 tokens); so do we (259 -> 272), so the engine meets ids no text encodes to.
+BASE_CONFIG = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=1024, rope_theta=10000.0,
+    vocab_size=272, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+    torch_dtype="float32",
+)
+# What makes each architecture itself.  Qwen2's q/k/v biases are implied by its model_type;
+# Qwen3's head_dim (32) is deliberately not hidden_size / num_heads (16), as in Qwen3-0.6B,
+# so a loader that derives it gets the shapes wrong.  One model ties its LM head to the
+# embedding (the checkpoint then has no lm_head.weight), the others do not.
+ARCHS = {
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama",
+                  attention_bias=False, tie_word_embeddings=False),
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral",
+                    sliding_window=None, tie_word_embeddings=False),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                  use_sliding_window=False, tie_word_embeddings=True),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                  attention_bias=False, head_dim=32, tie_word_embeddings=False),
+}
+# Far larger than the usual 0.02: at 0.02 a 64-wide model's logits are nearly flat (top
+# token ~1%), greedy picks hinge on rounding noise and some models repeat one token forever.
+# At 0.3 the top token holds ~25%: greedy choices are clear, sampling still varies.
+INIT_STD = 0.3
+
+
+def make_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Write a tiny random ``arch`` checkpoint to directory ``path`` and return it.
+
+    ``arch`` is one of :data:`ARCHS`; ``overrides`` replace config values
+    (e.g. ``num_hidden_layers=4``).
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    config = {**BASE_CONFIG, **ARCHS[arch], **overrides}
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _write_json(path / "config.json", config)
+    _write_json(path / "generation_config.json",
+                {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    _write_weights(path, seed)
+    _write_tokenizer(path, model_max_length=config["max_position_embeddings"])
+    return path
+
+
+def _write_json(file: Path, obj: dict) -> None:
+    file.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _write_weights(path: Path, seed: int) -> None:
+    """Fill every parameter of the model ``config.json`` describes with seeded noise."""
+    # Heavy imports live in the functions that need them, so the CLI starts fast.
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # On the meta device the model has names and shapes but no storage and no init cost;
+    # transformers itself thus decides which tensors a checkpoint of this config holds.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    # named_parameters() lists a tied weight once, so a tied lm_head is left out, as on the Hub.
+    for name, param in model.named_parameters():
+        # Norm scales near 1 rather than exactly 1, so a loader that forgets them is caught.
+        mean = 1.0 if "norm" in name else 0.0
+        tensors[name] = torch.empty(param.shape).normal_(mean, INIT_STD, generator=generator)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def _write_tokenizer(path: Path, model_max_length: int) -> None:
+    """A byte-level BPE tokenizer with no merges: one token per UTF-8 byte, plus specials."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    # Byte-level BPE (GPT-2, Llama 3, Qwen) names each byte by a printable character.
+    byte_names = _bytes_to_unicode()
+    tokenizer = Tokenizer(models.BPE(vocab={byte_names[b]: b for b in range(256)}, merges=[]))
+    # transformers 5 loads any model_type "qwen2" tokenizer as its Qwen2Tokenizer, which
+    # NFC-normalises; doing the same everywhere keeps all our checkpoints tokenising alike.
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS.values()))
+    # Like Llama's tokenizer, encoding a prompt prepends BOS.
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)])
+    tokenizer.save(str(path / "tokenizer.json"))
+    # Written by hand rather than by save_pretrained(), whose output differs between
+    # transformers 4 and 5; both load this one.  No unknown token: every byte has one
+    # (and Qwen2Tokenizer would otherwise add "<|endoftext|>" for it).
+    _write_json(path / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", **SPECIAL_TOKENS, "unk_token": None,
+        "model_max_length": model_max_length, "chat_template": CHAT_TEMPLATE,
+    })
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from byte to character: printable bytes stand for themselves, the
+    others (control characters, space, ...) borrow characters from 256 upwards."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable},
+            **{b: chr(256 + i) for i, b in enumerate(others)}}
