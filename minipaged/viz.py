@@ -19,9 +19,17 @@ from .memory.simulate import MemoryReport
 _FREE, _CACHED, _EDGE = "#f4f4f4", "#bdbdbd", "#555555"
 
 
-def _colours(seq_ids) -> dict[str, tuple]:
+def seq_colours(seq_ids) -> dict[str, tuple]:
+    """One colour per sequence id; pass it as ``colours=`` to keep colours across pictures."""
     cmap = plt.get_cmap("tab10")
     return {s: cmap(i % 10) for i, s in enumerate(seq_ids)}
+
+
+def _colours(kv: KVCacheManager, colours: dict | None) -> dict[str, tuple]:
+    if colours is None:
+        return seq_colours(kv.tables)
+    missing = [s for s in kv.tables if s not in colours]
+    return {**colours, **seq_colours(missing)} if missing else colours
 
 
 def _holders(kv: KVCacheManager, device: str) -> dict[int, list[str]]:
@@ -54,11 +62,11 @@ def _block(ax, x, y, colour, fraction, label, hatch=None, w=0.9, h=0.9):
 
 
 def draw_block_pool(kv: KVCacheManager, device: str = "gpu", ax=None, ncols: int = 16,
-                    title: str | None = None):
+                    title: str | None = None, colours: dict | None = None):
     """Draw one pool's physical blocks; returns the matplotlib Axes."""
     pool = kv.gpu if device == "gpu" else kv.cpu
     holders, fill = _holders(kv, device), _fill(kv)
-    colours = _colours(kv.tables)
+    colours = _colours(kv, colours)
     nrows = max(1, -(-pool.num_blocks // ncols))
     if ax is None:
         _, ax = plt.subplots(figsize=(ncols * 0.55, nrows * 0.55 + 0.8))
@@ -74,9 +82,10 @@ def draw_block_pool(kv: KVCacheManager, device: str = "gpu", ax=None, ncols: int
             _block(ax, x, y, _CACHED, 1.0, str(block))
         else:
             _block(ax, x, y, _FREE, 0.0, str(block))
-    handles = [Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    live = [s for s in colours if s in kv.tables]
+    handles = [Rectangle((0, 0), 1, 1, color=colours[s]) for s in live]
     if handles:
-        ax.legend(handles, list(colours), loc="upper left", bbox_to_anchor=(1.0, 1.0),
+        ax.legend(handles, live, loc="upper left", bbox_to_anchor=(1.0, 1.0),
                   fontsize=8, frameon=False)
     ax.set_xlim(-0.1, ncols)
     ax.set_ylim(-0.1, nrows)
@@ -87,10 +96,10 @@ def draw_block_pool(kv: KVCacheManager, device: str = "gpu", ax=None, ncols: int
 
 
 def draw_block_tables(kv: KVCacheManager, seq_ids: list[str] | None = None, ax=None,
-                      title: str | None = None):
+                      title: str | None = None, colours: dict | None = None):
     """Logical blocks of each sequence (rows) -> physical blocks of the GPU pool (bottom row)."""
     seq_ids = list(kv.tables) if seq_ids is None else seq_ids
-    colours = _colours(kv.tables)
+    colours = _colours(kv, colours)
     fill, n_phys = _fill(kv), kv.gpu.num_blocks
     width = max([n_phys] + [len(kv.tables[s].blocks) for s in seq_ids])
     height = 2 * len(seq_ids) + 2
