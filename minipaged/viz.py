@@ -58,7 +58,8 @@ def _block(ax, x, y, colour, fraction, label, hatch=None, w=0.9, h=0.9):
         ax.add_patch(Rectangle((x, y), w * fraction, h, facecolor=colour, edgecolor="none",
                                hatch=hatch, alpha=0.85))
     ax.add_patch(Rectangle((x, y), w, h, facecolor="none", edgecolor=_EDGE, lw=0.8))
-    ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=7)
+    ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=7,
+            bbox=dict(boxstyle="round,pad=0.1", facecolor="white", edgecolor="none", alpha=0.7))
 
 
 def draw_block_pool(kv: KVCacheManager, device: str = "gpu", ax=None, ncols: int = 16,
@@ -105,10 +106,12 @@ def draw_block_tables(kv: KVCacheManager, seq_ids: list[str] | None = None, ax=N
     height = 2 * len(seq_ids) + 2
     if ax is None:
         _, ax = plt.subplots(figsize=(max(6, width * 0.55), height * 0.5))
+    holders = _holders(kv, "gpu")
     for block in range(n_phys):
-        used = fill.get(block, 0) / kv.block_size
-        owner = next((s for s in seq_ids if block in kv.tables[s].blocks), None)
-        _block(ax, block, 0, colours.get(owner, _FREE), used, str(block))
+        owners = holders.get(block, [])
+        colour = colours[owners[0]] if owners else _FREE
+        _block(ax, block, 0, colour, fill.get(block, 0) / kv.block_size, str(block),
+               hatch="///" if len(owners) > 1 else None)
     ax.text(-0.3, 0.45, "physical", ha="right", va="center", fontsize=8)
     for row, seq_id in enumerate(seq_ids):
         y = 2 * (len(seq_ids) - row) + 0.5
