@@ -31,10 +31,10 @@ pytest: $(STAMP)
 	$(PY) -m pytest -q tests --nbmake lessons --nbmake-timeout=120
 
 docs-build: $(STAMP)
-	$(PY) -m mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 docs: $(STAMP)
-	$(PY) -m mkdocs serve
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
 # On the GPU machine: use the torch that is installed there, as it is.
 gpu-test:
