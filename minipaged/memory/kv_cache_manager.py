@@ -101,8 +101,10 @@ class KVCacheManager:
         cached = len(entries) * self.block_size
         if num_new_tokens is None:
             return entries, len(prompt_token_ids)
-        if not 1 <= num_new_tokens <= len(prompt_token_ids) - cached:
-            raise ValueError(f"num_new_tokens must be in [1, {len(prompt_token_ids) - cached}] "
+        limit = len(prompt_token_ids) - cached
+        # The type too, before anything changes: a float would fail mid-allocation.
+        if not isinstance(num_new_tokens, int) or not 1 <= num_new_tokens <= limit:
+            raise ValueError(f"num_new_tokens must be an int in [1, {limit}] "
                              f"({cached} prompt tokens are cached), got {num_new_tokens!r}")
         return entries, cached + num_new_tokens
 
