@@ -455,3 +455,16 @@ def test_prefix_cache_survives_a_swap_out():
         sh.free(s)
     assert mgr.gpu.num_free_blocks == 8 and mgr.cpu.num_free_blocks == 8
     assert all(mgr.gpu.ref_count(x) == 0 for x in range(8))
+
+
+def test_a_swapped_out_sequence_cannot_append_until_swapped_in():
+    mgr = KVCacheManager(8, 4, num_cpu_blocks=8)
+    mgr.allocate("s", [1, 2, 3])
+    mgr.swap_out(["s"])
+    assert mgr.can_append("s") is False
+    with pytest.raises(ValueError, match="swapped out"):
+        mgr.append("s", [4])
+    mgr.swap_in(["s"])
+    assert mgr.can_append("s") is True
+    mgr.append("s", [4])
+    assert mgr.num_tokens("s") == 4

@@ -5,6 +5,16 @@ next tokens fit, gives them slots, forks sequences (parallel sampling, beam sear
 frees them, and swaps whole sequence groups between the GPU pool and the CPU pool.
 Every answer is *data* (slot mappings, ``(src, dst)`` block copies, swap mappings):
 the cache engine, which owns the tensors, carries them out.
+
+The contract with the engine, per step:
+
+1. Execute the step's block operations in this order: swap-outs, swap-ins, copy-on-write
+   copies, then the forward pass.  A swap-out frees its GPU blocks at once and a later
+   call in the same step may hand them out again, so their contents must leave first.
+2. Every slot handed out is written in the same step.  With prefix caching a block is
+   findable as soon as it is full (as in vLLM), so another sequence scheduled in the
+   same step may reuse it; that is safe because each layer writes all new keys and
+   values before any attention reads them.  Preempt or abort only between steps.
 """
 
 from __future__ import annotations
@@ -83,7 +93,9 @@ class KVCacheManager:
         entries, end = self._plan(prompt_token_ids, num_new_tokens)
         cached = len(entries) * self.block_size
         if not self._fits(entries, end - cached):
-            raise NoFreeBlocksError(f"not enough free GPU blocks to start {seq_id!r}")
+            raise NoFreeBlocksError(
+                f"starting {seq_id!r} needs {self._blocks_needed(entries, end - cached)} "
+                f"blocks, {self.gpu.num_free_blocks} free")
         table = BlockTable(self.block_size, self.gpu)
         if entries:
             table.adopt_cached_prefix(entries)
@@ -108,15 +120,20 @@ class KVCacheManager:
                              f"({cached} prompt tokens are cached), got {num_new_tokens!r}")
         return entries, cached + num_new_tokens
 
-    def _fits(self, entries: list, num_new_tokens: int) -> bool:
+    def _blocks_needed(self, entries: list, num_new_tokens: int) -> int:
         # A cached block that is only evictable counts as free but is reused in place,
         # so it cannot also be handed out as a fresh block.
         revived = sum(self.gpu.ref_count(e.block) == 0 for e in entries)
-        fresh = -(-num_new_tokens // self.block_size)
-        return fresh + revived <= self.gpu.num_free_blocks
+        return -(-num_new_tokens // self.block_size) + revived
+
+    def _fits(self, entries: list, num_new_tokens: int) -> bool:
+        return self._blocks_needed(entries, num_new_tokens) <= self.gpu.num_free_blocks
 
     def can_append(self, seq_id: str, num_new_tokens: int = 1) -> bool:
+        """Would :meth:`append` succeed now?  Never for a swapped-out sequence."""
         table = self._table(seq_id)
+        if table.allocator is not self.gpu:
+            return False
         return table.num_blocks_needed(num_new_tokens) <= self.gpu.num_free_blocks
 
     def append(self, seq_id: str, token_ids: list[int]) -> Allocation:

@@ -12,6 +12,10 @@ its parent is the entry we matched one block earlier.  Entries get ids that are 
 reused, so an accepted chain is exactly our prefix: a hash collision costs a miss, never
 wrong KV.
 
+An entry whose parent has been evicted can never be matched again (lookups walk the
+chain from the first block); when the same content is registered anew, the orphan
+gives way to it.
+
 A cached block whose last holder lets go is not returned to the free list at once: it
 becomes *evictable* and stays findable until a new allocation needs the space.  Then
 the least recently used one goes first.  Sequences release their blocks tail first, so
@@ -65,6 +69,7 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         self.block_size = block_size
         self._by_hash: dict[int, CachedBlock] = {}
         self._by_block: dict[int, CachedBlock] = {}
+        self._live_ids: set[int] = {ROOT_ID}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
         self._entry_ids = itertools.count()
         self.num_query_tokens = 0
@@ -151,14 +156,26 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         if parent_id is None:  # the prefix before this block is uncacheable
             return BlockIdentity(block_hash, None)
         existing = self._by_hash.get(block_hash)
+        if existing is not None and existing.parent_id not in self._live_ids:
+            self._uncache(existing)  # an orphan: unreachable, so it gives way
+            existing = None
         if existing is not None:
             same = existing.token_ids == token_ids and existing.parent_id == parent_id
             return BlockIdentity(block_hash, existing.entry_id if same else None)
         entry = CachedBlock(block, block_hash, token_ids, next(self._entry_ids), parent_id)
         self._by_hash[block_hash] = entry
         self._by_block[block] = entry
+        self._live_ids.add(entry.entry_id)
         return BlockIdentity(block_hash, entry.entry_id)
 
     def _forget(self, entry: CachedBlock) -> None:
         del self._by_hash[entry.block_hash]
         del self._by_block[entry.block]
+        self._live_ids.discard(entry.entry_id)
+
+    def _uncache(self, entry: CachedBlock) -> None:
+        """Drop an entry; its block stays with its holders, or is plainly free."""
+        self._forget(entry)
+        if entry.block in self._evictable:
+            del self._evictable[entry.block]
+            self._free.append(entry.block)
