@@ -28,7 +28,7 @@ demo: $(STAMP)
 test: pytest docs-build
 
 pytest: $(STAMP)
-	$(PY) -m pytest -q tests --nbmake lessons --nbmake-timeout=120
+	$(PY) -m pytest -q tests --doctest-modules minipaged/memory --nbmake lessons --nbmake-timeout=120
 
 docs-build: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet

@@ -1,7 +1,7 @@
 """The ``minipaged`` command line.
 
 Each subcommand is one ``_add_<name>`` function that declares its arguments and one
-``_run_<name>`` function that does the work; :func:`main` wires them together.  A
+``_run_<name>`` function that does the work; `main()` wires them together.  A
 ``ValueError`` from the library (which always names the bad argument) or an ``OSError``
 (a path that cannot be written) becomes a one-line error and exit status 2, like
 argparse's own errors, not a traceback.

@@ -1,11 +1,11 @@
 """Pictures of the memory layer for the lessons (matplotlib).
 
-* :func:`draw_block_pool` - the physical blocks of a pool, coloured by the sequence that
+* `draw_block_pool()` - the physical blocks of a pool, coloured by the sequence that
   holds them, filled as far as they hold tokens; shared blocks are hatched and show
   their reference count, prefix-cached blocks that nobody holds are grey.
-* :func:`draw_block_tables` - each sequence's logical blocks with an arrow to the
+* `draw_block_tables()` - each sequence's logical blocks with an arrow to the
   physical block that holds it (the paper's Fig. 6 and 7).
-* :func:`draw_memory_shares` - stacked bars of where KV memory goes (the paper's Fig. 2).
+* `draw_memory_shares()` - stacked bars of where KV memory goes (the paper's Fig. 2).
 """
 
 from __future__ import annotations

@@ -20,11 +20,12 @@ class NoFreeBlocksError(RuntimeError):
 class BlockAllocator:
     """A pool of ``num_blocks`` physical blocks on one device (``"gpu"`` or ``"cpu"``).
 
-    >>> pool = BlockAllocator(4)
-    >>> a = pool.allocate(); pool.incref(a); pool.ref_count(a)
-    2
-    >>> pool.free(a); pool.free(a); pool.num_free_blocks
-    4
+    Examples:
+        >>> pool = BlockAllocator(4)
+        >>> a = pool.allocate(); pool.incref(a); pool.ref_count(a)
+        2
+        >>> pool.free(a); pool.free(a); pool.num_free_blocks
+        4
     """
 
     def __init__(self, num_blocks: int, device: str = "gpu") -> None:
@@ -38,7 +39,7 @@ class BlockAllocator:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that :meth:`allocate` can hand out right now."""
+        """Blocks that `allocate()` can hand out right now."""
         return len(self._free)
 
     @property

@@ -64,7 +64,7 @@ class BlockTable:
         """Give ``token_ids`` slots; returns their slot mapping and any CoW copies.
 
         All or nothing: if the pool cannot supply the blocks, raises
-        :class:`NoFreeBlocksError` and changes nothing.
+        `NoFreeBlocksError` and changes nothing.
         """
         needed = self.num_blocks_needed(len(token_ids))
         if needed > self.allocator.num_free_blocks:

@@ -77,7 +77,7 @@ class KVCacheManager:
         return len(self.gpu.match_prefix(prompt_token_ids)) * self.block_size
 
     def can_allocate(self, prompt_token_ids: list[int], num_new_tokens: int | None = None) -> bool:
-        """Would :meth:`allocate` find the blocks it needs right now?"""
+        """Would `allocate()` find the blocks it needs right now?"""
         entries, end = self._plan(prompt_token_ids, num_new_tokens)
         return self._fits(entries, end - len(entries) * self.block_size)
 
@@ -86,7 +86,7 @@ class KVCacheManager:
         """Start a sequence: reuse its cached prefix, then give slots to the next tokens.
 
         ``num_new_tokens`` (default: the rest of the prompt) lets chunked prefill take a
-        prompt in pieces; later pieces go through :meth:`append`.  All or nothing.
+        prompt in pieces; later pieces go through `append()`.  All or nothing.
         """
         if seq_id in self.tables:
             raise ValueError(f"seq_id {seq_id!r} already has a block table")
@@ -130,7 +130,7 @@ class KVCacheManager:
         return self._blocks_needed(entries, num_new_tokens) <= self.gpu.num_free_blocks
 
     def can_append(self, seq_id: str, num_new_tokens: int = 1) -> bool:
-        """Would :meth:`append` succeed now?  Never for a swapped-out sequence."""
+        """Would `append()` succeed now?  Never for a swapped-out sequence."""
         table = self._table(seq_id)
         if table.allocator is not self.gpu:
             return False

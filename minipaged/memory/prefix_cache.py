@@ -62,7 +62,7 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class PrefixCachingBlockAllocator(BlockAllocator):
-    """A :class:`BlockAllocator` whose full blocks can be found again by content."""
+    """A `BlockAllocator` whose full blocks can be found again by content."""
 
     def __init__(self, num_blocks: int, block_size: int, device: str = "gpu") -> None:
         super().__init__(num_blocks, device)
