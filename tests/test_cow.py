@@ -1,85 +1,19 @@
 """Lesson 03 — fork and copy-on-write (paper §4.4): parallel sampling and beam search.
 
-The oracle is a shadow of the cache engine: a dict slot -> "the KV of which token with
-which prefix is stored here".  The test carries out every slot mapping and every
-``(src, dst)`` copy the memory layer returns, exactly as the cache engine would, and then
-reads each sequence back through its block table.  Wrong sharing, a missing copy or a
-write into a shared block shows up as a sequence reading someone else's KV.
+The oracle is a shadow of the cache engine (``memory_shadow.Shadow``): a dict slot ->
+"the KV of which token with which prefix is stored here".  The test carries out every
+slot mapping and every ``(src, dst)`` copy the memory layer returns, exactly as the cache
+engine would, and then reads each sequence back through its block table.  Wrong sharing,
+a missing copy or a write into a shared block shows up as a sequence reading someone
+else's KV.
 """
 
 import random
-from collections import Counter
 
 import pytest
+from memory_shadow import Shadow, ceil_div
 
 from minipaged.memory import BlockAllocator, BlockTable, KVCacheManager, NoFreeBlocksError
-
-
-def ceil_div(a, b):
-    return -(-a // b)
-
-
-class Shadow:
-    """The cache engine as the test sees it (GPU and CPU stores of token-with-prefix)."""
-
-    def __init__(self, mgr):
-        self.mgr, self.bs = mgr, mgr.block_size
-        self.kv = {"gpu": {}, "cpu": {}}
-        self.tokens: dict[str, list[int]] = {}
-
-    def write(self, sid, all_tokens, start, alloc):
-        """Run ``alloc`` for the tokens ``all_tokens[start:]`` of ``sid``."""
-        store = self.kv["gpu"]
-        for src, dst in alloc.copies:  # copies first, then the step writes its tokens
-            for o in range(self.bs):
-                store[dst * self.bs + o] = store.get(src * self.bs + o)
-        assert len(alloc.slot_mapping) == len(all_tokens) - start
-        for p, slot in enumerate(alloc.slot_mapping, start):
-            store[slot] = tuple(all_tokens[:p + 1])
-        self.tokens[sid] = list(all_tokens)
-
-    def allocate(self, sid, prompt, num_new_tokens=None):
-        alloc = self.mgr.allocate(sid, prompt, num_new_tokens)
-        end = len(prompt) if num_new_tokens is None else alloc.num_cached_tokens + num_new_tokens
-        self.write(sid, prompt[:end], alloc.num_cached_tokens, alloc)
-        return alloc
-
-    def append(self, sid, new_tokens):
-        alloc = self.mgr.append(sid, new_tokens)
-        old = self.tokens[sid]
-        self.write(sid, old + list(new_tokens), len(old), alloc)
-        return alloc
-
-    def fork(self, parent, child):
-        self.mgr.fork(parent, child)
-        self.tokens[child] = list(self.tokens[parent])
-
-    def free(self, sid):
-        self.mgr.free(sid)
-        del self.tokens[sid]
-
-    def swap(self, mapping, src, dst):
-        for a, b in mapping:
-            for o in range(self.bs):
-                self.kv[dst][b * self.bs + o] = self.kv[src].get(a * self.bs + o)
-
-    def check(self):
-        """Every sequence reads back exactly its own tokens, and ref counts = holders."""
-        bs = self.bs
-        assert set(self.tokens) == set(self.mgr.tables)
-        for sid, toks in self.tokens.items():
-            blocks = self.mgr.block_table(sid)
-            store = self.kv["cpu" if self.mgr.is_swapped(sid) else "gpu"]
-            assert self.mgr.num_tokens(sid) == len(toks)
-            assert len(blocks) == ceil_div(len(toks), bs)
-            for p in range(len(toks)):
-                assert store.get(blocks[p // bs] * bs + p % bs) == tuple(toks[:p + 1]), (sid, p)
-        for pool, name in ((self.mgr.gpu, "gpu"), (self.mgr.cpu, "cpu")):
-            holders = Counter(b for sid, t in self.mgr.tables.items()
-                              if (self.mgr.is_swapped(sid)) == (name == "cpu") for b in t.blocks)
-            for block in range(pool.num_blocks):
-                assert pool.ref_count(block) == holders.get(block, 0), (name, block)
-            assert pool.num_free_blocks == pool.num_blocks - len(holders)
 
 
 def pool_state(pool):

@@ -1,20 +1,16 @@
 """The KV cache manager: the memory layer's front door for the scheduler (paper §4.2–4.5).
 
-Oracles: slot mappings computed here from block tables; a shadow GPU/CPU KV store that
-carries out copies and swap mappings; reference counts counted here from the tables;
-and, for every refused operation, a full snapshot of the state before and after.
+Oracles: slot mappings computed here from block tables; a shadow GPU/CPU KV store
+(``memory_shadow.Shadow``) that carries out copies and swap mappings; reference counts
+counted from the tables; and, for every refused operation, a full snapshot of the state
+before and after.
 """
 
-from collections import Counter
-
 import pytest
+from memory_shadow import Shadow, ceil_div
 
 from minipaged.memory import (Allocation, KVCacheManager, NoFreeBlocksError,
                               PrefixCachingBlockAllocator)
-
-
-def ceil_div(a, b):
-    return -(-a // b)
 
 
 def snapshot(mgr):
@@ -30,83 +26,6 @@ def snapshot(mgr):
               for sid, t in mgr.tables.items()}
     return {"stats": mgr.stats(), "gpu": pool(mgr.gpu), "cpu": pool(mgr.cpu), "tables": tables,
             "swaps": (mgr.num_swapped_out_blocks, mgr.num_swapped_in_blocks)}
-
-
-def holders(mgr, on_cpu):
-    return Counter(b for sid, t in mgr.tables.items() if mgr.is_swapped(sid) == on_cpu
-                   for b in t.blocks)
-
-
-def check_ref_counts(mgr):
-    for pool, on_cpu in ((mgr.gpu, False), (mgr.cpu, True)):
-        held = holders(mgr, on_cpu)
-        for block in range(pool.num_blocks):
-            assert pool.ref_count(block) == held.get(block, 0), (pool.device, block)
-        assert pool.num_free_blocks == pool.num_blocks - len(held)
-
-
-class Shadow:
-    """The cache engine as the test sees it: GPU and CPU stores, slot -> token-with-prefix."""
-
-    def __init__(self, mgr):
-        self.mgr, self.bs = mgr, mgr.block_size
-        self.kv = {"gpu": {}, "cpu": {}}
-        self.tokens: dict[str, list[int]] = {}
-
-    def write(self, sid, all_tokens, start, alloc):
-        for src, dst in alloc.copies:
-            for o in range(self.bs):
-                self.kv["gpu"][dst * self.bs + o] = self.kv["gpu"].get(src * self.bs + o)
-        assert len(alloc.slot_mapping) == len(all_tokens) - start
-        for p, slot in enumerate(alloc.slot_mapping, start):
-            self.kv["gpu"][slot] = tuple(all_tokens[:p + 1])
-        self.tokens[sid] = list(all_tokens)
-
-    def allocate(self, sid, prompt, num_new_tokens=None):
-        alloc = self.mgr.allocate(sid, prompt, num_new_tokens)
-        end = len(prompt) if num_new_tokens is None else alloc.num_cached_tokens + num_new_tokens
-        self.write(sid, prompt[:end], alloc.num_cached_tokens, alloc)
-        return alloc
-
-    def append(self, sid, new_tokens):
-        alloc = self.mgr.append(sid, new_tokens)
-        old = self.tokens[sid]
-        self.write(sid, old + list(new_tokens), len(old), alloc)
-        return alloc
-
-    def fork(self, parent, child):
-        self.mgr.fork(parent, child)
-        self.tokens[child] = list(self.tokens[parent])
-
-    def free(self, sid):
-        self.mgr.free(sid)
-        del self.tokens[sid]
-
-    def swap_out(self, sids):
-        mapping = self.mgr.swap_out(sids)
-        self._move(mapping, "gpu", "cpu")
-        return mapping
-
-    def swap_in(self, sids):
-        mapping = self.mgr.swap_in(sids)
-        self._move(mapping, "cpu", "gpu")
-        return mapping
-
-    def _move(self, mapping, src, dst):
-        for a, b in mapping:
-            for o in range(self.bs):
-                self.kv[dst][b * self.bs + o] = self.kv[src].get(a * self.bs + o)
-
-    def check(self):
-        bs = self.bs
-        assert set(self.tokens) == set(self.mgr.tables)
-        for sid, toks in self.tokens.items():
-            blocks = self.mgr.block_table(sid)
-            store = self.kv["cpu" if self.mgr.is_swapped(sid) else "gpu"]
-            assert len(blocks) == ceil_div(len(toks), bs)
-            for p in range(len(toks)):
-                assert store.get(blocks[p // bs] * bs + p % bs) == tuple(toks[:p + 1]), (sid, p)
-        check_ref_counts(self.mgr)
 
 
 # -- construction and basics -------------------------------------------------------------

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
+from memory_shadow import ceil_div, copy_blocks
 
 import minipaged.memory.prefix_cache as prefix_cache
 from minipaged.memory import KVCacheManager, NoFreeBlocksError, PrefixCachingBlockAllocator
@@ -32,10 +33,6 @@ PREFIXES = [[], [0, 0, 0, 0, 0, 0, 0, 0], [1, 2, 1, 2, 1, 2], [0, 1, 0, 1, 0], [
 TOKENS = st.integers(0, 2)
 PROMPTS = st.builds(lambda pre, tail: pre + tail, st.sampled_from(PREFIXES),
                     st.lists(TOKENS, max_size=9)).filter(bool)
-
-
-def ceil_div(a, b):
-    return -(-a // b)
 
 
 def snapshot(mgr):
@@ -102,8 +99,7 @@ class MemoryMachine(RuleBasedStateMachine):
             assert src != dst and self.m.gpu.ref_count(dst) == 1
             assert dst in self.m.tables[sid].blocks and src not in self.m.tables[sid].blocks
             assert self.m.gpu.ref_count(src) >= 1  # it was shared, someone still has it
-            for o in range(bs):
-                store[dst * bs + o] = store.get(src * bs + o)
+        copy_blocks(alloc.copies, store, store, bs)
         assert len(alloc.slot_mapping) == len(self.tokens[sid]) - start
         for p, slot in enumerate(alloc.slot_mapping, start):
             assert self.m.gpu.ref_count(slot // bs) == 1  # no write lands in a shared block
@@ -269,9 +265,7 @@ class MemoryMachine(RuleBasedStateMachine):
         for b, nb in pairs.items():
             assert getattr(m, dst).ref_count(nb) == group_holders[b]
             assert getattr(m, src).ref_count(b) == src_holders[b] - group_holders[b]
-        for a, b in mapping:
-            for o in range(bs):
-                self.store[dst][b * bs + o] = self.store[src].get(a * bs + o)
+        copy_blocks(mapping, self.store[src], self.store[dst], bs)
 
     @rule(data=st.data())
     def misuse(self, data):

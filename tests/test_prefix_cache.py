@@ -1,86 +1,17 @@
 """Lesson 04 — prefix caching (paper §4.4): hashed full blocks, shared prompts, LRU eviction.
 
-Every test runs the allocations through a shadow cache engine (slot -> the token, with
-its whole prefix, whose KV is stored there) and reads every sequence back through its
-block table.  A wrong prefix hit (even one of identical tokens after a different
-prefix) therefore fails the read-back, independently of how the cache decided.
+Every test runs the allocations through a shadow cache engine (``memory_shadow.Shadow``:
+slot -> the token, with its whole prefix, whose KV is stored there) and reads every
+sequence back through its block table.  A wrong prefix hit (even one of identical tokens
+after a different prefix) therefore fails the read-back, independently of how the cache
+decided.
 """
 
-from collections import Counter
-
 import pytest
+from memory_shadow import Shadow
 
 import minipaged.memory.prefix_cache as prefix_cache
 from minipaged.memory import KVCacheManager, NoFreeBlocksError
-
-
-def ceil_div(a, b):
-    return -(-a // b)
-
-
-class Shadow:
-    """The cache engine as the test sees it."""
-
-    def __init__(self, mgr):
-        self.mgr, self.bs = mgr, mgr.block_size
-        self.kv: dict[int, tuple] = {}
-        self.tokens: dict[str, list[int]] = {}
-        self.queries = self.hits = 0
-
-    def write(self, sid, all_tokens, start, alloc):
-        for src, dst in alloc.copies:
-            for o in range(self.bs):
-                self.kv[dst * self.bs + o] = self.kv.get(src * self.bs + o)
-        assert len(alloc.slot_mapping) == len(all_tokens) - start
-        for p, slot in enumerate(alloc.slot_mapping, start):
-            assert self.mgr.gpu.ref_count(slot // self.bs) == 1  # never into a shared block
-            self.kv[slot] = tuple(all_tokens[:p + 1])
-        self.tokens[sid] = list(all_tokens)
-
-    def allocate(self, sid, prompt, num_new_tokens=None):
-        alloc = self.mgr.allocate(sid, prompt, num_new_tokens)
-        cached = alloc.num_cached_tokens
-        assert cached % self.bs == 0 and 0 <= cached <= len(prompt) - 1
-        end = len(prompt) if num_new_tokens is None else cached + num_new_tokens
-        self.write(sid, prompt[:end], cached, alloc)
-        self.queries += len(prompt)
-        self.hits += cached
-        self.check()
-        return alloc
-
-    def append(self, sid, new_tokens):
-        alloc = self.mgr.append(sid, new_tokens)
-        old = self.tokens[sid]
-        self.write(sid, old + list(new_tokens), len(old), alloc)
-        self.check()
-        return alloc
-
-    def fork(self, parent, child):
-        self.mgr.fork(parent, child)
-        self.tokens[child] = list(self.tokens[parent])
-
-    def free(self, sid):
-        self.mgr.free(sid)
-        del self.tokens[sid]
-        self.check()
-
-    def check(self):
-        bs, gpu = self.bs, self.mgr.gpu
-        for sid, toks in self.tokens.items():
-            blocks = self.mgr.block_table(sid)
-            for p in range(len(toks)):
-                assert self.kv.get(blocks[p // bs] * bs + p % bs) == tuple(toks[:p + 1]), (sid, p)
-        holders = Counter(b for t in self.mgr.tables.values() for b in t.blocks)
-        for block in range(gpu.num_blocks):
-            assert gpu.ref_count(block) == holders.get(block, 0)
-        assert gpu.num_free_blocks == gpu.num_blocks - len(holders)
-        # Every cached block holds exactly the tokens it claims, after the right prefix.
-        for block, entry in gpu._by_block.items():
-            stored = [self.kv.get(block * bs + o) for o in range(bs)]
-            assert all(s is not None for s in stored)
-            assert tuple(s[-1] for s in stored) == entry.token_ids
-        expected_rate = self.hits / self.queries if self.queries else 0.0
-        assert self.mgr.stats()["prefix_cache_hit_rate"] == pytest.approx(expected_rate)
 
 
 def snapshot(mgr):
@@ -93,7 +24,7 @@ def snapshot(mgr):
 
 def make(num_gpu_blocks=32, bs=4):
     mgr = KVCacheManager(num_gpu_blocks, bs, enable_prefix_caching=True)
-    return mgr, Shadow(mgr)
+    return mgr, Shadow(mgr, check_each_op=True)
 
 
 def test_a_shared_prompt_prefix_reuses_the_full_blocks():
