@@ -79,7 +79,8 @@ class KVCacheManager:
     def can_allocate(self, prompt_token_ids: list[int], num_new_tokens: int | None = None) -> bool:
         """Would `allocate()` find the blocks it needs right now?"""
         entries, end = self._plan(prompt_token_ids, num_new_tokens)
-        return self._fits(entries, end - len(entries) * self.block_size)
+        needed = self._blocks_needed(entries, end - len(entries) * self.block_size)
+        return needed <= self.gpu.num_free_blocks
 
     def allocate(self, seq_id: str, prompt_token_ids: list[int],
                  num_new_tokens: int | None = None) -> Allocation:
@@ -92,10 +93,10 @@ class KVCacheManager:
             raise ValueError(f"seq_id {seq_id!r} already has a block table")
         entries, end = self._plan(prompt_token_ids, num_new_tokens)
         cached = len(entries) * self.block_size
-        if not self._fits(entries, end - cached):
-            raise NoFreeBlocksError(
-                f"starting {seq_id!r} needs {self._blocks_needed(entries, end - cached)} "
-                f"blocks, {self.gpu.num_free_blocks} free")
+        needed = self._blocks_needed(entries, end - cached)
+        if needed > self.gpu.num_free_blocks:
+            raise NoFreeBlocksError(f"starting {seq_id!r} needs {needed} blocks, "
+                                    f"{self.gpu.num_free_blocks} free")
         table = BlockTable(self.block_size, self.gpu)
         if entries:
             table.adopt_cached_prefix(entries)
@@ -125,9 +126,6 @@ class KVCacheManager:
         # so it cannot also be handed out as a fresh block.
         revived = sum(self.gpu.ref_count(e.block) == 0 for e in entries)
         return -(-num_new_tokens // self.block_size) + revived
-
-    def _fits(self, entries: list, num_new_tokens: int) -> bool:
-        return self._blocks_needed(entries, num_new_tokens) <= self.gpu.num_free_blocks
 
     def can_append(self, seq_id: str, num_new_tokens: int = 1) -> bool:
         """Would `append()` succeed now?  Never for a swapped-out sequence."""
