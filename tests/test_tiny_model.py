@@ -75,7 +75,8 @@ def test_hf_greedy_generate_runs_and_varies(checkpoint):
     ids = load_tokenizer(path)("Once upon a time", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=12, do_sample=False)
     new = out[0, ids.shape[1]:].tolist()
-    assert 1 <= len(new) <= 12 and all(0 <= t < model.config.vocab_size for t in new)
+    assert new and len(new) <= 12  # at least one token, at most max_new_tokens
+    assert all(0 <= t < model.config.vocab_size for t in new)
     assert len(set(new)) > 1 or new == [EOS_ID]  # not stuck on one token: logits are not flat
 
 
