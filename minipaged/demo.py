@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from .memory import KVCacheManager
+from .memory.block_table import blocks_for
 from .memory.simulate import SYSTEMS, simulate_memory
 from .workloads import synthetic_requests
 
@@ -55,5 +56,5 @@ def sharing_report(block_size: int = 16) -> str:
         f"({1 - used_shared / used_separate:.0%} saved)",
         f"Prefix caching, 8 requests sharing a {len(system_prompt)}-token system prompt: "
         f"hit rate {cache.gpu.hit_rate:.0%}, {cache.gpu.num_used_blocks} blocks instead of "
-        f"{8 * -(-(len(system_prompt) + 20) // block_size)}",
+        f"{8 * blocks_for(len(system_prompt) + 20, block_size)}",
     ])

@@ -21,6 +21,11 @@ BlockCopy = tuple[int, int]
 """``(src, dst)``: copy physical block ``src`` into ``dst`` before this step runs."""
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """How many blocks ``num_tokens`` tokens fill: ``ceil(num_tokens / block_size)``."""
+    return -(-num_tokens // block_size)
+
+
 class BlockTable:
     """The logical -> physical block list of one sequence, and the token ids it holds."""
 
@@ -53,7 +58,7 @@ class BlockTable:
     def num_blocks_needed(self, num_new_tokens: int) -> int:
         """New physical blocks that appending ``num_new_tokens`` would take (CoW included)."""
         free_in_last = len(self.blocks) * self.block_size - self.num_tokens
-        new_blocks = -(-max(num_new_tokens - free_in_last, 0) // self.block_size)
+        new_blocks = blocks_for(max(num_new_tokens - free_in_last, 0), self.block_size)
         return new_blocks + int(num_new_tokens > 0 and self._last_block_is_shared())
 
     def _last_block_is_shared(self) -> bool:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .allocator import BlockAllocator, NoFreeBlocksError
-from .block_table import BlockCopy, BlockTable
+from .block_table import BlockCopy, BlockTable, blocks_for
 from .prefix_cache import PrefixCachingBlockAllocator
 
 
@@ -125,7 +125,7 @@ class KVCacheManager:
         # A cached block that is only evictable counts as free but is reused in place,
         # so it cannot also be handed out as a fresh block.
         revived = sum(self.gpu.ref_count(e.block) == 0 for e in entries)
-        return -(-num_new_tokens // self.block_size) + revived
+        return blocks_for(num_new_tokens, self.block_size) + revived
 
     def can_append(self, seq_id: str, num_new_tokens: int = 1) -> bool:
         """Would `append()` succeed now?  Never for a swapped-out sequence."""

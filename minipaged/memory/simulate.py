@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .block_table import blocks_for
 from .contiguous import ContiguousAllocator, reservation_size
 from .kv_cache_manager import KVCacheManager
 
@@ -55,11 +56,6 @@ class MemoryReport:
     def free_share(self) -> float:
         used = self.token_share + self.reserved_share + self.internal_share + self.external_share
         return max(0.0, 1.0 - used)  # not -0.0 from rounding
-
-    def as_dict(self) -> dict[str, float]:
-        """The fields of the ``bench memory`` JSON contract."""
-        keys = ("token_share", "reserved_share", "internal_share", "external_share", "max_batch")
-        return {k: getattr(self, k) for k in keys}
 
 
 @dataclass
@@ -143,14 +139,14 @@ class _PagedSystem:
         self.num_preemptions = 0
 
     def check(self, r: _Request) -> None:
-        blocks = -(-r.spec.total_len // self.block_size)
+        blocks = blocks_for(r.spec.total_len, self.block_size)
         if blocks > self.kv.gpu.num_blocks - self.watermark:
             raise ValueError(f"num_slots={self.num_slots} cannot hold one request "
                              f"of {r.spec.total_len} tokens")
 
     def admit(self, r: _Request) -> bool:
         length = r.length or r.spec.prompt_len  # a preempted request recomputes all it had
-        needed = -(-length // self.block_size)
+        needed = blocks_for(length, self.block_size)
         if needed > self.kv.gpu.num_free_blocks - self.watermark:
             return False
         self.kv.allocate(str(r.rid), [0] * length)
