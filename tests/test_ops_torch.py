@@ -101,11 +101,10 @@ def test_bad_argument_raises_value_error_naming_it(op, name, override):
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
-def test_unimplemented_backend_says_so(op, backend):
+def test_unimplemented_backend_says_so(op):
     fn, args = OPS[op]
-    with pytest.raises(BackendUnavailableError, match=rf"'{backend}'.*not available"):
-        fn(**args(), backend=backend)
+    with pytest.raises(BackendUnavailableError, match=r"'cuda'.*not available"):
+        fn(**args(), backend="cuda")
 
 
 @pytest.mark.parametrize("op", OPS)

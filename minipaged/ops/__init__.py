@@ -10,9 +10,17 @@ The cache layout, per layer, is ``[num_blocks, block_size, num_kv_heads, head_di
 keys and for values; slot ``s`` is block ``s // block_size``, offset ``s % block_size``.
 Arguments are checked here, once, so every backend may assume well-formed input.
 The contiguous oracle the backends are tested against is exported beside them.
+
+Backends: ``torch`` (``torch_ref``, gather then attend: short and slow), ``triton``
+(``triton_ops`` launching ``triton_kernels``: online softmax over blocks, GQA groups,
+split-KV), ``cuda`` (not yet).  The Triton module is imported on first use, so
+``import minipaged.ops`` needs no Triton, and ``TRITON_INTERPRET`` may be set any time
+before the first Triton call.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 
@@ -35,8 +43,8 @@ class BackendUnavailableError(RuntimeError):
 def write_kv(key, value, key_cache, value_cache, slot_mapping, backend="torch") -> None:
     """Store ``key, value [T, num_kv_heads, head_dim]`` in the cache slots
     ``slot_mapping [T]``, in place; a slot of -1 skips that token."""
-    impl = _backend(backend)
     _check_cache(key_cache, value_cache)
+    impl = _backend(backend, key_cache.device)
     _require(key.dim() == 3 and key.shape[1:] == key_cache.shape[2:],
              f"key must be [T, num_kv_heads, head_dim] = [T, {key_cache.shape[2]}, "
              f"{key_cache.shape[3]}] to match key_cache, got {tuple(key.shape)}")
@@ -59,8 +67,8 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
                            scale, backend="torch") -> torch.Tensor:
     """``query [B, num_heads, head_dim]``, one new token per sequence, attends to the
     ``context_lens[b]`` tokens of its sequence in the cache -> ``[B, num_heads, head_dim]``."""
-    impl = _backend(backend)
     _check_cache(key_cache, value_cache)
+    impl = _backend(backend, key_cache.device)
     _check_query(query, key_cache)
     _check_tables(block_tables, context_lens, query.shape[0], key_cache)
     _check_context_lens(context_lens, 1, block_tables.shape[1] * key_cache.shape[1])
@@ -73,8 +81,8 @@ def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_s
     """Causal attention for the new tokens of several sequences packed in
     ``query [T, num_heads, head_dim]``; sequence ``b`` owns rows
     ``query_start_loc[b]:query_start_loc[b+1]`` -> ``[T, num_heads, head_dim]``."""
-    impl = _backend(backend)
     _check_cache(key_cache, value_cache)
+    impl = _backend(backend, key_cache.device)
     _check_query(query, key_cache)
     batch = block_tables.shape[0] if block_tables.dim() == 2 else -1
     _check_tables(block_tables, context_lens, batch, key_cache)
@@ -91,9 +99,21 @@ def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_s
                                         query_start_loc, context_lens, scale)
 
 
-def _backend(name):
+def _backend(name, device):
+    """The module implementing backend ``name`` for tensors on ``device``."""
     if name == "torch":
         return torch_ref
+    if name == "triton":
+        try:
+            triton_ops = importlib.import_module("minipaged.ops.triton_ops")
+        except ImportError as error:
+            raise BackendUnavailableError(
+                f"the 'triton' attention backend needs the triton package: {error}") from None
+        try:
+            triton_ops.check_available(device)
+        except RuntimeError as error:
+            raise BackendUnavailableError(str(error)) from None
+        return triton_ops
     if name in BACKENDS:
         raise BackendUnavailableError(
             f"the {name!r} attention backend is not available yet; use backend='torch'")

@@ -1,0 +1,159 @@
+"""The Triton backend: launching the kernels of ``triton_kernels`` (paper §4.1, §5.1).
+
+Here live the choices a kernel cannot make for itself: how many programs to launch, how
+big a tile each one takes, and, for decode, into how many splits to cut the context.
+Arguments are checked in ``minipaged.ops``; these functions assume well-formed input.
+
+On a machine without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``
+set before this module is first imported): slow, but the same code, so the CPU tests
+check exactly what the GPU runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.runtime.interpreter import InterpretedFunction
+
+from minipaged.ops.triton_kernels import (LOG2E, decode_kernel, merge_splits_kernel,
+                                          prefill_kernel, write_kv_kernel)
+
+# Triton reads TRITON_INTERPRET when a kernel is defined, not when it runs.
+INTERPRETED = isinstance(decode_kernel, InterpretedFunction)
+
+# Keys per tile.  On a GPU, 64 keys x 128 dims in bf16 is 16 KiB per K (or V) tile: big
+# enough to keep many loads in flight, small enough for 2-3 pipeline stages in shared
+# memory.  The interpreter runs one program at a time, so there smaller tiles just
+# exercise more loop iterations in tests at no real cost.
+BLOCK_N = 64
+# Query rows per prefill program (tokens x heads of the GQA group): tl.dot wants >= 16.
+PREFILL_ROWS = 64
+MIN_DOT_ROWS = 16
+# Flash-decoding: a split shorter than this is not worth its partial result and merge.
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+
+
+def check_available(device: torch.device) -> None:
+    """Raise ``RuntimeError`` saying why the Triton kernels cannot run on ``device``."""
+    if device.type == "cuda":
+        return
+    if device.type == "cpu" and INTERPRETED:
+        return
+    raise RuntimeError(
+        f"the 'triton' attention backend needs CUDA tensors (got {device.type}); on a CPU "
+        "it runs in Triton's interpreter only if TRITON_INTERPRET=1 is set before "
+        "minipaged.ops.triton_ops is first imported")
+
+
+def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """Scatter ``key, value [T, num_kv_heads, head_dim]`` into their slots (§4.3)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    write_kv_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        *key.stride(), *value.stride(), *key_cache.stride(), key_cache.shape[1],
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int,
+                      num_sms: int) -> int:
+    """How many splits of the context each decode program gets (flash-decoding).
+
+    Decode launches one program per (sequence, KV head).  A big batch already gives
+    every streaming multiprocessor several programs, and splitting would only add a
+    merge.  A few long sequences leave most of the GPU idle; cutting each context into
+    splits that run in parallel fills it, as long as each split keeps at least
+    ``MIN_TOKENS_PER_SPLIT`` tokens to amortise its partial result.
+    """
+    programs = batch * num_kv_heads
+    if programs >= num_sms:
+        return 1
+    wanted = math.ceil(2 * num_sms / programs)  # two waves hide the tail of the first
+    worth_it = math.ceil(max_context_len / MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, worth_it, MAX_SPLITS))
+
+
+def paged_attention_decode(query, key_cache, value_cache, block_tables, context_lens, scale,
+                           num_splits: int | None = None, block_n: int | None = None):
+    """One query token per sequence over its paged context -> ``[B, num_heads, D]``.
+
+    ``num_splits`` (default: ``choose_num_splits``) and ``block_n`` (keys per tile) are
+    exposed for tests and the lesson; the results do not depend on them beyond rounding.
+    """
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    block_n = block_n or BLOCK_N
+    max_len = int(context_lens.max())
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_len, _num_sms(query.device))
+    # Splits start on tile boundaries, so no tile straddles two programs.
+    tokens_per_split = block_n * math.ceil(max_len / (num_splits * block_n))
+    out = torch.empty_like(query)
+    group = num_heads // num_kv_heads
+    meta = dict(GROUP=group, BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
+                HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_N=block_n,
+                DOT_PRECISION=_dot_precision(query.dtype))
+    common = (key_cache, value_cache, block_tables, context_lens, scale * LOG2E,
+              tokens_per_split)
+    cache_strides = (*key_cache.stride(), block_tables.stride(0), key_cache.shape[1])
+    grid = (batch, num_kv_heads, num_splits)
+    if num_splits == 1:
+        decode_kernel[grid](out, out, query, *common, *query.stride(),
+                            out.stride(0), out.stride(1), 0, out.stride(2), 0, 0,
+                            *cache_strides, WRITE_LSE=False, **meta)
+        return out
+    partial = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
+                          device=query.device)
+    lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    decode_kernel[grid](partial, lse, query, *common, *query.stride(), *partial.stride(),
+                        lse.stride(0), lse.stride(1), *cache_strides, WRITE_LSE=True, **meta)
+    merge_splits_kernel[(batch, num_heads)](
+        out, partial, lse, num_splits, *out.stride(), *partial.stride(),
+        lse.stride(0), lse.stride(1), HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
+        BLOCK_S=triton.next_power_of_2(num_splits))
+    return out
+
+
+def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_start_loc,
+                            context_lens, scale, block_n: int | None = None):
+    """Causal attention of packed new tokens over cached prefix + chunk -> ``[T, H, D]``."""
+    num_tokens, num_heads, head_dim = query.shape
+    out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    batch, num_kv_heads = block_tables.shape[0], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_g = triton.next_power_of_2(group)
+    block_q = max(1, PREFILL_ROWS // block_g)
+    max_new = int(query_start_loc.diff().max())
+    prefill_kernel[(triton.cdiv(max_new, block_q), batch, num_kv_heads)](
+        out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
+        scale * LOG2E, *query.stride(), *out.stride(), *key_cache.stride(),
+        block_tables.stride(0), key_cache.shape[1],
+        GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim), BLOCK_N=block_n or BLOCK_N,
+        DOT_PRECISION=_dot_precision(query.dtype))
+    return out
+
+
+def _block_d(head_dim: int) -> int:
+    # tl.arange needs a power of two and tl.dot at least 16; odd head dims are masked.
+    return max(MIN_DOT_ROWS, triton.next_power_of_2(head_dim))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 tl.dot defaults to TF32 on a GPU (10-bit mantissa), far outside fp32 tolerances;
+    # fp16/bf16 inputs are exact in either mode.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # the interpreter runs one program at a time

@@ -1,0 +1,200 @@
+"""The Triton backend against the oracle: the whole adversarial suite, split-KV, tiles
+smaller than blocks, strided views, and the torch reference backend.
+
+Without a GPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET),
+so shapes stay small; the ``gpu`` tests repeat the suite on CUDA and add real sizes.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from attention_cases import (DECODE_CASES, NUM_HEADS, PREFILL_CASES, AttentionSuite,
+                             make_paged_kv)
+
+from minipaged.ops import (decode_oracle, paged_attention_decode, paged_attention_prefill,
+                           prefill_oracle, write_kv)
+from minipaged.ops.testing import assert_close
+
+
+class TestTritonOps(AttentionSuite):
+    backend = "triton"
+
+
+@pytest.mark.gpu
+class TestTritonOpsCuda(AttentionSuite):
+    backend = "triton"
+    device = "cuda"
+
+
+def _triton_ops():
+    from minipaged.ops import triton_ops  # imported late: after conftest set the interpreter
+    return triton_ops
+
+
+def _decode_inputs(case, device="cpu"):
+    g = torch.Generator().manual_seed(1)
+    kv = make_paged_kv(case, g, device)
+    query = torch.randn(len(case.context_lens), NUM_HEADS, case.head_dim, generator=g)
+    return kv, query.to(case.dtype).to(device)
+
+
+def _prefill_inputs(case, device="cpu"):
+    g = torch.Generator().manual_seed(1)
+    kv = make_paged_kv(case, g, device)
+    query = torch.randn(sum(case.new_lens), NUM_HEADS, case.head_dim, generator=g)
+    starts = torch.tensor([0, *case.new_lens]).cumsum(0).to(torch.int32).to(device)
+    return kv, query.to(case.dtype).to(device), starts
+
+
+# Split-KV: ragged batches leave some splits of the short sequences empty.
+@pytest.mark.parametrize("num_splits, block_n", [(2, 16), (3, 32), (7, 16)])
+@pytest.mark.parametrize("case", [DECODE_CASES[1], DECODE_CASES[3], DECODE_CASES[6],
+                                  DECODE_CASES[8], DECODE_CASES[9]], ids=str)
+def test_split_kv_decode_matches_oracle(case, num_splits, block_n):
+    kv, query = _decode_inputs(case)
+    out = _triton_ops().paged_attention_decode(
+        query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, case.scale,
+        num_splits=num_splits, block_n=block_n)
+    assert_close(out, decode_oracle(query, kv.keys, kv.values, case.scale))
+
+
+@pytest.mark.parametrize("case", [c for c in PREFILL_CASES if c.block_size >= 16], ids=str)
+def test_prefill_with_tiles_smaller_than_blocks(case):
+    kv, query, starts = _prefill_inputs(case)
+    out = _triton_ops().paged_attention_prefill(
+        query, kv.key_cache, kv.value_cache, kv.block_tables, starts, kv.context_lens,
+        case.scale, block_n=16)
+    assert_close(out, prefill_oracle(query, starts, kv.keys, kv.values, case.scale))
+
+
+@pytest.mark.parametrize("case", [DECODE_CASES[6], DECODE_CASES[7]], ids=str)
+def test_decode_agrees_with_torch_backend(case):
+    kv, query = _decode_inputs(case)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, case.scale)
+    assert_close(paged_attention_decode(*args, backend="triton"),
+                 paged_attention_decode(*args, backend="torch"))
+
+
+@pytest.mark.parametrize("case", [PREFILL_CASES[3], PREFILL_CASES[5]], ids=str)
+def test_prefill_agrees_with_torch_backend(case):
+    kv, query, starts = _prefill_inputs(case)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, starts, kv.context_lens,
+            case.scale)
+    assert_close(paged_attention_prefill(*args, backend="triton"),
+                 paged_attention_prefill(*args, backend="torch"))
+
+
+def test_strided_views_need_no_copy():
+    """Q, K and V sliced out of one fused projection, as a model produces them."""
+    case = DECODE_CASES[7]
+    kv, query = _decode_inputs(case)
+    fused = torch.randn(query.shape[0], NUM_HEADS, 3 * case.head_dim)
+    fused[..., :case.head_dim] = query
+    view = fused[..., :case.head_dim]
+    assert not view.is_contiguous()
+    out = paged_attention_decode(view, kv.key_cache, kv.value_cache, kv.block_tables,
+                                 kv.context_lens, case.scale, backend="triton")
+    assert_close(out, decode_oracle(query, kv.keys, kv.values, case.scale))
+
+    key_cache = torch.zeros(4, 8, 2, 64)
+    value_cache = torch.zeros(4, 8, 2, 64)
+    fused_kv = torch.randn(5, 2, 128)
+    key, value = fused_kv[..., :64], fused_kv[..., 64:]
+    slots = torch.tensor([3, 9, -1, 17, 31], dtype=torch.int32)
+    write_kv(key, value, key_cache, value_cache, slots, backend="triton")
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(key_cache[s // 8, s % 8], key[t])
+            assert torch.equal(value_cache[s // 8, s % 8], value[t])
+    assert int((key_cache != 0).any(dim=(2, 3)).sum()) == 4
+
+
+# How many splits: enough programs to fill the GPU, but never splits of a few tokens.
+H100_SMS = 132
+
+
+def test_big_batch_needs_no_split():
+    assert _triton_ops().choose_num_splits(64, 8, 2048, H100_SMS) == 1
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_long_context_is_split_until_the_gpu_is_full(batch):
+    splits = _triton_ops().choose_num_splits(batch, 8, 32768, H100_SMS)
+    assert batch * 8 * splits >= H100_SMS
+    assert 32768 / splits >= _triton_ops().MIN_TOKENS_PER_SPLIT
+
+
+def test_short_context_is_not_split_into_slivers():
+    ops = _triton_ops()
+    assert ops.choose_num_splits(1, 8, ops.MIN_TOKENS_PER_SPLIT, H100_SMS) == 1
+    assert ops.choose_num_splits(1, 8, 3 * ops.MIN_TOKENS_PER_SPLIT, H100_SMS) == 3
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused():
+    code = ("import torch\n"
+            "from minipaged.ops import BackendUnavailableError, write_kv\n"
+            "c = torch.zeros(2, 4, 1, 16)\n"
+            "try:\n"
+            "    write_kv(torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), c, c.clone(),\n"
+            "             torch.zeros(1, dtype=torch.int32), backend='triton')\n"
+            "except BackendUnavailableError as e:\n"
+            "    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, check=True)
+    assert "TRITON_INTERPRET=1" in result.stdout
+
+
+# Real sizes on the GPU: B=64 at 2K and 8K tokens, long contexts split, prefill chunks.
+def _real_paged_kv(batch, context_len, dtype, num_heads=32, num_kv_heads=8, head_dim=128,
+                   block_size=16):
+    """A pool of shuffled blocks on the GPU, and each sequence's dense K/V read back
+    through plain tensor indexing for the oracle."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    blocks_per_seq = -(-context_len // block_size)
+    num_blocks = batch * blocks_per_seq + 7
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=g, device="cuda").to(dtype)
+    value_cache = torch.randn(shape, generator=g, device="cuda").to(dtype)
+    perm = torch.randperm(num_blocks, generator=g, device="cuda")
+    tables = perm[:batch * blocks_per_seq].view(batch, blocks_per_seq).to(torch.int32)
+    keys = [key_cache[t].flatten(0, 1)[:context_len] for t in tables.long()]
+    values = [value_cache[t].flatten(0, 1)[:context_len] for t in tables.long()]
+    lens = torch.full((batch,), context_len, dtype=torch.int32, device="cuda")
+    query = torch.randn(batch, num_heads, head_dim, generator=g, device="cuda").to(dtype)
+    return query, key_cache, value_cache, tables, lens, keys, values
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("batch, context_len", [(64, 2048), (64, 8192), (1, 32768),
+                                                (4, 40000)])
+def test_decode_at_real_sizes(batch, context_len, dtype):
+    query, key_cache, value_cache, tables, lens, keys, values = _real_paged_kv(
+        batch, context_len, dtype)
+    out = paged_attention_decode(query, key_cache, value_cache, tables, lens, 128 ** -0.5,
+                                 backend="triton")
+    assert_close(out, decode_oracle(query, keys, values, 128 ** -0.5))
+
+
+@pytest.mark.gpu
+def test_long_context_on_the_gpu_takes_the_split_path():
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert _triton_ops().choose_num_splits(1, 8, 32768, sms) > 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("batch, context_len, num_new", [(4, 2048, 2048), (4, 4096, 512)])
+def test_prefill_at_real_sizes(batch, context_len, num_new, dtype):
+    _, key_cache, value_cache, tables, lens, keys, values = _real_paged_kv(
+        batch, context_len, dtype)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    query = torch.randn(batch * num_new, 32, 128, generator=g, device="cuda").to(dtype)
+    starts = torch.arange(0, batch * num_new + 1, num_new, dtype=torch.int32, device="cuda")
+    out = paged_attention_prefill(query, key_cache, value_cache, tables, starts, lens,
+                                  128 ** -0.5, backend="triton")
+    assert_close(out, prefill_oracle(query, starts, keys, values, 128 ** -0.5))
