@@ -28,7 +28,7 @@ from minipaged.ops import torch_ref
 from minipaged.ops.oracle import attention_oracle, decode_oracle, prefill_oracle
 
 __all__ = [
-    "BACKENDS", "BackendUnavailableError", "write_kv", "paged_attention_decode",
+    "BACKENDS", "BackendUnavailableError", "get_backend", "write_kv", "paged_attention_decode",
     "paged_attention_prefill", "attention_oracle", "decode_oracle", "prefill_oracle",
 ]
 
@@ -44,7 +44,7 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, backend="torch") 
     """Store ``key, value [T, num_kv_heads, head_dim]`` in the cache slots
     ``slot_mapping [T]``, in place; a slot of -1 skips that token."""
     _check_cache(key_cache, value_cache)
-    impl = _backend(backend, key_cache.device)
+    impl = get_backend(backend, key_cache.device)
     _require(key.dim() == 3 and key.shape[1:] == key_cache.shape[2:],
              f"key must be [T, num_kv_heads, head_dim] = [T, {key_cache.shape[2]}, "
              f"{key_cache.shape[3]}] to match key_cache, got {tuple(key.shape)}")
@@ -68,7 +68,7 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
     """``query [B, num_heads, head_dim]``, one new token per sequence, attends to the
     ``context_lens[b]`` tokens of its sequence in the cache -> ``[B, num_heads, head_dim]``."""
     _check_cache(key_cache, value_cache)
-    impl = _backend(backend, key_cache.device)
+    impl = get_backend(backend, key_cache.device)
     _check_query(query, key_cache)
     _check_tables(block_tables, context_lens, query.shape[0], key_cache)
     _check_context_lens(context_lens, 1, block_tables.shape[1] * key_cache.shape[1])
@@ -82,7 +82,7 @@ def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_s
     ``query [T, num_heads, head_dim]``; sequence ``b`` owns rows
     ``query_start_loc[b]:query_start_loc[b+1]`` -> ``[T, num_heads, head_dim]``."""
     _check_cache(key_cache, value_cache)
-    impl = _backend(backend, key_cache.device)
+    impl = get_backend(backend, key_cache.device)
     _check_query(query, key_cache)
     batch = block_tables.shape[0] if block_tables.dim() == 2 else -1
     _check_tables(block_tables, context_lens, batch, key_cache)
@@ -99,8 +99,14 @@ def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_s
                                         query_start_loc, context_lens, scale)
 
 
-def _backend(name, device):
-    """The module implementing backend ``name`` for tensors on ``device``."""
+def get_backend(name: str, device: torch.device):
+    """The module implementing backend ``name`` for tensors on ``device``.
+
+    Its ``write_kv``, ``paged_attention_decode`` and ``paged_attention_prefill`` take the
+    same arguments as the ops here but check none of them, and the Triton ones never wait
+    for the GPU: for hot loops (a model's layers, a benchmark) whose caller validated its
+    inputs once.  Raises ``BackendUnavailableError`` if it cannot run on ``device``.
+    """
     if name == "torch":
         return torch_ref
     if name == "triton":

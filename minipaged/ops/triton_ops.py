@@ -80,16 +80,19 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int,
 
 
 def paged_attention_decode(query, key_cache, value_cache, block_tables, context_lens, scale,
-                           num_splits: int | None = None, block_n: int | None = None):
+                           max_context_len: int | None = None, num_splits: int | None = None,
+                           block_n: int | None = None):
     """One query token per sequence over its paged context -> ``[B, num_heads, D]``.
 
-    ``num_splits`` (default: ``choose_num_splits``) and ``block_n`` (keys per tile) are
-    exposed for tests and the lesson; the results do not depend on them beyond rounding.
+    ``max_context_len`` is the longest context, if the caller knows it on the host; by
+    default the block tables' width bounds it, so that launching never waits for the
+    GPU.  ``num_splits`` (default: ``choose_num_splits``) and ``block_n`` (keys per tile)
+    are exposed for tests and the lesson; results do not depend on them beyond rounding.
     """
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     block_n = block_n or BLOCK_N
-    max_len = int(context_lens.max())
+    max_len = max_context_len or block_tables.shape[1] * key_cache.shape[1]
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_len, _num_sms(query.device))
     # Splits start on tile boundaries, so no tile straddles two programs.
@@ -121,8 +124,14 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
 
 
 def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_start_loc,
-                            context_lens, scale, block_n: int | None = None):
-    """Causal attention of packed new tokens over cached prefix + chunk -> ``[T, H, D]``."""
+                            context_lens, scale, max_query_len: int | None = None,
+                            block_n: int | None = None):
+    """Causal attention of packed new tokens over cached prefix + chunk -> ``[T, H, D]``.
+
+    ``max_query_len``, the most new tokens of any sequence, sizes the grid; by default
+    it is bounded by the query's and the block tables' shapes, so that launching never
+    waits for the GPU (programs past a sequence's last new token return at once).
+    """
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty_like(query)
     if num_tokens == 0:
@@ -131,7 +140,7 @@ def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_s
     group = num_heads // num_kv_heads
     block_g = triton.next_power_of_2(group)
     block_q = max(1, PREFILL_ROWS // block_g)
-    max_new = int(query_start_loc.diff().max())
+    max_new = max_query_len or min(num_tokens, block_tables.shape[1] * key_cache.shape[1])
     prefill_kernel[(triton.cdiv(max_new, block_q), batch, num_kv_heads)](
         out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
         scale * LOG2E, *query.stride(), *out.stride(), *key_cache.stride(),

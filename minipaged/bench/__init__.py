@@ -1,0 +1,9 @@
+"""Benchmarks behind ``minipaged bench ...``.
+
+Each benchmark is one module that measures, prints a table, and saves its rows with
+`results.write_results`: JSON plus a PNG under ``benchmarks/results/<device>/``, so
+every figure in the docs can be traced to the run, machine and versions that made it.
+
+* `attention` - the attention ops per backend against the GPU's own read bandwidth
+  (paper §5.1, Fig. 18a).
+"""

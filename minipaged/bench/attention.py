@@ -1,0 +1,417 @@
+"""``minipaged bench attention``: how close the attention ops come to the memory wall
+(paper §5.1, §7.1 and Fig. 18a).
+
+Decode reads each sequence's whole K/V once to produce one token, about one multiply-add
+per element read, so it is bound by memory bandwidth, not arithmetic.  The fair measure
+of a decode kernel is therefore the bandwidth it achieves (bytes of K/V, query and
+output divided by time) as a fraction of what the GPU can stream at all, measured in
+the same run by summing a buffer far larger than its caches.
+
+Every shape lays the same K/V out three ways:
+
+- paged, with physical blocks in shuffled order as a real allocator leaves them: the
+  backends ``torch``, ``triton`` and ``cuda``;
+- paged with an identity block table, sequence ``b`` owning consecutive blocks, which is
+  byte for byte a contiguous cache: ``triton-contiguous``.  ``triton`` over
+  ``triton-contiguous`` is the price of paging; the paper's kernel paid 20-26% (§7.1);
+- dense ``[B, num_kv_heads, L, head_dim]``: ``sdpa-contiguous``, torch's
+  ``scaled_dot_product_attention`` (FlashAttention on a GPU), the speed with no paging.
+
+Every output is checked against the torch reference backend before it is timed: a
+wrong kernel gets a note, not a number.  Prefill rows are reported the same way for
+comparison, though prefill is compute-bound and sits far below the read bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils import benchmark
+from tqdm.auto import tqdm
+
+from minipaged.ops import (BackendUnavailableError, get_backend, paged_attention_decode,
+                           paged_attention_prefill)
+from minipaged.ops.testing import assert_close
+
+OPS = ("decode", "prefill")
+BACKENDS = ("torch", "triton", "triton-contiguous", "cuda", "sdpa-contiguous")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# The decode goal on an H100 (a benchmark figure, never a test assert).
+GOAL_FRACTION = 0.8
+# Before torch 2.5, sdpa cannot broadcast K/V heads over query groups by itself.
+_SDPA_HAS_GQA = torch.__version__ >= (2, 5)  # TorchVersion compares as a version
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmarked batch: every sequence holds ``context_len`` tokens in the cache,
+    the last ``num_new_tokens`` of them new (1 for decode)."""
+
+    op: str
+    batch: int
+    context_len: int
+    num_new_tokens: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    def __post_init__(self):
+        if self.op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {self.op!r}")
+        for name in ("batch", "context_len", "num_new_tokens", "num_heads", "num_kv_heads",
+                     "head_dim", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} must be a multiple of "
+                             f"num_kv_heads {self.num_kv_heads}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.op == "decode" and self.num_new_tokens != 1:
+            raise ValueError(f"num_new_tokens must be 1 for decode, got {self.num_new_tokens}")
+        if self.num_new_tokens > self.context_len:
+            raise ValueError(f"num_new_tokens {self.num_new_tokens} must be at most "
+                             f"context_len {self.context_len}")
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes every backend must move at the least: each sequence's K and V once,
+        the query and the output.  The same for every backend, so bandwidths compare."""
+        kv = self.batch * self.context_len * self.num_kv_heads * self.head_dim * 2
+        q_out = self.batch * self.num_new_tokens * self.num_heads * self.head_dim * 2
+        return (kv + q_out) * DTYPES[self.dtype].itemsize
+
+    def fields(self) -> dict:
+        """The contract's shape fields of a result row (``num_new_tokens`` for prefill)."""
+        fields = dataclasses.asdict(self)
+        if self.op == "decode":
+            del fields["num_new_tokens"]
+        return fields
+
+
+_GPU = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
+_CPU = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+
+# The gpu preset holds the goal shapes (a Llama-3-8B-like layer: 32 query heads over 8 KV
+# heads); the cpu preset is tiny, so the command runs in seconds where no GPU is.
+PRESETS = {
+    "gpu": ("cuda", [
+        Shape("decode", 64, 2048, 1, **_GPU),
+        Shape("decode", 64, 8192, 1, **_GPU),
+        Shape("decode", 1, 32768, 1, **_GPU),  # long context: only split-KV fills the GPU
+        Shape("decode", 4, 32768, 1, **_GPU),
+        Shape("prefill", 4, 2048, 2048, **_GPU),  # prompts from scratch
+        Shape("prefill", 4, 4096, 512, **_GPU),  # a chunk of a chunked prefill (§4.5)
+    ]),
+    "cpu": ("cpu", [
+        Shape("decode", 4, 256, 1, **_CPU),
+        Shape("decode", 1, 1024, 1, **_CPU),
+        Shape("prefill", 2, 128, 128, **_CPU),
+        Shape("prefill", 2, 256, 32, **_CPU),
+    ]),
+}
+
+
+def default_preset() -> str:
+    """``"gpu"`` where torch sees a CUDA device, else ``"cpu"``."""
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def preset_device(preset: str) -> torch.device:
+    """The device ``preset`` runs on."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {list(PRESETS)}, got {preset!r}")
+    device = torch.device(PRESETS[preset][0])
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"preset {preset!r} needs a CUDA GPU, and torch sees none")
+    return device
+
+
+def make_shapes(preset: str, ops: Sequence[str] = OPS, **overrides) -> list[Shape]:
+    """The shapes of ``preset`` for ``ops``, with every field given in ``overrides``
+    (``batch=2``, ``dtype="float16"``, ...; ``None`` keeps the preset's) replaced.
+    Shapes that the overrides make equal are kept once."""
+    preset_device(preset)
+    bad = [op for op in ops if op not in OPS]
+    if bad or not ops:
+        raise ValueError(f"ops must be a non-empty subset of {OPS}, got {list(ops)}")
+    changes = {name: value for name, value in overrides.items() if value is not None}
+    shapes = [_override(shape, changes) for shape in PRESETS[preset][1] if shape.op in ops]
+    return list(dict.fromkeys(shapes))
+
+
+def _override(shape: Shape, changes: dict) -> Shape:
+    if shape.op == "prefill" and "context_len" in changes:
+        # A prefill from scratch stays one; a chunk keeps its size while the context holds it.
+        new, length = shape.num_new_tokens, changes["context_len"]
+        changes = {**changes,
+                   "num_new_tokens": length if new == shape.context_len else min(new, length)}
+    return dataclasses.replace(shape, **changes)
+
+
+def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """torch's ``scaled_dot_product_attention`` as the paged ops define attention:
+    ``query [B, num_heads, n, D]`` holds the *last* ``n`` of the ``L`` positions in
+    ``key, value [B, num_kv_heads, L, D]``, so the causal mask is aligned bottom-right
+    (query ``j`` sees keys up to ``L - n + j``).  Returns ``[B, num_heads, n, D]``."""
+    # Imported here: it imports torch._dynamo, a second of start-up for every CLI command.
+    from torch.nn.attention.bias import causal_lower_right
+
+    n, length = query.shape[2], key.shape[2]
+    # One query (decode) sees every key; sdpa's own is_causal would align top-left.
+    mask = causal_lower_right(n, length) if n > 1 else None
+    gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                          **gqa)
+
+
+def time_us(fn: Callable[[], object], device: torch.device) -> float:
+    """The median time of ``fn()`` on ``device``, in microseconds."""
+    if device.type == "cuda":
+        # Imported here: there are no Triton wheels for some CPU-only platforms.
+        import triton.testing
+
+        # do_bench zeroes a 256 MB buffer before every call, flushing L2 (50 MB on an
+        # H100): each call starts cold, as a layer's attention does after the rest of
+        # the model ran, so its K/V really comes from HBM.
+        return triton.testing.do_bench(fn, return_mode="median") * 1e3
+    # One thread (the Timer's default) and warm caches: CPU numbers show that the code
+    # runs and how the backends rank, not what a CPU could do at best.
+    timer = benchmark.Timer("fn()", globals={"fn": fn})
+    return timer.blocked_autorange(min_run_time=0.2).median * 1e6
+
+
+def read_bandwidth_gbs(device: torch.device, nbytes: int | None = None) -> float:
+    """The streaming-read bandwidth of ``device`` in GB/s: ``sum()`` over a float32
+    buffer of ``nbytes`` (default 1 GiB on a GPU, 256 MiB on a CPU), far larger than any
+    cache, so that every byte comes from memory.  A reduction reads each byte once and
+    writes nothing: the best case any attention kernel could hope for."""
+    nbytes = nbytes or (1 << 30 if device.type == "cuda" else 256 << 20)
+    buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    return buffer.numel() * 4 / time_us(buffer.sum, device) / 1e3
+
+
+@dataclass
+class AttentionBench:
+    """What one run measured: contract rows, the read bandwidth they are a fraction
+    of, and one line for each backend that was skipped and why."""
+
+    rows: list[dict]
+    read_bandwidth_gbs: float
+    notes: list[str]
+
+
+def bench_attention(shapes: Sequence[Shape], backends: Sequence[str] = BACKENDS,
+                    device: torch.device | str = "cpu", progress: bool = True
+                    ) -> AttentionBench:
+    """Time each of ``backends`` on each of ``shapes`` on ``device``, every one only
+    after its output matched the torch reference's.  Raises ``ValueError`` when not one
+    backend could be timed."""
+    device = torch.device(device)
+    bad = [b for b in backends if b not in BACKENDS]
+    if bad or not backends:
+        raise ValueError(f"backends must be a non-empty subset of {BACKENDS}, "
+                         f"got {list(backends)}")
+    read_bw = read_bandwidth_gbs(device)
+    rows, notes = [], []
+
+    def note(text):
+        if text not in notes:
+            notes.append(text)
+            tqdm.write(text)
+
+    with tqdm(total=len(shapes) * len(backends), desc="bench attention", unit="run",
+              disable=not progress) as bar:
+        for shape in shapes:
+            inputs = _make_inputs(shape, device)
+            expected = _runner("torch", inputs, checked=True)()
+            for backend in backends:
+                bar.set_postfix_str(f"{shape.op} {_label(shape.fields())} {backend}")
+                row = _measure(backend, inputs, expected, read_bw, note)
+                if row is not None:
+                    rows.append(row)
+                bar.update()
+    if not rows:
+        raise ValueError(f"backends {list(backends)} could not run here: "
+                         + "; ".join(notes))
+    return AttentionBench(rows, read_bw, notes)
+
+
+@dataclass
+class _Inputs:
+    shape: Shape
+    scale: float
+    query: torch.Tensor  # [B * n, num_heads, D], packed as the ops take it
+    context_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    key_cache: torch.Tensor  # blocks in shuffled physical order ...
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor  # ... and the tables that find them
+    contiguous_key_cache: torch.Tensor  # sequence b owns blocks b * per_seq, b * per_seq + 1, ...
+    contiguous_value_cache: torch.Tensor
+    identity_tables: torch.Tensor
+
+
+def _make_inputs(shape: Shape, device: torch.device) -> _Inputs:
+    """Random K/V for ``shape``, stored both paged-and-shuffled and contiguously."""
+    g = torch.Generator(device=device).manual_seed(0)
+    dtype, bs = DTYPES[shape.dtype], shape.block_size
+    batch, n = shape.batch, shape.num_new_tokens
+    per_seq = math.ceil(shape.context_len / bs)
+    num_blocks = batch * per_seq
+    cache_shape = (num_blocks, bs, shape.num_kv_heads, shape.head_dim)
+    dense_k = torch.randn(cache_shape, generator=g, device=device, dtype=dtype)
+    dense_v = torch.randn(cache_shape, generator=g, device=device, dtype=dtype)
+    # Logical block i of sequence b goes to physical block perm[b * per_seq + i]: the
+    # order an allocator leaves after many requests came and went.
+    perm = torch.randperm(num_blocks, generator=g, device=device)
+    key_cache, value_cache = torch.empty_like(dense_k), torch.empty_like(dense_v)
+    key_cache[perm], value_cache[perm] = dense_k, dense_v
+    query = torch.randn(batch * n, shape.num_heads, shape.head_dim, generator=g,
+                        device=device, dtype=dtype)
+    return _Inputs(
+        shape=shape, scale=1 / math.sqrt(shape.head_dim), query=query,
+        context_lens=torch.full((batch,), shape.context_len, dtype=torch.int32,
+                                device=device),
+        query_start_loc=torch.arange(0, batch * n + 1, n, dtype=torch.int32, device=device),
+        key_cache=key_cache, value_cache=value_cache,
+        block_tables=perm.view(batch, per_seq).int(),
+        contiguous_key_cache=dense_k, contiguous_value_cache=dense_v,
+        identity_tables=torch.arange(num_blocks, dtype=torch.int32,
+                                     device=device).view(batch, per_seq))
+
+
+def _runner(backend: str, x: _Inputs, checked: bool = False) -> Callable[[], torch.Tensor]:
+    """A call of ``backend`` on ``x``, all set-up done: only the op itself is timed.
+
+    ``checked`` goes through the public ops, which validate every argument (and so wait
+    for the GPU once per call); timed calls go straight to the backend, as a model's
+    layers do once the engine has validated a step's metadata.
+    """
+    if backend == "sdpa-contiguous":
+        return _sdpa_runner(x)
+    if backend == "triton-contiguous":
+        caches, tables, backend = ((x.contiguous_key_cache, x.contiguous_value_cache),
+                                   x.identity_tables, "triton")
+    else:
+        caches, tables = (x.key_cache, x.value_cache), x.block_tables
+    if checked:
+        decode = functools.partial(paged_attention_decode, backend=backend)
+        prefill = functools.partial(paged_attention_prefill, backend=backend)
+    else:
+        impl = get_backend(backend, x.query.device)
+        decode, prefill = impl.paged_attention_decode, impl.paged_attention_prefill
+    if x.shape.op == "decode":
+        return lambda: decode(x.query, *caches, tables, x.context_lens, x.scale)
+    return lambda: prefill(x.query, *caches, tables, x.query_start_loc, x.context_lens,
+                           x.scale)
+
+
+def _sdpa_runner(x: _Inputs) -> Callable[[], torch.Tensor]:
+    s = x.shape
+    n, group = s.num_new_tokens, s.num_heads // s.num_kv_heads
+    query = x.query.view(s.batch, n, s.num_heads, s.head_dim).transpose(1, 2)
+    # The contiguous cache seen as [B, num_kv_heads, L, D]: the very bytes
+    # triton-contiguous reads, in the [B, L, H, D] order FlashAttention reads natively.
+    kv = [cache.view(s.batch, -1, s.num_kv_heads, s.head_dim)[:, :s.context_len]
+          .transpose(1, 2) for cache in (x.contiguous_key_cache, x.contiguous_value_cache)]
+    if not _SDPA_HAS_GQA:
+        kv = [t.repeat_interleave(group, dim=1) for t in kv]
+    return lambda: sdpa_attention(query, *kv, x.scale)
+
+
+def _measure(backend, inputs, expected, read_bw, note) -> dict | None:
+    """One result row, or ``None`` (and a note) when ``backend`` cannot run or is wrong."""
+    shape = inputs.shape
+    if inputs.query.device.type == "cpu" and backend.startswith("triton"):
+        note(f"skipped {backend}: on a CPU Triton runs only in its interpreter, whose "
+             "timings mean nothing")
+        return None
+    try:
+        out = _runner(backend, inputs, checked=True)()
+    except BackendUnavailableError as error:
+        note(f"skipped {backend}: {error}")
+        return None
+    if backend == "sdpa-contiguous":
+        out = out.transpose(1, 2).reshape(expected.shape)  # [B, H, n, D] -> packed
+    try:
+        assert_close(out, expected)
+    except AssertionError as error:
+        note(f"skipped {backend} {shape.op} {_label(shape.fields())}: output differs from "
+             f"the torch reference, so it was not timed: {str(error).splitlines()[0]}")
+        return None
+    time = time_us(_runner(backend, inputs), out.device)
+    bandwidth = shape.bytes_moved / time / 1e3
+    return {"backend": backend, **shape.fields(), "time_us": time,
+            "bandwidth_gbs": bandwidth, "fraction_of_read_bw": bandwidth / read_bw}
+
+
+def _label(fields: dict) -> str:
+    label = f"B={fields['batch']} L={fields['context_len']}"
+    if fields["op"] == "prefill":
+        label += f" new={fields['num_new_tokens']}"
+    return label
+
+
+def format_table(bench: AttentionBench) -> str:
+    """The rows as a table, then, per decode shape, the price of paging."""
+    lines = [f"streaming read bandwidth: {bench.read_bandwidth_gbs:.1f} GB/s",
+             f"{'op':<8}{'shape':<24}{'backend':<19}{'time us':>10}{'GB/s':>9}"
+             f"{'of read':>9}"]
+    for row in bench.rows:
+        lines.append(f"{row['op']:<8}{_label(row):<24}{row['backend']:<19}"
+                     f"{row['time_us']:>10.1f}{row['bandwidth_gbs']:>9.1f}"
+                     f"{row['fraction_of_read_bw']:>9.1%}")
+    # Paging overhead: the same kernel on the same bytes, through shuffled blocks or not.
+    lines += ["", f"{'decode':<8}{'shape':<24}{'triton / triton-contiguous':>28}"
+              f"{'triton of read':>16}"]
+    decode = [row for row in bench.rows if row["op"] == "decode"]
+    for label in dict.fromkeys(map(_label, decode)):
+        by_backend = {row["backend"]: row for row in decode if _label(row) == label}
+        paged, contiguous = by_backend.get("triton"), by_backend.get("triton-contiguous")
+        overhead = (f"{paged['time_us'] / contiguous['time_us']:.3f}x"
+                    if paged and contiguous else "n/a")
+        fraction = f"{paged['fraction_of_read_bw']:.1%}" if paged else "n/a"
+        lines.append(f"{'':<8}{label:<24}{overhead:>28}{fraction:>16}")
+    return "\n".join(lines)
+
+
+def plot_fractions(rows: list[dict]):
+    """One panel per op: bars of ``fraction_of_read_bw`` per shape and backend, with
+    the decode goal dashed.  Returns a matplotlib ``Figure``, drawn without pyplot so
+    that no GUI backend is needed."""
+    from matplotlib.figure import Figure  # imported here, like causal_lower_right
+
+    ops = [op for op in OPS if any(row["op"] == op for row in rows)]
+    fig = Figure(figsize=(6.5 * len(ops), 4.2), layout="constrained")
+    for ax, op in zip(fig.subplots(1, len(ops), squeeze=False)[0], ops):
+        op_rows = [row for row in rows if row["op"] == op]
+        shapes = list(dict.fromkeys(map(_label, op_rows)))
+        backends = list(dict.fromkeys(row["backend"] for row in op_rows))
+        width = 0.8 / len(backends)
+        for i, backend in enumerate(backends):
+            mine = [row for row in op_rows if row["backend"] == backend]
+            offset = (i - (len(backends) - 1) / 2) * width
+            ax.bar([shapes.index(_label(row)) + offset for row in mine],
+                   [row["fraction_of_read_bw"] for row in mine], width, label=backend)
+        if op == "decode":
+            ax.axhline(GOAL_FRACTION, color="black", linestyle="--", linewidth=1,
+                       label=f"goal {GOAL_FRACTION:.0%}")
+        ax.set_xticks(range(len(shapes)), [s.replace(" ", "\n") for s in shapes])
+        ax.set_title(f"{op}: {op_rows[0]['num_heads']}/{op_rows[0]['num_kv_heads']} heads, "
+                     f"head_dim {op_rows[0]['head_dim']}, {op_rows[0]['dtype']}")
+        ax.set_ylabel("fraction of streaming read bandwidth")
+        # Below the panel: bars may reach the top anywhere.
+        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2),
+                  ncols=3, frameon=False)
+    return fig

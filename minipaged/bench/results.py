@@ -1,0 +1,75 @@
+"""Where benchmark results go and what every results file holds (design.md, "Contract: results").
+
+A run of ``minipaged bench NAME`` writes ``benchmarks/results/<device-slug>/NAME.json``
+and ``NAME.png`` beside it.  The JSON records what produced the numbers (device, torch
+and triton versions, date, the command line) next to the rows, because a benchmark
+number without its machine and versions cannot be compared with anything.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path("benchmarks/results")
+
+
+def device_name(device: torch.device | str) -> str:
+    """The name torch reports for ``device``: the GPU model, or the CPU's."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or device.type
+
+
+def device_slug(device: torch.device | str) -> str:
+    """A directory name for ``device``: ``"cpu"``, or the first two words of the GPU
+    name, e.g. ``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100"``.
+
+    Two words keep memory variants (80GB, HBM3, PCIe) of one GPU model together.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    return "-".join(device_name(device).lower().split()[:2])
+
+
+def default_path(name: str, device: torch.device | str) -> Path:
+    """``benchmarks/results/<device-slug>/<name>.json``, relative to the working directory."""
+    return RESULTS_DIR / device_slug(device) / f"{name}.json"
+
+
+def write_results(path: str | Path, results: list[dict], device: torch.device | str,
+                  command: str, figure=None, **extra) -> Path:
+    """Save ``results`` (one dict per row) as JSON at ``path``, with the contract's
+    top-level ``device``, ``torch``, ``triton``, ``date`` and ``command``, then the
+    ``extra`` keys; a matplotlib ``figure`` goes beside it as a PNG of the same stem.
+    Returns the JSON path.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    document = {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        **extra,
+        "results": results,
+    }
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    if figure is not None:
+        figure.savefig(path.with_suffix(".png"), dpi=120, bbox_inches="tight")
+    return path
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:  # no Triton wheel for this platform (macOS, Windows)
+        return None
+    return triton.__version__

@@ -1,0 +1,195 @@
+"""``minipaged bench attention``: the results contract, the byte count behind every
+bandwidth, the contiguous baselines, and clear errors for bad flags."""
+
+import contextlib
+import io
+import json
+import math
+
+import pytest
+import torch
+
+from minipaged.bench import attention as bench
+from minipaged.bench.results import default_path, device_slug
+from minipaged.cli import main
+from minipaged.ops import paged_attention_decode, prefill_oracle
+from minipaged.ops.testing import assert_close
+
+ROW_FIELDS = {"backend", "op", "batch", "context_len", "num_heads", "num_kv_heads",
+              "head_dim", "block_size", "dtype", "time_us", "bandwidth_gbs",
+              "fraction_of_read_bw"}
+TOP_FIELDS = {"device", "torch", "triton", "date", "command", "results",
+              "read_bandwidth_gbs"}
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Small enough for a few seconds on a CPU; prefill keeps a chunk with a cached prefix.
+CPU_ARGV = ["bench", "attention", "--preset", "cpu", "--batch", "2", "--context-len", "64"]
+
+
+def run_main(argv):
+    """``main(argv)``'s exit status, whether it returns or exits the way argparse does."""
+    try:
+        return main(argv)
+    except SystemExit as exit:
+        return exit.code
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """One CPU run of the command, shared: its JSON document, stdout and JSON path."""
+    path = tmp_path_factory.mktemp("bench") / "attention.json"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert main([*CPU_ARGV, "--json", str(path)]) == 0
+    return json.loads(path.read_text()), stdout.getvalue(), path
+
+
+def test_json_has_every_contract_field(cpu_run):
+    doc, _, path = cpu_run
+    assert TOP_FIELDS <= doc.keys()
+    assert doc["device"] and doc["torch"] == torch.__version__
+    assert doc["command"] == "minipaged bench attention --preset cpu --batch 2 " \
+                             f"--context-len 64 --json {path}"
+    assert doc["results"]
+    for row in doc["results"]:
+        assert ROW_FIELDS <= row.keys()
+        assert ("num_new_tokens" in row) == (row["op"] == "prefill")
+    shapes = {(r["op"], r["batch"], r["context_len"], r.get("num_new_tokens"))
+              for r in doc["results"]}
+    assert shapes == {("decode", 2, 64, None), ("prefill", 2, 64, 64), ("prefill", 2, 64, 32)}
+
+
+def test_bandwidth_is_bytes_moved_over_time(cpu_run):
+    doc, _, _ = cpu_run
+    for row in doc["results"]:
+        kv = row["batch"] * row["context_len"] * row["num_kv_heads"] * row["head_dim"] * 2
+        q_out = row["batch"] * row.get("num_new_tokens", 1) * row["num_heads"] \
+            * row["head_dim"] * 2
+        nbytes = (kv + q_out) * ELEMENT_BYTES[row["dtype"]]
+        assert row["bandwidth_gbs"] == pytest.approx(nbytes / (row["time_us"] * 1e-6) / 1e9)
+        assert row["fraction_of_read_bw"] == pytest.approx(
+            row["bandwidth_gbs"] / doc["read_bandwidth_gbs"])
+
+
+def test_cpu_times_torch_and_sdpa_and_notes_the_rest(cpu_run):
+    doc, stdout, _ = cpu_run
+    for op in bench.OPS:
+        timed = {r["backend"] for r in doc["results"] if r["op"] == op}
+        assert timed == {"torch", "sdpa-contiguous"}
+    notes = "\n".join(doc["notes"])
+    assert "skipped triton: on a CPU Triton runs only in its interpreter" in notes
+    assert "skipped triton-contiguous:" in notes
+    assert "skipped cuda:" in notes
+    assert "differs" not in notes
+    assert "streaming read bandwidth" in stdout and "triton / triton-contiguous" in stdout
+
+
+def test_png_is_saved_beside_the_json(cpu_run):
+    _, stdout, path = cpu_run
+    png = path.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {path} and {png}" in stdout
+
+
+@pytest.mark.parametrize("new, length", [(5, 20), (1, 20), (20, 20)])
+def test_sdpa_aligns_the_causal_mask_bottom_right(new, length):
+    """The new tokens are the last ones of their sequence, as the paged ops define."""
+    g = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, dim = 2, 8, 2, 64
+    q = torch.randn(batch, heads, new, dim, generator=g)
+    k = torch.randn(batch, kv_heads, length, dim, generator=g)
+    v = torch.randn(batch, kv_heads, length, dim, generator=g)
+    out = bench.sdpa_attention(q, k, v, scale=0.125)
+    packed = q.transpose(1, 2).reshape(batch * new, heads, dim)
+    starts = [0, new, 2 * new]
+    expected = prefill_oracle(packed, starts, list(k.transpose(1, 2)), list(v.transpose(1, 2)),
+                              scale=0.125)
+    assert_close(out.transpose(1, 2).reshape(batch * new, heads, dim), expected)
+
+
+def test_identity_tables_read_the_same_kv_as_shuffled_ones():
+    shape = bench.Shape("decode", 3, 40, 1, 4, 2, 64, 8, "float32")
+    x = bench._make_inputs(shape, torch.device("cpu"))
+    assert not torch.equal(x.block_tables, x.identity_tables)
+    shuffled = paged_attention_decode(x.query, x.key_cache, x.value_cache, x.block_tables,
+                                      x.context_lens, x.scale)
+    contiguous = paged_attention_decode(x.query, x.contiguous_key_cache,
+                                        x.contiguous_value_cache, x.identity_tables,
+                                        x.context_lens, x.scale)
+    assert torch.equal(shuffled, contiguous)
+
+
+def test_a_wrong_output_gets_a_note_not_a_number(monkeypatch):
+    monkeypatch.setattr(bench, "sdpa_attention", lambda q, k, v, scale: torch.zeros_like(q))
+    shape = bench.Shape("decode", 2, 32, 1, 4, 2, 64, 16, "float32")
+    result = bench.bench_attention([shape], ["torch", "sdpa-contiguous"], "cpu",
+                                   progress=False)
+    assert [row["backend"] for row in result.rows] == ["torch"]
+    assert "sdpa-contiguous decode B=2 L=32: output differs" in result.notes[0]
+
+
+def test_overrides_keep_prefill_from_scratch_and_shrink_chunks():
+    shapes = bench.make_shapes("cpu", ["prefill"], context_len=16, batch=1)
+    assert [(s.context_len, s.num_new_tokens) for s in shapes] == [(16, 16)]
+    shapes = bench.make_shapes("cpu", ["prefill"], context_len=100)
+    assert [(s.context_len, s.num_new_tokens) for s in shapes] == [(100, 100), (100, 32)]
+    shape = bench.make_shapes("cpu", ["decode"], dtype="float16", head_dim=128)[0]
+    assert shape.bytes_moved == (4 * 256 * 2 * 128 * 2 + 4 * 8 * 128 * 2) * 2
+
+
+def test_device_slug_is_the_first_two_words_of_the_gpu_name(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert device_slug("cuda") == "nvidia-h100"
+    assert device_slug("cpu") == "cpu"
+    assert str(default_path("attention", "cuda")) == "benchmarks/results/nvidia-h100/attention.json"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+    (["--batch", "0"], "minipaged bench attention: error: batch must be a positive int, got 0"),
+    (["--context-len", "-5"], "context_len must be a positive int, got -5"),
+    (["--num-kv-heads", "3"], "num_heads 8 must be a multiple of num_kv_heads 3"),
+    (["--backends", "tpu"], "argument --backends: invalid choice: 'tpu'"),
+    (["--ops", "train"], "argument --ops: invalid choice: 'train'"),
+])
+def test_bad_flags_exit_2_naming_them(argv, message, tmp_path, capsys):
+    out = tmp_path / "attention.json"
+    assert run_main(["bench", "attention", "--preset", "cpu", *argv, "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_no_backend_that_can_run_is_an_error(tmp_path, capsys):
+    out = tmp_path / "attention.json"
+    assert run_main([*CPU_ARGV, "--ops", "decode", "--backends", "cuda", "triton",
+                     "--json", str(out)]) == 2
+    assert "backends ['cuda', 'triton'] could not run here: skipped cuda:" in \
+        capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_bench_needs_a_benchmark_name(capsys):
+    assert run_main(["bench"]) == 2
+    assert "the following arguments are required: BENCH" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu preset runs here")
+def test_gpu_preset_without_cuda_says_so(capsys):
+    assert run_main(["bench", "attention", "--preset", "gpu"]) == 2
+    assert "preset 'gpu' needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_gpu_run_times_triton_paged_and_contiguous(tmp_path):
+    path = tmp_path / "attention.json"
+    assert main(["bench", "attention", "--preset", "gpu", "--batch", "2", "--context-len",
+                 "512", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["device"] == torch.cuda.get_device_name()
+    assert doc["read_bandwidth_gbs"] > 100
+    for op in bench.OPS:
+        timed = {r["backend"] for r in doc["results"] if r["op"] == op}
+        assert {"torch", "triton", "triton-contiguous", "sdpa-contiguous"} <= timed
+    assert all(math.isfinite(r["time_us"]) and r["time_us"] > 0 for r in doc["results"])
+    assert not any("differs" in note for note in doc["notes"])
+    assert path.with_suffix(".png").exists()
