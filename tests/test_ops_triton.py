@@ -8,6 +8,7 @@ so shapes stay small; the ``gpu`` tests repeat the suite on CUDA and add real si
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,6 +111,18 @@ def test_strided_views_need_no_copy():
             assert torch.equal(key_cache[s // 8, s % 8], key[t])
             assert torch.equal(value_cache[s // 8, s % 8], value[t])
     assert int((key_cache != 0).any(dim=(2, 3)).sum()) == 4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the gpu tests compile them")
+def test_kernels_compile_for_gpus_without_one():
+    """The interpreter never lowers a kernel to GPU code; ahead-of-time compilation for
+    sm_80 and sm_90 does, and catches what only a GPU compiler would reject."""
+    script = Path(__file__).with_name("compile_triton_kernels.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("sm_90 bf16") == 5
 
 
 # How many splits: enough programs to fill the GPU, but never splits of a few tokens.
