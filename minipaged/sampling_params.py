@@ -1,0 +1,138 @@
+"""What a request asks of the sampler: vLLM's ``SamplingParams`` and ``BeamSearchParams``.
+
+The names, defaults and meanings follow vLLM, so a script written for ``vllm.LLM`` runs
+here unchanged.  Both classes check every argument on construction and raise
+``ValueError`` naming the argument and the bad value: a request that fails validation is
+refused before it reaches the engine, so it can change no engine state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# vLLM's _SAMPLING_EPS: a temperature below it means greedy.  Dividing logits by a
+# vanishing temperature would only approach argmax while risking inf/nan on the way.
+SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each new token of a request, and when to stop.
+
+    Args:
+        n: completions to generate for the prompt (parallel sampling, paper §4.4).
+        temperature: divides the logits; 0 means greedy (argmax).
+        top_p: nucleus sampling: keep the smallest set of most likely tokens whose
+            probability reaches ``top_p``; 1 keeps all.
+        top_k: keep the ``top_k`` most likely tokens; 0 or -1 keeps all.
+        min_p: drop tokens less likely than ``min_p`` times the most likely one.
+        seed: seeds this request's own random stream, so its output does not depend on
+            what else is in the batch.
+        max_tokens: the most new tokens to generate per completion.
+        stop: strings that end a completion when generated (not included in its text);
+            a single string is turned into a one-element list, None into ``[]``.
+        stop_token_ids: token ids that end a completion (``[]`` if None).
+        ignore_eos: keep generating after the end-of-sequence token.
+        logprobs: return the log-probabilities of this many most likely tokens at each
+            step, plus the sampled token's; None returns none.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, low=1)
+        _check_float("temperature", self.temperature, "a finite number >= 0", lambda t: t >= 0)
+        _check_float("top_p", self.top_p, "a number in (0, 1]", lambda p: 0 < p <= 1)
+        if self.top_k not in (0, -1):
+            _check_int("top_k", self.top_k, low=1, hint=" (or 0 or -1 for off)")
+        _check_float("min_p", self.min_p, "a number in [0, 1]", lambda p: 0 <= p <= 1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0, high=2**64 - 1, hint=" or None")
+        _check_int("max_tokens", self.max_tokens, low=1)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0, hint=" or None")
+        _check_bool("ignore_eos", self.ignore_eos)
+        self.stop = _string_list(self.stop)
+        self.stop_token_ids = _token_id_list(self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        """Pick the most likely token every step (temperature below ``SAMPLING_EPS``)."""
+        return self.temperature < SAMPLING_EPS
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search: keep the ``beam_width`` best partial sequences every step.
+
+    A finished sequence's score is ``cum_logprob / len ** length_penalty``, ``len``
+    counting prompt and generated tokens, as in vLLM; a larger ``length_penalty`` favours
+    longer sequences.
+
+    Args:
+        beam_width: how many partial sequences to keep, and to return.
+        max_tokens: the most new tokens per sequence.
+        length_penalty: the exponent of the length normalisation above.
+        ignore_eos: keep extending beams after the end-of-sequence token.
+    """
+
+    beam_width: int = 4
+    max_tokens: int = 16
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, low=1)
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_float("length_penalty", self.length_penalty, "a finite number")
+        _check_bool("ignore_eos", self.ignore_eos)
+
+
+def _is_int(value) -> bool:
+    # bool is an int to Python, but True tokens or beams are a caller's mistake.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name, value, low, high=None, hint="") -> None:
+    if not _is_int(value) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an int {bound}{hint}, got {value!r}")
+
+
+def _check_float(name, value, rule, ok=None) -> None:
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not math.isfinite(value) or (ok is not None and not ok(value))):
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+
+def _check_bool(name, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def _string_list(stop) -> list[str]:
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"stop must be a non-empty str or a list of them, got {stop!r}")
+    return list(stop)
+
+
+def _token_id_list(ids) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+        raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
+    return list(ids)
