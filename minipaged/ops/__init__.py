@@ -103,9 +103,10 @@ def get_backend(name: str, device: torch.device):
     """The module implementing backend ``name`` for tensors on ``device``.
 
     Its ``write_kv``, ``paged_attention_decode`` and ``paged_attention_prefill`` take the
-    same arguments as the ops here but check none of them, and the Triton ones never wait
-    for the GPU: for hot loops (a model's layers, a benchmark) whose caller validated its
-    inputs once.  Raises ``BackendUnavailableError`` if it cannot run on ``device``.
+    same arguments as the ops here, plus the optional host-side hints
+    ``max_context_len`` (decode) and ``max_query_len`` (prefill), but check none of them,
+    and the Triton ones never wait for the GPU: for hot loops (a model's layers, a
+    benchmark) whose caller validated its inputs once.  Raises ``BackendUnavailableError`` if it cannot run on ``device``.
     """
     if name == "torch":
         return torch_ref

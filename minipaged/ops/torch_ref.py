@@ -33,13 +33,15 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
 
 def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor,
                            value_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           context_lens: torch.Tensor, scale: float,
+                           max_context_len: int | None = None) -> torch.Tensor:
     """One new token per sequence attends to its whole context (paper §4.1).
 
     ``query [B, num_heads, D]``; ``context_lens[b]`` tokens of sequence ``b`` are in the
-    cache, the current one included.  Returns ``[B, num_heads, D]``.
+    cache, the current one included.  ``max_context_len``, if the caller knows it on the
+    host, spares reading it back from the device.  Returns ``[B, num_heads, D]``.
     """
-    max_len = int(context_lens.max())
+    max_len = max_context_len or int(context_lens.max())
     k, v, valid = _gather_kv(key_cache, value_cache, block_tables, context_lens, max_len)
     # The new token is the last position, so it may see every valid one: no causal mask.
     return _attend(query[:, None], k, v, valid[:, None], scale)[:, 0]
@@ -48,13 +50,14 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor,
 def paged_attention_prefill(query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, block_tables: torch.Tensor,
                             query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                            scale: float) -> torch.Tensor:
+                            scale: float, max_query_len: int | None = None) -> torch.Tensor:
     """Causal attention for a packed chunk of new tokens per sequence (paper §4.1, §4.5).
 
     Sequence ``b`` owns query rows ``query_start_loc[b]:query_start_loc[b+1]``; they are
     its last ``n_new`` tokens, so new token ``j`` sits at ``context_lens[b] - n_new + j``
     and sees the cached prefix plus the new tokens up to itself.  Returns
-    ``[T, num_heads, D]``.
+    ``[T, num_heads, D]``.  ``max_query_len`` is taken for a signature shared with the
+    Triton backend, which sizes its grid with it; this loop over sequences needs none.
     """
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()

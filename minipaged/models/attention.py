@@ -1,0 +1,185 @@
+"""Attention over the paged KV cache, as a model layer sees it (paper §4.1, §4.3, §4.5).
+
+One engine step runs one flat batch of tokens, with no batch dimension and no padding:
+the new tokens of every scheduled sequence, packed one sequence after another.  Prefill
+sequences (a whole prompt, a chunk of one, or the rest of a prompt after a prefix-cache
+hit) come first, decode sequences (one new token each) last.  ``AttentionMetadata`` says
+where each token's key and value go in the cache and which sequence each row belongs to;
+``PagedAttention`` writes the new keys and values, then runs the prefill op on the first
+part and the decode op on the rest.  ``AttentionMetadata.build`` derives all of it from
+plain block tables and token counts, so neither tests nor the engine repeat that logic.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from minipaged.ops import BACKENDS, get_backend
+
+__all__ = ["AttentionMetadata", "PagedAttention", "allocate_kv_caches", "check_backend",
+           "head_dim", "token_positions"]
+
+
+@dataclass
+class AttentionMetadata:
+    """Where one step's tokens live in the paged KV cache, shared by every layer.
+
+    Rows ``[0, num_prefill_tokens)`` of the step belong to the prefill sequences, packed
+    in order; the remaining rows are decode sequences, one token each.  Index tensors
+    are int32 on the model's device (``slot_mapping`` int64); the ``max_*`` fields are
+    host ints, so that launching a kernel never waits for the device.
+    """
+
+    slot_mapping: torch.Tensor  # [T] cache slot of each token's K/V; -1 skips the write
+    num_prefill_tokens: int
+    prefill_block_tables: torch.Tensor  # [P, W] physical block of each logical block
+    prefill_query_start_loc: torch.Tensor  # [P + 1] row where each sequence's tokens start
+    prefill_context_lens: torch.Tensor  # [P] cached prefix + new tokens, per sequence
+    max_prefill_query_len: int  # most new tokens of any prefill sequence
+    decode_block_tables: torch.Tensor  # [D, W]
+    decode_context_lens: torch.Tensor  # [D] tokens in cache, the new one included
+    max_decode_context_len: int
+
+    @classmethod
+    def build(cls, block_tables: list[list[int]], num_cached: list[int], num_new: list[int],
+              block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+        """The metadata of a step that runs ``num_new[i]`` tokens of sequence ``i``,
+        the ``num_cached[i]`` before them being in the cache already.
+
+        Sequence ``i``'s position ``p`` lives in slot ``block_tables[i][p // block_size]
+        * block_size + p % block_size`` (paper §4.2).  The trailing run of sequences with
+        one new token is the decode part; every other sequence is a prefill, which
+        covers chunked prefill and prefix-cache hits (new tokens after a cached prefix).
+        Order the batch prefills first to send all decodes to the decode op.
+        """
+        _check_sequences(block_tables, num_cached, num_new, block_size)
+        split = len(num_new)
+        while split > 0 and num_new[split - 1] == 1:
+            split -= 1
+        context_lens = [c + n for c, n in zip(num_cached, num_new)]
+        slots = [table[p // block_size] * block_size + p % block_size
+                 for table, c, n in zip(block_tables, num_cached, num_new)
+                 for p in range(c, c + n)]
+        index = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+        starts = [0, *itertools.accumulate(num_new[:split])]
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            num_prefill_tokens=starts[-1],
+            prefill_block_tables=_pad(block_tables[:split], device),
+            prefill_query_start_loc=index(starts),
+            prefill_context_lens=index(context_lens[:split]),
+            max_prefill_query_len=max(num_new[:split], default=0),
+            decode_block_tables=_pad(block_tables[split:], device),
+            decode_context_lens=index(context_lens[split:]),
+            max_decode_context_len=max(context_lens[split:], default=0),
+        )
+
+
+def token_positions(num_cached: list[int], num_new: list[int],
+                    device: torch.device | str = "cpu") -> torch.Tensor:
+    """The position of every new token of a step, packed in the order of
+    ``AttentionMetadata.build``: sequence ``i`` contributes ``num_cached[i]`` onwards."""
+    return torch.tensor([p for c, n in zip(num_cached, num_new) for p in range(c, c + n)],
+                        dtype=torch.long, device=device)
+
+
+def _check_sequences(block_tables, num_cached, num_new, block_size):
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if not len(block_tables) == len(num_cached) == len(num_new):
+        raise ValueError(f"block_tables, num_cached and num_new must have one entry per "
+                         f"sequence, got lengths {len(block_tables)}, {len(num_cached)} and "
+                         f"{len(num_new)}")
+    for i, (table, cached, new) in enumerate(zip(block_tables, num_cached, num_new)):
+        if new < 1 or cached < 0:
+            raise ValueError(f"sequence {i} must have num_new >= 1 and num_cached >= 0, got "
+                             f"num_new[{i}] = {new}, num_cached[{i}] = {cached}")
+        if len(table) * block_size < cached + new:
+            raise ValueError(f"block_tables[{i}] has {len(table)} blocks of {block_size} "
+                             f"slots, too few for its {cached + new} tokens")
+
+
+def _pad(tables: list[list[int]], device) -> torch.Tensor:
+    # Entries past a sequence's last block are never read; 0 is as good as any block.
+    width = max((len(t) for t in tables), default=1)
+    return torch.tensor([[*t] + [0] * (width - len(t)) for t in tables],
+                        dtype=torch.int32, device=device).reshape(len(tables), width)
+
+
+class PagedAttention(nn.Module):
+    """One layer's attention over the paged cache: store the new K/V, then attend.
+
+    Calls the unchecked ops of ``get_backend(backend, device)`` directly: the metadata
+    is built once per step and is well formed by construction, so the per-op checks of
+    ``minipaged.ops`` would only cost host syncs in every layer.
+    """
+
+    def __init__(self, scale: float, backend: str = "torch") -> None:
+        super().__init__()
+        _check_name(backend)
+        self.scale, self.backend = scale, backend
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
+                attn: AttentionMetadata) -> torch.Tensor:
+        """``query [T, num_heads, D]``, ``key, value [T, num_kv_heads, D]`` ->
+        ``[T, num_heads, D]``; the new keys and values land in ``kv_cache`` first, so
+        every token also sees itself and the tokens before it in the same step."""
+        key_cache, value_cache = kv_cache
+        impl = get_backend(self.backend, key_cache.device)
+        impl.write_kv(key, value, key_cache, value_cache, attn.slot_mapping)
+        n = attn.num_prefill_tokens
+        out = torch.empty_like(query)
+        if n > 0:
+            out[:n] = impl.paged_attention_prefill(
+                query[:n], key_cache, value_cache, attn.prefill_block_tables,
+                attn.prefill_query_start_loc, attn.prefill_context_lens, self.scale,
+                max_query_len=attn.max_prefill_query_len)
+        if n < query.shape[0]:
+            out[n:] = impl.paged_attention_decode(
+                query[n:], key_cache, value_cache, attn.decode_block_tables,
+                attn.decode_context_lens, self.scale,
+                max_context_len=attn.max_decode_context_len)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale:.4g}, backend={self.backend!r}"
+
+
+def check_backend(attention_backend: str, device: torch.device | str) -> None:
+    """Raise now, not at the first step, if ``attention_backend`` cannot run on ``device``:
+    ``ValueError`` for an unknown name, ``BackendUnavailableError`` for a missing one."""
+    _check_name(attention_backend)
+    get_backend(attention_backend, torch.device(device))
+
+
+def _check_name(attention_backend):
+    if attention_backend not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, "
+                         f"got {attention_backend!r}")
+
+
+def head_dim(config) -> int:
+    """Per-head size: ``config.head_dim`` where given (Qwen3-0.6B's is not hidden_size /
+    num_heads), else ``hidden_size // num_attention_heads``, as HF reads it."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def allocate_kv_caches(config_or_model, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed ``(key_cache, value_cache)`` per layer, each ``[num_blocks, block_size,
+    num_kv_heads, head_dim]`` (the layout every backend uses); ``config_or_model`` is an
+    HF config or a model with a ``.config``."""
+    config = getattr(config_or_model, "config", config_or_model)
+    for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    shape = (num_blocks, block_size, config.num_key_value_heads, head_dim(config))
+    return [(torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.num_hidden_layers)]

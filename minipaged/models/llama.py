@@ -1,0 +1,308 @@
+"""The Llama family as Hugging Face defines it, running over the paged KV cache.
+
+Llama, Mistral, Qwen2 and Qwen3 are one decoder-only transformer (pre-norm RMSNorm,
+rotary position embeddings, grouped-query attention, SwiGLU MLP) with small
+differences, each named where it is handled:
+
+- Qwen2 has biases on q/k/v (HF hard-codes them), none on o;
+- Qwen3 normalises every query and key head with an RMSNorm before RoPE;
+- Llama and Qwen3 put biases on q/k/v/o if ``config.attention_bias``, Llama on the MLP
+  if ``config.mlp_bias``;
+- Mistral (and Qwen with ``use_sliding_window``) may have a sliding window: the paged
+  ops attend to the whole context, so a sequence may not grow past the window;
+- ``tie_word_embeddings`` makes the LM head the embedding matrix itself.
+
+The code mirrors HF's ``modeling_llama.py`` operation for operation (the same dtype
+casts, in the same places), so that on the same weights the logits agree to rounding.
+It differs in what serving needs (paper §4): no batch dimension and no padding, since a
+step is one flat batch of the new tokens of many sequences (``AttentionMetadata``); keys
+and values go to the paged cache rather than a per-sequence one; and, as in vLLM,
+q/k/v_proj and gate/up_proj each run as one matmul (``MergedLinear``), which the loader
+fills from HF's separate tensors.  Every other parameter has its HF name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from minipaged.models.attention import AttentionMetadata, PagedAttention, head_dim
+
+__all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+           "MODELS", "ROPE_TYPES", "MergedLinear", "rope_frequencies", "sliding_window"]
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+# The RoPE variants Llama-family configs use.  "longrope" (Phi-3) picks its frequencies
+# per forward pass from the sequence length, which a shared paged cache cannot follow.
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class ArchOptions:
+    """What sets one architecture of the family apart from Llama."""
+
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` (Zhang & Sennrich 2019), as HF's
+    ``LlamaRMSNorm``: normalised in float32, cast back before the scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_frequencies(config) -> tuple[torch.Tensor, float]:
+    """RoPE's inverse frequencies ``[head_dim / 2]`` (float32) and the factor HF scales
+    cos and sin by (YaRN's attention temperature; 1 otherwise), for ``config``'s variant.
+
+    The scaled variants come from transformers' ``ROPE_INIT_FUNCTIONS``, so they match HF
+    exactly.  "dynamic" is evaluated as HF does at start-up, which equals plain RoPE for
+    positions below ``max_position_embeddings``; HF recomputes it per forward pass beyond
+    that, from the longest sequence in its batch, so past that length the two differ.
+    """
+    params = config.rope_parameters
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_parameters['rope_type'] must be one of {ROPE_TYPES}, "
+                         f"got {rope_type!r}")
+    if rope_type != "default":
+        return ROPE_INIT_FUNCTIONS[rope_type](config)
+    # HF keeps plain RoPE on each model class rather than in ROPE_INIT_FUNCTIONS.
+    dim = head_dim(config)
+    return 1.0 / params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim), 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    """cos and sin of ``position * inv_freq`` for each token (RoFormer, Su et al. 2021)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        inv_freq, self.attention_scaling = rope_frequencies(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        """``positions [T]`` -> ``cos, sin [T, head_dim]`` in ``dtype``, computed in float32."""
+        freqs = positions[:, None].float() * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return ((angles.cos() * self.attention_scaling).to(dtype),
+                (angles.sin() * self.attention_scaling).to(dtype))
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]``: HF's layout pairs dimension ``i`` with
+    ``i + head_dim / 2`` (not adjacent pairs as in the paper)."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos[:, None] + torch.cat((-second, first), dim=-1) * sin[:, None]
+
+
+class MergedLinear(nn.Linear):
+    """Projections of the same input stacked by output rows, run as one matmul.
+
+    ``parts`` maps each HF module name (``q_proj``, ``k_proj``, ...) to its number of
+    rows, in order; the loader copies each HF tensor into its rows.  vLLM's
+    ``QKVParallelLinear`` and ``MergedColumnParallelLinear``, without tensor parallelism.
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = parts
+
+    def slices(self) -> dict[str, slice]:
+        """The rows of each part."""
+        out, start = {}, 0
+        for name, rows in self.parts.items():
+            out[name], start = slice(start, start + rows), start + rows
+        return out
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each part's projection of ``x``."""
+        return self(x).split(list(self.parts.values()), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    """GQA self-attention: project, (Qwen3) norm q/k per head, rotate, attend paged."""
+
+    def __init__(self, config, arch: ArchOptions, attention_backend: str) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size,
+                                     {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
+                                     bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=arch.o_bias)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
+        self.attn = PagedAttention(self.head_dim ** -0.5, attention_backend)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, attn: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(hidden)
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        out = self.attn(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, kv_cache, attn)
+        return self.o_proj(out.flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU (Shazeer 2020): ``down(act(gate(x)) * up(x))``, act being SiLU here."""
+
+    def __init__(self, config, bias: bool) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size,
+                                         {"gate_proj": size, "up_proj": size}, bias=bias)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(x)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config, arch: ArchOptions, attention_backend: str) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, arch, attention_backend)
+        self.mlp = LlamaMLP(config, arch.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, attn: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def sliding_window(config) -> int | None:
+    """The attention window HF applies to some layer of ``config``, or None.
+
+    Mistral slides every layer when ``sliding_window`` is set; Qwen2/3 only the layers
+    ``layer_types`` marks, and leave ``sliding_window`` None unless ``use_sliding_window``.
+    """
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm: token ids -> last hidden states."""
+
+    def __init__(self, config, arch: ArchOptions, attention_backend: str) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, arch, attention_backend)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.sliding_window = sliding_window(config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], attn: AttentionMetadata) -> torch.Tensor:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"kv_caches must hold one (key_cache, value_cache) pair per "
+                             f"layer ({len(self.layers)}), got {len(kv_caches)}")
+        self._check_window(positions)
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, kv_cache, attn)
+        return self.norm(hidden)
+
+    def _check_window(self, positions: torch.Tensor) -> None:
+        # Within the window HF's sliding mask hides nothing, so full attention is exact;
+        # past it the paged ops would attend to tokens HF masks.  (A host sync, paid only
+        # by sliding-window models.)
+        if self.sliding_window is None or positions.numel() == 0:
+            return
+        longest = int(positions.max()) + 1
+        if longest > self.sliding_window:
+            raise ValueError(f"a sequence of {longest} tokens exceeds the model's sliding "
+                             f"window of {self.sliding_window}, which minipaged does not "
+                             "implement; keep sequences within it")
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama (and the base of the family): a decoder and an LM head.
+
+    ``model(input_ids [T], positions [T], kv_caches, attn) -> hidden [T, hidden_size]``
+    runs one step; ``compute_logits(hidden [N, hidden_size]) -> [N, vocab] float32`` is
+    separate so the engine projects only the rows it samples from.
+    """
+
+    def __init__(self, config, attention_backend: str = "torch") -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.arch_options(config), attention_backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            # One parameter under two names, as in HF; checkpoints store it once.
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def arch_options(cls, config) -> ArchOptions:
+        """Llama's: biases where the config asks for them, no q/k norm."""
+        bias = getattr(config, "attention_bias", False)
+        return ArchOptions(qkv_bias=bias, o_bias=bias,
+                           mlp_bias=getattr(config, "mlp_bias", False), qk_norm=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], attn: AttentionMetadata) -> torch.Tensor:
+        """Run the step's tokens, writing their K/V to ``kv_caches`` (one pair per layer);
+        returns the final hidden state of every token."""
+        return self.model(input_ids, positions, kv_caches, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size] -> [N, vocab_size]`` float32 (projected in the model dtype,
+        as HF does, then widened for sampling)."""
+        return self.lm_head(hidden).float()
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama's layers without biases; its sliding window is checked, not applied."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: biases on q/k/v whatever the config says (HF hard-codes them), none on o."""
+
+    @classmethod
+    def arch_options(cls, config) -> ArchOptions:
+        return replace(super().arch_options(config), qkv_bias=True, o_bias=False)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: an RMSNorm over each query and key head before RoPE (``q_norm``, ``k_norm``)."""
+
+    @classmethod
+    def arch_options(cls, config) -> ArchOptions:
+        return replace(super().arch_options(config), qk_norm=True)
+
+
+# config.architectures[0] -> class, for the loader.
+MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM,
+                                        Qwen2ForCausalLM, Qwen3ForCausalLM)}
