@@ -20,6 +20,14 @@ def pool_state(pool):
     return (list(pool._free), [pool.ref_count(b) for b in range(pool.num_blocks)])
 
 
+def forked(num_blocks, num_tokens, bs=4):
+    """A pool, a table holding tokens ``0 .. num_tokens - 1``, and a fork of it."""
+    pool = BlockAllocator(num_blocks)
+    parent = BlockTable(bs, pool)
+    parent.append_tokens(list(range(num_tokens)))
+    return pool, parent, parent.fork()
+
+
 # -- block-table level ------------------------------------------------------------------
 
 def test_fork_shares_every_block_and_allocates_nothing():
@@ -47,10 +55,7 @@ def test_fork_of_an_empty_table():
 
 def test_append_into_a_shared_partial_block_copies_it_first():
     bs = 4
-    pool = BlockAllocator(8)
-    parent = BlockTable(bs, pool)
-    parent.append_tokens(list(range(6)))  # blocks: [full, 2 of 4]
-    child = parent.fork()
+    pool, parent, child = forked(8, 6, bs)  # blocks: [full, 2 of 4]
     p_blocks, p_tokens = list(parent.blocks), list(parent.token_ids)
     shared_last = parent.blocks[-1]
     assert child.num_blocks_needed(1) == 1  # the copy, no new block
@@ -73,10 +78,7 @@ def test_append_into_a_shared_partial_block_copies_it_first():
 
 def test_append_when_the_shared_last_block_is_full_needs_no_copy():
     bs = 4
-    pool = BlockAllocator(8)
-    parent = BlockTable(bs, pool)
-    parent.append_tokens(list(range(8)))  # two full blocks
-    child = parent.fork()
+    pool, parent, child = forked(8, 8, bs)  # two full blocks
     assert child.num_blocks_needed(1) == 1  # a fresh block, no copy
     slots, copies = child.append_tokens([50, 51])
     assert copies == []
@@ -89,10 +91,7 @@ def test_append_when_the_shared_last_block_is_full_needs_no_copy():
 
 def test_cow_then_crossing_into_new_blocks_counts_both():
     bs = 4
-    pool = BlockAllocator(10)
-    parent = BlockTable(bs, pool)
-    parent.append_tokens(list(range(5)))  # [full, 1 of 4]
-    child = parent.fork()
+    pool, parent, child = forked(10, 5, bs)  # [full, 1 of 4]
     # 9 new tokens: 3 fill the copied last block, 6 need two fresh blocks; +1 copy.
     assert child.num_blocks_needed(9) == 3
     free_before = pool.num_free_blocks
@@ -104,10 +103,7 @@ def test_cow_then_crossing_into_new_blocks_counts_both():
 
 def test_cow_without_a_free_block_raises_and_changes_nothing():
     bs = 4
-    pool = BlockAllocator(2)
-    parent = BlockTable(bs, pool)
-    parent.append_tokens(list(range(6)))  # uses both blocks
-    child = parent.fork()
+    pool, parent, child = forked(2, 6, bs)  # uses both blocks
     before = (list(parent.blocks), list(child.blocks), list(child.token_ids), pool_state(pool))
     with pytest.raises(NoFreeBlocksError):
         child.append_tokens([1])  # would fit in the partial block, but it is shared
@@ -145,10 +141,7 @@ def test_three_holders_copy_until_one_is_left():
 
 
 def test_freeing_the_parent_leaves_the_child_intact():
-    pool = BlockAllocator(6)
-    parent = BlockTable(4, pool)
-    parent.append_tokens(list(range(6)))
-    child = parent.fork()
+    pool, parent, child = forked(6, 6)
     blocks = list(child.blocks)
     parent.free()
     assert child.blocks == blocks and all(pool.ref_count(b) == 1 for b in blocks)
