@@ -11,6 +11,7 @@ check exactly what the GPU runs.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -162,6 +163,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@functools.cache  # asked on every decode launch; the answer never changes
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
