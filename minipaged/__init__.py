@@ -9,14 +9,26 @@ Large Language Model Serving with PagedAttention" (SOSP 2023).  The layers, bott
 - ``minipaged.models`` - model code and the tiny seeded checkpoints tests use;
 - ``minipaged.sampling_params`` and ``minipaged.sampler`` - what a request asks for, and
   how the next token is drawn from the logits;
+- ``minipaged.sequence``, ``minipaged.scheduler`` - requests and which of their tokens
+  run each step (standard library only);
+- ``minipaged.cache_engine``, ``minipaged.model_runner``, ``minipaged.engine`` and
+  ``minipaged.llm`` - the KV tensors, the forward pass, the step loop and the ``LLM`` API;
 - ``minipaged.viz`` and ``minipaged.workloads`` - pictures and synthetic requests for the
   lessons and benchmarks.
 
 Importing the package imports only ``SamplingParams`` and ``BeamSearchParams`` (standard
-library only), so ``minipaged.memory`` stays torch-free.
+library only), so ``minipaged.memory`` stays torch-free; ``LLM`` (torch, transformers)
+is imported on first use.
 """
 
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["BeamSearchParams", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "SamplingParams"]
+
+
+def __getattr__(name):  # PEP 562: `from minipaged import LLM` loads the engine then
+    if name == "LLM":
+        from minipaged.llm import LLM
+        return LLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 __version__ = "0.1.0"

@@ -78,9 +78,13 @@ class KVCacheManager:
 
     def can_allocate(self, prompt_token_ids: list[int], num_new_tokens: int | None = None) -> bool:
         """Would `allocate()` find the blocks it needs right now?"""
+        return self.blocks_to_allocate(prompt_token_ids, num_new_tokens) <= self.gpu.num_free_blocks
+
+    def blocks_to_allocate(self, prompt_token_ids: list[int],
+                           num_new_tokens: int | None = None) -> int:
+        """Free blocks `allocate()` would take (a scheduler sums them over a group)."""
         entries, end = self._plan(prompt_token_ids, num_new_tokens)
-        needed = self._blocks_needed(entries, end - len(entries) * self.block_size)
-        return needed <= self.gpu.num_free_blocks
+        return self._blocks_needed(entries, end - len(entries) * self.block_size)
 
     def allocate(self, seq_id: str, prompt_token_ids: list[int],
                  num_new_tokens: int | None = None) -> Allocation:
@@ -134,6 +138,12 @@ class KVCacheManager:
             return False
         return table.num_blocks_needed(num_new_tokens) <= self.gpu.num_free_blocks
 
+    def blocks_to_append(self, seq_id: str, num_new_tokens: int = 1) -> int:
+        """Free blocks `append()` would take, copy-on-write included.  Summed over the
+        forks of a group this may count one copy too many (the last sharer of a block
+        writes in place), which errs on the safe side."""
+        return self._table(seq_id).num_blocks_needed(num_new_tokens)
+
     def append(self, seq_id: str, token_ids: list[int]) -> Allocation:
         """Slots for a running sequence's next tokens (a decode token or a prefill chunk)."""
         table = self._table(seq_id)
@@ -169,6 +179,9 @@ class KVCacheManager:
     def can_swap_in(self, seq_ids: list[str]) -> bool:
         return len(self._distinct_blocks(seq_ids, self.cpu)) <= self.gpu.num_free_blocks
 
+    def can_swap_out(self, seq_ids: list[str]) -> bool:
+        return len(self._distinct_blocks(seq_ids, self.gpu)) <= self.cpu.num_free_blocks
+
     def _distinct_blocks(self, seq_ids: list[str], pool: BlockAllocator) -> list[int]:
         tables = [self._table(s) for s in seq_ids]
         if any(t.allocator is not pool for t in tables):
@@ -194,6 +207,22 @@ class KVCacheManager:
         for new_block in mapping.values():
             dst.free(new_block)  # drop the reference allocate() gave; the tables hold theirs
         return list(mapping.items())
+
+    def usage(self) -> dict[str, int]:
+        """Where the GPU pool's slots go right now (paper §3's accounting, for sharing):
+        blocks held, blocks held by more than one sequence, slots holding a token (each
+        block counted once, however many sequences share it) and reserved-but-empty slots."""
+        filled: dict[int, int] = {}
+        for table in self.tables.values():
+            if table.allocator is not self.gpu:
+                continue
+            for i, block in enumerate(table.blocks):
+                in_block = min(self.block_size, table.num_tokens - i * self.block_size)
+                filled[block] = max(filled.get(block, 0), in_block)
+        shared = sum(self.gpu.ref_count(b) > 1 for b in filled)
+        tokens = sum(filled.values())
+        return {"num_used_gpu_blocks": len(filled), "num_shared_gpu_blocks": shared,
+                "num_kv_tokens": tokens, "num_wasted_slots": len(filled) * self.block_size - tokens}
 
     def stats(self) -> dict[str, float]:
         hit_rate = self.gpu.hit_rate if self.prefix_caching else 0.0

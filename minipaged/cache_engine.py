@@ -1,0 +1,65 @@
+"""The cache engine: the KV cache tensors, and the block operations the scheduler orders
+(paper §4.3, §4.4, §4.5).
+
+It owns two pools of the same layout, per layer a ``(key_cache, value_cache)`` pair of
+``[num_blocks, block_size, num_kv_heads, head_dim]``: the GPU pool the model reads and
+writes, and a CPU pool that swapped-out blocks wait in.  The memory layer hands out block
+ids; this is where a block id becomes bytes.  Each step it runs the step's operations in
+the order the KV cache manager's contract gives (swap out, swap in, copy-on-write), each
+as one batched gather/scatter per layer rather than one copy per block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minipaged.models.attention import allocate_kv_caches, head_dim
+from minipaged.scheduler import SchedulerOutput
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+GIB = 1 << 30
+
+
+def block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes over all layers: keys and values of ``block_size`` tokens."""
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config)
+    return per_token * block_size * dtype.itemsize
+
+
+class CacheEngine:
+    """The GPU and CPU KV pools of one model."""
+
+    def __init__(self, config, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.gpu_cache: KVCaches = allocate_kv_caches(config, num_gpu_blocks, block_size,
+                                                      dtype, device)
+        # Uninitialised: a CPU block is only ever read after a swap-out wrote it, and
+        # untouched pages of a large pool cost no memory.  Pinned, so copies to and
+        # from the GPU run at full bus speed.
+        shape = (num_cpu_blocks, *self.gpu_cache[0][0].shape[1:])
+        pin = device.type == "cuda"
+        self.cpu_cache: KVCaches = [
+            (torch.empty(shape, dtype=dtype, pin_memory=pin),
+             torch.empty(shape, dtype=dtype, pin_memory=pin))
+            for _ in range(config.num_hidden_layers)]
+
+    def execute(self, out: SchedulerOutput) -> None:
+        """Run a step's block operations, in the contract's order."""
+        if out.swap_out:
+            _copy_blocks(self.gpu_cache, self.cpu_cache, out.swap_out)
+        if out.swap_in:
+            _copy_blocks(self.cpu_cache, self.gpu_cache, out.swap_in)
+        if out.copies:
+            _copy_blocks(self.gpu_cache, self.gpu_cache, out.copies)
+
+
+def _copy_blocks(src: KVCaches, dst: KVCaches, pairs: list[tuple[int, int]]) -> None:
+    """``dst[d] = src[s]`` for every ``(s, d)`` pair, in every layer, keys and values."""
+    src_device, dst_device = src[0][0].device, dst[0][0].device
+    src_ids = torch.tensor([s for s, _ in pairs], device=src_device)
+    dst_ids = torch.tensor([d for _, d in pairs], device=dst_device)
+    for src_layer, dst_layer in zip(src, dst):
+        for src_cache, dst_cache in zip(src_layer, dst_layer):
+            # The gather finishes before the scatter, so overlapping pairs are safe.  A
+            # blocking copy: the CPU side must not read a device-to-host copy in flight.
+            dst_cache[dst_ids] = src_cache[src_ids].to(dst_device)

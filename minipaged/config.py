@@ -1,0 +1,108 @@
+"""The engine's settings: `LLM`'s keyword arguments, checked once, with vLLM's names.
+
+``EngineConfig`` validates what it can on its own (types and ranges) and raises
+``ValueError`` naming the argument; settings that depend on the model or the machine
+(``max_model_len`` against the checkpoint, ``"auto"`` device, dtype and backend) are
+resolved by the engine when it loads the model.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from minipaged.scheduler import PREEMPTION_MODES
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda")
+DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class EngineConfig:
+    """Everything `LLM` takes besides the model path's contents.
+
+    Args:
+        model: a local Hugging Face checkpoint directory.
+        device: ``"auto"`` (CUDA if available), ``"cuda"`` or ``"cpu"``.
+        dtype: ``"auto"`` (the checkpoint's), ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        block_size: token slots per KV block (§4.2).
+        num_gpu_blocks: the KV pool's size in blocks; None sizes it from
+            ``gpu_memory_utilization`` on CUDA (after a profiling step), or from
+            ``cpu_kv_space`` GiB on the CPU.
+        gpu_memory_utilization: the share of GPU memory the engine may fill, weights,
+            activations and KV cache together.
+        swap_space: GiB of CPU memory for the swap pool (§4.5).
+        preemption_mode: ``"recompute"`` or ``"swap"``.
+        enable_prefix_caching: reuse the KV of cached full prompt blocks (§4.4).
+        max_num_seqs: the most sequences in one step.
+        max_num_batched_tokens: the most new tokens in one step; longer prompts are
+            chunked.  None: ``max(2048, max_num_seqs)``.
+        max_model_len: the longest sequence (prompt + output); None: the model's limit.
+        attention_backend: ``"auto"`` (the fastest available), ``"torch"``, ``"triton"``
+            or ``"cuda"``.
+        seed: seeds the random stream of requests without a seed of their own.
+        trace: record an event trace (`minipaged.trace`).
+        cpu_kv_space: GiB of KV pool on the CPU when ``num_gpu_blocks`` is None (vLLM's
+            ``VLLM_CPU_KVCACHE_SPACE``).
+    """
+
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 4
+    preemption_mode: str = "recompute"
+    enable_prefix_caching: bool = False
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    attention_backend: str = "auto"
+    seed: int = 0
+    trace: bool = False
+    cpu_kv_space: float = 1
+
+    def __post_init__(self) -> None:
+        _choice("device", self.device, DEVICES)
+        _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _positive_int("block_size", self.block_size)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        for name in ("num_gpu_blocks", "max_model_len", "max_num_batched_tokens"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Otherwise the running sequences' decodes alone could exceed a step's budget.
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                             f">= max_num_seqs ({self.max_num_seqs})")
+        _number("gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]",
+                lambda x: 0 < x <= 1)
+        _number("swap_space", self.swap_space, ">= 0", lambda x: x >= 0)
+        _number("cpu_kv_space", self.cpu_kv_space, "> 0", lambda x: x > 0)
+        for name in ("enable_prefix_caching", "trace"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+
+
+def _choice(name, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _positive_int(name, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _number(name, value, rule, ok) -> None:
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not math.isfinite(value) or not ok(value)):
+        raise ValueError(f"{name} must be a number {rule}, got {value!r}")

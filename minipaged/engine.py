@@ -1,0 +1,375 @@
+"""The engine: requests in, one step at a time, finished requests out (paper §4, §4.5).
+
+One `LLMEngine.step()` is the whole serving loop, once:
+
+    schedule -> execute -> sample -> update
+
+- **schedule**: the `Scheduler` picks this step's tokens and the block operations they
+  need (swap out, swap in, copy-on-write), preempting if the pool is short;
+- **execute**: the `CacheEngine` runs those block operations, then the `ModelRunner`
+  runs one forward pass over the batch;
+- **sample**: the sampler picks each finished sequence's next token (beam search ranks
+  candidates instead);
+- **update**: new tokens are appended, stop conditions checked, finished sequences'
+  blocks freed, and sequences forked where a request branches: ``n`` > 1 completions
+  after their shared prompt, beams that keep more than one child (§4.4).
+
+Everything about memory is the scheduler's (and, under it, the KV cache manager's); the
+engine only ever asks it to fork or free a sequence, so the event trace sees every
+block operation.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from minipaged.cache_engine import GIB, CacheEngine, block_bytes
+from minipaged.config import EngineConfig
+from minipaged.memory import KVCacheManager
+from minipaged.memory.block_table import blocks_for
+from minipaged.model_runner import ModelRunner
+from minipaged.models.llama import sliding_window
+from minipaged.models.loader import load_model
+from minipaged.ops import BackendUnavailableError, get_backend
+from minipaged.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput,
+                               RequestOutput)
+from minipaged.sampler import beam_candidates, make_generator, sample
+from minipaged.sampling_params import BeamSearchParams, SamplingParams
+from minipaged.scheduler import ScheduledSeq, Scheduler
+from minipaged.sequence import Sequence, SequenceGroup
+from minipaged.trace import Trace
+
+Params = SamplingParams | BeamSearchParams
+Output = RequestOutput | BeamSearchOutput
+
+
+class LLMEngine:
+    """A model, its KV cache pools, a scheduler over them, and the step loop."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        path = Path(config.model)
+        self.attention_backend = resolve_backend(config.attention_backend, self.device)
+        self.model = load_model(path, config.dtype, self.device, self.attention_backend)
+        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.eos_token_ids = eos_token_ids(path, self.model.config, self.tokenizer)
+        self.max_model_len = resolve_max_model_len(config.max_model_len, self.model.config)
+        self.vocab_size = self.model.config.vocab_size
+        self.runner = ModelRunner(self.model, config.block_size, self.device)
+        dtype = self.model.model.embed_tokens.weight.dtype
+        per_block = block_bytes(self.model.config, config.block_size, dtype)
+        num_gpu_blocks = config.num_gpu_blocks or self._auto_num_gpu_blocks(per_block)
+        num_cpu_blocks = int(config.swap_space * GIB // per_block)
+        self.cache_engine = CacheEngine(self.model.config, num_gpu_blocks, num_cpu_blocks,
+                                        config.block_size, dtype, self.device)
+        self.kv = KVCacheManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
+                                 config.enable_prefix_caching)
+        self.trace = Trace(config.trace)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.preemption_mode, self.trace)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.requests: dict[str, SequenceGroup] = {}
+        self._arrivals = itertools.count()
+        self.num_steps = 0
+
+    # -- requests ---------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Params,
+                    prompt: str | None = None) -> None:
+        """Queue a request.  Raises ``ValueError`` (changing nothing) if it is malformed
+        or could never fit the KV pool."""
+        self.check_request(request_id, prompt_token_ids, params)
+        group = SequenceGroup(request_id, prompt, list(prompt_token_ids), params,
+                              next(self._arrivals))
+        wants_logprobs = getattr(params, "logprobs", None) is not None
+        group.seqs.append(Sequence(f"{request_id}.0", list(prompt_token_ids),
+                                   len(prompt_token_ids), logprobs=[] if wants_logprobs else None,
+                                   generator=self._generator(params, 0)))
+        self.requests[request_id] = group
+        self.scheduler.add(group)
+
+    def check_request(self, request_id: str, prompt_token_ids: list[int], params: Params) -> None:
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise ValueError(f"params must be SamplingParams or BeamSearchParams, "
+                             f"got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty (it has no tokens)")
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int)
+                    or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids must be ints in [0, {self.vocab_size}), "
+                             f"got {bad!r}")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens, more than "
+                             f"max_model_len={self.max_model_len}")
+        name = "beam_width" if isinstance(params, BeamSearchParams) else "n"
+        width = getattr(params, name)
+        if width > self.config.max_num_seqs:
+            raise ValueError(f"{name}={width} is more than max_num_seqs="
+                             f"{self.config.max_num_seqs} can ever run at once")
+        # All-or-nothing preemption must be able to make room for any one request alone.
+        longest = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        needed = width * blocks_for(longest, self.config.block_size)
+        if needed > self.kv.gpu.num_blocks:
+            raise ValueError(f"max_tokens={params.max_tokens} with {name}={width} may need "
+                             f"{needed} KV blocks, more than the pool's {self.kv.gpu.num_blocks}"
+                             " (num_gpu_blocks)")
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks (between steps)."""
+        group = self.scheduler.abort(request_id)
+        if group is not None:
+            del self.requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------
+    def step(self) -> list[Output]:
+        """One iteration of the serving loop; returns the requests that finished in it."""
+        self.trace.step = self.num_steps
+        batch = self.scheduler.schedule()
+        self.cache_engine.execute(batch)
+        sampling, logits = self.runner.execute(batch.seqs, self.cache_engine.gpu_cache)
+        if sampling:
+            self._update(sampling, logits)
+        self.num_steps += 1
+        groups = dict.fromkeys(s.group for s in batch.seqs)
+        return [self._finish(g) for g in groups if g.is_finished]
+
+    def _update(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> None:
+        plain = [i for i, s in enumerate(sampling) if not s.group.is_beam_search]
+        beams = [i for i, s in enumerate(sampling) if s.group.is_beam_search]
+        if plain:
+            self._sample(sampling, logits, plain)
+        if beams:
+            self._rank_beams(sampling, logits, beams)
+
+    def _sample(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
+                rows: list[int]) -> None:
+        """Draw one token per sequence; a prompt with ``n`` > 1 first forks into ``n``
+        sequences, all drawing from its one row of logits."""
+        targets = []
+        for i in rows:
+            group, seq = sampling[i].group, sampling[i].seq
+            seqs = [seq]
+            if group.params.n > 1 and len(group.seqs) == 1:
+                seqs += [self._fork(group, seq) for _ in range(group.params.n - 1)]
+            targets += [(i, group, s) for s in seqs]
+        out = sample(logits[[i for i, _, _ in targets]], [g.params for _, g, _ in targets],
+                     [s.generator for _, _, s in targets], self.generator)
+        for j, (_, group, seq) in enumerate(targets):
+            seq.append_token(out.token_ids[j], out.logprobs[j])
+            if seq.logprobs is not None:
+                seq.logprobs.append(out.top_logprobs[j])
+            self._check_stop(group, seq)
+
+    def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+        child = self.scheduler.fork(group, parent)
+        child.generator = self._generator(group.params, child.index)
+        return child
+
+    def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
+        params, token = group.params, seq.token_ids[-1]
+        if not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif params.stop and (hit := self._stop_string(seq, params.stop)):
+            seq.finish_reason, seq.stop_reason = "stop", hit
+        elif seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            seq.finish_reason = "length"
+        else:
+            return
+        self.scheduler.free_seq(group, seq)
+
+    def _stop_string(self, seq: Sequence, stops: list[str]) -> str | None:
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        return next((s for s in stops if s in text), None)
+
+    # -- beam search (§4.4) -----------------------------------------------------------
+    def _rank_beams(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
+                    rows: list[int]) -> None:
+        width = max(sampling[i].group.params.beam_width for i in rows)
+        top = beam_candidates(logits[rows], width)
+        ids, logprobs = top.token_ids.tolist(), top.logprobs.tolist()
+        groups = {}
+        for j, i in enumerate(rows):
+            s = sampling[i]
+            k = 2 * s.group.params.beam_width
+            s.seq.beam_candidates = list(zip(ids[j][:k], logprobs[j][:k]))
+            groups[id(s.group)] = s.group
+        for group in groups.values():
+            # After a recompute, beams may finish their prompts in different steps.
+            if all(b.beam_candidates is not None for b in group.unfinished_seqs):
+                self._extend_beams(group)
+
+    def _extend_beams(self, group: SequenceGroup) -> None:
+        """Keep the ``beam_width`` best extensions of all beams; a beam kept more than
+        once forks (sharing its blocks), a beam not kept is freed.  Extensions ending in
+        EOS are set aside as finished candidates, as vLLM's ``beam_search`` does."""
+        params = group.params
+        live, eos = [], set() if params.ignore_eos else self.eos_token_ids
+        for beam in group.unfinished_seqs:
+            for token, logprob in beam.beam_candidates:
+                score = beam.cumulative_logprob + logprob
+                if token in eos:
+                    group.completed_beams.append((beam.token_ids + [token], score))
+                else:
+                    live.append((score, beam, token, logprob))
+            beam.beam_candidates = None
+        live.sort(key=lambda c: -c[0])
+        children = defaultdict(list)
+        for _, beam, token, logprob in live[:params.beam_width]:
+            children[beam].append((token, logprob))
+        for beam in group.unfinished_seqs:
+            if beam not in children:
+                self.scheduler.free_seq(group, beam)
+                group.seqs.remove(beam)
+                continue
+            first, *rest = children[beam]
+            for token, logprob in rest:  # fork before the parent grows
+                self.scheduler.fork(group, beam).append_token(token, logprob)
+            beam.append_token(*first)
+        self._maybe_finish_beams(group)
+
+    def _maybe_finish_beams(self, group: SequenceGroup) -> None:
+        beams = group.unfinished_seqs
+        if beams and (beams[0].num_output_tokens < group.params.max_tokens
+                      and len(beams[0].token_ids) < self.max_model_len):
+            return
+        for beam in beams:
+            group.completed_beams.append((list(beam.token_ids), beam.cumulative_logprob))
+            self.scheduler.free_seq(group, beam)
+            beam.finish_reason = "length"
+
+    # -- outputs ----------------------------------------------------------------------
+    def _finish(self, group: SequenceGroup) -> Output:
+        del self.requests[group.request_id]
+        self.scheduler.retire(group)
+        self.trace.record("finish", group.request_id)
+        if group.is_beam_search:
+            return self._beam_output(group)
+        return self.request_output(group)
+
+    def request_output(self, group: SequenceGroup) -> RequestOutput:
+        completions = [self._completion(s) for s in sorted(group.seqs, key=lambda s: s.index)]
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
+                             group.is_finished)
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        tokens = seq.output_token_ids
+        text_tokens = tokens[:-1] if isinstance(seq.stop_reason, int) else tokens
+        text = self.tokenizer.decode(text_tokens, skip_special_tokens=True)
+        if isinstance(seq.stop_reason, str):
+            text = text[:text.find(seq.stop_reason)]
+        return CompletionOutput(seq.index, text, list(tokens), seq.cumulative_logprob,
+                                seq.logprobs, seq.finish_reason, seq.stop_reason)
+
+    def _beam_output(self, group: SequenceGroup) -> BeamSearchOutput:
+        params, prompt_len = group.params, len(group.prompt_token_ids)
+        eos = set() if params.ignore_eos else self.eos_token_ids
+
+        def score(beam):  # vLLM's get_beam_search_score: a final EOS is not counted
+            tokens, cum = beam
+            length = len(tokens) - (tokens[-1] in eos)
+            return cum / length ** params.length_penalty
+
+        best = sorted(group.completed_beams, key=score, reverse=True)[:params.beam_width]
+        sequences = []
+        for tokens, cum in best:
+            generated = tokens[prompt_len:-1] if tokens[-1] in eos else tokens[prompt_len:]
+            sequences.append(BeamSearchSequence(tokens, self.tokenizer.decode(generated), cum))
+        return BeamSearchOutput(group.request_id, sequences)
+
+    # -- memory -----------------------------------------------------------------------
+    def _generator(self, params: Params, index: int) -> torch.Generator | None:
+        """Completion ``index`` of a seeded request draws from ``seed + index`` (vLLM)."""
+        seed = getattr(params, "seed", None)
+        return None if seed is None else make_generator(seed + index, self.device)
+
+    def _auto_num_gpu_blocks(self, per_block: int) -> int:
+        config = self.config
+        if self.device.type == "cuda":
+            budget = self.runner.kv_memory_budget(config.gpu_memory_utilization,
+                                                  config.max_num_batched_tokens,
+                                                  self.max_model_len)
+            num_blocks = int(budget // per_block)
+            if num_blocks < 1:
+                raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} "
+                                 "leaves no GPU memory for the KV cache after the weights "
+                                 "and a full step's activations")
+            return num_blocks
+        # On a CPU: a fixed KV space, no more than max_num_seqs full-length sequences use.
+        most = config.max_num_seqs * blocks_for(self.max_model_len, config.block_size)
+        return max(1, min(int(config.cpu_kv_space * GIB // per_block), most))
+
+    def stats(self) -> dict[str, float]:
+        """The pools, the queues and the counters (design.md's ``stats()`` contract)."""
+        return {
+            **self.kv.stats(), **self.kv.usage(),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_swapped": len(self.scheduler.swapped),
+            "num_steps": self.num_steps,
+        }
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """``"auto"``: the fastest backend that runs on ``device`` (Triton on a GPU, the
+    torch reference on a CPU, where Triton would only be interpreted)."""
+    if name != "auto":
+        return name
+    candidates = ("triton", "cuda", "torch") if device.type == "cuda" else ("torch",)
+    for candidate in candidates:
+        try:
+            get_backend(candidate, device)
+        except BackendUnavailableError:
+            continue
+        return candidate
+    return "torch"
+
+
+def resolve_max_model_len(max_model_len: int | None, config) -> int:
+    """The longest sequence: the model's positions, or its sliding window (which
+    minipaged does not implement), or less if asked."""
+    limit = config.max_position_embeddings
+    window = sliding_window(config)
+    limit = min(limit, window) if window else limit
+    if max_model_len is None:
+        return limit
+    if max_model_len > limit:
+        raise ValueError(f"max_model_len={max_model_len} is more than the model's "
+                         f"{limit} positions")
+    return max_model_len
+
+
+def eos_token_ids(path: Path, config, tokenizer) -> set[int]:
+    """The ids that end a sequence, where Hugging Face ``generate`` finds them:
+    ``generation_config.json``, else ``config.json``, else the tokenizer."""
+    eos = None
+    if (path / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple)) else {eos}

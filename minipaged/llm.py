@@ -1,0 +1,112 @@
+"""``LLM``: offline batched generation, with vLLM's names (design.md's Python API).
+
+    from minipaged import LLM, SamplingParams
+    llm = LLM(model="path/to/hf_dir")
+    outputs = llm.generate(["Hello", "The capital of"], SamplingParams(max_tokens=8))
+
+`LLM` tokenizes prompts, checks every request before queueing any (so a bad one changes
+nothing), hands them to an `LLMEngine` and steps it until they are all done, with a
+progress bar.  Everything else happens in the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from minipaged.config import EngineConfig
+from minipaged.engine import LLMEngine, Output
+from minipaged.outputs import BeamSearchOutput, RequestOutput
+from minipaged.sampling_params import BeamSearchParams, SamplingParams
+
+Prompt = str | dict
+
+
+class LLM:
+    """A model served by minipaged's engine.  Keyword arguments: `EngineConfig`'s."""
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt; outputs in prompt order.
+
+        ``prompts``: a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}``, or a
+        list of those.  ``sampling_params``: one for all prompts, or one per prompt
+        (default ``SamplingParams()``).
+        """
+        prompts = _as_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = _per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
+        return self._run(prompts, params, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """The ``beam_width`` most likely continuations of every prompt (§4.4): beams are
+        forked sequences sharing their common prefix's blocks."""
+        prompts = _as_list(prompts)
+        return self._run(prompts, _per_prompt(params, len(prompts), BeamSearchParams, "params"),
+                         use_tqdm)
+
+    def stats(self) -> dict[str, float]:
+        """The engine's memory and scheduling counters (`LLMEngine.stats`)."""
+        return self.engine.stats()
+
+    def _run(self, prompts: list[Prompt], params: list, use_tqdm: bool) -> list[Output]:
+        requests = [(str(next(self._request_ids)), *self._tokenize(p), sp)
+                    for p, sp in zip(prompts, params)]
+        for request_id, token_ids, _, sp in requests:  # all checked before any is queued
+            self.engine.check_request(request_id, token_ids, sp)
+        for request_id, token_ids, text, sp in requests:
+            self.engine.add_request(request_id, token_ids, sp, prompt=text)
+        done: dict[str, Output] = {}
+        try:
+            with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm,
+                      dynamic_ncols=True) as bar:
+                while len(done) < len(requests):
+                    for output in self.engine.step():
+                        done[output.request_id] = output
+                        bar.update(1)
+        finally:  # an interrupted run leaves no request (and no block) behind
+            for request_id, *_ in requests:
+                if request_id not in done:
+                    self.engine.abort_request(request_id)
+        return [done[request_id] for request_id, *_ in requests]
+
+    def _tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            return self.engine.tokenizer.encode(prompt), prompt
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return self._tokenize(prompt["prompt"])
+        raise ValueError(f"prompt must be a str, {{'prompt': str}} or "
+                         f"{{'prompt_token_ids': [...]}}, got {prompt!r:.80}")
+
+
+def _as_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    return prompts
+
+
+def _per_prompt(params, count: int, cls, name: str) -> list:
+    if isinstance(params, cls):
+        return [params] * count
+    params = list(params) if isinstance(params, (list, tuple)) else [params]
+    if len(params) != count or not all(isinstance(p, cls) for p in params):
+        raise ValueError(f"{name} must be one {cls.__name__} or a list of {count} "
+                         f"(one per prompt), got {params!r:.80}")
+    return params

@@ -1,0 +1,87 @@
+"""The model runner: one scheduled batch in, the logits of the sequences that sample out.
+
+A step is one forward pass over a flat batch of tokens, no padding: each scheduled
+sequence contributes its new tokens (a prompt, a chunk of one, or one decode token) at
+their positions, and `AttentionMetadata` tells every layer where their keys and values
+go and what they attend to (paper §4.3).  Only the last token of a sequence that reached
+its end is projected to logits; a chunk that stops mid-prompt samples nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minipaged.models.attention import AttentionMetadata, allocate_kv_caches, token_positions
+from minipaged.scheduler import ScheduledSeq
+
+
+class ModelRunner:
+    def __init__(self, model, block_size: int, device: torch.device) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[ScheduledSeq],
+                kv_caches) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
+        """Run ``seqs``; returns those that sample, and their logits ``[N, vocab]``."""
+        if not seqs:
+            return [], None
+        # Prefills first: the trailing run of one-token sequences goes to the decode op.
+        seqs = sorted(seqs, key=lambda s: s.num_new_tokens == 1)
+        starts = [s.start for s in seqs]
+        counts = [s.num_new_tokens for s in seqs]
+        attn = AttentionMetadata.build([s.block_table for s in seqs], starts, counts,
+                                       self.block_size, self.device)
+        input_ids = torch.tensor([t for s in seqs for t in s.seq.token_ids[s.start:s.start
+                                                                            + s.num_new_tokens]],
+                                 dtype=torch.long, device=self.device)
+        positions = token_positions(starts, counts, self.device)
+        hidden = self.model(input_ids, positions, kv_caches, attn)
+        sampling, last_rows, end = [], [], 0
+        for s in seqs:
+            end += s.num_new_tokens
+            if s.samples:
+                sampling.append(s)
+                last_rows.append(end - 1)
+        if not sampling:
+            return [], None
+        rows = torch.tensor(last_rows, device=self.device)
+        return sampling, self.model.compute_logits(hidden[rows])
+
+    @torch.inference_mode()
+    def kv_memory_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
+                         max_model_len: int) -> int:
+        """Bytes of GPU memory left for KV blocks (vLLM's memory profiling).
+
+        Runs the biggest step the scheduler can form (``max_num_batched_tokens`` prompt
+        tokens) over a throwaway cache just big enough, to see the activations' peak;
+        what ``gpu_memory_utilization`` of the device leaves after that peak, the
+        weights and memory outside torch (the CUDA context, other processes) is the budget.
+        """
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        lengths = [min(max_model_len, max_num_batched_tokens - start)
+                   for start in range(0, max_num_batched_tokens, max_model_len)]
+        tables, next_block = [], 0
+        for length in lengths:
+            num = -(-length // self.block_size)
+            tables.append(list(range(next_block, next_block + num)))
+            next_block += num
+        config = self.model.config
+        dtype = self.model.model.embed_tokens.weight.dtype
+        caches = allocate_kv_caches(config, next_block, self.block_size, dtype, self.device)
+        cache_bytes = sum(k.nbytes + v.nbytes for k, v in caches)
+        attn = AttentionMetadata.build(tables, [0] * len(lengths), lengths, self.block_size,
+                                       self.device)
+        input_ids = torch.zeros(sum(lengths), dtype=torch.long, device=self.device)
+        positions = token_positions([0] * len(lengths), lengths, self.device)
+        hidden = self.model(input_ids, positions, caches, attn)
+        self.model.compute_logits(hidden[-len(lengths):])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - cache_bytes
+        del caches, hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside_torch = total - free - torch.cuda.memory_reserved(self.device)
+        return int(total * gpu_memory_utilization - peak - outside_torch)

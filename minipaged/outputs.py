@@ -1,0 +1,59 @@
+"""What `LLM.generate` and `LLM.beam_search` return (vLLM's names and fields)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request.
+
+    ``logprobs`` is None unless the request asked for them; then one
+    ``{token_id: logprob}`` per generated token (`minipaged.sampler.SamplerOutput`).
+    ``finish_reason`` is ``"stop"`` (EOS, a stop token or string), ``"length"``
+    (``max_tokens`` or ``max_model_len``), ``"abort"``, or None while running.
+    ``stop_reason`` is the stop string or token id that ended it, if any.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's prompt and its completions so far, ``index`` order."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam: ``tokens`` holds prompt and generated ids; ``text`` the
+    generated part (without a final EOS)."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+
+
+@dataclass
+class BeamSearchOutput:
+    """A beam search request's best ``beam_width`` sequences, best first."""
+
+    request_id: str
+    sequences: list[BeamSearchSequence]
+    finished: bool = True

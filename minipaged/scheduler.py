@@ -1,0 +1,293 @@
+"""The scheduler: which tokens of which requests run in the next step (paper §4.5).
+
+Iteration-level scheduling, as in Orca and vLLM: every step the scheduler forms a new
+batch, so a request joins the moment there is room and leaves the moment it finishes,
+rather than a whole batch waiting for its longest member (*continuous batching*).
+
+A step has two budgets: ``max_num_seqs`` sequences and ``max_num_batched_tokens`` new
+tokens.  A decode costs one token; a prompt costs all of its tokens, so a long prompt is
+cut into chunks that run in successive steps beside other requests' decodes (*chunked
+prefill*).  One `schedule()` call, first come first served:
+
+1. **Running** requests, oldest first, each get their next tokens.  When the GPU pool
+   cannot hold them, the most recently arrived request is preempted (§4.5), whole (its
+   sequences share blocks, so all of them go: all-or-nothing), until the older one fits;
+   if the request itself is the newest, it is the one preempted.  Preemption either
+   **swaps** the request's blocks to the CPU pool or frees them so the request is
+   **recomputed** later (its generated tokens then run as part of a longer prompt).
+2. **Swapped** requests come back, oldest first, as soon as their blocks fit.
+3. **Waiting** requests are admitted, oldest first, only if nothing was preempted this
+   step and nothing is still swapped out, and only when the blocks for their first
+   chunk can be had (with prefix caching, cached full blocks of the prompt are reused
+   and only the rest is computed, §4.4).
+
+The scheduler decides; it does not touch tensors.  Its output lists the sequences to run
+and the block operations the cache engine must execute first (swap out, swap in,
+copy-on-write copies), as the KV cache manager's contract orders them.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from minipaged.memory import KVCacheManager
+from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.trace import Trace
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass
+class ScheduledSeq:
+    """Run tokens ``[start, start + num_new_tokens)`` of ``seq`` this step."""
+
+    seq: Sequence
+    group: SequenceGroup
+    start: int
+    num_new_tokens: int
+    block_table: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """Does this step reach the end of the sequence, so its last logits are used?"""
+        return self.start + self.num_new_tokens == len(self.seq.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch and the block operations to run before it, in this order."""
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, cpu_block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on the GPU
+    preempted: list[SequenceGroup] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+
+class Scheduler:
+    """Queues of requests over a `KVCacheManager`; `schedule()` once per engine step."""
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 preemption_mode: str = "recompute", trace: Trace | None = None) -> None:
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
+                             f"got {preemption_mode!r}")
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption_mode = preemption_mode
+        self.trace = trace or Trace()
+        # Each queue is kept in arrival order, oldest first.
+        self.waiting: list[SequenceGroup] = []
+        self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []
+        self.num_preemptions = 0
+
+    # -- the queues -------------------------------------------------------------------
+    def add(self, group: SequenceGroup) -> None:
+        _insert(self.waiting, group, SequenceStatus.WAITING)
+        self.trace.record("arrive", group.request_id, num_prompt_tokens=len(group.prompt_token_ids))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def abort(self, request_id: str) -> SequenceGroup | None:
+        """Drop a request wherever it is and free its blocks; None if it is not here."""
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in queue:
+                if group.request_id == request_id:
+                    queue.remove(group)
+                    self._release(group, "abort")
+                    self.trace.record("abort", request_id)
+                    return group
+        return None
+
+    def retire(self, group: SequenceGroup) -> None:
+        """Take a finished request off the running queue (its blocks are already free)."""
+        self.running.remove(group)
+
+    def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+        """A new sequence sharing all of ``parent``'s blocks, copy-on-write (§4.4)."""
+        child = Sequence(group.new_seq_id(), list(parent.token_ids), parent.prompt_len,
+                         index=len(group.seqs), num_computed_tokens=parent.num_computed_tokens,
+                         cumulative_logprob=parent.cumulative_logprob,
+                         logprobs=None if parent.logprobs is None else list(parent.logprobs))
+        self.kv.fork(parent.seq_id, child.seq_id)
+        group.seqs.append(child)
+        self.trace.record("fork", group.request_id, child.seq_id, parent=parent.seq_id,
+                          blocks=self.kv.block_table(child.seq_id))
+        return child
+
+    def free_seq(self, group: SequenceGroup, seq: Sequence) -> None:
+        """Give back a finished or dropped sequence's blocks (shared ones stay with the rest)."""
+        self.trace.record("free", group.request_id, seq.seq_id,
+                          blocks=self.kv.block_table(seq.seq_id))
+        self.kv.free(seq.seq_id)
+
+    def num_running_seqs(self) -> int:
+        return sum(len(g.unfinished_seqs) for g in self.running)
+
+    # -- one step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        token_budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._resume_swapped(out)
+            if not self.swapped:
+                self._admit_waiting(out, token_budget)
+        for s in out.seqs:
+            self.trace.record("schedule", s.group.request_id, s.seq.seq_id, start=s.start,
+                              num_tokens=s.num_new_tokens)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        queue, self.running = self.running, []
+        i = 0
+        while i < len(queue) and budget > 0:
+            group = queue[i]
+            plan = _plan(group, budget)
+            while self._blocks_to_append(plan) > self.kv.gpu.num_free_blocks:
+                victim = queue.pop()  # the most recent arrival goes first
+                self._preempt(victim, out)
+                if victim is group:
+                    break
+            else:
+                budget -= self._append(group, plan, out)
+                self.running.append(group)
+                i += 1
+        # Requests the token budget did not reach keep their place, and their blocks.
+        self.running.extend(queue[i:])
+        return budget
+
+    def _resume_swapped(self, out: SchedulerOutput) -> None:
+        seats = self.max_num_seqs - self.num_running_seqs()
+        while self.swapped:
+            group = self.swapped[0]
+            seq_ids = [s.seq_id for s in group.unfinished_seqs]
+            if len(seq_ids) > seats or not self.kv.can_swap_in(seq_ids):
+                return
+            self.swapped.pop(0)
+            out.swap_in += self.kv.swap_in(seq_ids)
+            self.trace.record("swap_in", group.request_id, blocks=self._tables(seq_ids))
+            # It runs from the next step on: this step's batch is already formed.
+            _insert(self.running, group, SequenceStatus.RUNNING)
+            seats -= len(seq_ids)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        seats = self.max_num_seqs - self.num_running_seqs()
+        while self.waiting and budget > 0:
+            group = self.waiting[0]
+            seqs = group.unfinished_seqs
+            if group.width > seats:
+                return
+            plan = self._admission_plan(seqs, budget)
+            if plan is None or self._blocks_to_allocate(plan) > self.kv.gpu.num_free_blocks:
+                return
+            self.waiting.pop(0)
+            budget -= self._allocate(group, out, budget)
+            _insert(self.running, group, SequenceStatus.RUNNING)
+            seats -= group.width
+
+    # -- block operations -------------------------------------------------------------
+    def _append(self, group: SequenceGroup, plan: list[tuple[Sequence, int]],
+                out: SchedulerOutput) -> int:
+        for seq, n in plan:
+            start = seq.num_computed_tokens
+            allocation = self.kv.append(seq.seq_id, seq.token_ids[start:start + n])
+            self._record_copies(group, seq, allocation.copies, out)
+            self._run(group, seq, start, n, out)
+        return sum(n for _, n in plan)
+
+    def _allocate(self, group: SequenceGroup, out: SchedulerOutput, budget: int) -> int:
+        used = 0
+        for seq in group.unfinished_seqs:
+            # Planned again per sequence: with prefix caching, a sibling allocated just
+            # before may have cached more of this one's tokens.
+            cached = self.kv.num_cached_tokens(seq.token_ids)
+            n = min(len(seq.token_ids) - cached, budget - used)
+            allocation = self.kv.allocate(seq.seq_id, seq.token_ids, n)
+            self.trace.record("allocate", group.request_id, seq.seq_id, num_tokens=n,
+                              num_cached_tokens=cached, blocks=self.kv.block_table(seq.seq_id))
+            self._record_copies(group, seq, allocation.copies, out)
+            self._run(group, seq, cached, n, out)
+            used += n
+        return used
+
+    def _run(self, group, seq, start, n, out) -> None:
+        seq.num_computed_tokens = start + n  # the step computes them before anyone reads
+        out.seqs.append(ScheduledSeq(seq, group, start, n, self.kv.block_table(seq.seq_id)))
+
+    def _record_copies(self, group, seq, copies, out) -> None:
+        out.copies += copies
+        for src, dst in copies:
+            self.trace.record("cow", group.request_id, seq.seq_id, src=src, dst=dst)
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Evict a whole request (§4.5): swap it out if asked and the CPU pool has room,
+        else free its blocks and recompute it later."""
+        seq_ids = [s.seq_id for s in group.unfinished_seqs]
+        self.num_preemptions += 1
+        out.preempted.append(group)
+        swap = self.preemption_mode == "swap" and self.kv.can_swap_out(seq_ids)
+        self.trace.record("preempt", group.request_id, mode="swap" if swap else "recompute")
+        if swap:
+            out.swap_out += self.kv.swap_out(seq_ids)
+            self.trace.record("swap_out", group.request_id, blocks=self._tables(seq_ids))
+            _insert(self.swapped, group, SequenceStatus.SWAPPED)
+        else:
+            self._release(group, None)
+            _insert(self.waiting, group, SequenceStatus.WAITING)
+
+    def _release(self, group: SequenceGroup, finish_reason: str | None) -> None:
+        """Free every block the request holds; with a reason, its sequences end too."""
+        for seq in group.unfinished_seqs:
+            if seq.seq_id in self.kv.tables:
+                self.free_seq(group, seq)
+            seq.num_computed_tokens = 0
+            seq.finish_reason = finish_reason
+
+    def _blocks_to_append(self, plan: list[tuple[Sequence, int]]) -> int:
+        return sum(self.kv.blocks_to_append(seq.seq_id, n) for seq, n in plan)
+
+    def _blocks_to_allocate(self, plan: list[tuple[Sequence, int]]) -> int:
+        return sum(self.kv.blocks_to_allocate(seq.token_ids, n) for seq, n in plan)
+
+    def _admission_plan(self, seqs: list[Sequence], budget: int):
+        """First-chunk sizes for a waiting request's sequences, or None if the token
+        budget cannot give each of them at least one token this step."""
+        plan = []
+        for seq in seqs:
+            n = min(len(seq.token_ids) - self.kv.num_cached_tokens(seq.token_ids), budget)
+            if n < 1:
+                return None
+            plan.append((seq, n))
+            budget -= n
+        return plan
+
+    def _tables(self, seq_ids: list[str]) -> dict[str, list[int]]:
+        return {s: self.kv.block_table(s) for s in seq_ids}
+
+
+def _plan(group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
+    """A running request's tokens this step: each sequence's uncomputed tokens (one for
+    a decode, a chunk of a prompt), as far as the token budget goes."""
+    plan = []
+    for seq in group.unfinished_seqs:
+        n = min(seq.num_uncomputed_tokens, budget)
+        if n > 0:
+            plan.append((seq, n))
+            budget -= n
+    return plan
+
+
+def _insert(queue: list[SequenceGroup], group: SequenceGroup, status: SequenceStatus) -> None:
+    """Put ``group`` in ``queue`` at its arrival position (FCFS across preemptions)."""
+    group.status = status
+    bisect.insort(queue, group, key=lambda g: g.arrival)

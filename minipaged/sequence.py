@@ -1,0 +1,108 @@
+"""Requests and their sequences, as the scheduler and the engine track them (paper §4.4, §4.5).
+
+A *request* (``SequenceGroup``) is one prompt and what it asked for.  It holds one or more
+*sequences*: one for plain sampling; ``n`` for parallel sampling once the prompt has run
+(the children are forks of the first, sharing its blocks copy-on-write); up to
+``beam_width`` live beams for beam search.  The group is the unit of scheduling and of
+preemption: its sequences share blocks, so they run, are swapped and are recomputed
+together (§4.5, "all-or-nothing").
+
+A sequence's tokens are its prompt followed by what it generated.  ``num_computed_tokens``
+counts the leading tokens whose keys and values are in the KV cache; the rest are what the
+next step must run: the whole prompt (prefill), a chunk of it (chunked prefill), all
+tokens again after a recompute preemption, or the last sampled token (decode).
+
+Standard library only: the scheduler, which uses these, is torch-free.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from minipaged.sampling_params import BeamSearchParams, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted by recompute (no blocks)
+    RUNNING = "running"  # blocks on the GPU pool
+    SWAPPED = "swapped"  # preempted by swap: blocks on the CPU pool
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One token stream: a prompt and one completion (or one beam)."""
+
+    seq_id: str
+    token_ids: list[int]
+    prompt_len: int
+    index: int = 0  # which completion of the request this is (CompletionOutput.index)
+    num_computed_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    generator: Any = None  # its own torch.Generator when the request has a seed
+    # Beam search: this beam's best next (token, logprob) pairs, until the group ranks them.
+    beam_candidates: list[tuple[int, float]] | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens the next steps must run before this sequence can sample again."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append_token(self, token_id: int, logprob: float) -> None:
+        self.token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One request: its prompt, its parameters and its live sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    arrival: int  # arrival order; preemption takes the largest first (§4.5)
+    seqs: list[Sequence] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Beam search: beams that ended with EOS, kept as (tokens, cum_logprob) (no blocks).
+    completed_beams: list[tuple[list[int], float]] = field(default_factory=list)
+    next_seq_index: int = 1
+
+    @property
+    def is_beam_search(self) -> bool:
+        return isinstance(self.params, BeamSearchParams)
+
+    @property
+    def width(self) -> int:
+        """The most sequences this request will run at once: seats it needs in a batch."""
+        return self.params.beam_width if self.is_beam_search else self.params.n
+
+    @property
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def new_seq_id(self) -> str:
+        seq_id = f"{self.request_id}.{self.next_seq_index}"
+        self.next_seq_index += 1
+        return seq_id
