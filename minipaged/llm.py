@@ -68,14 +68,16 @@ class LLM:
             self.engine.check_request(request_id, token_ids, sp)
         for request_id, token_ids, text, sp in requests:
             self.engine.add_request(request_id, token_ids, sp, prompt=text)
+        ours = {request_id for request_id, *_ in requests}
         done: dict[str, Output] = {}
         try:
             with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm,
                       dynamic_ncols=True) as bar:
                 while len(done) < len(requests):
                     for output in self.engine.step():
-                        done[output.request_id] = output
-                        bar.update(1)
+                        if output.request_id in ours:
+                            done[output.request_id] = output
+                            bar.update(1)
         finally:  # an interrupted run leaves no request (and no block) behind
             for request_id, *_ in requests:
                 if request_id not in done:

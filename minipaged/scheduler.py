@@ -132,7 +132,8 @@ class Scheduler:
         self.kv.free(seq.seq_id)
 
     def num_running_seqs(self) -> int:
-        return sum(len(g.unfinished_seqs) for g in self.running)
+        """Seats taken: a request about to fork into ``n`` holds ``n`` already."""
+        return sum(g.num_seats for g in self.running)
 
     # -- one step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -171,21 +172,21 @@ class Scheduler:
         while self.swapped:
             group = self.swapped[0]
             seq_ids = [s.seq_id for s in group.unfinished_seqs]
-            if len(seq_ids) > seats or not self.kv.can_swap_in(seq_ids):
+            if group.num_seats > seats or not self.kv.can_swap_in(seq_ids):
                 return
             self.swapped.pop(0)
             out.swap_in += self.kv.swap_in(seq_ids)
             self.trace.record("swap_in", group.request_id, blocks=self._tables(seq_ids))
             # It runs from the next step on: this step's batch is already formed.
             _insert(self.running, group, SequenceStatus.RUNNING)
-            seats -= len(seq_ids)
+            seats -= group.num_seats
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         seats = self.max_num_seqs - self.num_running_seqs()
         while self.waiting and budget > 0:
             group = self.waiting[0]
             seqs = group.unfinished_seqs
-            if group.width > seats:
+            if group.num_seats > seats:
                 return
             plan = self._admission_plan(seqs, budget)
             if plan is None or self._blocks_to_allocate(plan) > self.kv.gpu.num_free_blocks:
@@ -193,7 +194,7 @@ class Scheduler:
             self.waiting.pop(0)
             budget -= self._allocate(group, out, budget)
             _insert(self.running, group, SequenceStatus.RUNNING)
-            seats -= group.width
+            seats -= group.num_seats
 
     # -- block operations -------------------------------------------------------------
     def _append(self, group: SequenceGroup, plan: list[tuple[Sequence, int]],

@@ -95,6 +95,14 @@ class SequenceGroup:
         return self.params.beam_width if self.is_beam_search else self.params.n
 
     @property
+    def num_seats(self) -> int:
+        """Sequences it may run at once from now on: its width until the prompt has
+        forked into them, then the ones still unfinished (beams stay at the width)."""
+        if self.is_beam_search or len(self.seqs) < self.width:
+            return self.width
+        return len(self.unfinished_seqs)
+
+    @property
     def unfinished_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]
 
