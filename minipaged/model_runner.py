@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from minipaged.models.attention import AttentionMetadata, allocate_kv_caches, token_positions
+from minipaged.models.attention import (AttentionMetadata, allocate_kv_caches, int_tensor,
+                                        token_positions)
 from minipaged.scheduler import ScheduledSeq
 
 
@@ -33,9 +34,9 @@ class ModelRunner:
         counts = [s.num_new_tokens for s in seqs]
         attn = AttentionMetadata.build([s.block_table for s in seqs], starts, counts,
                                        self.block_size, self.device)
-        input_ids = torch.tensor([t for s in seqs for t in s.seq.token_ids[s.start:s.start
-                                                                            + s.num_new_tokens]],
-                                 dtype=torch.long, device=self.device)
+        input_ids = int_tensor([t for s in seqs
+                                for t in s.seq.token_ids[s.start:s.start + s.num_new_tokens]],
+                               self.device, torch.long)
         positions = token_positions(starts, counts, self.device)
         hidden = self.model(input_ids, positions, kv_caches, attn)
         sampling, last_rows, end = [], [], 0
@@ -46,7 +47,7 @@ class ModelRunner:
                 last_rows.append(end - 1)
         if not sampling:
             return [], None
-        rows = torch.tensor(last_rows, device=self.device)
+        rows = int_tensor(last_rows, self.device, torch.long)
         return sampling, self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()

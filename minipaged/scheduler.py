@@ -34,6 +34,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from minipaged.memory import KVCacheManager
+from minipaged.memory.block_table import blocks_for
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.trace import Trace
 
@@ -143,9 +144,10 @@ class Scheduler:
             self._resume_swapped(out)
             if not self.swapped:
                 self._admit_waiting(out, token_budget)
-        for s in out.seqs:
-            self.trace.record("schedule", s.group.request_id, s.seq.seq_id, start=s.start,
-                              num_tokens=s.num_new_tokens)
+        if self.trace.enabled:
+            for s in out.seqs:
+                self.trace.record("schedule", s.group.request_id, s.seq.seq_id, start=s.start,
+                                  num_tokens=s.num_new_tokens)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -154,7 +156,7 @@ class Scheduler:
         while i < len(queue) and budget > 0:
             group = queue[i]
             plan = _plan(group, budget)
-            while self._blocks_to_append(plan) > self.kv.gpu.num_free_blocks:
+            while not self._fits(plan):
                 victim = queue.pop()  # the most recent arrival goes first
                 self._preempt(victim, out)
                 if victim is group:
@@ -168,6 +170,8 @@ class Scheduler:
         return budget
 
     def _resume_swapped(self, out: SchedulerOutput) -> None:
+        if not self.swapped:
+            return
         seats = self.max_num_seqs - self.num_running_seqs()
         while self.swapped:
             group = self.swapped[0]
@@ -182,6 +186,8 @@ class Scheduler:
             seats -= group.num_seats
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:
+            return
         seats = self.max_num_seqs - self.num_running_seqs()
         while self.waiting and budget > 0:
             group = self.waiting[0]
@@ -199,12 +205,14 @@ class Scheduler:
     # -- block operations -------------------------------------------------------------
     def _append(self, group: SequenceGroup, plan: list[tuple[Sequence, int]],
                 out: SchedulerOutput) -> int:
+        used = 0
         for seq, n in plan:
             start = seq.num_computed_tokens
             allocation = self.kv.append(seq.seq_id, seq.token_ids[start:start + n])
             self._record_copies(group, seq, allocation.copies, out)
             self._run(group, seq, start, n, out)
-        return sum(n for _, n in plan)
+            used += n
+        return used
 
     def _allocate(self, group: SequenceGroup, out: SchedulerOutput, budget: int) -> int:
         used = 0
@@ -254,8 +262,14 @@ class Scheduler:
             seq.num_computed_tokens = 0
             seq.finish_reason = finish_reason
 
-    def _blocks_to_append(self, plan: list[tuple[Sequence, int]]) -> int:
-        return sum(self.kv.blocks_to_append(seq.seq_id, n) for seq, n in plan)
+    def _fits(self, plan: list[tuple[Sequence, int]]) -> bool:
+        """Can the GPU pool take every sequence's next tokens?"""
+        free = self.kv.gpu.num_free_blocks
+        # A cheap upper bound settles most steps: n tokens take at most blocks_for(n)
+        # fresh blocks plus one copy-on-write of a shared last block.
+        if sum(blocks_for(n, self.kv.block_size) + 1 for _, n in plan) <= free:
+            return True
+        return sum(self.kv.blocks_to_append(seq.seq_id, n) for seq, n in plan) <= free
 
     def _blocks_to_allocate(self, plan: list[tuple[Sequence, int]]) -> int:
         return sum(self.kv.blocks_to_allocate(seq.token_ids, n) for seq, n in plan)

@@ -57,12 +57,15 @@ class BlockTable:
 
     def num_blocks_needed(self, num_new_tokens: int) -> int:
         """New physical blocks that appending ``num_new_tokens`` would take (CoW included)."""
-        free_in_last = len(self.blocks) * self.block_size - self.num_tokens
-        new_blocks = blocks_for(max(num_new_tokens - free_in_last, 0), self.block_size)
-        return new_blocks + int(num_new_tokens > 0 and self._last_block_is_shared())
+        shared = num_new_tokens > 0 and self._last_block_is_shared()
+        return self._fresh_blocks_needed(num_new_tokens) + shared
+
+    def _fresh_blocks_needed(self, num_new_tokens: int) -> int:
+        free_in_last = len(self.blocks) * self.block_size - len(self.token_ids)
+        return blocks_for(max(num_new_tokens - free_in_last, 0), self.block_size)
 
     def _last_block_is_shared(self) -> bool:
-        partial = self.num_tokens % self.block_size != 0
+        partial = len(self.token_ids) % self.block_size != 0
         return partial and self.allocator.ref_count(self.blocks[-1]) > 1
 
     def append_tokens(self, token_ids: list[int]) -> tuple[list[int], list[BlockCopy]]:
@@ -71,20 +74,20 @@ class BlockTable:
         All or nothing: if the pool cannot supply the blocks, raises
         `NoFreeBlocksError` and changes nothing.
         """
-        needed = self.num_blocks_needed(len(token_ids))
-        if needed > self.allocator.num_free_blocks:
+        shared = bool(token_ids) and self._last_block_is_shared()
+        fresh = self._fresh_blocks_needed(len(token_ids))
+        if fresh + shared > self.allocator.num_free_blocks:
             raise NoFreeBlocksError(
-                f"appending {len(token_ids)} tokens needs {needed} blocks, "
+                f"appending {len(token_ids)} tokens needs {fresh + shared} blocks, "
                 f"{self.allocator.num_free_blocks} free")
-        copies = [self._copy_on_write()] if token_ids and self._last_block_is_shared() else []
-        start = self.num_tokens
-        for token in token_ids:
-            if self.num_tokens == len(self.blocks) * self.block_size:
-                self.blocks.append(self.allocator.allocate())
-            self.token_ids.append(token)
-            if self._caching and self.num_tokens % self.block_size == 0:
-                self._register_last_block()
-        return self.slot_mapping(start, self.num_tokens), copies
+        copies = [self._copy_on_write()] if shared else []
+        start = len(self.token_ids)
+        self.blocks += [self.allocator.allocate() for _ in range(fresh)]
+        self.token_ids += token_ids
+        if self._caching:  # offer each block the new tokens filled, in order
+            for full in range(start // self.block_size, len(self.token_ids) // self.block_size):
+                self._register_block(full)
+        return self.slot_mapping(start, len(self.token_ids)), copies
 
     def _copy_on_write(self) -> BlockCopy:
         src = self.blocks[-1]
@@ -93,10 +96,10 @@ class BlockTable:
         self.blocks[-1] = dst
         return src, dst
 
-    def _register_last_block(self) -> None:
+    def _register_block(self, index: int) -> None:
         parent = self.identities[-1] if self.identities else None
-        tokens = tuple(self.token_ids[-self.block_size:])
-        self.identities.append(self.allocator.register(self.blocks[-1], tokens, parent))
+        tokens = tuple(self.token_ids[index * self.block_size:(index + 1) * self.block_size])
+        self.identities.append(self.allocator.register(self.blocks[index], tokens, parent))
 
     def adopt_cached_prefix(self, entries: list[CachedBlock]) -> None:
         """Start an empty table with blocks found in the prefix cache (§4.4)."""
