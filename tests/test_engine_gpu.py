@@ -1,0 +1,80 @@
+"""The engine on CUDA: the pool sized by profiling, and every attention backend giving
+Hugging Face's greedy tokens.  All ``gpu``-marked: they skip on a CPU-only machine and
+run with ``make gpu-test`` on a GPU one."""
+
+import pytest
+import torch
+
+from minipaged import LLM, SamplingParams
+from minipaged.models import make_tiny_model
+from minipaged.ops import BackendUnavailableError
+
+pytestmark = pytest.mark.gpu
+
+PROMPT_LENGTHS = (1, 5, 17, 40, 64)
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def hf_greedy(path, prompts, dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    outs = []
+    for prompt in prompts:
+        ids = model.generate(torch.tensor([prompt], device="cuda"), do_sample=False,
+                             max_new_tokens=MAX_TOKENS)
+        outs.append(ids[0, len(prompt):].tolist())
+    return outs
+
+
+def greedy(llm, prompts):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_all_free(llm):
+    stats = llm.stats()
+    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+    assert stats["num_free_cpu_blocks"] == stats["num_cpu_blocks"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
+def test_greedy_equals_hugging_face_on_the_gpu(checkpoint, prompts, backend):
+    """fp32 on CUDA, every backend, with preemption forced by a small pool."""
+    try:
+        llm = LLM(checkpoint, device="cuda", dtype="float32", attention_backend=backend,
+                  num_gpu_blocks=24, block_size=8)
+    except BackendUnavailableError as error:
+        pytest.skip(str(error))
+    assert greedy(llm, prompts) == hf_greedy(checkpoint, prompts, torch.float32)
+    assert llm.stats()["num_preemptions"] > 0
+    assert_all_free(llm)
+
+
+def test_pool_sized_by_profiling_fits_the_memory_share(checkpoint, prompts):
+    """Without ``num_gpu_blocks`` the pool takes what ``gpu_memory_utilization`` leaves:
+    some blocks, and no more than the share allows."""
+    share = 0.3
+    llm = LLM(checkpoint, device="cuda", gpu_memory_utilization=share)
+    free, total = torch.cuda.mem_get_info()
+    assert llm.stats()["num_gpu_blocks"] > 0
+    assert torch.cuda.memory_allocated() <= share * total
+    assert len(greedy(llm, prompts)) == len(prompts)
+    assert_all_free(llm)
+
+
+def test_auto_backend_picks_a_gpu_kernel(checkpoint):
+    llm = LLM(checkpoint, device="cuda", num_gpu_blocks=64)
+    assert llm.engine.attention_backend in ("triton", "cuda")
