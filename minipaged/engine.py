@@ -134,15 +134,16 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------
     def step(self) -> list[Output]:
         """One iteration of the serving loop; returns the requests that finished in it."""
-        self.trace.step = self.num_steps
         batch = self.scheduler.schedule()
         self.cache_engine.execute(batch)
         sampling, logits = self.runner.execute(batch.seqs, self.cache_engine.gpu_cache)
         if sampling:
             self._update(sampling, logits)
-        self.num_steps += 1
         groups = dict.fromkeys(s.group for s in batch.seqs)
-        return [self._finish(g) for g in groups if g.is_finished]
+        finished = [self._finish(g) for g in groups if g.is_finished]
+        self.num_steps += 1
+        self.trace.step = self.num_steps  # arrivals and aborts from now on belong to it
+        return finished
 
     def _update(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> None:
         plain = [i for i, s in enumerate(sampling) if not s.group.is_beam_search]
@@ -167,6 +168,7 @@ class LLMEngine:
                      [s.generator for _, _, s in targets], self.generator)
         for j, (_, group, seq) in enumerate(targets):
             seq.append_token(out.token_ids[j], out.logprobs[j])
+            self.trace.record("sample", group.request_id, seq.seq_id, token_id=out.token_ids[j])
             if seq.logprobs is not None:
                 seq.logprobs.append(out.top_logprobs[j])
             self._check_stop(group, seq)

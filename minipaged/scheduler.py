@@ -31,6 +31,7 @@ Standard library only.
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass, field
 
 from minipaged.memory import KVCacheManager
@@ -50,11 +51,7 @@ class ScheduledSeq:
     start: int
     num_new_tokens: int
     block_table: list[int]
-
-    @property
-    def samples(self) -> bool:
-        """Does this step reach the end of the sequence, so its last logits are used?"""
-        return self.start + self.num_new_tokens == len(self.seq.token_ids)
+    samples: bool  # does this step reach the sequence's end, so its last logits are used?
 
 
 @dataclass
@@ -128,8 +125,9 @@ class Scheduler:
 
     def free_seq(self, group: SequenceGroup, seq: Sequence) -> None:
         """Give back a finished or dropped sequence's blocks (shared ones stay with the rest)."""
-        self.trace.record("free", group.request_id, seq.seq_id,
-                          blocks=self.kv.block_table(seq.seq_id))
+        if self.trace.enabled:
+            self.trace.record("free", group.request_id, seq.seq_id,
+                              blocks=self.kv.block_table(seq.seq_id))
         self.kv.free(seq.seq_id)
 
     def num_running_seqs(self) -> int:
@@ -209,18 +207,21 @@ class Scheduler:
         for seq, n in plan:
             start = seq.num_computed_tokens
             allocation = self.kv.append(seq.seq_id, seq.token_ids[start:start + n])
+            if self.trace.enabled:
+                self.trace.record("append", group.request_id, seq.seq_id, num_tokens=n,
+                                  blocks=self.kv.block_table(seq.seq_id))
             self._record_copies(group, seq, allocation.copies, out)
             self._run(group, seq, start, n, out)
             used += n
         return used
 
     def _allocate(self, group: SequenceGroup, out: SchedulerOutput, budget: int) -> int:
-        used = 0
-        for seq in group.unfinished_seqs:
+        used, seqs = 0, group.unfinished_seqs
+        for k, seq in enumerate(seqs):
             # Planned again per sequence: with prefix caching, a sibling allocated just
             # before may have cached more of this one's tokens.
             cached = self.kv.num_cached_tokens(seq.token_ids)
-            n = min(len(seq.token_ids) - cached, budget - used)
+            n = min(len(seq.token_ids) - cached, budget - used - _later(seqs, k))
             allocation = self.kv.allocate(seq.seq_id, seq.token_ids, n)
             self.trace.record("allocate", group.request_id, seq.seq_id, num_tokens=n,
                               num_cached_tokens=cached, blocks=self.kv.block_table(seq.seq_id))
@@ -231,7 +232,9 @@ class Scheduler:
 
     def _run(self, group, seq, start, n, out) -> None:
         seq.num_computed_tokens = start + n  # the step computes them before anyone reads
-        out.seqs.append(ScheduledSeq(seq, group, start, n, self.kv.block_table(seq.seq_id)))
+        samples = start + n == len(seq.token_ids)
+        out.seqs.append(ScheduledSeq(seq, group, start, n, self.kv.block_table(seq.seq_id),
+                                     samples))
 
     def _record_copies(self, group, seq, copies, out) -> None:
         out.copies += copies
@@ -269,7 +272,13 @@ class Scheduler:
         # fresh blocks plus one copy-on-write of a shared last block.
         if sum(blocks_for(n, self.kv.block_size) + 1 for _, n in plan) <= free:
             return True
-        return sum(self.kv.blocks_to_append(seq.seq_id, n) for seq, n in plan) <= free
+        need = sum(self.kv.blocks_to_append(seq.seq_id, n) for seq, n in plan)
+        # Each sharer of a partial last block counts a copy, but the last one to write
+        # keeps the block: one copy fewer per block only this plan's sequences hold.
+        lasts = Counter(self.kv.block_table(seq.seq_id)[-1] for seq, _ in plan
+                        if self.kv.num_tokens(seq.seq_id) % self.kv.block_size)
+        need -= sum(k > 1 and self.kv.gpu.ref_count(b) == k for b, k in lasts.items())
+        return need <= free
 
     def _blocks_to_allocate(self, plan: list[tuple[Sequence, int]]) -> int:
         return sum(self.kv.blocks_to_allocate(seq.token_ids, n) for seq, n in plan)
@@ -278,8 +287,9 @@ class Scheduler:
         """First-chunk sizes for a waiting request's sequences, or None if the token
         budget cannot give each of them at least one token this step."""
         plan = []
-        for seq in seqs:
-            n = min(len(seq.token_ids) - self.kv.num_cached_tokens(seq.token_ids), budget)
+        for k, seq in enumerate(seqs):
+            n = min(len(seq.token_ids) - self.kv.num_cached_tokens(seq.token_ids),
+                    budget - _later(seqs, k))
             if n < 1:
                 return None
             plan.append((seq, n))
@@ -300,6 +310,12 @@ def _plan(group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
             plan.append((seq, n))
             budget -= n
     return plan
+
+
+def _later(seqs: list[Sequence], k: int) -> int:
+    """Tokens of budget to leave for the sequences after the ``k``-th: one each, so a
+    recomputed group's last sequences are not starved by its first (a livelock)."""
+    return len(seqs) - k - 1
 
 
 def _insert(queue: list[SequenceGroup], group: SequenceGroup, status: SequenceStatus) -> None:
