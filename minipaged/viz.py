@@ -1,4 +1,6 @@
-"""Pictures of the memory layer for the lessons (matplotlib).
+"""Pictures of the memory layer and the engine for the lessons (matplotlib).
+
+The memory layer:
 
 * `draw_block_pool()` - the physical blocks of a pool, coloured by the sequence that
   holds them, filled as far as they hold tokens; shared blocks are hatched and show
@@ -6,6 +8,15 @@
 * `draw_block_tables()` - each sequence's logical blocks with an arrow to the
   physical block that holds it (the paper's Fig. 6 and 7).
 * `draw_memory_shares()` - stacked bars of where KV memory goes (the paper's Fig. 2).
+
+The engine at work, from its event trace (`minipaged.trace`):
+
+* `timeline_from_trace()` and `draw_batch_timeline()` - what every request did at every
+  step: prefill, decode, waiting, preempted, swapped (continuous batching, lesson 05);
+* `draw_step_tokens()` - the tokens each step ran, against the token budget;
+* `request_blocks()` and `draw_request_journey()` - one request's events and the blocks
+  it held, step by step (lessons 06 and 09);
+* `draw_system_map()` - the engine's parts and who calls whom (lesson 09).
 """
 
 from __future__ import annotations
@@ -153,4 +164,342 @@ def draw_memory_shares(reports: list[MemoryReport], ax=None, title: str | None =
     ax.set_ylim(0, 100)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     ax.set_title(title or "where the KV cache goes (cf. paper Fig. 2)")
+    return ax
+
+
+# -- the engine at work: batches over steps, one request's journey ----------------------
+#
+# These pictures read the event trace (`minipaged.trace`, ``LLM(..., trace=True)``) or
+# the same kind of data written by hand (lesson 05's static-batching baseline).  A
+# *timeline* is ``{request_id: {step: (state, num_tokens)}}``: what each request did at
+# each engine step, with the tokens it ran there (0 when it ran none).
+
+STATES = {  # timeline state -> (colour, hatch, what it means)
+    "waiting": ("#e6e6e6", None, "waiting (no blocks)"),
+    "prefill": ("#4c72b0", None, "prefill (tokens run)"),
+    "recompute": ("#dd8452", None, "recompute prefill"),
+    "decode": ("#55a868", None, "decode"),
+    "stalled": ("#f2c14e", None, "running, not scheduled"),
+    "preempted": ("#c44e52", None, "preempted"),
+    "swapped": ("#8172b3", None, "swapped out (CPU)"),
+    "swap_in": ("#c5b8e8", None, "swapped back in"),
+    "idle": ("#ffffff", "xxx", "idle slot (batch not done)"),
+}
+
+
+def timeline_from_trace(trace) -> dict[str, dict[int, tuple[str, int]]]:
+    """What every request did at every step, from a `Trace` (or its list of events).
+
+    A request appears from its arrival to the step it finished (or was aborted).  In a
+    step it ran, its state is ``"prefill"`` (a prompt or a chunk of one; ``"recompute"``
+    when it is re-running tokens after a recompute preemption) or ``"decode"``, and
+    ``num_tokens`` sums its sequences' tokens; otherwise it is ``"waiting"``,
+    ``"stalled"`` (admitted, but the step's token budget did not reach it),
+    ``"preempted"``, ``"swapped"`` or ``"swap_in"``.
+    """
+    events = getattr(trace, "events", trace)
+    by_step: dict[int, list] = {}
+    for e in events:
+        by_step.setdefault(e.step, []).append(e)
+    timeline: dict[str, dict[int, tuple[str, int]]] = {}
+    status: dict[str, str] = {}  # request -> waiting | running | swapped, while alive
+    prompt_len: dict[str, int] = {}
+    recomputing: set[str] = set()
+    for step in range(min(by_step, default=0), max(by_step, default=-1) + 1):
+        ran: dict[str, int] = {}  # request -> tokens run this step
+        did: dict[str, str] = {}  # request -> what it did this step, if anything
+        ended = set()
+        for e in by_step.get(step, []):
+            r = e.request_id
+            if e.kind == "arrive":
+                status[r], prompt_len[r] = "waiting", e.detail["num_prompt_tokens"]
+            elif e.kind in ("allocate", "swap_in"):
+                status[r] = "running"
+                if e.kind == "swap_in":
+                    did[r] = "swap_in"
+            elif e.kind == "schedule":
+                n, start = e.detail["num_tokens"], e.detail["start"]
+                ran[r] = ran.get(r, 0) + n
+                if n > 1 or start < prompt_len.get(r, 0):
+                    did[r] = "recompute" if r in recomputing else "prefill"
+                elif did.get(r) not in ("prefill", "recompute"):
+                    did[r] = "decode"
+                    recomputing.discard(r)
+            elif e.kind == "preempt":
+                did[r] = "preempted"
+                status[r] = "swapped" if e.detail.get("mode") == "swap" else "waiting"
+                if status[r] == "waiting":
+                    recomputing.add(r)
+            elif e.kind in ("finish", "abort"):
+                ended.add(r)
+        for r, state in status.items():
+            if r in did:
+                state = did[r]
+            elif state == "running":
+                state = "stalled"
+            timeline.setdefault(r, {})[step] = (state, ran.get(r, 0))
+        for r in ended:
+            status.pop(r, None)
+    return timeline
+
+
+def draw_batch_timeline(timeline: dict[str, dict[int, tuple[str, int]]], ax=None,
+                        title: str | None = None, label_tokens: bool = True):
+    """One row per request, one column per engine step, coloured by `STATES`.
+
+    Prefill cells are labelled with the tokens they ran, and decode cells too when a
+    request decoded more than one sequence (``n`` > 1); ``label_tokens=False`` drops
+    the labels.  Returns the Axes.
+    """
+    rows = list(timeline)
+    steps = [s for cells in timeline.values() for s in cells]
+    first, last = (min(steps), max(steps)) if steps else (0, 0)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(min(16, 2 + 0.28 * (last - first + 1)),
+                                      0.8 + 0.32 * len(rows)))
+    used = set()
+    for row, r in enumerate(rows):
+        y = len(rows) - 1 - row
+        for step, (state, n) in timeline[r].items():
+            colour, hatch, _ = STATES[state]
+            used.add(state)
+            ax.add_patch(Rectangle((step, y + 0.05), 1, 0.9, facecolor=colour, hatch=hatch,
+                                   edgecolor="white" if hatch is None else "#999999", lw=0.5))
+            if label_tokens and (state in ("prefill", "recompute") or
+                                 (state == "decode" and n > 1)):
+                ax.text(step + 0.5, y + 0.5, str(n), ha="center", va="center", fontsize=6,
+                        color="white" if state != "decode" else "black")
+    ax.set_yticks([len(rows) - 1 - i + 0.5 for i in range(len(rows))], rows, fontsize=8)
+    ax.set_xlim(first, last + 1)
+    ax.set_ylim(0, max(1, len(rows)))
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("request")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    order = [s for s in STATES if s in used]
+    ax.legend([Rectangle((0, 0), 1, 1, facecolor=STATES[s][0], hatch=STATES[s][1],
+                         edgecolor="#999999") for s in order],
+              [STATES[s][2] for s in order], loc="upper left", bbox_to_anchor=(1.0, 1.0),
+              fontsize=8, frameon=False)
+    ax.set_title(title or "what each request did, step by step")
+    return ax
+
+
+def draw_step_tokens(timeline: dict[str, dict[int, tuple[str, int]]], ax=None,
+                     max_num_batched_tokens: int | None = None, title: str | None = None,
+                     colours: dict | None = None):
+    """Stacked bars: the tokens each request ran in each step (one colour per request),
+    with the step's token budget as a dashed line when it is given.  Returns the Axes."""
+    colours = colours or seq_colours(timeline)
+    steps = sorted({s for cells in timeline.values() for s in cells})
+    if ax is None:
+        _, ax = plt.subplots(figsize=(min(16, 2 + 0.28 * len(steps)), 2.6))
+    bottom = dict.fromkeys(steps, 0)
+    for r, cells in timeline.items():
+        xs = [s for s in steps if cells.get(s, ("", 0))[1] > 0]
+        heights = [cells[s][1] for s in xs]
+        if xs:
+            ax.bar([s + 0.5 for s in xs], heights, width=0.9, bottom=[bottom[s] for s in xs],
+                   color=colours[r], label=r)
+            for s, h in zip(xs, heights):
+                bottom[s] += h
+    if max_num_batched_tokens is not None:
+        ax.axhline(max_num_batched_tokens, color="black", ls="--", lw=1,
+                   label="max_num_batched_tokens")
+    if steps:
+        ax.set_xlim(steps[0], steps[-1] + 1)
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("tokens in the step")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.set_title(title or "tokens per step, by request")
+    return ax
+
+
+def request_blocks(trace, request_id: str, block_size: int) -> dict[int, tuple[int, int]]:
+    """Blocks one request holds after each step it is alive: ``{step: (gpu, cpu)}``.
+
+    Replayed from the trace: allocate, fork, swap and free events name the physical
+    blocks; a copy-on-write swaps one block for another; prefill chunks and decodes
+    that cross a block boundary (the trace has no event for them) add a block each
+    (hence ``block_size``; an ``append`` event with ``blocks`` is used as it is).  A
+    block shared by the request's sequences counts once.
+    """
+    tables: dict[str, tuple[str, list]] = {}  # seq -> (pool, blocks; new ones as tuples)
+    result: dict[int, tuple[int, int]] = {}
+    alive = False
+    events = [e for e in getattr(trace, "events", trace) if e.request_id == request_id]
+    for i, e in enumerate(events):
+        d = e.detail
+        if e.kind == "arrive":
+            alive = True
+        elif e.kind in ("allocate", "append") and "blocks" in d:
+            tables[e.seq_id] = ("gpu", list(d["blocks"]))
+        elif e.kind == "schedule":
+            _, blocks = tables.setdefault(e.seq_id, ("gpu", []))
+            need = -(-(d["start"] + d["num_tokens"]) // block_size)
+            blocks += [(e.seq_id, j) for j in range(len(blocks), need)]
+        elif e.kind == "fork":
+            # The parent's table is the child's at this moment: name its new blocks too.
+            tables[d["parent"]] = ("gpu", list(d["blocks"]))
+            tables[e.seq_id] = ("gpu", list(d["blocks"]))
+        elif e.kind == "cow":
+            blocks = tables[e.seq_id][1]
+            if d["src"] in blocks:  # (an append event may have named the copy already)
+                blocks[blocks.index(d["src"])] = d["dst"]
+        elif e.kind in ("swap_out", "swap_in"):
+            for seq_id, blocks in d["blocks"].items():
+                tables[seq_id] = ("cpu" if e.kind == "swap_out" else "gpu", list(blocks))
+        elif e.kind == "free":
+            tables.pop(e.seq_id, None)
+        elif e.kind in ("finish", "abort"):
+            alive = False
+        if i + 1 == len(events) or events[i + 1].step != e.step:  # the step is over
+            held = {pool: set() for pool in ("gpu", "cpu")}
+            for pool, blocks in tables.values():
+                held[pool].update(blocks)
+            if alive or e.kind in ("finish", "abort"):
+                result[e.step] = (len(held["gpu"]), len(held["cpu"]))
+    for step in range(min(result, default=0), max(result, default=-1) + 1):
+        if step not in result:  # a step without events changed nothing
+            result[step] = result[step - 1]
+    return dict(sorted(result.items()))
+
+
+_JOURNEY_ROWS = ("arrive", "allocate", "prefill", "decode", "fork", "cow", "preempt",
+                 "swap_out", "swap_in", "free", "finish", "abort")
+
+
+def _journey_label(e) -> str:
+    d = e.detail
+    if e.kind == "arrive":
+        return f"{d['num_prompt_tokens']} tok"
+    if e.kind in ("allocate", "free", "fork"):
+        blocks = d["blocks"]
+        return str(blocks) if len(blocks) <= 6 else f"[{blocks[0]}, {blocks[1]}, … {blocks[-1]}]"
+    if e.kind == "cow":
+        return f"{d['src']}→{d['dst']}"
+    if e.kind == "preempt":
+        return d.get("mode", "")
+    if e.kind in ("swap_out", "swap_in"):
+        return f"{len({b for t in d['blocks'].values() for b in t})} blk"
+    return ""
+
+
+def draw_request_journey(trace, request_id: str, block_size: int, axes=None,
+                         title: str | None = None, colours: dict | None = None):
+    """One request's life from the event trace, left to right.
+
+    Top: one row per kind of event (arrive, allocate, prefill, decode, fork, CoW,
+    preempt, swap out/in, free, finish), a marker at each step it happened, coloured by
+    sequence (request-wide events in black), labelled with the blocks or tokens
+    involved.  Bottom: the blocks the request holds on the GPU and the CPU after each
+    step (`request_blocks`).  Returns the two Axes.
+    """
+    events = [e for e in getattr(trace, "events", trace) if e.request_id == request_id]
+    if not events:
+        raise ValueError(f"request_id {request_id!r} has no events in the trace")
+    arrive = next((e for e in events if e.kind == "arrive"), None)
+    prompt_len = arrive.detail["num_prompt_tokens"] if arrive else 0
+    seq_ids = list(dict.fromkeys(e.seq_id for e in events if e.seq_id is not None))
+    colours = {**seq_colours(seq_ids), **(colours or {})}
+    rows: list[tuple[str, object]] = []  # (row name, event)
+    for e in events:
+        name = e.kind
+        if e.kind == "schedule":
+            prefill = e.detail["num_tokens"] > 1 or e.detail["start"] < prompt_len
+            name = "prefill" if prefill else "decode"
+        if name in _JOURNEY_ROWS:
+            rows.append((name, e))
+    present = [r for r in _JOURNEY_ROWS if any(name == r for name, _ in rows)]
+    if axes is None:
+        steps = max(e.step for e in events) - min(e.step for e in events) + 1
+        _, axes = plt.subplots(2, 1, figsize=(min(16, 3 + 0.4 * steps),
+                                              1.2 + 0.35 * len(present) + 1.6),
+                               sharex=True, gridspec_kw={"height_ratios": [len(present), 3]})
+    top, bottom = axes
+    stacked: dict[tuple[str, int], int] = {}
+    for name, e in rows:
+        y = len(present) - 1 - present.index(name)
+        colour = colours.get(e.seq_id, "black")
+        k = stacked.get((name, e.step), 0)
+        stacked[(name, e.step)] = k + 1
+        offset = 0.25 * (k % 3)  # several sequences in one step: side by side
+        top.plot(e.step + 0.25 + offset, y, "o", color=colour, ms=5)
+        label = (str(e.detail["num_tokens"]) if name == "prefill" else _journey_label(e))
+        if label and name != "decode":
+            top.text(e.step + 0.25 + offset, y + 0.15 + 0.25 * k, label, fontsize=6,
+                     color=colour, va="bottom")
+    top.set_yticks(range(len(present)), list(reversed(present)), fontsize=8)
+    top.set_ylim(-0.6, len(present) - 0.2)
+    top.grid(axis="x", color="#eeeeee")
+    top.legend([plt.Line2D([], [], marker="o", ls="", color=colours[s]) for s in seq_ids],
+               seq_ids, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
+               frameon=False, title="sequence", title_fontsize=8)
+    top.set_title(title or f"the journey of request {request_id}")
+    held = request_blocks(events, request_id, block_size)
+    # The count after step s holds from the end of step s (x = s + 1) on.
+    xs = [min(held, default=0)] + [s + 1 for s in held]
+    for i, (pool, colour) in enumerate((("gpu", "#4c72b0"), ("cpu", "#8172b3"))):
+        ys = [0] + [counts[i] for counts in held.values()]
+        if any(ys) or pool == "gpu":
+            bottom.step(xs, ys, where="post", color=colour, lw=1.5,
+                        label=f"{pool.upper()} blocks held")
+    bottom.set_ylabel("blocks")
+    bottom.set_xlabel("engine step")
+    bottom.set_ylim(bottom=0)
+    bottom.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    return top, bottom
+
+
+# name -> (x, y, module, what it does); the layers of design.md, top down
+_SYSTEM = {
+    "LLM": (1.5, 4, "llm.py", "tokenize, queue, step until done"),
+    "LLMEngine": (1.5, 3, "engine.py", "schedule → execute → sample → update"),
+    "Scheduler": (0, 2, "scheduler.py", "which tokens run; preempt"),
+    "CacheEngine": (1, 2, "cache_engine.py", "swap / copy blocks"),
+    "ModelRunner": (2, 2, "model_runner.py", "one forward pass"),
+    "sampler": (3, 2, "sampler.py", "logits → next token"),
+    "KVCacheManager": (0, 1, "memory/", "block tables, CoW, swap"),
+    "model": (2, 1, "models/", "Llama layers"),
+    "ops": (2, 0, "ops/", "PagedAttention kernels"),
+}
+_CALLS = [("LLM", "LLMEngine"), ("LLMEngine", "Scheduler"), ("LLMEngine", "CacheEngine"),
+          ("LLMEngine", "ModelRunner"), ("LLMEngine", "sampler"), ("Scheduler", "KVCacheManager"),
+          ("ModelRunner", "model"), ("model", "ops")]
+
+
+def draw_system_map(notes: dict[str, str] | None = None, ax=None, title: str | None = None):
+    """The engine's parts as boxes (name, module, job), arrows from caller to callee.
+
+    ``notes`` adds a line to a box by name (one of ``LLM``, ``LLMEngine``, ``Scheduler``,
+    ``CacheEngine``, ``ModelRunner``, ``sampler``, ``KVCacheManager``, ``model``,
+    ``ops``): what that part did in a run, say.  Returns the Axes.
+    """
+    notes = notes or {}
+    unknown = sorted(set(notes) - set(_SYSTEM))
+    if unknown:
+        raise ValueError(f"notes names unknown parts {unknown}; known: {list(_SYSTEM)}")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(12, 6.5))
+    w, h = 0.9, 0.7
+    for name, (x, y, module, job) in _SYSTEM.items():
+        ax.add_patch(Rectangle((x * 1.2, y), w * 1.2, h, facecolor="#eef3fa" if name in notes
+                               else "#f7f7f7", edgecolor=_EDGE, lw=1))
+        lines = [f"$\\bf{{{name}}}$  ({module})", job] + ([notes[name]] if name in notes else [])
+        ax.text(x * 1.2 + 0.6 * w, y + h / 2, "\n".join(lines), ha="center", va="center",
+                fontsize=7.5)
+    for src, dst in _CALLS:
+        (x0, y0, *_), (x1, y1, *_) = _SYSTEM[src], _SYSTEM[dst]
+        start = (x0 * 1.2 + 0.6 * w, y0)
+        end = (x1 * 1.2 + 0.6 * w, y1 + h)
+        ax.annotate("", xy=end, xytext=start,
+                    arrowprops=dict(arrowstyle="->", color=_EDGE, lw=1))
+    # The scheduler's block operations reach the cache engine as data, through the engine.
+    y = _SYSTEM["Scheduler"][1] + h / 2
+    ax.annotate("", xy=(1.2, y), xytext=(w * 1.2, y),
+                arrowprops=dict(arrowstyle="->", color=_EDGE, lw=1, ls="--"))
+    ax.set_xlim(-0.1, 4.8)
+    ax.set_ylim(-0.2, 4.9)
+    ax.axis("off")
+    ax.set_title(title or "minipaged: who calls whom in one step")
     return ax
