@@ -10,12 +10,92 @@ argparse's own errors, not a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
+import re
 import shlex
 import sys
+import types
+import typing
 
 from minipaged.bench import attention as attention_bench
-from minipaged.bench.results import default_path, write_results
+from minipaged.bench import throughput as throughput_bench
+from minipaged.bench.results import default_path, device_name, write_results
+from minipaged.config import ATTENTION_BACKENDS, DEVICES, EngineConfig
 from minipaged.models.tiny import ARCHS, make_tiny_model
+from minipaged.sampling_params import BeamSearchParams, SamplingParams
+from minipaged.scheduler import PREEMPTION_MODES
+
+CHOICES = {"device": DEVICES, "preemption_mode": PREEMPTION_MODES,
+           "attention_backend": ATTENTION_BACKENDS}
+MODEL_CONFIG_KEYS = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+                     "max_position_embeddings")
+# Not flags: the model is an argument of its own; a trace needs code to read it.
+NOT_ENGINE_FLAGS = ("model", "trace")
+
+
+# -- flags derived from the library's dataclasses -------------------------------------
+def _field_docs(cls) -> dict[str, str]:
+    """The ``Args:`` entries of ``cls``'s docstring, each joined into one line."""
+    docs, name = {}, None
+    for line in inspect.getdoc(cls).partition("Args:")[2].splitlines():
+        if match := re.match(r"    (\w+): (.*)", line):
+            name, docs[match[1]] = match[1], match[2]
+        elif name and line.strip():
+            docs[name] += " " + line.strip()
+    # argparse %-formats help; reST literals read better without their backquotes.
+    return {k: v.replace("``", "").replace("%", "%%") for k, v in docs.items()}
+
+
+def _add_fields(group, cls, names, flags: dict[str, str] | None = None) -> dict[str, str]:
+    """One flag per dataclass field in ``names``, with the field's default, type and
+    docstring; ``flags`` renames some (field -> flag without dashes).  Returns the
+    map field -> argparse dest, for `_kwargs`."""
+    hints, docs = typing.get_type_hints(cls), _field_docs(cls)
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    dests = {}
+    for name in names:
+        flag = (flags or {}).get(name, name.replace("_", "-"))
+        kind = hints[name]
+        if isinstance(kind, types.UnionType):  # int | None: an optional int
+            kind = next(k for k in typing.get_args(kind) if k is not type(None))
+        help_ = f"{docs.get(name, '')} (default: %(default)s)"
+        if kind is bool:
+            action = group.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction,
+                                        default=defaults[name], help=help_)
+        else:
+            action = group.add_argument(f"--{flag}", type=kind, default=defaults[name],
+                                        choices=CHOICES.get(name) if cls is EngineConfig
+                                        else None, metavar=_metavar(name, kind), help=help_)
+        dests[name] = action.dest
+    return dests
+
+
+def _metavar(name, kind) -> str | None:
+    if name in CHOICES:
+        return None  # argparse shows {a,b,c}
+    return {int: "N", float: "X"}.get(kind, name.upper())
+
+
+def _kwargs(args, dests: dict[str, str]) -> dict:
+    return {name: getattr(args, dest) for name, dest in dests.items()}
+
+
+def _add_engine_flags(parser, exclude=()) -> None:
+    """The ``LLM`` keyword arguments (`EngineConfig`'s fields) as flags, with vLLM's
+    names: ``--block-size 16``, ``--enable-prefix-caching``, ``--seed 0``, ...;
+    `engine_kwargs` turns them back into keyword arguments."""
+    group = parser.add_argument_group(
+        "engine flags", "LLM(...) keyword arguments (minipaged.config.EngineConfig)")
+    names = [f.name for f in dataclasses.fields(EngineConfig)
+             if f.name not in (*NOT_ENGINE_FLAGS, *exclude)]
+    parser.set_defaults(engine_dests=_add_fields(group, EngineConfig, names))
+
+
+def engine_kwargs(args) -> dict:
+    """The engine flags of parsed ``args`` as ``LLM(model, **kwargs)`` keyword arguments."""
+    return _kwargs(args, args.engine_dests)
 
 
 def _add_make_tiny_model(subcommands) -> None:
@@ -36,20 +116,120 @@ def _run_make_tiny_model(args) -> None:
         print(f"  {file.name:<24} {file.stat().st_size:>10,} bytes")
 
 
+SAMPLING_FIELDS = ("max_tokens", "n", "temperature", "top_p", "top_k", "min_p", "seed",
+                   "ignore_eos", "logprobs")
+
+
+def _add_generate(subcommands) -> None:
+    parser = subcommands.add_parser(
+        "generate", help="complete prompts with a local checkpoint",
+        description="Complete each PROMPT with the engine (LLM.generate, or LLM.beam_search "
+                    "with --beam-width), print the completions and a memory report.")
+    parser.add_argument("prompt", nargs="+", metavar="PROMPT")
+    parser.add_argument("--model", required=True, metavar="DIR",
+                        help="a local Hugging Face checkpoint directory")
+    _add_engine_flags(parser)
+    group = parser.add_argument_group("sampling flags", "SamplingParams(...) fields")
+    # The request's seed gets its own name: --seed is the engine's, as in vLLM.
+    parser.set_defaults(sampling_dests=_add_fields(group, SamplingParams, SAMPLING_FIELDS,
+                                                   flags={"seed": "sampling-seed"}))
+    group.add_argument("--stop", action="append", metavar="TEXT",
+                       help="a string that ends a completion (repeatable)")
+    group.add_argument("--stop-token-ids", nargs="+", type=int, metavar="ID",
+                       help="token ids that end a completion")
+    beam = parser.add_argument_group("beam search", "BeamSearchParams(...): with "
+                                     "--beam-width, LLM.beam_search replaces sampling")
+    beam.add_argument("--beam-width", type=int, metavar="N",
+                      help="keep the N best partial sequences (paper §4.4)")
+    beam.add_argument("--length-penalty", type=float, default=1.0, metavar="X",
+                      help="score = cum_logprob / len ** X (default: %(default)s)")
+    parser.set_defaults(run=_run_generate, command="generate")
+
+
+def _sampling_params(args) -> SamplingParams:
+    return SamplingParams(**_kwargs(args, args.sampling_dests), stop=args.stop,
+                          stop_token_ids=args.stop_token_ids)
+
+
+def _beam_search_params(args) -> BeamSearchParams:
+    """Beam search ranks candidates instead of sampling them: a sampling flag beside
+    --beam-width would be silently ignored, so it is an error."""
+    defaults = SamplingParams()
+    ignored = [f"--{args.sampling_dests[name].replace('_', '-')}"
+               for name in SAMPLING_FIELDS if name not in ("max_tokens", "ignore_eos")
+               and getattr(args, args.sampling_dests[name]) != getattr(defaults, name)]
+    ignored += [flag for flag, value in (("--stop", args.stop),
+                                         ("--stop-token-ids", args.stop_token_ids)) if value]
+    if ignored:
+        raise ValueError(f"beam_width={args.beam_width} cannot be combined with "
+                         f"{', '.join(ignored)}: beam search does not sample")
+    return BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens,
+                            length_penalty=args.length_penalty, ignore_eos=args.ignore_eos)
+
+
+def _run_generate(args) -> None:
+    from minipaged.demo import PeakUsage, memory_report
+    from minipaged.llm import LLM
+
+    # Every flag is checked before the model loads.
+    beam = args.beam_width is not None
+    params = _beam_search_params(args) if beam else _sampling_params(args)
+    llm = LLM(args.model, **engine_kwargs(args))
+    with PeakUsage.watch(llm.engine) as peak:
+        if beam:
+            outputs = llm.beam_search(args.prompt, params)
+        else:
+            outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    for i, (prompt, output) in enumerate(zip(args.prompt, outputs)):
+        print(f"prompt {i}: {prompt!r}")
+        lines = _beam_lines(output) if beam else _completion_lines(output)
+        print("\n".join(f"  {line}" for line in lines))
+    print()
+    print(memory_report(llm.engine, peak))
+
+
+def _completion_lines(output) -> list[str]:
+    lines = []
+    for c in output.outputs:
+        # repr(): one line per completion, whatever bytes the model produced.
+        lines.append(f"completion {c.index}: {c.text!r}  [{len(c.token_ids)} tokens, "
+                     f"finish_reason={c.finish_reason}, cumulative_logprob="
+                     f"{c.cumulative_logprob:.4f}]")
+        for step, top in enumerate(c.logprobs or []):
+            lines.append(f"  logprobs[{step}]: "
+                         + " ".join(f"{t}:{lp:.3f}" for t, lp in top.items()))
+    return lines
+
+
+def _beam_lines(output) -> list[str]:
+    return [f"beam {i}: {s.text!r}  [cum_logprob={s.cum_logprob:.4f}]"
+            for i, s in enumerate(output.sequences)]
+
+
 def _add_demo(subcommands) -> None:
     parser = subcommands.add_parser(
         "demo", help="what paging buys: KV memory waste and sharing, measured",
-        description="Serve a ShareGPT-like load on OPT-13B's KV pool, paged vs contiguous, "
-                    "and count the blocks that copy-on-write and prefix caching save.")
-    parser.add_argument("--num-requests", type=int, default=300)
+        description="Run the engine on a tiny embedded checkpoint with parallel sampling and "
+                    "a shared system prompt, and count the blocks sharing saves; then serve "
+                    "a ShareGPT-like load on OPT-13B's KV pool, paged vs contiguous.")
+    parser.add_argument("--n", type=int, default=4, help="completions per prompt "
+                        "(default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=24,
+                        help="tokens per completion (default: %(default)s)")
+    parser.add_argument("--num-requests", type=int, default=300,
+                        help="requests in the paged-vs-contiguous simulation "
+                             "(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(run=_run_demo)
 
 
 def _run_demo(args) -> None:
-    from minipaged.demo import sharing_report, waste_report
+    from minipaged.demo import engine_report, sharing_report, waste_report
 
-    print(waste_report(args.num_requests, args.seed))
+    waste = waste_report(args.num_requests, args.seed)  # checks its flags before the engine runs
+    print(engine_report(args.n, args.max_tokens, args.seed))
+    print()
+    print(waste)
     print()
     print(sharing_report())
 
@@ -61,6 +241,7 @@ def _add_bench(subcommands) -> None:
                     "under benchmarks/results/<device>/ unless --json says otherwise.")
     benches = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
     _add_bench_attention(benches)
+    _add_bench_throughput(benches)
 
 
 def _add_bench_attention(benches) -> None:
@@ -106,11 +287,95 @@ def _run_bench_attention(args) -> None:
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
+def _add_bench_throughput(benches) -> None:
+    presets = throughput_bench.PRESETS
+    parser = benches.add_parser(
+        "throughput", help="offline throughput: minipaged vs Hugging Face generate",
+        description="Complete the same synthetic ShareGPT-like requests (ignore_eos) with "
+                    "minipaged on each attention backend, transformers' generate one "
+                    "request at a time and in padded batches; report requests/s and output "
+                    "tokens/s, and the engine's own CPU time per step with the model stubbed.")
+    parser.add_argument("--model", metavar="DIR", help="a local Hugging Face checkpoint "
+                        "(default: the preset's synthetic one, written to the cache)")
+    parser.add_argument("--preset", choices=sorted(presets),
+                        default=throughput_bench.default_preset(),
+                        help="cpu: the tiny checkpoint, short requests, seconds; gpu: a "
+                             "Llama-3.2-1B-shaped random model, 500 full-length requests "
+                             "(default: gpu if CUDA is available)")
+    parser.add_argument("--systems", nargs="+", choices=throughput_bench.SYSTEMS,
+                        metavar="SYSTEM", help=f"any of {', '.join(throughput_bench.SYSTEMS)} "
+                        "(default: minipaged on every backend this device runs, and both HF "
+                        "baselines)")
+    for flag, help_ in [
+            ("--num-requests", "requests of the workload"),
+            ("--hf-num-requests", "hf-generate runs the first N of them"),
+            ("--hf-batch-num-requests", "hf-generate-batch runs the first N of them"),
+            ("--hf-batch-size", "requests per hf-generate-batch call")]:
+        parser.add_argument(flag, type=int, metavar="N", help=f"{help_} (default: the preset's)")
+    parser.add_argument("--length-scale", type=float, metavar="X",
+                        help="multiply the ShareGPT lengths by X (default: the preset's)")
+    parser.add_argument("--overhead-steps", type=int, default=50, metavar="N",
+                        help="decode steps timed for the engine overhead; 0 skips it "
+                             "(default: %(default)s)")
+    parser.add_argument("--json", help="where to write the results (default: "
+                        "benchmarks/results/<device>/throughput.json); the PNG goes beside it")
+    # Backends are systems here; the workload and sampling use --seed.
+    _add_engine_flags(parser, exclude=("attention_backend",))
+    parser.set_defaults(run=_run_bench_throughput, command="bench throughput")
+
+
+def _run_bench_throughput(args) -> None:
+    import torch
+
+    preset = throughput_bench.PRESETS[args.preset]
+    device = throughput_bench.preset_device(args.preset, args.device)
+    # A flag left out takes the preset's value.
+    setting = {name: getattr(preset, name) if getattr(args, name) is None else getattr(args, name)
+               for name in ("num_requests", "length_scale", "hf_num_requests",
+                            "hf_batch_num_requests", "hf_batch_size")}
+    throughput_bench.check_setting(**setting)
+    if args.overhead_steps < 0:
+        raise ValueError(f"overhead_steps must be >= 0, got {args.overhead_steps}")
+    model = args.model or throughput_bench.preset_model(args.preset)
+    work = throughput_bench.make_workload(model, setting["num_requests"],
+                                          setting["length_scale"], args.max_model_len,
+                                          args.seed)
+    engine = {**engine_kwargs(args), "device": device.type}
+    bench = throughput_bench.bench_throughput(
+        model, args.systems or throughput_bench.available_systems(device), work.requests,
+        work.prompts, engine, setting["hf_num_requests"], setting["hf_batch_num_requests"],
+        setting["hf_batch_size"])
+    overhead = None
+    if args.overhead_steps:
+        overhead = throughput_bench.measure_engine_overhead(
+            throughput_bench.preset_model("cpu"), device, num_steps=args.overhead_steps,
+            block_size=args.block_size, seed=args.seed)
+    print(throughput_bench.format_table(bench.rows, overhead))
+    path = write_results(
+        args.json or default_path("throughput", device), bench.rows, device,
+        args.command_line,
+        throughput_bench.plot_throughput(bench.rows, overhead, device_name(device)),
+        preset=args.preset,
+        # Not the cache path of a synthetic checkpoint: that differs per machine.
+        model=args.model or f"synthetic: the {args.preset} preset's ({model.name})",
+        model_config={k: getattr(work.config, k, None) for k in MODEL_CONFIG_KEYS},
+        dtype=str(throughput_bench.model_dtype(work.config, args.dtype)),
+        torch_threads=1 if device.type == "cpu" else torch.get_num_threads(),
+        engine=engine, workload={"name": "sharegpt", "seed": args.seed, **setting,
+                                 "max_model_len": work.max_model_len, "scale": work.scale,
+                                 "prompt_lens": [r.prompt_len for r in work.requests],
+                                 "output_lens": [r.output_len for r in work.requests]},
+        engine_overhead_ms_per_step=overhead and overhead["ms_per_step"],
+        engine_overhead=overhead, notes=bench.notes)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="minipaged", description="PagedAttention and the vLLM serving engine, step by step.")
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_make_tiny_model(subcommands)
+    _add_generate(subcommands)
     _add_demo(subcommands)
     _add_bench(subcommands)
     return parser

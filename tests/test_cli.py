@@ -1,12 +1,18 @@
-"""The ``minipaged`` command line: subcommands run in-process and as a real process."""
+"""The ``minipaged`` command line: subcommands run in-process and as a real process;
+engine flags mirror `EngineConfig`, and ``generate`` prints what ``LLM`` returns."""
 
+import ast
+import dataclasses
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from minipaged.cli import main
+from minipaged import BeamSearchParams, SamplingParams
+from minipaged.cli import build_parser, engine_kwargs, main
+from minipaged.config import EngineConfig
 from minipaged.models import make_tiny_model
 
 FILES = ["config.json", "generation_config.json", "model.safetensors",
@@ -58,19 +64,129 @@ def test_bad_arguments_fail_with_a_clear_message(argv, message, tmp_path, monkey
     assert not (tmp_path / "DIR").exists()
 
 
-def test_demo_reports_paged_and_contiguous_waste(capsys):
-    assert main(["demo"]) == 0
-    out = capsys.readouterr().out
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
-    for system in ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"):
-        assert system in rows
-    token_share = {s: float(rows[s][1].rstrip("%")) for s in rows if s.startswith(("paged", "contiguous"))}
-    assert token_share["paged"] > max(v for s, v in token_share.items() if s != "paged")
-    assert "copy-on-write" in out and "Prefix caching" in out
-
-
 def test_demo_rejects_a_bad_request_count(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--num-requests", "-1"])
     assert exit_info.value.code == 2
     assert "num_requests" in capsys.readouterr().err
+
+
+# -- generate and the engine flags ----------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    from minipaged import LLM
+
+    return LLM(str(tiny), device="cpu", block_size=8, num_gpu_blocks=64,
+               enable_prefix_caching=True, seed=5)
+
+
+ENGINE_ARGV = ["--device", "cpu", "--block-size", "8", "--num-gpu-blocks", "64",
+               "--enable-prefix-caching", "--seed", "5"]
+
+
+def completions(out: str) -> dict[tuple[int, int], tuple[str, int]]:
+    """``(prompt, index) -> (text, number of tokens)`` of every completion printed."""
+    found, prompt = {}, None
+    for line in out.splitlines():
+        if match := re.match(r"prompt (\d+): ", line):
+            prompt = int(match[1])
+        elif match := re.match(r"  completion (\d+): (.*)  \[(\d+) tokens", line):
+            found[prompt, int(match[1])] = ast.literal_eval(match[2]), int(match[3])
+    return found
+
+
+def test_engine_flags_default_to_engine_config():
+    args = build_parser().parse_args(["generate", "--model", "M", "hi"])
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)
+                if f.name not in ("model", "trace")}
+    assert engine_kwargs(args) == defaults
+
+
+def test_engine_flags_reach_engine_config():
+    args = build_parser().parse_args(
+        ["generate", "--model", "M", "--dtype", "bfloat16", "--num-gpu-blocks", "7",
+         "--gpu-memory-utilization", "0.5", "--swap-space", "0", "--preemption-mode", "swap",
+         "--enable-prefix-caching", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+         "--max-model-len", "100", "--attention-backend", "triton", "--seed", "3", "hi"])
+    config = EngineConfig(model="M", **engine_kwargs(args))
+    assert (config.dtype, config.num_gpu_blocks, config.gpu_memory_utilization) == \
+        ("bfloat16", 7, 0.5)
+    assert (config.swap_space, config.preemption_mode, config.enable_prefix_caching) == \
+        (0, "swap", True)
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len) == \
+        (4, 64, 100)
+    assert (config.attention_backend, config.seed) == ("triton", 3)
+    # The request's seed is a sampling flag of its own.
+    assert args.sampling_seed is None
+
+
+def test_generate_prints_what_llm_generate_returns(tiny, llm, capsys):
+    prompts = ["Hello", "The capital of"]
+    argv = ["generate", "--model", str(tiny), *ENGINE_ARGV, "--n", "3", "--max-tokens", "6",
+            "--temperature", "0.8", "--top-k", "20", "--sampling-seed", "11", *prompts]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    params = SamplingParams(n=3, max_tokens=6, temperature=0.8, top_k=20, seed=11)
+    expected = {(i, c.index): (c.text, len(c.token_ids))
+                for i, o in enumerate(llm.generate(prompts, params, use_tqdm=False))
+                for c in o.outputs}
+    assert completions(out) == expected
+    assert "prompt 1: 'The capital of'" in out
+    assert "Memory: a KV pool of 64 blocks x 8 token slots on cpu" in out
+    assert "now 64 of 64 blocks are free again" in out
+
+
+def test_generate_greedy_with_stops_and_logprobs(tiny, llm, capsys):
+    reference = llm.generate("abc", SamplingParams(temperature=0, max_tokens=8),
+                             use_tqdm=False)[0].outputs[0]
+    stop = reference.text[2:4] or "x"
+    argv = ["generate", "--model", str(tiny), *ENGINE_ARGV, "--temperature", "0",
+            "--max-tokens", "8", "--stop", stop, "--stop", "never", "--logprobs", "2", "abc"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    params = SamplingParams(temperature=0, max_tokens=8, stop=[stop, "never"], logprobs=2)
+    c = llm.generate("abc", params, use_tqdm=False)[0].outputs[0]
+    assert completions(out) == {(0, 0): (c.text, len(c.token_ids))}
+    assert f"finish_reason={c.finish_reason}" in out
+    assert out.count("logprobs[") == len(c.token_ids)
+
+
+def test_generate_beam_search_prints_llm_beam_search(tiny, llm, capsys):
+    argv = ["generate", "--model", str(tiny), *ENGINE_ARGV, "--beam-width", "3",
+            "--max-tokens", "5", "Hello"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    beams = llm.beam_search(["Hello"], BeamSearchParams(beam_width=3, max_tokens=5))[0]
+    printed = [ast.literal_eval(m[1]) for m in re.finditer(r"beam \d+: (.*)  \[cum", out)]
+    assert printed == [s.text for s in beams.sequences]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--block-size", "0"], "minipaged generate: error: block_size must be an int >= 1, got 0"),
+    (["--preemption-mode", "drop"], "argument --preemption-mode: invalid choice: 'drop'"),
+    (["--num-gpu-blocks", "x"], "argument --num-gpu-blocks: invalid int value: 'x'"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0, got -1.0"),
+    (["--max-tokens", "0"], "max_tokens must be an int >= 1, got 0"),
+    (["--n", "0"], "n must be an int >= 1, got 0"),
+    (["--beam-width", "2", "--n", "2"], "beam_width=2 cannot be combined with --n"),
+    (["--beam-width", "2", "--sampling-seed", "1", "--stop", "x"],
+     "cannot be combined with --sampling-seed, --stop"),
+    (["--dtype", "fp8"], "dtype must be 'auto', one of"),
+    (["--max-model-len", "99999"], "max_model_len=99999 is more than the model's 1024"),
+])
+def test_generate_bad_flags_exit_2_naming_them(argv, message, tiny, capsys):
+    assert run_main(["generate", "--model", str(tiny), *argv, "hi"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_generate_needs_a_model_and_a_prompt(tiny, capsys):
+    assert run_main(["generate", "hi"]) == 2
+    assert "the following arguments are required: --model" in capsys.readouterr().err
+    assert run_main(["generate", "--model", str(tiny)]) == 2
+    assert "the following arguments are required: PROMPT" in capsys.readouterr().err

@@ -6,4 +6,6 @@ every figure in the docs can be traced to the run, machine and versions that mad
 
 * `attention` - the attention ops per backend against the GPU's own read bandwidth
   (paper §5.1, Fig. 18a).
+* `throughput` - offline serving throughput, minipaged vs Hugging Face ``generate``
+  (paper §6.2), and the engine's own CPU time per step.
 """
