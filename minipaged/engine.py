@@ -227,7 +227,8 @@ class LLMEngine:
                 else:
                     live.append((score, beam, token, logprob))
             beam.beam_candidates = None
-        live.sort(key=lambda c: -c[0])
+        live.sort(key=lambda c: -beam_score(c[1].token_ids + [c[2]], c[0], self.eos_token_ids,
+                                            params.length_penalty))
         children = defaultdict(list)
         for _, beam, token, logprob in live[:params.beam_width]:
             children[beam].append((token, logprob))
@@ -278,13 +279,8 @@ class LLMEngine:
     def _beam_output(self, group: SequenceGroup) -> BeamSearchOutput:
         params, prompt_len = group.params, len(group.prompt_token_ids)
         eos = set() if params.ignore_eos else self.eos_token_ids
-
-        def score(beam):  # vLLM's get_beam_search_score: a final EOS is not counted
-            tokens, cum = beam
-            length = len(tokens) - (tokens[-1] in eos)
-            return cum / length ** params.length_penalty
-
-        best = sorted(group.completed_beams, key=score, reverse=True)[:params.beam_width]
+        best = sorted(group.completed_beams, reverse=True, key=lambda beam: beam_score(
+            *beam, self.eos_token_ids, params.length_penalty))[:params.beam_width]
         sequences = []
         for tokens, cum in best:
             generated = tokens[prompt_len:-1] if tokens[-1] in eos else tokens[prompt_len:]
@@ -323,6 +319,15 @@ class LLMEngine:
             "num_swapped": len(self.scheduler.swapped),
             "num_steps": self.num_steps,
         }
+
+
+def beam_score(tokens: list[int], cum_logprob: float, eos_token_ids: set[int],
+               length_penalty: float) -> float:
+    """vLLM's ``get_beam_search_score``: the cumulative logprob over the length (prompt
+    included) to the ``length_penalty``; a final EOS is not counted, even with
+    ``ignore_eos``."""
+    length = len(tokens) - (tokens[-1] in eos_token_ids)
+    return cum_logprob / length ** length_penalty
 
 
 def resolve_device(device: str) -> torch.device:

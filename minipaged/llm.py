@@ -86,6 +86,8 @@ class LLM:
 
     def _tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
+            if not prompt:  # the tokenizer would make it a lone BOS
+                raise ValueError("prompt must not be empty, got ''")
             return self.engine.tokenizer.encode(prompt), prompt
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return list(prompt["prompt_token_ids"]), prompt.get("prompt")
@@ -98,6 +100,9 @@ class LLM:
 def _as_list(prompts) -> list[Prompt]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a str, a dict or a list of them, "
+                         f"got {type(prompts).__name__}")
     prompts = list(prompts)
     if not prompts:
         raise ValueError("prompts must not be empty")

@@ -2,7 +2,9 @@
 
 Without a GPU, Triton kernels run in its interpreter; TRITON_INTERPRET must be set
 before any kernel is defined, so it is set here, before pytest imports a test module.
-Tests marked ``gpu`` skip without CUDA.
+Without a GPU torch also runs on one thread: the tiny test models gain nothing from
+more, and where anything else competes for the cores OpenMP's threads wait on each
+other (10-70x slower, and erratic).  Tests marked ``gpu`` skip without CUDA.
 """
 
 import os
@@ -12,6 +14,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
