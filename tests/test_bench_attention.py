@@ -9,6 +9,8 @@ import math
 import pytest
 import torch
 
+from cli_helpers import run_main
+
 from minipaged.bench import attention as bench
 from minipaged.bench.results import default_path, device_slug
 from minipaged.cli import main
@@ -23,14 +25,6 @@ TOP_FIELDS = {"device", "torch", "triton", "date", "command", "results",
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Small enough for a few seconds on a CPU; prefill keeps a chunk with a cached prefix.
 CPU_ARGV = ["bench", "attention", "--preset", "cpu", "--batch", "2", "--context-len", "64"]
-
-
-def run_main(argv):
-    """``main(argv)``'s exit status, whether it returns or exits the way argparse does."""
-    try:
-        return main(argv)
-    except SystemExit as exit:
-        return exit.code
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,8 @@ import json
 import pytest
 import torch
 
+from cli_helpers import run_main
+
 from minipaged.bench import throughput as bench
 from minipaged.cli import main
 from minipaged.models import make_tiny_model
@@ -20,14 +22,6 @@ TOP_FIELDS = {"device", "torch", "triton", "date", "command", "results", "preset
               "engine_overhead_ms_per_step", "engine_overhead"}
 CPU_ARGV = ["bench", "throughput", "--preset", "cpu", "--num-requests", "6", "--length-scale",
             "0.25", "--hf-batch-size", "4", "--overhead-steps", "3"]
-
-
-def run_main(argv):
-    """``main(argv)``'s exit status, whether it returns or exits the way argparse does."""
-    try:
-        return main(argv)
-    except SystemExit as exit:
-        return exit.code
 
 
 @pytest.fixture(scope="module")

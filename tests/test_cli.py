@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from cli_helpers import run_main
+
 from minipaged import BeamSearchParams, SamplingParams
 from minipaged.cli import build_parser, engine_kwargs, main
 from minipaged.config import EngineConfig
@@ -17,14 +19,6 @@ from minipaged.models import make_tiny_model
 
 FILES = ["config.json", "generation_config.json", "model.safetensors",
          "tokenizer.json", "tokenizer_config.json"]
-
-
-def run_main(argv):
-    """``main(argv)``'s exit status, whether it returns or exits the way argparse does."""
-    try:
-        return main(argv)
-    except SystemExit as exit:
-        return exit.code
 
 
 def test_make_tiny_model_writes_the_same_checkpoint_as_the_api(tmp_path, capsys):
