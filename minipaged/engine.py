@@ -133,7 +133,7 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------
     def step(self) -> list[Output]:
-        """One iteration of the serving loop; returns the requests that finished in it."""
+        """One iteration of the serving loop (§4.5); returns the requests that finished."""
         batch = self.scheduler.schedule()
         self.cache_engine.execute(batch)
         sampling, logits = self.runner.execute(batch.seqs, self.cache_engine.gpu_cache)
@@ -146,6 +146,8 @@ class LLMEngine:
         return finished
 
     def _update(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> None:
+        """Each row of ``logits`` is a sequence that reached its end: sample its next
+        token, or for beam search rank its candidates."""
         plain = [i for i, s in enumerate(sampling) if not s.group.is_beam_search]
         beams = [i for i, s in enumerate(sampling) if s.group.is_beam_search]
         if plain:
@@ -199,16 +201,15 @@ class LLMEngine:
     # -- beam search (§4.4) -----------------------------------------------------------
     def _rank_beams(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
                     rows: list[int]) -> None:
+        """Give every beam that reached its end its best next tokens; a request whose
+        live beams all have theirs moves on to the next step's beams."""
         width = max(sampling[i].group.params.beam_width for i in rows)
         top = beam_candidates(logits[rows], width)
         ids, logprobs = top.token_ids.tolist(), top.logprobs.tolist()
-        groups = {}
         for j, i in enumerate(rows):
-            s = sampling[i]
-            k = 2 * s.group.params.beam_width
-            s.seq.beam_candidates = list(zip(ids[j][:k], logprobs[j][:k]))
-            groups[id(s.group)] = s.group
-        for group in groups.values():
+            k = 2 * sampling[i].group.params.beam_width
+            sampling[i].seq.beam_candidates = list(zip(ids[j][:k], logprobs[j][:k]))
+        for group in dict.fromkeys(sampling[i].group for i in rows):
             # After a recompute, beams may finish their prompts in different steps.
             if all(b.beam_candidates is not None for b in group.unfinished_seqs):
                 self._extend_beams(group)
@@ -244,6 +245,8 @@ class LLMEngine:
         self._maybe_finish_beams(group)
 
     def _maybe_finish_beams(self, group: SequenceGroup) -> None:
+        """At ``max_tokens`` (or ``max_model_len``) the live beams join the finished
+        candidates and give their blocks back."""
         beams = group.unfinished_seqs
         if beams and (beams[0].num_output_tokens < group.params.max_tokens
                       and len(beams[0].token_ids) < self.max_model_len):
