@@ -170,7 +170,9 @@ class LLMEngine:
                      [s.generator for _, _, s in targets], self.generator)
         for j, (_, group, seq) in enumerate(targets):
             seq.append_token(out.token_ids[j], out.logprobs[j])
-            self.trace.record("sample", group.request_id, seq.seq_id, token_id=out.token_ids[j])
+            if self.trace.enabled:
+                self.trace.record("sample", group.request_id, seq.seq_id,
+                                  token_id=out.token_ids[j])
             if seq.logprobs is not None:
                 seq.logprobs.append(out.top_logprobs[j])
             self._check_stop(group, seq)
