@@ -163,25 +163,16 @@ class Served:
 
 def serve(path, prompts: list[str], params: list[SamplingParams], prefix_caching: bool,
           seed: int = 0, device: str = "auto") -> Served:
-    """Run ``prompts`` through the engine by hand (add_request, then step until done),
-    recording `stats()` after every step."""
+    """Run ``prompts`` through ``LLM.generate``, recording `stats()` after every step."""
     from .llm import LLM
 
     llm = LLM(str(path), device=device, num_gpu_blocks=DEMO_BLOCKS, swap_space=0,
               enable_prefix_caching=prefix_caching, seed=seed)
-    engine, tokenizer = llm.engine, llm.get_tokenizer()
-    token_ids = [tokenizer.encode(p) for p in prompts]
-    for i, (ids, prompt, sp) in enumerate(zip(token_ids, prompts, params)):
-        engine.add_request(str(i), ids, sp, prompt=prompt)
-    done, peak = {}, PeakUsage()
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            done[output.request_id] = output
-        peak.update(engine.stats())
-    outputs = [done[str(i)].outputs for i in range(len(prompts))]
-    return Served([[c.token_ids for c in out] for out in outputs],
-                  [[c.text for c in out] for out in outputs], peak.stats, engine.stats(),
-                  sum(map(len, token_ids)))
+    with PeakUsage.watch(llm.engine) as peak:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    return Served([[c.token_ids for c in out.outputs] for out in outputs],
+                  [[c.text for c in out.outputs] for out in outputs], peak.stats,
+                  llm.stats(), sum(len(out.prompt_token_ids) for out in outputs))
 
 
 def engine_report(n: int = 4, max_tokens: int = 24, seed: int = 0) -> str:
