@@ -2,6 +2,7 @@
 
 Without a GPU, Triton kernels run in its interpreter; TRITON_INTERPRET must be set
 before any kernel is defined, so it is set here, before pytest imports a test module.
+The CUDA kernels run in minipaged's CPU emulator (MINIPAGED_CUDA_EMULATE, read per call).
 Without a GPU torch also runs on one thread: the tiny test models gain nothing from
 more, and where anything else competes for the cores OpenMP's threads wait on each
 other (10-70x slower, and erratic).  Tests marked ``gpu`` skip without CUDA.
@@ -14,6 +15,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("MINIPAGED_CUDA_EMULATE", "1")
     torch.set_num_threads(1)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from attention_cases import (DECODE_CASES, NUM_HEADS, PREFILL_CASES, AttentionSuite,
-                             make_paged_kv)
+                             make_paged_kv, real_paged_kv)
 
 from minipaged.ops import (decode_oracle, paged_attention_decode, paged_attention_prefill,
                            prefill_oracle, write_kv)
@@ -162,31 +162,12 @@ def test_cpu_tensors_without_the_interpreter_are_refused():
 
 
 # Real sizes on the GPU: B=64 at 2K and 8K tokens, long contexts split, prefill chunks.
-def _real_paged_kv(batch, context_len, dtype, num_heads=32, num_kv_heads=8, head_dim=128,
-                   block_size=16):
-    """A pool of shuffled blocks on the GPU, and each sequence's dense K/V read back
-    through plain tensor indexing for the oracle."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    blocks_per_seq = -(-context_len // block_size)
-    num_blocks = batch * blocks_per_seq + 7
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.randn(shape, generator=g, device="cuda").to(dtype)
-    value_cache = torch.randn(shape, generator=g, device="cuda").to(dtype)
-    perm = torch.randperm(num_blocks, generator=g, device="cuda")
-    tables = perm[:batch * blocks_per_seq].view(batch, blocks_per_seq).to(torch.int32)
-    keys = [key_cache[t].flatten(0, 1)[:context_len] for t in tables.long()]
-    values = [value_cache[t].flatten(0, 1)[:context_len] for t in tables.long()]
-    lens = torch.full((batch,), context_len, dtype=torch.int32, device="cuda")
-    query = torch.randn(batch, num_heads, head_dim, generator=g, device="cuda").to(dtype)
-    return query, key_cache, value_cache, tables, lens, keys, values
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("batch, context_len", [(64, 2048), (64, 8192), (1, 32768),
                                                 (4, 40000)])
 def test_decode_at_real_sizes(batch, context_len, dtype):
-    query, key_cache, value_cache, tables, lens, keys, values = _real_paged_kv(
+    query, key_cache, value_cache, tables, lens, keys, values = real_paged_kv(
         batch, context_len, dtype)
     out = paged_attention_decode(query, key_cache, value_cache, tables, lens, 128 ** -0.5,
                                  backend="triton")
@@ -203,7 +184,7 @@ def test_long_context_on_the_gpu_takes_the_split_path():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("batch, context_len, num_new", [(4, 2048, 2048), (4, 4096, 512)])
 def test_prefill_at_real_sizes(batch, context_len, num_new, dtype):
-    _, key_cache, value_cache, tables, lens, keys, values = _real_paged_kv(
+    _, key_cache, value_cache, tables, lens, keys, values = real_paged_kv(
         batch, context_len, dtype)
     g = torch.Generator(device="cuda").manual_seed(1)
     query = torch.randn(batch * num_new, 32, 128, generator=g, device="cuda").to(dtype)

@@ -13,7 +13,8 @@ The contiguous oracle the backends are tested against is exported beside them.
 
 Backends: ``torch`` (``torch_ref``, gather then attend: short and slow), ``triton``
 (``triton_ops`` launching ``triton_kernels``: online softmax over blocks, GQA groups,
-split-KV), ``cuda`` (not yet).  The Triton module is imported on first use, so
+split-KV), ``cuda`` (``cuda_ops`` launching the CUDA C++ kernels of ``kernels/``, built
+on first use; prefill borrows Triton's).  The Triton module is imported on first use, so
 ``import minipaged.ops`` needs no Triton, and ``TRITON_INTERPRET`` may be set any time
 before the first Triton call.
 """
@@ -121,9 +122,13 @@ def get_backend(name: str, device: torch.device):
         except RuntimeError as error:
             raise BackendUnavailableError(str(error)) from None
         return triton_ops
-    if name in BACKENDS:
-        raise BackendUnavailableError(
-            f"the {name!r} attention backend is not available yet; use backend='torch'")
+    if name == "cuda":
+        from minipaged.ops import cuda_ops  # torch only: the build waits for the first call
+        try:
+            cuda_ops.check_available(device)
+        except RuntimeError as error:
+            raise BackendUnavailableError(str(error)) from None
+        return cuda_ops
     raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
 
 

@@ -1,0 +1,156 @@
+// common.cuh: what every minipaged kernel shares.
+//
+// - element types: fp32, fp16 and bf16, each read as float (all arithmetic is fp32);
+// - wide loads: a thread reads up to 16 bytes of consecutive elements at once;
+// - reductions: across a few lanes, a warp, or a whole thread block;
+// - dispatch: from a run-time dtype, head_dim and block_size to the template instance.
+//
+// Nothing here includes torch: `nvcc -c` compiles every kernel file on its own.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "minipaged_kernels.h"
+
+namespace minipaged {
+
+constexpr int WARP_SIZE = 32;
+constexpr unsigned FULL_MASK = 0xffffffffu;
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// The dynamic shared memory of the running thread block, its size set at launch.
+// (The CPU emulator that runs these kernels in the tests brings its own.)
+#ifndef MINIPAGED_CPU_EMULATION
+__device__ __forceinline__ float* dynamic_shared_floats() {
+  extern __shared__ float4 dynamic_shared[];  // float4: 16-byte aligned
+  return reinterpret_cast<float*>(dynamic_shared);
+}
+#endif
+
+// N consecutive elements as one aligned value, so that a single load instruction of
+// N * sizeof(T) bytes (at most 16) fetches them all.
+template <typename T, int N>
+struct alignas(N * sizeof(T)) Pack {
+  T v[N];
+};
+
+// Read N consecutive elements at `src` (aligned to N * sizeof(T) bytes) as floats.
+template <typename T, int N>
+__device__ __forceinline__ void load_floats(const T* src, float (&dst)[N]) {
+  const Pack<T, N> pack = *reinterpret_cast<const Pack<T, N>*>(src);
+#pragma unroll
+  for (int i = 0; i < N; ++i) dst[i] = to_float(pack.v[i]);
+}
+
+// Sum over aligned groups of LANES consecutive lanes (a power of two, at most a warp):
+// after log2(LANES) butterfly steps every lane of the group holds the group's total.
+template <int LANES>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int mask = LANES / 2; mask >= 1; mask /= 2) x += __shfl_xor_sync(FULL_MASK, x, mask);
+  return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int mask = WARP_SIZE / 2; mask >= 1; mask /= 2)
+    x = fmaxf(x, __shfl_xor_sync(FULL_MASK, x, mask));
+  return x;
+}
+
+// Reduce N values per thread over the whole thread block, for every thread to read.
+// Shuffles reduce within each warp, then each warp's lane 0 leaves its result in
+// `scratch` (NUM_WARPS * N floats of shared memory) for every thread to fold.
+template <int NUM_WARPS, int N, bool IS_MAX>
+__device__ __forceinline__ void block_reduce(float (&x)[N], float* scratch) {
+  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    x[i] = IS_MAX ? warp_max(x[i]) : group_sum<WARP_SIZE>(x[i]);
+    if (lane == 0) scratch[warp * N + i] = x[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    x[i] = scratch[i];
+    for (int w = 1; w < NUM_WARPS; ++w)
+      x[i] = IS_MAX ? fmaxf(x[i], scratch[w * N + i]) : x[i] + scratch[w * N + i];
+  }
+  __syncthreads();  // scratch may be written again right after
+}
+
+// ---- dispatch: one template instance per supported (dtype, head_dim, block_size) ----
+
+template <typename T> struct TypeTag { using type = T; };
+template <int N> struct IntTag { static constexpr int value = N; };
+
+// Call fn(TypeTag<T>{}) with the element type that `dtype` names.
+template <typename Fn>
+void dispatch_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat32: return fn(TypeTag<float>{});
+    case DType::kFloat16: return fn(TypeTag<__half>{});
+    case DType::kBFloat16: return fn(TypeTag<__nv_bfloat16>{});
+  }
+  throw std::invalid_argument("dtype must be float32, float16 or bfloat16, got code " +
+                              std::to_string(static_cast<int>(dtype)));
+}
+
+// Call fn(IntTag<HEAD_DIM>{}, IntTag<BLOCK_SIZE>{}): the shapes the attention kernels
+// are compiled for.  Both fix register arrays and loop trip counts, so they must be
+// known at compile time; each pair costs one more instance of every kernel.
+template <typename Fn>
+void dispatch_shape(int head_dim, int block_size, Fn&& fn) {
+  auto with_block = [&](auto d) {
+    switch (block_size) {
+      case 8: return fn(d, IntTag<8>{});
+      case 16: return fn(d, IntTag<16>{});
+      case 32: return fn(d, IntTag<32>{});
+    }
+    throw std::invalid_argument("block_size must be 8, 16 or 32 for the CUDA kernels, got " +
+                                std::to_string(block_size));
+  };
+  switch (head_dim) {
+    case 64: return with_block(IntTag<64>{});
+    case 128: return with_block(IntTag<128>{});
+  }
+  throw std::invalid_argument("head_dim must be 64 or 128 for the CUDA kernels, got " +
+                              std::to_string(head_dim));
+}
+
+// ---- host side of a launch ----
+
+// Raise what the last launch got wrong (a bad configuration, not yet a fault in a kernel).
+inline void check_launch(const char* kernel) {
+  const cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess)
+    throw std::runtime_error(std::string(kernel) + " failed to launch: " +
+                             cudaGetErrorString(error));
+}
+
+// A thread block may use more than 48 KiB of dynamic shared memory only if asked first.
+template <typename Kernel>
+void allow_shared_memory(Kernel kernel, size_t bytes) {
+  if (bytes > 48 * 1024)
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         static_cast<int>(bytes));
+}
+
+}  // namespace minipaged

@@ -1,0 +1,140 @@
+// torch_binding.cpp: the CUDA kernels as a torch extension (minipaged.ops.cuda_ops).
+//
+// Turns tensors into the plain structs of minipaged_kernels.h and launches on the
+// current CUDA stream.  minipaged.ops checks the arguments users pass; the checks here
+// guard what the kernels themselves rely on (dtypes of index tensors, contiguity and
+// 16-byte alignment), which minipaged.ops.cuda_ops arranges.
+#include <torch/extension.h>
+
+#ifndef MINIPAGED_CPU_EMULATION
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+#include "minipaged_kernels.h"
+
+namespace minipaged_torch {
+
+using minipaged::CacheView;
+using minipaged::DecodeParams;
+using minipaged::DType;
+using minipaged::PARTITION_SIZE;
+using minipaged::WriteKVParams;
+
+DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default: TORCH_CHECK_VALUE(false, "the CUDA kernels take float32, float16 or bfloat16, "
+                                      "got ", t.scalar_type());
+  }
+}
+
+// The stream to launch on, with the tensor's GPU made current for the launch.
+struct Launch {
+#ifdef MINIPAGED_CPU_EMULATION
+  explicit Launch(const at::Tensor&) {}
+  void* stream() const { return nullptr; }
+#else
+  explicit Launch(const at::Tensor& t) : guard(t.device()) {}
+  void* stream() const { return at::cuda::getCurrentCUDAStream().stream(); }
+  c10::cuda::CUDAGuard guard;
+#endif
+};
+
+// `aligned`: the attention kernels read cache rows with 16-byte loads.
+CacheView cache_view(const at::Tensor& key_cache, const at::Tensor& value_cache,
+                     bool aligned) {
+  TORCH_CHECK(key_cache.strides() == value_cache.strides() && key_cache.stride(3) == 1,
+              "key_cache and value_cache must share strides, head_dim contiguous");
+  for (const auto& cache : {key_cache, value_cache})
+    TORCH_CHECK(!aligned || (reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0 &&
+                             cache.stride(2) * cache.element_size() % 16 == 0),
+                "every cache row must start on 16 bytes, for the kernels' wide loads");
+  return {key_cache.data_ptr(), value_cache.data_ptr(), key_cache.stride(0),
+          key_cache.stride(1), key_cache.stride(2), int(key_cache.size(1)),
+          int(key_cache.size(2)), int(key_cache.size(3))};
+}
+
+void check_index(const at::Tensor& t, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.stride(-1) == 1, name, " must be ", dtype,
+              " with a contiguous last dimension");
+}
+
+void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+              const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  check_index(slot_mapping, at::kLong, "slot_mapping");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value: head_dim contiguous");
+  WriteKVParams p{key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1),
+                  value.stride(0), value.stride(1), slot_mapping.data_ptr<int64_t>(),
+                  int(key.size(0)), cache_view(key_cache, value_cache, false)};
+  const Launch launch(key);
+  minipaged::write_kv(p, dtype_of(key), launch.stream());
+}
+
+DecodeParams decode_params(const at::Tensor& out, const at::Tensor& query,
+                           const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens,
+                           double scale, int64_t max_context_len) {
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes() &&
+                  out.scalar_type() == query.scalar_type(),
+              "out must be a contiguous tensor like query");
+  TORCH_CHECK(query.stride(2) == 1, "query: head_dim contiguous");
+  check_index(block_tables, at::kInt, "block_tables");
+  check_index(context_lens, at::kInt, "context_lens");
+  return {out.data_ptr(), query.data_ptr(), query.stride(0), query.stride(1),
+          cache_view(key_cache, value_cache, true), block_tables.data_ptr<int32_t>(),
+          block_tables.stride(0), context_lens.data_ptr<int32_t>(), float(scale),
+          int(query.size(0)), int(query.size(1)), int(max_context_len), nullptr, nullptr, 0};
+}
+
+void paged_attention_v1(const at::Tensor& out, const at::Tensor& query,
+                        const at::Tensor& key_cache, const at::Tensor& value_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens,
+                        double scale, int64_t max_context_len) {
+  const DecodeParams p = decode_params(out, query, key_cache, value_cache, block_tables,
+                                       context_lens, scale, max_context_len);
+  const Launch launch(query);
+  minipaged::paged_attention_v1(p, dtype_of(query), launch.stream());
+}
+
+void paged_attention_v2(const at::Tensor& out, const at::Tensor& partial_out,
+                        const at::Tensor& partial_lse, const at::Tensor& query,
+                        const at::Tensor& key_cache, const at::Tensor& value_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens,
+                        double scale, int64_t max_context_len) {
+  DecodeParams p = decode_params(out, query, key_cache, value_cache, block_tables,
+                                 context_lens, scale, max_context_len);
+  const int64_t partitions = (max_context_len + PARTITION_SIZE - 1) / PARTITION_SIZE;
+  TORCH_CHECK(partial_out.is_contiguous() && partial_lse.is_contiguous() &&
+                  partial_out.scalar_type() == at::kFloat &&
+                  partial_lse.scalar_type() == at::kFloat &&
+                  partial_out.sizes() == at::IntArrayRef({query.size(0), query.size(1),
+                                                          partitions, query.size(2)}) &&
+                  partial_lse.sizes() == partial_out.sizes().slice(0, 3),
+              "partial_out must be float32 [batch, num_heads, ", partitions,
+              ", head_dim] and partial_lse float32 [batch, num_heads, ", partitions, "]");
+  p.partial_out = partial_out.data_ptr<float>();
+  p.partial_lse = partial_lse.data_ptr<float>();
+  p.max_num_partitions = int(partitions);
+  const Launch launch(query);
+  minipaged::paged_attention_v2(p, dtype_of(query), launch.stream());
+}
+
+}  // namespace minipaged_torch
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "minipaged's CUDA PagedAttention kernels (kernels/*.cu)";
+  m.attr("PARTITION_SIZE") = minipaged::PARTITION_SIZE;
+  m.attr("MAX_QUERIES_PER_BLOCK") = minipaged::MAX_QUERIES_PER_BLOCK;
+  m.def("write_kv", &minipaged_torch::write_kv);
+  m.def("paged_attention_v1", &minipaged_torch::paged_attention_v1);
+  m.def("paged_attention_v2", &minipaged_torch::paged_attention_v2);
+  m.def("v1_shared_memory", &minipaged::paged_attention_v1_shared_memory,
+        "bytes of shared memory a v1 thread block needs",
+        py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+        py::arg("max_context_len"));
+  m.def("max_shared_memory", &minipaged::max_shared_memory_per_block,
+        "the most shared memory the current GPU grants one thread block");
+}

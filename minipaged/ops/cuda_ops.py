@@ -1,0 +1,146 @@
+"""The CUDA backend: launching the kernels of ``kernels/*.cu`` (paper §4.1, §5.1).
+
+``write_kv`` and decode run the CUDA C++ kernels, built on first use
+(``cuda_build``); prefill runs the Triton kernel, which reads the same cache layout
+(a CUDA build of torch always brings Triton).  Decode comes in two versions:
+
+- v1, one thread block per (sequence, KV head) over the whole context, the paper's;
+- v2, the context also split into partitions of ``PARTITION_SIZE`` tokens, merged by a
+  second kernel: more thread blocks for few long sequences.
+
+``choose_version`` picks one per call, from the host-side shapes alone.  Arguments are
+checked in ``minipaged.ops``; these functions assume well-formed input but check what
+only this backend needs: the dtype, head_dim and block_size its kernels are compiled for.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from minipaged.ops import cuda_build
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+HEAD_DIMS = (64, 128)
+BLOCK_SIZES = (8, 16, 32)
+# Mirrors of kernels/minipaged_kernels.h, for choosing before anything is built; the
+# tests check them against the extension's own.
+PARTITION_SIZE = 512
+MAX_QUERIES_PER_BLOCK = 8
+
+
+def check_available(device: torch.device) -> None:
+    """Raise ``RuntimeError`` saying why the CUDA kernels cannot run on ``device``."""
+    reason = cuda_build.missing(device)
+    if reason:
+        raise RuntimeError(reason)
+    try:
+        from minipaged.ops import triton_ops  # prefill's kernel
+    except ImportError as error:
+        raise RuntimeError(f"the 'cuda' attention backend prefills with Triton: {error}") \
+            from None
+    triton_ops.check_available(device)
+
+
+def check_supported(dtype: torch.dtype, head_dim: int, block_size: int) -> None:
+    """Raise ``ValueError`` unless the kernels are compiled for these shapes."""
+    for name, value, allowed in (("dtype", dtype, DTYPES), ("head_dim", head_dim, HEAD_DIMS),
+                                 ("block_size", block_size, BLOCK_SIZES)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed} for the 'cuda' attention "
+                             f"backend, got {value}; the 'triton' backend takes any")
+
+
+def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """Scatter ``key, value [T, num_kv_heads, head_dim]`` into their slots (§4.3)."""
+    if key_cache.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES} for the 'cuda' attention backend, "
+                         f"got {key_cache.dtype}")
+    _extension(key_cache.device).write_kv(key, value, key_cache, value_cache,
+                                          slot_mapping.to(torch.int64))
+
+
+def choose_version(batch: int, num_heads: int, num_kv_heads: int, max_context_len: int,
+                   num_sms: int, v1_fits: bool = True) -> int:
+    """Which decode kernel to launch: 1 unless version 2 would do clearly better.
+
+    v1 launches a thread block per (sequence, KV head, slice of its query heads).  When
+    that already gives every multiprocessor work, or the context fits one partition,
+    v2's partitions would only add a merge.  A few long sequences leave most of the GPU
+    idle under v1; v2 fills it.  And v1 cannot run at all when the logits of its longest
+    context do not fit in one thread block's shared memory (``v1_fits``).
+    """
+    if not v1_fits:
+        return 2
+    slices = math.ceil(num_heads // num_kv_heads / MAX_QUERIES_PER_BLOCK)
+    if max_context_len <= PARTITION_SIZE or batch * num_kv_heads * slices >= num_sms:
+        return 1
+    return 2
+
+
+def paged_attention_decode(query, key_cache, value_cache, block_tables, context_lens, scale,
+                           max_context_len: int | None = None, version: int | None = None):
+    """One query token per sequence over its paged context -> ``[B, num_heads, D]``.
+
+    ``max_context_len`` bounds the contexts, if the caller knows it on the host; by
+    default the block tables' width does, so that launching never waits for the GPU.
+    ``version`` (1 or 2; default: ``choose_version``) is exposed for tests, the lesson
+    and the benchmark; results do not depend on it beyond rounding.
+    """
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    check_supported(query.dtype, head_dim, block_size)
+    ext = _extension(query.device)
+    max_len = max_context_len or block_tables.shape[1] * block_size
+    fits = ext.v1_shared_memory(num_heads, num_kv_heads, head_dim, max_len) \
+        <= _max_shared_memory(query.device)
+    if version is None:
+        version = choose_version(batch, num_heads, num_kv_heads, max_len,
+                                 _num_sms(query.device), fits)
+    if version not in (1, 2):
+        raise ValueError(f"version must be 1 or 2, got {version!r}")
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    # The kernels read int32 tables and a query whose head_dim is contiguous.
+    tables, lens = block_tables.to(torch.int32), context_lens.to(torch.int32)
+    query = query if query.stride(2) == 1 else query.contiguous()
+    args = (query, key_cache, value_cache, tables, lens, float(scale), max_len)
+    if version == 1:
+        ext.paged_attention_v1(out, *args)
+        return out
+    partitions = math.ceil(max_len / PARTITION_SIZE)
+    partial = torch.empty(batch, num_heads, partitions, head_dim, dtype=torch.float32,
+                          device=query.device)
+    lse = torch.empty(batch, num_heads, partitions, dtype=torch.float32, device=query.device)
+    ext.paged_attention_v2(out, partial, lse, *args)
+    return out
+
+
+def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_start_loc,
+                            context_lens, scale, max_query_len: int | None = None):
+    """Causal attention of packed new tokens: the Triton kernel, on the same cache."""
+    from minipaged.ops import triton_ops
+
+    return triton_ops.paged_attention_prefill(query, key_cache, value_cache, block_tables,
+                                              query_start_loc, context_lens, scale,
+                                              max_query_len=max_query_len)
+
+
+def _extension(device: torch.device):
+    return cuda_build.load(device)
+
+
+@functools.cache  # asked on every decode launch; the answers never change
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # the emulator runs one thread block at a time
+
+
+@functools.cache
+def _max_shared_memory(device: torch.device) -> int:
+    if device.type == "cpu":
+        return cuda_build.load(device).max_shared_memory()
+    with torch.cuda.device(device):
+        return cuda_build.load(device).max_shared_memory()

@@ -1,0 +1,173 @@
+"""The CUDA backend against the oracle: the whole adversarial suite, both decode
+versions, every compiled (dtype, head_dim, block_size), GQA groups split over several
+thread blocks, and the errors for what the kernels are not built for.
+
+Without a GPU the kernels run in minipaged's CPU emulator (conftest sets
+MINIPAGED_CUDA_EMULATE): each CUDA thread a fiber, barriers and warp shuffles real, so
+a kernel that reads shared memory before it is written fails here.  The ``gpu`` tests
+repeat the suite on CUDA and add real sizes.
+"""
+
+import itertools
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from attention_cases import (DECODE_CASES, NUM_HEADS, AttentionSuite, Case, make_paged_kv,
+                             real_paged_kv)
+
+from minipaged.ops import decode_oracle, paged_attention_decode
+from minipaged.ops import cuda_ops
+from minipaged.ops.testing import assert_close
+
+
+def _compiled_for(case: Case) -> bool:
+    return (case.dtype in cuda_ops.DTYPES and case.head_dim in cuda_ops.HEAD_DIMS
+            and case.block_size in cuda_ops.BLOCK_SIZES)
+
+
+class TestCudaOps(AttentionSuite):
+    backend = "cuda"
+
+    def decodes(self, case):
+        return _compiled_for(case)
+
+
+@pytest.mark.gpu
+class TestCudaOpsCuda(TestCudaOps):
+    device = "cuda"
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _decode(case, version, num_heads=NUM_HEADS, **kwargs):
+    """Run ``case`` through one decode version; return (output, oracle's)."""
+    g = torch.Generator().manual_seed(2)
+    kv = make_paged_kv(case, g, _device())
+    query = torch.randn(len(case.context_lens), num_heads, case.head_dim, generator=g)
+    query = query.to(case.dtype).to(_device())
+    out = cuda_ops.paged_attention_decode(query, kv.key_cache, kv.value_cache,
+                                          kv.block_tables, kv.context_lens, case.scale,
+                                          version=version, **kwargs)
+    return out, decode_oracle(query, kv.keys, kv.values, case.scale)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("case", [c for c in DECODE_CASES if _compiled_for(c)], ids=str)
+def test_both_versions_match_oracle(case, version):
+    assert_close(*_decode(case, version))
+
+
+# Every compiled kernel instance, across partition boundaries (512 tokens): a context of
+# one token, one just short of a partition, exactly one, one just past, and three.
+EVERY_INSTANCE = [
+    Case((1, 511, 512, 513, 1100), block_size=bs, num_kv_heads=2, head_dim=d, dtype=dtype)
+    for dtype, d, bs in itertools.product(cuda_ops.DTYPES, cuda_ops.HEAD_DIMS,
+                                          cuda_ops.BLOCK_SIZES)
+]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("case", EVERY_INSTANCE, ids=str)
+def test_every_compiled_shape_and_dtype(case, version):
+    """bf16 included: unlike Triton's interpreter, the emulator computes in real floats."""
+    out, expected = _decode(case, version)
+    assert_close(out, expected, dtype=case.dtype)
+
+
+# GQA groups wider than a thread block's 8 query heads are split across thread blocks.
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(12, 1), (24, 2), (32, 2)])
+def test_wide_gqa_groups_are_sliced(num_heads, num_kv_heads, version):
+    case = Case((5, 600), block_size=16, num_kv_heads=num_kv_heads)
+    assert math.ceil(num_heads / num_kv_heads / cuda_ops.MAX_QUERIES_PER_BLOCK) > 1
+    assert_close(*_decode(case, version, num_heads=num_heads))
+
+
+def test_v1_refuses_contexts_whose_logits_overflow_shared_memory():
+    """v1 keeps a float per token per query head in shared memory: 8 heads x 8192 tokens
+    is 256 KiB, over an H100's 227 KiB.  Forced, it says so; by default v2 takes over."""
+    case = Case((40, 3), block_size=16, num_kv_heads=1)
+    with pytest.raises(ValueError, match="shared memory.*use version 2"):
+        _decode(case, version=1, max_context_len=8192)
+    assert_close(*_decode(case, version=None, max_context_len=8192))
+
+
+def test_strided_query_and_int64_tables():
+    """Q sliced out of a fused projection, and int64 tables, as a caller may pass them."""
+    case = DECODE_CASES[7]
+    g = torch.Generator().manual_seed(3)
+    kv = make_paged_kv(case, g, _device())
+    fused = torch.randn(len(case.context_lens), NUM_HEADS, 3 * case.head_dim, generator=g)
+    query = fused.to(_device())[..., case.head_dim:2 * case.head_dim]
+    assert not query.is_contiguous()
+    out = paged_attention_decode(query, kv.key_cache, kv.value_cache, kv.block_tables.long(),
+                                 kv.context_lens.long(), case.scale, backend="cuda")
+    assert_close(out, decode_oracle(query, kv.keys, kv.values, case.scale))
+
+
+def test_unsupported_dtype_is_refused_by_name():
+    cache = torch.zeros(4, 16, 2, 64, dtype=torch.float64, device=_device())
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        cuda_ops.write_kv(cache[0], cache[0], cache, cache.clone(),
+                          torch.arange(16, device=_device()))
+    with pytest.raises(ValueError, match="version must be 1 or 2"):
+        _decode(DECODE_CASES[0], version=3)
+
+
+def test_python_mirrors_the_kernel_constants():
+    ext = cuda_ops._extension(torch.device(_device()))
+    assert cuda_ops.PARTITION_SIZE == ext.PARTITION_SIZE
+    assert cuda_ops.MAX_QUERIES_PER_BLOCK == ext.MAX_QUERIES_PER_BLOCK
+
+
+# Which version: v1 while the batch fills the GPU, v2 for a few long sequences.
+H100_SMS = 132
+
+
+def test_a_big_batch_runs_v1():
+    assert cuda_ops.choose_version(64, 32, 8, 2048, H100_SMS) == 1
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_few_long_sequences_run_v2(batch):
+    assert cuda_ops.choose_version(batch, 32, 8, 32768, H100_SMS) == 2
+
+
+def test_one_partition_never_runs_v2():
+    assert cuda_ops.choose_version(1, 32, 8, cuda_ops.PARTITION_SIZE, H100_SMS) == 1
+
+
+def test_v2_when_v1_does_not_fit():
+    assert cuda_ops.choose_version(64, 32, 8, 2048, H100_SMS, v1_fits=False) == 2
+
+
+def test_cpu_tensors_without_the_emulator_are_refused():
+    code = ("import torch\n"
+            "from minipaged.ops import BackendUnavailableError, get_backend\n"
+            "try:\n"
+            "    get_backend('cuda', torch.device('cpu'))\n"
+            "except BackendUnavailableError as e:\n"
+            "    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "MINIPAGED_CUDA_EMULATE"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, check=True)
+    assert "MINIPAGED_CUDA_EMULATE=1" in result.stdout
+
+
+# v1 at 32k tokens would need 512 KiB of shared memory for its logits: v2's alone.
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("batch, context_len, version", [
+    (64, 2048, 1), (64, 2048, 2), (64, 8192, 1), (64, 8192, 2), (1, 32768, 2), (4, 40000, 2)])
+def test_decode_at_real_sizes(batch, context_len, version, dtype):
+    query, key_cache, value_cache, tables, lens, keys, values = real_paged_kv(
+        batch, context_len, dtype)
+    out = cuda_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens,
+                                          128 ** -0.5, version=version)
+    assert_close(out, decode_oracle(query, keys, values, 128 ** -0.5))
