@@ -33,9 +33,10 @@ from minipaged.config import EngineConfig
 from minipaged.memory import KVCacheManager
 from minipaged.memory.block_table import blocks_for
 from minipaged.model_runner import ModelRunner
+from minipaged.models.attention import head_dim
 from minipaged.models.llama import sliding_window
 from minipaged.models.loader import load_model
-from minipaged.ops import BackendUnavailableError, get_backend
+from minipaged.ops import BackendUnavailableError, check_supported, get_backend
 from minipaged.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput,
                                RequestOutput)
 from minipaged.sampler import beam_candidates, make_generator, sample
@@ -63,6 +64,8 @@ class LLMEngine:
         self.vocab_size = self.model.config.vocab_size
         self.runner = ModelRunner(self.model, config.block_size, self.device)
         dtype = self.model.model.embed_tokens.weight.dtype
+        check_supported(self.attention_backend, dtype, head_dim(self.model.config),
+                        config.block_size)
         per_block = block_bytes(self.model.config, config.block_size, dtype)
         num_gpu_blocks = config.num_gpu_blocks or self._auto_num_gpu_blocks(per_block)
         num_cpu_blocks = int(config.swap_space * GIB // per_block)

@@ -86,19 +86,22 @@ class Oracle:
         raise AssertionError("no prompt whose greedy continuation hits EOS; widen the search")
 
 
-_CHECKPOINTS: dict[str, tuple] = {}
+_CHECKPOINTS: dict[tuple, tuple] = {}
 
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
-    """``tiny(arch) -> (checkpoint_dir, Oracle)``: each tiny checkpoint written and loaded
-    into transformers once per test session (shared by both engine test files)."""
+    """``tiny(arch, **overrides) -> (checkpoint_dir, Oracle)``: each tiny checkpoint
+    written and loaded into transformers once per test session (shared by both engine
+    test files); ``overrides`` change its config, as in ``make_tiny_model``."""
 
-    def get(arch: str):
-        if arch not in _CHECKPOINTS:
-            path = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, seed=0)
-            _CHECKPOINTS[arch] = path, Oracle(path)
-        return _CHECKPOINTS[arch]
+    def get(arch: str, **overrides):
+        key = (arch, *sorted(overrides.items()))
+        if key not in _CHECKPOINTS:
+            path = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, seed=0,
+                                   **overrides)
+            _CHECKPOINTS[key] = path, Oracle(path)
+        return _CHECKPOINTS[key]
 
     return get
 

@@ -70,9 +70,10 @@ def test_cpu_times_torch_and_sdpa_and_notes_the_rest(cpu_run):
         timed = {r["backend"] for r in doc["results"] if r["op"] == op}
         assert timed == {"torch", "sdpa-contiguous"}
     notes = "\n".join(doc["notes"])
-    assert "skipped triton: on a CPU Triton runs only in its interpreter" in notes
+    assert "skipped triton: on a CPU it runs only in Triton's interpreter" in notes
     assert "skipped triton-contiguous:" in notes
-    assert "skipped cuda:" in notes
+    assert "skipped cuda-v1: on a CPU it runs only in an emulator" in notes
+    assert "skipped cuda-v2:" in notes
     assert "differs" not in notes
     assert "streaming read bandwidth" in stdout and "triton / triton-contiguous" in stdout
 
@@ -155,9 +156,9 @@ def test_bad_flags_exit_2_naming_them(argv, message, tmp_path, capsys):
 
 def test_no_backend_that_can_run_is_an_error(tmp_path, capsys):
     out = tmp_path / "attention.json"
-    assert run_main([*CPU_ARGV, "--ops", "decode", "--backends", "cuda", "triton",
+    assert run_main([*CPU_ARGV, "--ops", "decode", "--backends", "cuda-v1", "triton",
                      "--json", str(out)]) == 2
-    assert "backends ['cuda', 'triton'] could not run here: skipped cuda:" in \
+    assert "backends ['cuda-v1', 'triton'] could not run here: skipped cuda-v1:" in \
         capsys.readouterr().err
     assert not out.exists()
 
@@ -174,7 +175,7 @@ def test_gpu_preset_without_cuda_says_so(capsys):
 
 
 @pytest.mark.gpu
-def test_gpu_run_times_triton_paged_and_contiguous(tmp_path):
+def test_gpu_run_times_every_backend(tmp_path):
     path = tmp_path / "attention.json"
     assert main(["bench", "attention", "--preset", "gpu", "--batch", "2", "--context-len",
                  "512", "--json", str(path)]) == 0
@@ -184,6 +185,8 @@ def test_gpu_run_times_triton_paged_and_contiguous(tmp_path):
     for op in bench.OPS:
         timed = {r["backend"] for r in doc["results"] if r["op"] == op}
         assert {"torch", "triton", "triton-contiguous", "sdpa-contiguous"} <= timed
+    decode = {r["backend"] for r in doc["results"] if r["op"] == "decode"}
+    assert {"cuda-v1", "cuda-v2"} <= decode
     assert all(math.isfinite(r["time_us"]) and r["time_us"] > 0 for r in doc["results"])
     assert not any("differs" in note for note in doc["notes"])
     assert path.with_suffix(".png").exists()

@@ -148,6 +148,31 @@ def test_triton_backend_equals_torch_backend(tiny):
             == [o.outputs[0].token_ids for o in outputs["torch"]])
 
 
+def test_cuda_backend_equals_torch_backend(tiny):
+    """The CUDA kernels (in the CPU emulator) decode the same greedy tokens as the torch
+    reference, and both equal HF, on a checkpoint with a head_dim they are built for."""
+    path, oracle = tiny("llama", head_dim=64)
+    prompts = [random_prompt(n, seed=n) for n in (5, 11)]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    outputs = {}
+    for backend in ("torch", "cuda"):
+        llm = make_llm(path, block_size=8, num_gpu_blocks=8, attention_backend=backend)
+        outputs[backend] = generate(llm, prompts, params)
+        assert_greedy_matches_hf(outputs[backend], prompts, oracle, 6)
+        assert_all_blocks_free(llm)
+    assert ([o.outputs[0].token_ids for o in outputs["cuda"]]
+            == [o.outputs[0].token_ids for o in outputs["torch"]])
+
+
+@pytest.mark.parametrize("arch, block_size, bad", [("llama", 16, "head_dim"),
+                                                   ("qwen3", 16, "head_dim"),
+                                                   ("llama", 4, "block_size")])
+def test_cuda_backend_refuses_shapes_it_is_not_built_for(tiny, arch, block_size, bad):
+    path, _ = tiny(arch) if bad == "head_dim" else tiny(arch, head_dim=64)
+    with pytest.raises(ValueError, match=f"{bad} must be one of"):
+        make_llm(path, block_size=block_size, num_gpu_blocks=8, attention_backend="cuda")
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_parallel_greedy_completions_under_preemption_equal_hf(tiny, mode):
     """n=3 greedy completions are forks of one prompt; a pool that fits one worst-case

@@ -10,7 +10,9 @@ the same run by summing a buffer far larger than its caches.
 Every shape lays the same K/V out three ways:
 
 - paged, with physical blocks in shuffled order as a real allocator leaves them: the
-  backends ``torch``, ``triton`` and ``cuda``;
+  backends ``torch``, ``triton``, and ``cuda-v1`` and ``cuda-v2``, the two versions of the
+  CUDA decode kernel (lesson 08; the CUDA backend prefills with Triton's kernel, so
+  these two time decode only);
 - paged with an identity block table, sequence ``b`` owning consecutive blocks, which is
   byte for byte a contiguous cache: ``triton-contiguous``.  ``triton`` over
   ``triton-contiguous`` is the price of paging; the paper's kernel paid 20-26% (§7.1);
@@ -37,10 +39,11 @@ from tqdm.auto import tqdm
 
 from minipaged.ops import (BackendUnavailableError, get_backend, paged_attention_decode,
                            paged_attention_prefill)
+from minipaged.ops import cuda_ops
 from minipaged.ops.testing import assert_close
 
 OPS = ("decode", "prefill")
-BACKENDS = ("torch", "triton", "triton-contiguous", "cuda", "sdpa-contiguous")
+BACKENDS = ("torch", "triton", "triton-contiguous", "cuda-v1", "cuda-v2", "sdpa-contiguous")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # The decode goal on an H100 (a benchmark figure, never a test assert).
 GOAL_FRACTION = 0.8
@@ -305,6 +308,10 @@ def _runner(backend: str, x: _Inputs, checked: bool = False) -> Callable[[], tor
                                    x.identity_tables, "triton")
     else:
         caches, tables = (x.key_cache, x.value_cache), x.block_tables
+    if backend.startswith("cuda-"):
+        get_backend("cuda", x.query.device)  # raises if it cannot run here
+        decode = functools.partial(cuda_ops.paged_attention_decode, version=int(backend[-1]))
+        return lambda: decode(x.query, *caches, tables, x.context_lens, x.scale)
     if checked:
         decode = functools.partial(paged_attention_decode, backend=backend)
         prefill = functools.partial(paged_attention_prefill, backend=backend)
@@ -333,14 +340,22 @@ def _sdpa_runner(x: _Inputs) -> Callable[[], torch.Tensor]:
 def _measure(backend, inputs, expected, read_bw, note) -> dict | None:
     """One result row, or ``None`` (and a note) when ``backend`` cannot run or is wrong."""
     shape = inputs.shape
-    if inputs.query.device.type == "cpu" and backend.startswith("triton"):
-        note(f"skipped {backend}: on a CPU Triton runs only in its interpreter, whose "
-             "timings mean nothing")
+    if inputs.query.device.type == "cpu" and backend.startswith(("triton", "cuda")):
+        runs_in = "Triton's interpreter" if backend.startswith("triton") else "an emulator"
+        note(f"skipped {backend}: on a CPU it runs only in {runs_in}, whose timings mean "
+             "nothing")
+        return None
+    if shape.op == "prefill" and backend.startswith("cuda"):
+        note(f"skipped {backend} prefill: the CUDA backend prefills with Triton's kernel "
+             "(the triton rows)")
         return None
     try:
         out = _runner(backend, inputs, checked=True)()
     except BackendUnavailableError as error:
         note(f"skipped {backend}: {error}")
+        return None
+    except ValueError as error:  # a shape this backend is not built for (v1's long contexts)
+        note(f"skipped {backend} {shape.op} {_label(shape.fields())}: {error}")
         return None
     if backend == "sdpa-contiguous":
         out = out.transpose(1, 2).reshape(expected.shape)  # [B, H, n, D] -> packed
@@ -373,16 +388,20 @@ def format_table(bench: AttentionBench) -> str:
                      f"{row['time_us']:>10.1f}{row['bandwidth_gbs']:>9.1f}"
                      f"{row['fraction_of_read_bw']:>9.1%}")
     # Paging overhead: the same kernel on the same bytes, through shuffled blocks or not.
+    # and each paged kernel's share of the read bandwidth, side by side.
+    kernels = ("triton", "cuda-v1", "cuda-v2")
     lines += ["", f"{'decode':<8}{'shape':<24}{'triton / triton-contiguous':>28}"
-              f"{'triton of read':>16}"]
+              + "".join(f"{k + ' of read':>17}" for k in kernels)]
     decode = [row for row in bench.rows if row["op"] == "decode"]
     for label in dict.fromkeys(map(_label, decode)):
         by_backend = {row["backend"]: row for row in decode if _label(row) == label}
         paged, contiguous = by_backend.get("triton"), by_backend.get("triton-contiguous")
         overhead = (f"{paged['time_us'] / contiguous['time_us']:.3f}x"
                     if paged and contiguous else "n/a")
-        fraction = f"{paged['fraction_of_read_bw']:.1%}" if paged else "n/a"
-        lines.append(f"{'':<8}{label:<24}{overhead:>28}{fraction:>16}")
+        fractions = [f"{by_backend[k]['fraction_of_read_bw']:.1%}" if k in by_backend
+                     else "n/a" for k in kernels]
+        lines.append(f"{'':<8}{label:<24}{overhead:>28}"
+                     + "".join(f"{f:>17}" for f in fractions))
     return "\n".join(lines)
 
 

@@ -29,7 +29,7 @@ from minipaged.ops import torch_ref
 from minipaged.ops.oracle import attention_oracle, decode_oracle, prefill_oracle
 
 __all__ = [
-    "BACKENDS", "BackendUnavailableError", "get_backend", "write_kv", "paged_attention_decode",
+    "BACKENDS", "BackendUnavailableError", "get_backend", "check_supported", "write_kv", "paged_attention_decode",
     "paged_attention_prefill", "attention_oracle", "decode_oracle", "prefill_oracle",
 ]
 
@@ -130,6 +130,18 @@ def get_backend(name: str, device: torch.device):
             raise BackendUnavailableError(str(error)) from None
         return cuda_ops
     raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+
+
+def check_supported(backend: str, dtype: torch.dtype, head_dim: int, block_size: int) -> None:
+    """Raise ``ValueError`` if ``backend`` cannot attend over a cache of these shapes.
+
+    The torch and Triton backends take any; the CUDA kernels are compiled for a few
+    dtypes, head dims and block sizes (``cuda_ops.check_supported``), which an engine
+    asks about once, before it allocates anything.
+    """
+    if backend == "cuda":
+        from minipaged.ops import cuda_ops
+        cuda_ops.check_supported(dtype, head_dim, block_size)
 
 
 def _require(ok, message):
