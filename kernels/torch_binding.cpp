@@ -7,8 +7,8 @@
 #include <torch/extension.h>
 
 #ifndef MINIPAGED_CPU_EMULATION
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 
 #include "minipaged_kernels.h"
@@ -38,7 +38,7 @@ struct Launch {
   void* stream() const { return nullptr; }
 #else
   explicit Launch(const at::Tensor& t) : guard(t.device()) {}
-  void* stream() const { return at::cuda::getCurrentCUDAStream().stream(); }
+  void* stream() const { return c10::cuda::getCurrentCUDAStream().stream(); }
   c10::cuda::CUDAGuard guard;
 #endif
 };
