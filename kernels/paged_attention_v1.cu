@@ -38,6 +38,7 @@ size_t max_shared_memory_per_block() {
 }
 
 void paged_attention_v1(const DecodeParams& p, DType dtype, void* stream) {
+  if (p.batch == 0) return;  // a grid may not be empty
   const size_t shared = paged_attention_v1_shared_memory(
       p.num_heads, p.cache.num_kv_heads, p.cache.head_dim, p.max_context_len);
   if (shared > max_shared_memory_per_block())

@@ -76,6 +76,7 @@ __global__ void __launch_bounds__(NUM_THREADS)
 }
 
 void paged_attention_v2(const DecodeParams& p, DType dtype, void* stream) {
+  if (p.batch == 0) return;  // a grid may not be empty
   const int num_kv_heads = p.cache.num_kv_heads;
   const size_t shared = sizeof(float) * attend_shared_floats(p.num_heads, num_kv_heads,
                                                              p.cache.head_dim, PARTITION_SIZE);

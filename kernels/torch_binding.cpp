@@ -50,6 +50,8 @@ CacheView cache_view(const at::Tensor& key_cache, const at::Tensor& value_cache,
               "key_cache and value_cache must share strides, head_dim contiguous");
   for (const auto& cache : {key_cache, value_cache})
     TORCH_CHECK(!aligned || (reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0 &&
+                             cache.stride(0) * cache.element_size() % 16 == 0 &&
+                             cache.stride(1) * cache.element_size() % 16 == 0 &&
                              cache.stride(2) * cache.element_size() % 16 == 0),
                 "every cache row must start on 16 bytes, for the kernels' wide loads");
   return {key_cache.data_ptr(), value_cache.data_ptr(), key_cache.stride(0),

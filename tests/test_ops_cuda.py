@@ -121,6 +121,16 @@ def test_unsupported_dtype_is_refused_by_name():
         _decode(DECODE_CASES[0], version=3)
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_empty_batch_launches_nothing(version):
+    cache = torch.zeros(4, 16, 2, 64, device=_device())
+    tables = torch.zeros(0, 2, dtype=torch.int32, device=_device())
+    out = cuda_ops.paged_attention_decode(
+        torch.zeros(0, 8, 64, device=_device()), cache, cache.clone(), tables,
+        torch.zeros(0, dtype=torch.int32, device=_device()), 0.125, version=version)
+    assert out.shape == (0, 8, 64)
+
+
 def test_python_mirrors_the_kernel_constants():
     ext = cuda_ops._extension(torch.device(_device()))
     assert cuda_ops.PARTITION_SIZE == ext.PARTITION_SIZE
