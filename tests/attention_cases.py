@@ -18,6 +18,9 @@ paged cache, which the op reads.  The paged copy is built to trip a careless ker
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -261,3 +264,17 @@ def real_paged_kv(batch, context_len, dtype, num_heads=32, num_kv_heads=8, head_
     lens = torch.full((batch,), context_len, dtype=torch.int32, device="cuda")
     query = torch.randn(batch, num_heads, head_dim, generator=g, device="cuda").to(dtype)
     return query, key_cache, value_cache, tables, lens, keys, values
+
+
+def refusal_on_cpu(backend: str, without: str) -> str:
+    """What ``get_backend(backend, cpu)`` raises in a fresh interpreter whose environment
+    lacks the variable ``without`` (the switch that lets the backend run on a CPU)."""
+    code = ("import torch\n"
+            "from minipaged.ops import BackendUnavailableError, get_backend\n"
+            "try:\n"
+            f"    get_backend({backend!r}, torch.device('cpu'))\n"
+            "except BackendUnavailableError as e:\n"
+            "    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != without}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, check=True).stdout

@@ -131,36 +131,22 @@ def test_greedy_equals_hf_with_prefix_caching(tiny, arch):
     assert max(cached) >= 40  # the whole shared prefix (5 full blocks) was reused
 
 
-def test_triton_backend_equals_torch_backend(tiny):
-    """The Triton PagedAttention kernels (interpreted on a CPU) decode the same greedy
-    tokens as the torch reference, and both equal HF: a small batch with a prompt
-    spanning blocks and decodes crossing a block boundary."""
-    path, oracle = tiny("llama")
-    prompts = [random_prompt(n, seed=n) for n in (5, 11)]
-    params = SamplingParams(temperature=0, max_tokens=6)
-    outputs = {}
-    for backend in ("torch", "triton"):
-        llm = make_llm(path, block_size=8, num_gpu_blocks=8, attention_backend=backend)
-        outputs[backend] = generate(llm, prompts, params)
-        assert_greedy_matches_hf(outputs[backend], prompts, oracle, 6)
-        assert_all_blocks_free(llm)
-    assert ([o.outputs[0].token_ids for o in outputs["triton"]]
-            == [o.outputs[0].token_ids for o in outputs["torch"]])
-
-
-def test_cuda_backend_equals_torch_backend(tiny):
-    """The CUDA kernels (in the CPU emulator) decode the same greedy tokens as the torch
-    reference, and both equal HF, on a checkpoint with a head_dim they are built for."""
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_kernel_backend_equals_torch_backend(tiny, backend):
+    """The Triton and the CUDA kernels (interpreted and emulated on a CPU) decode the
+    same greedy tokens as the torch reference, and all equal HF: a small batch with a
+    prompt spanning blocks and decodes crossing a block boundary, on a checkpoint with a
+    head_dim the CUDA kernels are built for."""
     path, oracle = tiny("llama", head_dim=64)
     prompts = [random_prompt(n, seed=n) for n in (5, 11)]
     params = SamplingParams(temperature=0, max_tokens=6)
     outputs = {}
-    for backend in ("torch", "cuda"):
-        llm = make_llm(path, block_size=8, num_gpu_blocks=8, attention_backend=backend)
-        outputs[backend] = generate(llm, prompts, params)
-        assert_greedy_matches_hf(outputs[backend], prompts, oracle, 6)
+    for name in ("torch", backend):
+        llm = make_llm(path, block_size=8, num_gpu_blocks=8, attention_backend=name)
+        outputs[name] = generate(llm, prompts, params)
+        assert_greedy_matches_hf(outputs[name], prompts, oracle, 6)
         assert_all_blocks_free(llm)
-    assert ([o.outputs[0].token_ids for o in outputs["cuda"]]
+    assert ([o.outputs[0].token_ids for o in outputs[backend]]
             == [o.outputs[0].token_ids for o in outputs["torch"]])
 
 

@@ -10,15 +10,13 @@ repeat the suite on CUDA and add real sizes.
 
 import itertools
 import math
-import os
 import subprocess
-import sys
 import sysconfig
 
 import pytest
 import torch
 from attention_cases import (DECODE_CASES, NUM_HEADS, AttentionSuite, Case, make_paged_kv,
-                             real_paged_kv)
+                             real_paged_kv, refusal_on_cpu)
 
 from minipaged.ops import decode_oracle, paged_attention_decode
 from minipaged.ops import cuda_build, cuda_ops
@@ -178,16 +176,8 @@ def test_binding_compiles_for_a_cuda_torch(tmp_path):
 
 
 def test_cpu_tensors_without_the_emulator_are_refused():
-    code = ("import torch\n"
-            "from minipaged.ops import BackendUnavailableError, get_backend\n"
-            "try:\n"
-            "    get_backend('cuda', torch.device('cpu'))\n"
-            "except BackendUnavailableError as e:\n"
-            "    print(e)\n")
-    env = {k: v for k, v in os.environ.items() if k != "MINIPAGED_CUDA_EMULATE"}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                            text=True, check=True)
-    assert "MINIPAGED_CUDA_EMULATE=1" in result.stdout
+    message = refusal_on_cpu("cuda", without="MINIPAGED_CUDA_EMULATE")
+    assert "MINIPAGED_CUDA_EMULATE=1" in message
 
 
 # v1 at 32k tokens would need 512 KiB of shared memory for its logits: v2's alone.

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from attention_cases import (DECODE_CASES, NUM_HEADS, PREFILL_CASES, AttentionSuite,
-                             make_paged_kv, real_paged_kv)
+                             make_paged_kv, real_paged_kv, refusal_on_cpu)
 
 from minipaged.ops import (decode_oracle, paged_attention_decode, paged_attention_prefill,
                            prefill_oracle, write_kv)
@@ -147,18 +147,7 @@ def test_short_context_is_not_split_into_slivers():
 
 
 def test_cpu_tensors_without_the_interpreter_are_refused():
-    code = ("import torch\n"
-            "from minipaged.ops import BackendUnavailableError, write_kv\n"
-            "c = torch.zeros(2, 4, 1, 16)\n"
-            "try:\n"
-            "    write_kv(torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), c, c.clone(),\n"
-            "             torch.zeros(1, dtype=torch.int32), backend='triton')\n"
-            "except BackendUnavailableError as e:\n"
-            "    print(e)\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                            text=True, check=True)
-    assert "TRITON_INTERPRET=1" in result.stdout
+    assert "TRITON_INTERPRET=1" in refusal_on_cpu("triton", without="TRITON_INTERPRET")
 
 
 # Real sizes on the GPU: B=64 at 2K and 8K tokens, long contexts split, prefill chunks.
