@@ -178,50 +178,37 @@ __device__ void attend(const DecodeParams& p, int seq, const QuerySlice& qs, int
     }
   }
 
+  // What follows visits each of this lane's sums: f(query head i, dimension d, sum).
+  auto for_each_sum = [&](auto f) {
+#pragma unroll
+    for (int i = 0; i < MAX_QUERIES; ++i) {
+      if (i >= qs.count) break;
+#pragma unroll
+      for (int c = 0; c < LANE_PIECES; ++c)
+#pragma unroll
+        for (int e = 0; e < V_VEC; ++e) f(i, (c * ROW_LANES + col) * V_VEC + e, acc[i][c][e]);
+    }
+  };
   // Lanes with the same col hold the same dimensions: fold the rows into row 0...
+  for_each_sum([&](int, int, float& sum) {
 #pragma unroll
-  for (int i = 0; i < MAX_QUERIES; ++i) {
-    if (i >= qs.count) break;
-#pragma unroll
-    for (int c = 0; c < LANE_PIECES; ++c)
-#pragma unroll
-      for (int e = 0; e < V_VEC; ++e)
-#pragma unroll
-        for (int mask = ROW_LANES; mask < WARP_SIZE; mask *= 2)
-          acc[i][c][e] += __shfl_xor_sync(FULL_MASK, acc[i][c][e], mask);
-  }
+    for (int mask = ROW_LANES; mask < WARP_SIZE; mask *= 2)
+      sum += __shfl_xor_sync(FULL_MASK, sum, mask);
+  });
   // ...then warps 1..3 hand their sums to warp 0 through the logits' space, now free.
   __syncthreads();
   float* warp_sums = logits;  // [NUM_WARPS - 1][MAX_QUERIES][HEAD_DIM]
-  if (warp > 0 && row == 0) {
-#pragma unroll
-    for (int i = 0; i < MAX_QUERIES; ++i) {
-      if (i >= qs.count) break;
-#pragma unroll
-      for (int c = 0; c < LANE_PIECES; ++c)
-#pragma unroll
-        for (int e = 0; e < V_VEC; ++e)
-          warp_sums[((warp - 1) * MAX_QUERIES + i) * HEAD_DIM + (c * ROW_LANES + col) * V_VEC + e] =
-              acc[i][c][e];
-    }
-  }
+  auto warp_sum = [&](int w, int i, int d) -> float& {
+    return warp_sums[((w - 1) * MAX_QUERIES + i) * HEAD_DIM + d];
+  };
+  if (warp > 0 && row == 0)
+    for_each_sum([&](int i, int d, float& sum) { warp_sum(warp, i, d) = sum; });
   __syncthreads();
   if (warp == 0 && row == 0) {
-#pragma unroll
-    for (int i = 0; i < MAX_QUERIES; ++i) {
-      if (i >= qs.count) break;
-      const float inv_sum = 1.f / row_sum[i];
-#pragma unroll
-      for (int c = 0; c < LANE_PIECES; ++c)
-#pragma unroll
-        for (int e = 0; e < V_VEC; ++e) {
-          const int d = (c * ROW_LANES + col) * V_VEC + e;
-          float total = acc[i][c][e];
-          for (int w = 1; w < NUM_WARPS; ++w)
-            total += warp_sums[((w - 1) * MAX_QUERIES + i) * HEAD_DIM + d];
-          store(i, d, total * inv_sum);
-        }
-    }
+    for_each_sum([&](int i, int d, float& sum) {
+      for (int w = 1; w < NUM_WARPS; ++w) sum += warp_sum(w, i, d);
+      store(i, d, sum / row_sum[i]);
+    });
   }
 }
 
