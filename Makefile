@@ -1,4 +1,5 @@
-# minipaged: every target sets itself up on a fresh machine with nothing but Python.
+# minipaged: every target sets itself up on a fresh machine with Python and a C++ compiler
+# (make test also wants the CUDA toolkit's nvcc and headers; no GPU).
 #   make demo      the main job on the embedded tiny model
 #   make test      the CUDA kernels' compile check, unit + property tests, every lesson
 #                  notebook, the docs build

@@ -75,6 +75,9 @@ def _build(emulated: bool):
 
     name = "minipaged_cuda_emulated" if emulated else "minipaged_cuda"
     build_dir = CACHE_DIR / f"{name}-{_sources_hash()}"
+    for stale in CACHE_DIR.glob(f"{name}-*"):  # builds of sources since edited
+        if stale != build_dir:
+            shutil.rmtree(stale, ignore_errors=True)
     build_dir.mkdir(parents=True, exist_ok=True)
     print(f"minipaged: compiling the CUDA kernels{' for the CPU emulator' if emulated else ''}"
           f" (once; cached in {build_dir})", file=sys.stderr)
