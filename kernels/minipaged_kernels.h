@@ -64,8 +64,9 @@ void write_kv(const WriteKVParams& params, DType dtype, void* stream);
 void paged_attention_v1(const DecodeParams& params, DType dtype, void* stream);
 void paged_attention_v2(const DecodeParams& params, DType dtype, void* stream);
 
-// Shared memory one v1 thread block needs (it holds every logit of its context), and
-// the most the current device grants one block: v1 runs only where the first fits.
+// Shared memory one v1 thread block needs, static and dynamic (it holds every logit of
+// its context), and the most the current device grants one block: v1 runs only where
+// the first fits.
 size_t paged_attention_v1_shared_memory(int num_heads, int num_kv_heads, int head_dim,
                                         int max_context_len);
 size_t max_shared_memory_per_block();

@@ -61,6 +61,12 @@ __host__ __device__ inline size_t attend_shared_floats(int num_heads, int num_kv
   return logits > warp_sums ? logits : warp_sums;
 }
 
+// Bytes of the __shared__ arrays attend() declares (query heads, reduction scratch):
+// a thread block's dynamic shared memory must fit beside them.
+__host__ __device__ inline size_t attend_static_bytes(int head_dim) {
+  return sizeof(float) * (size_t(MAX_QUERIES) * head_dim + NUM_WARPS * MAX_QUERIES);
+}
+
 // Attention of the query heads of `qs` of sequence `seq` over its tokens [begin, end),
 // end > begin, begin a multiple of BLOCK_SIZE.  `logits` (shared, attend_shared_floats)
 // holds a row of `logits_stride` >= end - begin floats per query head.

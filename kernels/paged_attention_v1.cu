@@ -24,10 +24,12 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v1_kernel(const D
       row_sum, [&](int i, int d, float x) { out[i * HEAD_DIM + d] = from_float<T>(x); });
 }
 
+// All of it: the logits (dynamic) and attend()'s own arrays (static).
 size_t paged_attention_v1_shared_memory(int num_heads, int num_kv_heads, int head_dim,
                                         int max_context_len) {
-  return sizeof(float) *
-         attend_shared_floats(num_heads, num_kv_heads, head_dim, max_context_len);
+  return sizeof(float) * attend_shared_floats(num_heads, num_kv_heads, head_dim,
+                                              max_context_len) +
+         attend_static_bytes(head_dim);
 }
 
 size_t max_shared_memory_per_block() {
@@ -39,14 +41,15 @@ size_t max_shared_memory_per_block() {
 
 void paged_attention_v1(const DecodeParams& p, DType dtype, void* stream) {
   if (p.batch == 0) return;  // a grid may not be empty
-  const size_t shared = paged_attention_v1_shared_memory(
+  const size_t needed = paged_attention_v1_shared_memory(
       p.num_heads, p.cache.num_kv_heads, p.cache.head_dim, p.max_context_len);
-  if (shared > max_shared_memory_per_block())
+  if (needed > max_shared_memory_per_block())
     throw std::invalid_argument(
         "paged_attention_v1 keeps every logit in shared memory: max_context_len " +
-        std::to_string(p.max_context_len) + " needs " + std::to_string(shared) +
+        std::to_string(p.max_context_len) + " needs " + std::to_string(needed) +
         " bytes, more than this GPU's " + std::to_string(max_shared_memory_per_block()) +
         "; use version 2");
+  const size_t shared = needed - attend_static_bytes(p.cache.head_dim);  // set at launch
   const dim3 grid(p.cache.num_kv_heads * slices_per_group(p.num_heads, p.cache.num_kv_heads),
                   p.batch);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
