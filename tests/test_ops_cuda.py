@@ -130,7 +130,7 @@ def test_an_empty_batch_launches_nothing(version):
 
 
 def test_python_mirrors_the_kernel_constants():
-    ext = cuda_ops._extension(torch.device(_device()))
+    ext = cuda_build.load(torch.device(_device()))
     assert cuda_ops.PARTITION_SIZE == ext.PARTITION_SIZE
     assert cuda_ops.MAX_QUERIES_PER_BLOCK == ext.MAX_QUERIES_PER_BLOCK
 

@@ -29,8 +29,9 @@ from minipaged.ops import torch_ref
 from minipaged.ops.oracle import attention_oracle, decode_oracle, prefill_oracle
 
 __all__ = [
-    "BACKENDS", "BackendUnavailableError", "get_backend", "check_supported", "write_kv", "paged_attention_decode",
-    "paged_attention_prefill", "attention_oracle", "decode_oracle", "prefill_oracle",
+    "BACKENDS", "BackendUnavailableError", "get_backend", "check_supported", "write_kv",
+    "paged_attention_decode", "paged_attention_prefill", "attention_oracle", "decode_oracle",
+    "prefill_oracle",
 ]
 
 BACKENDS = ("torch", "triton", "cuda")

@@ -48,18 +48,15 @@ def check_supported(dtype: torch.dtype, head_dim: int, block_size: int) -> None:
     """Raise ``ValueError`` unless the kernels are compiled for these shapes."""
     for name, value, allowed in (("dtype", dtype, DTYPES), ("head_dim", head_dim, HEAD_DIMS),
                                  ("block_size", block_size, BLOCK_SIZES)):
-        if value not in allowed:
-            raise ValueError(f"{name} must be one of {allowed} for the 'cuda' attention "
-                             f"backend, got {value}; the 'triton' backend takes any")
+        _check_one(name, value, allowed)
 
 
 def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """Scatter ``key, value [T, num_kv_heads, head_dim]`` into their slots (§4.3)."""
-    if key_cache.dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES} for the 'cuda' attention backend, "
-                         f"got {key_cache.dtype}")
-    _extension(key_cache.device).write_kv(key, value, key_cache, value_cache,
-                                          slot_mapping.to(torch.int64))
+    """Scatter ``key, value [T, num_kv_heads, head_dim]`` into their slots (§4.3); the
+    kernel copies rows of any shape, so only the dtype matters."""
+    _check_one("dtype", key_cache.dtype, DTYPES)
+    cuda_build.load(key_cache.device).write_kv(key, value, key_cache, value_cache,
+                                               slot_mapping.to(torch.int64))
 
 
 def choose_version(batch: int, num_heads: int, num_kv_heads: int, max_context_len: int,
@@ -92,7 +89,7 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
     batch, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     check_supported(query.dtype, head_dim, block_size)
-    ext = _extension(query.device)
+    ext = cuda_build.load(query.device)
     max_len = max_context_len or block_tables.shape[1] * block_size
     fits = ext.v1_shared_memory(num_heads, num_kv_heads, head_dim, max_len) \
         <= _max_shared_memory(query.device)
@@ -127,8 +124,10 @@ def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_s
                                               max_query_len=max_query_len)
 
 
-def _extension(device: torch.device):
-    return cuda_build.load(device)
+def _check_one(name, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed} for the 'cuda' attention "
+                         f"backend, got {value}; the 'triton' backend takes any")
 
 
 @functools.cache  # asked on every decode launch; the answers never change
