@@ -10,9 +10,13 @@ One `LLMEngine.step()` is the whole serving loop, once:
   runs one forward pass over the batch;
 - **sample**: the sampler picks each finished sequence's next token (beam search ranks
   candidates instead);
-- **update**: new tokens are appended, stop conditions checked, finished sequences'
-  blocks freed, and sequences forked where a request branches: ``n`` > 1 completions
-  after their shared prompt, beams that keep more than one child (§4.4).
+- **update**: new tokens are appended and detokenized, stop conditions checked,
+  finished sequences' blocks freed, and sequences forked where a request branches:
+  ``n`` > 1 completions after their shared prompt, beams that keep more than one
+  child (§4.4).
+
+`step()` returns each finished request's output, and, for requests that asked to
+stream (``SamplingParams.output_kind``), what each step added.
 
 Everything about memory is the scheduler's (and, under it, the KV cache manager's); the
 engine only ever asks it to fork or free a sequence, so the event trace sees every
@@ -21,6 +25,7 @@ block operation.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import defaultdict
 from pathlib import Path
@@ -30,6 +35,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from minipaged.cache_engine import GIB, CacheEngine, block_bytes
 from minipaged.config import EngineConfig
+from minipaged.detokenizer import IncrementalDetokenizer
 from minipaged.memory import KVCacheManager
 from minipaged.memory.block_table import blocks_for
 from minipaged.model_runner import ModelRunner
@@ -40,7 +46,7 @@ from minipaged.ops import BackendUnavailableError, check_supported, get_backend
 from minipaged.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput,
                                RequestOutput)
 from minipaged.sampler import beam_candidates, make_generator, sample
-from minipaged.sampling_params import BeamSearchParams, SamplingParams
+from minipaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from minipaged.scheduler import ScheduledSeq, Scheduler
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.trace import Trace
@@ -80,6 +86,8 @@ class LLMEngine:
         self.requests: dict[str, SequenceGroup] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
+        self.num_prompt_tokens = 0  # of every request added
+        self.num_generated_tokens = 0  # sampled, by every sequence and beam
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Params,
@@ -90,11 +98,14 @@ class LLMEngine:
         group = SequenceGroup(request_id, prompt, list(prompt_token_ids), params,
                               next(self._arrivals))
         wants_logprobs = getattr(params, "logprobs", None) is not None
+        detokenizer = None if group.is_beam_search else IncrementalDetokenizer(self.tokenizer)
         group.seqs.append(Sequence(f"{request_id}.0", list(prompt_token_ids),
                                    len(prompt_token_ids), logprobs=[] if wants_logprobs else None,
-                                   generator=self._generator(params, 0)))
+                                   generator=self._generator(params, 0),
+                                   detokenizer=detokenizer))
         self.requests[request_id] = group
         self.scheduler.add(group)
+        self.num_prompt_tokens += len(prompt_token_ids)
 
     def check_request(self, request_id: str, prompt_token_ids: list[int], params: Params) -> None:
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
@@ -136,17 +147,22 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------
     def step(self) -> list[Output]:
-        """One iteration of the serving loop (§4.5); returns the requests that finished."""
+        """One iteration of the serving loop (§4.5); returns the requests that finished
+        and the news of those that stream (``output_kind`` other than ``FINAL_ONLY``)."""
         batch = self.scheduler.schedule()
         self.cache_engine.execute(batch)
         sampling, logits = self.runner.execute(batch.seqs, self.cache_engine.gpu_cache)
         if sampling:
             self._update(sampling, logits)
-        groups = dict.fromkeys(s.group for s in batch.seqs)
-        finished = [self._finish(g) for g in groups if g.is_finished]
+        outputs = []
+        for group in dict.fromkeys(s.group for s in batch.seqs):
+            if group.is_finished:
+                outputs.append(self._finish(group))
+            elif streams(group) and (output := self.request_output(group)):
+                outputs.append(output)
         self.num_steps += 1
         self.trace.step = self.num_steps  # arrivals and aborts from now on belong to it
-        return finished
+        return outputs
 
     def _update(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> None:
         """Each row of ``logits`` is a sequence that reached its end: sample its next
@@ -171,6 +187,7 @@ class LLMEngine:
             targets += [(i, group, s) for s in seqs]
         out = sample(logits[[i for i, _, _ in targets]], [g.params for _, g, _ in targets],
                      [s.generator for _, _, s in targets], self.generator)
+        self.num_generated_tokens += len(targets)
         for j, (_, group, seq) in enumerate(targets):
             seq.append_token(out.token_ids[j], out.logprobs[j])
             if self.trace.enabled:
@@ -183,25 +200,42 @@ class LLMEngine:
     def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         child = self.scheduler.fork(group, parent)
         child.generator = self._generator(group.params, child.index)
+        child.output_text = parent.output_text
+        child.detokenizer = dataclasses.replace(parent.detokenizer)
         return child
 
     def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
+        """Detokenize the new token and decide whether ``seq`` is done."""
         params, token = group.params, seq.token_ids[-1]
-        if not params.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif token in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif params.stop and (hit := self._stop_string(seq, params.stop)):
-            seq.finish_reason, seq.stop_reason = "stop", hit
-        elif seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            seq.finish_reason = "length"
-        else:
+        eos = not params.ignore_eos and token in self.eos_token_ids
+        if eos or token in params.stop_token_ids:
+            # The stop token stays in the token ids but not in the text (vLLM).
+            seq.output_text += seq.detokenizer.update(seq.output_token_ids[:-1], final=True)
+            self._end(group, seq, "stop", None if eos else token)
             return
-        self.scheduler.free_seq(group, seq)
+        new_text = seq.detokenizer.update(seq.output_token_ids)
+        seq.output_text += new_text
+        if hit := self._stop_string(seq, params.stop, len(new_text)):
+            self._end(group, seq, "stop", hit)
+        elif seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            seq.output_text += seq.detokenizer.update(seq.output_token_ids, final=True)
+            self._end(group, seq, "length", None)
 
-    def _stop_string(self, seq: Sequence, stops: list[str]) -> str | None:
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        return next((s for s in stops if s in text), None)
+    def _stop_string(self, seq: Sequence, stops: list[str], num_new: int) -> str | None:
+        """The first of ``stops`` that the last ``num_new`` characters completed (it may
+        begin in older text); the text is cut where it begins."""
+        text = seq.output_text
+        for stop in stops:
+            index = text.find(stop, max(0, len(text) - num_new - len(stop) + 1))
+            if num_new and index != -1:
+                seq.output_text = seq.output_text[:index]
+                return stop
+        return None
+
+    def _end(self, group: SequenceGroup, seq: Sequence, reason: str,
+             stop_reason: int | str | None) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.free_seq(group, seq)
 
     # -- beam search (§4.4) -----------------------------------------------------------
     def _rank_beams(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
@@ -238,6 +272,7 @@ class LLMEngine:
         children = defaultdict(list)
         for _, beam, token, logprob in live[:params.beam_width]:
             children[beam].append((token, logprob))
+        self.num_generated_tokens += min(params.beam_width, len(live))
         for beam in group.unfinished_seqs:
             if beam not in children:
                 self.scheduler.free_seq(group, beam)
@@ -270,19 +305,31 @@ class LLMEngine:
             return self._beam_output(group)
         return self.request_output(group)
 
-    def request_output(self, group: SequenceGroup) -> RequestOutput:
-        completions = [self._completion(s) for s in sorted(group.seqs, key=lambda s: s.index)]
+    def request_output(self, group: SequenceGroup) -> RequestOutput | None:
+        """The request's completions so far; for ``DELTA``, only what is new since the
+        last output, and None if nothing is."""
+        delta = group.params.output_kind is RequestOutputKind.DELTA
+        seqs = sorted(group.seqs, key=lambda s: s.index)
+        completions = [self._completion(s, group.params, delta) for s in seqs
+                       if not delta or s.num_output_tokens > s.num_reported_tokens]
+        if not completions:
+            return None
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
                              group.is_finished)
 
-    def _completion(self, seq: Sequence) -> CompletionOutput:
-        tokens = seq.output_token_ids
-        text_tokens = tokens[:-1] if isinstance(seq.stop_reason, int) else tokens
-        text = self.tokenizer.decode(text_tokens, skip_special_tokens=True)
-        if isinstance(seq.stop_reason, str):
-            text = text[:text.find(seq.stop_reason)]
+    def _completion(self, seq: Sequence, params: SamplingParams, delta: bool) -> CompletionOutput:
+        tokens, text, logprobs = seq.output_token_ids, seq.output_text, seq.logprobs
+        if not seq.is_finished and params.stop:
+            # The text's tail may be the start of a stop string, to be cut if completed.
+            text = text[:max(0, len(text) - max(map(len, params.stop)) + 1)]
+        if delta:
+            start = seq.num_reported_tokens
+            tokens = tokens[start:]
+            logprobs = None if logprobs is None else logprobs[start:]
+            seq.num_reported_tokens += len(tokens)
+            text, seq.num_reported_chars = text[seq.num_reported_chars:], len(text)
         return CompletionOutput(seq.index, text, list(tokens), seq.cumulative_logprob,
-                                seq.logprobs, seq.finish_reason, seq.stop_reason)
+                                logprobs, seq.finish_reason, seq.stop_reason)
 
     def _beam_output(self, group: SequenceGroup) -> BeamSearchOutput:
         params, prompt_len = group.params, len(group.prompt_token_ids)
@@ -327,6 +374,12 @@ class LLMEngine:
             "num_swapped": len(self.scheduler.swapped),
             "num_steps": self.num_steps,
         }
+
+
+def streams(group: SequenceGroup) -> bool:
+    """Whether ``group`` wants outputs before it finishes (beam search never does)."""
+    return (not group.is_beam_search
+            and group.params.output_kind is not RequestOutputKind.FINAL_ONLY)
 
 
 def beam_score(tokens: list[int], cum_logprob: float, eos_token_ids: set[int],

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from minipaged.config import EngineConfig
 from minipaged.engine import LLMEngine, Output
 from minipaged.outputs import BeamSearchOutput, RequestOutput
-from minipaged.sampling_params import BeamSearchParams, SamplingParams
+from minipaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Prompt = str | dict
 
@@ -47,6 +47,10 @@ class LLM:
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = _per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
+        if kind := next((p.output_kind for p in params
+                         if p.output_kind is not RequestOutputKind.FINAL_ONLY), None):
+            raise ValueError(f"output_kind must be FINAL_ONLY for LLM.generate, which returns "
+                             f"finished requests; got {kind} (stream with LLMEngine.step)")
         return self._run(prompts, params, use_tqdm)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,

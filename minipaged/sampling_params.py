@@ -8,12 +8,28 @@ refused before it reaches the engine, so it can change no engine state.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
 # vLLM's _SAMPLING_EPS: a temperature below it means greedy.  Dividing logits by a
 # vanishing temperature would only approach argmax while risking inf/nan on the way.
 SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What `LLMEngine.step` returns for a request (vLLM's names).
+
+    ``FINAL_ONLY``: one output, when it finishes (what ``LLM.generate`` wants).
+    ``CUMULATIVE``: after every step that adds tokens, everything so far.
+    ``DELTA``: after every step that adds tokens, only what is new (what a server
+    streams).  Unlike vLLM, minipaged defaults to ``FINAL_ONLY``: building outputs
+    nobody reads would cost every step.
+    """
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass
@@ -36,6 +52,7 @@ class SamplingParams:
         ignore_eos: keep generating after the end-of-sequence token.
         logprobs: return the log-probabilities of this many most likely tokens at each
             step, plus the sampled token's; None returns none.
+        output_kind: when `LLMEngine.step` reports this request (`RequestOutputKind`).
     """
 
     n: int = 1
@@ -49,6 +66,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1)
@@ -65,6 +83,8 @@ class SamplingParams:
         _check_bool("ignore_eos", self.ignore_eos)
         self.stop = _string_list(self.stop)
         self.stop_token_ids = _token_id_list(self.stop_token_ids)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

@@ -45,6 +45,12 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     generator: Any = None  # its own torch.Generator when the request has a seed
+    # Its text so far, decoded a few tokens at a time (minipaged.detokenizer), and how
+    # much of it and of its tokens a DELTA output has already reported.
+    output_text: str = ""
+    detokenizer: Any = None
+    num_reported_tokens: int = 0
+    num_reported_chars: int = 0
     # Beam search: this beam's best next (token, logprob) pairs, until the group ranks them.
     beam_candidates: list[tuple[int, float]] | None = None
 

@@ -11,6 +11,7 @@ from engine_helpers import (EOS, FP32, as_inputs, assert_all_blocks_free,  # noq
                             assert_greedy_matches_hf, make_llm, random_prompt, tiny)
 
 from minipaged import LLM, BeamSearchParams, SamplingParams
+from minipaged.sampling_params import RequestOutputKind
 from minipaged.memory.block_table import blocks_for
 
 MAX_TOKENS = 20
@@ -502,4 +503,88 @@ def test_sampled_logprobs_are_the_models_raw_logprobs(tiny):
         torch.testing.assert_close(torch.tensor([ours[t] for t in ids]), hf[ids], **FP32)
         total += float(hf[token])
     assert out.cumulative_logprob == pytest.approx(total, abs=1e-3)
+    assert_all_blocks_free(llm)
+
+
+# -- streaming outputs (output_kind) ---------------------------------------------------
+def run_engine(llm, requests: dict[str, tuple[list[int], SamplingParams]]):
+    """Add ``requests`` to the engine and step it dry; every output, in order."""
+    for request_id, (prompt, params) in requests.items():
+        llm.engine.add_request(request_id, prompt, params)
+    outputs = []
+    while llm.engine.has_unfinished_requests():
+        outputs += llm.engine.step()
+    return outputs
+
+
+STREAMED = dict(n=2, temperature=0.8, seed=7, max_tokens=MAX_TOKENS, logprobs=2)
+
+
+@pytest.mark.parametrize("stop", ["none", "hit", "missed"])
+def test_delta_outputs_join_to_the_final_output(tiny, stop):
+    """A DELTA request reports every step's new tokens, text and logprobs; joined per
+    completion they are exactly the finished FINAL_ONLY output of the same seeded
+    request.  With stop strings a stream holds back text that could start one, so no
+    streamed text is ever taken back."""
+    path, _ = tiny("llama")
+    prompt = random_prompt(11, seed=3)
+    llm = make_llm(path, max_num_seqs=4, max_num_batched_tokens=4)  # chunked prefill: no news
+    unstopped = generate(llm, [prompt], SamplingParams(**STREAMED))[0].outputs[1]
+    assert unstopped.text == decode(llm, unstopped.token_ids)  # the oracle: a full decode
+    text = unstopped.text  # two printable characters, from two tokens, make the stop
+    k = next(k for k in range(3, len(text)) if text[k:k + 2].isascii()
+             and text[k:k + 2].isprintable() and len(text[k:k + 2]) == 2)
+    stops = {"none": None, "hit": text[k:k + 2], "missed": "never here"}[stop]
+    final = generate(llm, [prompt], SamplingParams(**STREAMED, stop=stops))[0]
+    assert (final.outputs[1].stop_reason is not None) == (stop == "hit")
+    deltas = run_engine(llm, {"s": (prompt, SamplingParams(
+        **STREAMED, stop=stops, output_kind=RequestOutputKind.DELTA))})
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    for want in final.outputs:
+        pieces = [c for d in deltas for c in d.outputs if c.index == want.index]
+        assert all(c.token_ids for c in pieces)  # a completion is reported when it grows
+        assert [c.finish_reason for c in pieces[:-1]] == [None] * (len(pieces) - 1)
+        assert (pieces[-1].finish_reason, pieces[-1].stop_reason) == (want.finish_reason,
+                                                                      want.stop_reason)
+        assert sum((c.token_ids for c in pieces), []) == want.token_ids
+        assert sum((c.logprobs for c in pieces), []) == want.logprobs
+        assert "".join(c.text for c in pieces) == want.text
+    assert_all_blocks_free(llm)
+
+
+def test_cumulative_outputs_grow_to_the_final_output(tiny):
+    """CUMULATIVE: each report holds everything so far; the last is the final output."""
+    path, _ = tiny("llama")
+    prompt = random_prompt(5, seed=5)
+    llm = make_llm(path)
+    final = generate(llm, [prompt], SamplingParams(**STREAMED))[0]
+    reports = run_engine(llm, {"c": (prompt, SamplingParams(
+        **STREAMED, output_kind=RequestOutputKind.CUMULATIVE))})
+    assert len(reports) == MAX_TOKENS
+    for earlier, later in zip(reports, reports[1:]):
+        for a, b in zip(earlier.outputs, later.outputs):
+            assert b.token_ids[:len(a.token_ids)] == a.token_ids and b.text.startswith(a.text)
+    assert reports[-1].outputs == final.outputs
+    assert_all_blocks_free(llm)
+
+
+def test_final_only_requests_report_once_beside_streaming_ones(tiny):
+    """In one batch, a FINAL_ONLY request appears only when it finishes."""
+    path, _ = tiny("llama")
+    llm = make_llm(path)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = run_engine(llm, {
+        "final": (random_prompt(4, seed=1), greedy),
+        "delta": (random_prompt(4, seed=2), SamplingParams(
+            temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+            output_kind=RequestOutputKind.DELTA))})
+    assert [o.finished for o in outputs if o.request_id == "final"] == [True]
+    assert sum(o.request_id == "delta" for o in outputs) == MAX_TOKENS
+    assert_all_blocks_free(llm)
+
+
+def test_generate_refuses_streaming_output_kinds(served):
+    llm, _ = served
+    with pytest.raises(ValueError, match="output_kind"):
+        llm.generate("hi", SamplingParams(output_kind=RequestOutputKind.DELTA))
     assert_all_blocks_free(llm)

@@ -24,6 +24,7 @@ INVALID_SAMPLING = [
     ("stop_token_ids", [True]), ("stop_token_ids", "12"),
     ("ignore_eos", 1), ("ignore_eos", None),
     ("logprobs", -1), ("logprobs", 1.0), ("logprobs", True),
+    ("output_kind", "delta"), ("output_kind", None),
 ]
 
 INVALID_BEAM = [
