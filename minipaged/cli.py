@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import math
+import os
 import re
 import shlex
 import sys
@@ -25,6 +27,7 @@ from minipaged.config import ATTENTION_BACKENDS, DEVICES, EngineConfig
 from minipaged.models.tiny import ARCHS, make_tiny_model
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
 from minipaged.scheduler import PREEMPTION_MODES
+from minipaged.workloads import WORKLOADS
 
 CHOICES = {"device": DEVICES, "preemption_mode": PREEMPTION_MODES,
            "attention_backend": ATTENTION_BACKENDS}
@@ -234,6 +237,31 @@ def _run_demo(args) -> None:
     print(sharing_report())
 
 
+def _add_serve(subcommands) -> None:
+    parser = subcommands.add_parser(
+        "serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
+        description="Serve DIR at /v1/completions and /v1/chat/completions (streaming "
+                    "with server-sent events), /v1/models, /health and /metrics, until "
+                    "interrupted.  Needs the server extra: pip install 'minipaged[server]'.")
+    parser.add_argument("model", metavar="DIR", help="a local Hugging Face checkpoint directory")
+    parser.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    parser.add_argument("--api-key", default=os.environ.get("MINIPAGED_API_KEY"),
+                        help="if set, /v1 requests need 'Authorization: Bearer KEY' "
+                             "(default: $MINIPAGED_API_KEY, else none)")
+    parser.add_argument("--served-model-name", metavar="NAME",
+                        help="the model's name in the API (default: DIR as given)")
+    _add_engine_flags(parser)
+    parser.set_defaults(run=_run_serve, command="serve")
+
+
+def _run_serve(args) -> None:
+    from minipaged.server.app import serve  # FastAPI and uvicorn: the server extra
+
+    serve(args.model, args.host, args.port, args.api_key, args.served_model_name,
+          **engine_kwargs(args))
+
+
 def _add_bench(subcommands) -> None:
     parser = subcommands.add_parser(
         "bench", help="benchmarks: print a table, save JSON and a PNG",
@@ -242,6 +270,7 @@ def _add_bench(subcommands) -> None:
     benches = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
     _add_bench_attention(benches)
     _add_bench_throughput(benches)
+    _add_bench_serve(benches)
 
 
 def _add_bench_attention(benches) -> None:
@@ -370,6 +399,50 @@ def _run_bench_throughput(args) -> None:
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
+def _add_bench_serve(benches) -> None:
+    parser = benches.add_parser(
+        "serve", help="online serving: latency and throughput against a running server",
+        description="Send synthetic requests to an OpenAI-compatible server (minipaged serve, "
+                    "or any other) as a Poisson process; report TTFT, TPOT, ITL and "
+                    "end-to-end latency (mean, median, p99) and throughput, as vLLM's "
+                    "benchmark_serving does.")
+    parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    parser.add_argument("--request-rate", type=float, default=math.inf, metavar="R",
+                        help="requests per second, Poisson arrivals (default: inf, all at once)")
+    parser.add_argument("--num-requests", type=int, default=100, metavar="N",
+                        help="(default: %(default)s)")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="sharegpt",
+                        help="request lengths like this dataset's (default: %(default)s)")
+    parser.add_argument("--model", help="the served model's name (default: the first listed)")
+    parser.add_argument("--max-concurrency", type=int, metavar="N",
+                        help="at most N requests in flight (default: no limit)")
+    parser.add_argument("--api-key", default=os.environ.get("MINIPAGED_API_KEY"),
+                        help="sent as 'Authorization: Bearer KEY' (default: $MINIPAGED_API_KEY)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds lengths, prompts, arrivals")
+    parser.add_argument("--device", default=None,
+                        help="the server's device, which names the results directory "
+                             "(default: cuda if this machine has one, else cpu)")
+    parser.add_argument("--json", help="where to write the results (default: "
+                        "benchmarks/results/<device>/serve.json); the PNG goes beside it")
+    parser.set_defaults(run=_run_bench_serve, command="bench serve")
+
+
+def _run_bench_serve(args) -> None:
+    import torch
+
+    from minipaged.bench import serve as serve_bench  # httpx: the server extra
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    summary, records = serve_bench.run(
+        args.base_url, request_rate=args.request_rate, num_requests=args.num_requests,
+        workload=args.workload, model=args.model, max_concurrency=args.max_concurrency,
+        api_key=args.api_key, seed=args.seed)
+    serve_bench.print_summary(summary)
+    path = serve_bench.save_results(args.json or default_path("serve", device), summary,
+                                    records, args.command_line, device=device)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="minipaged", description="PagedAttention and the vLLM serving engine, step by step.")
@@ -377,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_tiny_model(subcommands)
     _add_generate(subcommands)
     _add_demo(subcommands)
+    _add_serve(subcommands)
     _add_bench(subcommands)
     return parser
 

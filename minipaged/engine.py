@@ -373,6 +373,8 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_swapped": len(self.scheduler.swapped),
             "num_steps": self.num_steps,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generated_tokens": self.num_generated_tokens,
         }
 
 

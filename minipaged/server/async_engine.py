@@ -1,0 +1,135 @@
+"""The engine behind the server: one thread steps it, requests stream back (paper §4.5).
+
+HTTP requests arrive whenever they like, but the engine runs one step at a time over
+everything that has arrived.  So the engine lives in a thread of its own, looping:
+
+    take the requests and aborts that came in -> step -> hand each output to its request
+
+The event loop that serves HTTP never runs the model: it keeps accepting requests and
+streaming tokens while a step runs (torch releases the GIL), and a new request joins the
+running batch at the next step, which is continuous batching as Orca and vLLM do it.
+
+Only the engine thread changes the engine.  The event loop talks to it through a queue
+of commands, and it answers through each request's ``asyncio.Queue``, by way of
+``loop.call_soon_threadsafe``.  After every step it also publishes ``stats``, a fresh
+dict that ``/metrics`` reads without touching the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from minipaged.engine import LLMEngine
+from minipaged.outputs import RequestOutput
+from minipaged.sampling_params import SamplingParams
+
+# A request for the engine thread: (request_id, prompt_token_ids, params, prompt text).
+Request = tuple[str, list[int], SamplingParams, str | None]
+
+
+class EngineDeadError(RuntimeError):
+    """A step raised: the engine's state is unknown, so it serves nothing more."""
+
+
+class AsyncEngine:
+    """An `LLMEngine` stepped by a thread of its own, with asyncio streams of outputs."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.stats = engine.stats()
+        self.error: BaseException | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread = threading.Thread(target=self._run, name="minipaged-engine", daemon=True)
+        self._thread.start()
+
+    # -- the event loop's side --------------------------------------------------------
+    def generate(self, requests: list[Request]) -> AsyncIterator[RequestOutput]:
+        """Queue ``requests`` and return one stream of all their outputs, ending when
+        the last finishes.  Checks every request first and raises ``ValueError``
+        before queueing any.  Leaving the stream early (a client gone) aborts those
+        still running, which frees their blocks."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.error!r}")
+        for request_id, token_ids, params, _ in requests:
+            # Reads only the engine's fixed limits and its request ids: safe from here.
+            self.engine.check_request(request_id, token_ids, params)
+        outputs: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        for request in requests:
+            self._streams[request[0]] = (loop, outputs)
+            self._commands.put(("add", request))
+        return self._stream([r[0] for r in requests], outputs)
+
+    async def _stream(self, request_ids: list[str], outputs: asyncio.Queue):
+        running = set(request_ids)
+        try:
+            while running:
+                output = await outputs.get()
+                if isinstance(output, BaseException):
+                    raise output
+                if output.finished:
+                    running.discard(output.request_id)
+                yield output
+        finally:
+            for request_id in running:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self._commands.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._commands.put(("stop", None))
+        self._thread.join()
+
+    # -- the engine thread ------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._apply(self._take_commands()):
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step())
+                self.stats = self.engine.stats()
+        except Exception as error:  # every waiting request must hear of it
+            self.error = error
+            for request_id in list(self._streams):
+                self._send(request_id, EngineDeadError(f"the engine stopped: {error!r}"))
+
+    def _take_commands(self) -> list[tuple]:
+        """Everything queued; an idle engine sleeps here until something is."""
+        idle = not self.engine.has_unfinished_requests()
+        commands = [self._commands.get()] if idle else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, commands: list[tuple]) -> bool:
+        """Add and abort requests between steps; False once told to stop."""
+        for kind, arg in commands:
+            if kind == "stop":
+                return False
+            if kind == "abort":
+                self.engine.abort_request(arg)
+                continue
+            request_id, token_ids, params, prompt = arg
+            try:
+                self.engine.add_request(request_id, token_ids, params, prompt=prompt)
+            except ValueError as error:  # e.g. its id reused since it was checked
+                self._send(request_id, error)
+        return True
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self._send(output.request_id, output)
+            if output.finished:
+                self._streams.pop(output.request_id, None)
+
+    def _send(self, request_id: str, item) -> None:
+        if (stream := self._streams.get(request_id)) is not None:  # gone if aborted
+            loop, outputs = stream
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
