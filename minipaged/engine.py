@@ -224,11 +224,13 @@ class LLMEngine:
     def _stop_string(self, seq: Sequence, stops: list[str], num_new: int) -> str | None:
         """The first of ``stops`` that the last ``num_new`` characters completed (it may
         begin in older text); the text is cut where it begins."""
+        if not num_new:
+            return None
         text = seq.output_text
         for stop in stops:
             index = text.find(stop, max(0, len(text) - num_new - len(stop) + 1))
-            if num_new and index != -1:
-                seq.output_text = seq.output_text[:index]
+            if index != -1:
+                seq.output_text = text[:index]
                 return stop
         return None
 

@@ -213,6 +213,11 @@ BAD_REQUESTS = {  # name: (path, body, status, param)
     "missing messages": ("chat/completions", {"max_tokens": 3}, 400, "messages"),
     "empty prompt list": ("completions", {"prompt": []}, 400, "prompt"),
     "empty messages": ("chat/completions", {"messages": []}, 400, "messages"),
+    "chat max_tokens 0": ("chat/completions",
+                          {"messages": [{"role": "user", "content": "a"}], "max_tokens": 0},
+                          400, None),
+    "image content": ("chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages"),
     "token id out of range": ("completions", {"prompt": [1, 10**6]}, 400, None),
     "unsupported presence_penalty": ("completions", {"prompt": "a", "presence_penalty": 1.0},
                                      400, "presence_penalty"),

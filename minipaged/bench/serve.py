@@ -27,6 +27,7 @@ Output token counts come from the final usage chunk (``stream_options.include_us
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import json
 import math
@@ -313,8 +314,14 @@ async def _send_all(client, model, requests, times, max_concurrency,
 
 
 def run(base_url: str, **kwargs) -> tuple[dict, list[RequestRecord]]:
-    """`benchmark` from synchronous code (the command line)."""
-    return asyncio.run(benchmark(base_url, **kwargs))
+    """`benchmark` from synchronous code: the command line, or a notebook cell (whose
+    event loop already runs, so the benchmark gets a thread and a loop of its own)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(benchmark(base_url, **kwargs))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, benchmark(base_url, **kwargs)).result()
 
 
 # -- output ---------------------------------------------------------------------------

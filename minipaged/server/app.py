@@ -152,8 +152,8 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest) -> Response:
         self._check(body)
         token_ids = self._chat_prompt(body)
-        max_tokens = (body.max_completion_tokens or body.max_tokens
-                      or max(1, self.max_model_len - len(token_ids)))
+        asked = [m for m in (body.max_completion_tokens, body.max_tokens) if m is not None]
+        max_tokens = asked[0] if asked else max(1, self.max_model_len - len(token_ids))
         self._check_context(len(token_ids), max_tokens, "messages")
         top = body.top_logprobs or 0
         params = body.sampling_params(max_tokens, top if body.logprobs else None)
