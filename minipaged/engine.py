@@ -367,9 +367,15 @@ class LLMEngine:
         return max(1, min(int(config.cpu_kv_space * GIB // per_block), most))
 
     def stats(self) -> dict[str, float]:
-        """The pools, the queues and the counters (design.md's ``stats()`` contract)."""
+        """The pools, the queues and the counters (design.md's ``stats()`` contract),
+        and where the pool's slots go (``kv.usage()``, which walks every block table)."""
+        return {**self.counters(), **self.kv.usage()}
+
+    def counters(self) -> dict[str, float]:
+        """The pools' free blocks, the queues and the counters: cheap enough to read
+        after every step (a server's ``/metrics``)."""
         return {
-            **self.kv.stats(), **self.kv.usage(),
+            **self.kv.stats(),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),

@@ -11,8 +11,9 @@ running batch at the next step, which is continuous batching as Orca and vLLM do
 
 Only the engine thread changes the engine.  The event loop talks to it through a queue
 of commands, and it answers through each request's ``asyncio.Queue``, by way of
-``loop.call_soon_threadsafe``.  After every step it also publishes ``stats``, a fresh
-dict that ``/metrics`` reads without touching the engine.
+``loop.call_soon_threadsafe``.  After every step it also publishes ``stats`` (the
+engine's ``counters()``), a fresh dict that ``/metrics`` reads without touching the
+engine.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.stats = engine.stats()
+        self.stats = engine.counters()
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -92,7 +93,7 @@ class AsyncEngine:
             while self._apply(self._take_commands()):
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
-                self.stats = self.engine.stats()
+                self.stats = self.engine.counters()
         except Exception as error:  # every waiting request must hear of it
             self.error = error
             for request_id in list(self._streams):
