@@ -21,6 +21,7 @@ import types
 import typing
 
 from minipaged.bench import attention as attention_bench
+from minipaged.bench import memory as memory_bench
 from minipaged.bench import throughput as throughput_bench
 from minipaged.bench.results import default_path, device_name, write_results
 from minipaged.config import ATTENTION_BACKENDS, DEVICES, EngineConfig
@@ -268,9 +269,51 @@ def _add_bench(subcommands) -> None:
         description="Each benchmark prints its numbers and saves JSON plus a PNG beside it "
                     "under benchmarks/results/<device>/ unless --json says otherwise.")
     benches = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    _add_bench_memory(benches)
     _add_bench_attention(benches)
     _add_bench_throughput(benches)
     _add_bench_serve(benches)
+
+
+def _add_bench_memory(benches) -> None:
+    parser = benches.add_parser(
+        "memory", help="KV memory waste and batch size: paged vs contiguous (Fig. 2, 13)",
+        description="Serve one synthetic workload on one KV pool with paged blocks and with "
+                    "Orca's contiguous Max, Pow2 and Oracle reservations; report the pool's "
+                    "shares (token states, reserved, internal and external fragmentation) "
+                    "and the mean number of requests resident.  Counts, not times.")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="sharegpt",
+                        help="request lengths like this dataset's (default: %(default)s)")
+    parser.add_argument("--num-requests", type=int, default=1000, metavar="N",
+                        help="(default: %(default)s)")
+    parser.add_argument("--kv-slots", type=int, default=memory_bench.OPT13B_A100_SLOTS,
+                        metavar="N", help="tokens the KV pool holds (default: %(default)s, "
+                        "OPT-13B on an A100-40GB as in the paper)")
+    parser.add_argument("--block-size", type=int, default=16, metavar="N",
+                        help="the paged system's (default: %(default)s)")
+    parser.add_argument("--max-len", type=int, default=2048, metavar="N",
+                        help="the model's context: what Orca Max reserves (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="where to write the results (default: "
+                        "benchmarks/results/cpu/memory-<workload>.json); the PNG goes beside it")
+    parser.set_defaults(run=_run_bench_memory, command="bench memory")
+
+
+def _run_bench_memory(args) -> None:
+    reports = memory_bench.bench_memory(args.workload, args.num_requests, args.kv_slots,
+                                        args.block_size, args.max_len, args.seed)
+    print(f"{args.num_requests} {args.workload}-like requests on {args.kv_slots} KV slots")
+    print(memory_bench.format_table(reports))
+    title = (f"{args.num_requests} {args.workload}-like requests, {args.kv_slots} KV slots, "
+             f"blocks of {args.block_size}")
+    # Counts, not times: the same on any machine, so always under cpu/.
+    path = write_results(args.json or default_path(f"memory-{args.workload}", "cpu"),
+                         memory_bench.rows(reports, args.workload), "cpu", args.command_line,
+                         memory_bench.plot_memory(reports, title), workload=args.workload,
+                         systems=memory_bench.systems(reports), kv_slots=args.kv_slots,
+                         block_size=args.block_size, max_len=args.max_len,
+                         num_requests=args.num_requests, seed=args.seed)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
 def _add_bench_attention(benches) -> None:

@@ -27,13 +27,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .bench.memory import bench_memory, format_table
 from .memory import KVCacheManager
 from .memory.block_table import blocks_for
-from .memory.simulate import SYSTEMS, simulate_memory
+from .memory.simulate import OPT13B_A100_SLOTS
 from .sampling_params import SamplingParams
-from .workloads import synthetic_requests
 
-OPT13B_A100_SLOTS = 15_700  # the paper's §6 setting: about 12 GB of KV at 800 KB per token
 
 SYSTEM_PROMPT = ("You are a helpful assistant who explains how a language model server "
                  "manages GPU memory. Answer in one short sentence.\n")
@@ -232,17 +231,9 @@ def _sharing_table(shared: Served, separate: Served, n: int, num_prompts: int) -
 
 # -- 2. and 3. the memory layer alone -------------------------------------------------
 def waste_report(num_requests: int = 300, seed: int = 0) -> str:
-    requests = synthetic_requests("sharegpt", num_requests, seed=seed)
-    lines = [f"KV memory while serving {num_requests} ShareGPT-like requests on "
-             f"{OPT13B_A100_SLOTS} token slots (cf. paper Fig. 2)",
-             f"{'system':<20}{'tokens':>8}{'reserved':>10}{'internal':>10}{'external':>10}"
-             f"{'free':>8}{'batch':>8}"]
-    for system in SYSTEMS:
-        r = simulate_memory(requests, system, OPT13B_A100_SLOTS)
-        lines.append(f"{system:<20}{r.token_share:>8.1%}{r.reserved_share:>10.1%}"
-                     f"{r.internal_share:>10.1%}{r.external_share:>10.1%}{r.free_share:>8.1%}"
-                     f"{r.max_batch:>8.1f}")
-    return "\n".join(lines)
+    reports = bench_memory("sharegpt", num_requests, OPT13B_A100_SLOTS, seed=seed)
+    return (f"KV memory while serving {num_requests} ShareGPT-like requests on "
+            f"{OPT13B_A100_SLOTS} token slots (cf. paper Fig. 2)\n{format_table(reports)}")
 
 
 def sharing_report(block_size: int = 16) -> str:
