@@ -4,8 +4,12 @@ Each benchmark is one module that measures, prints a table, and saves its rows w
 `results.write_results`: JSON plus a PNG under ``benchmarks/results/<device>/``, so
 every figure in the docs can be traced to the run, machine and versions that made it.
 
+* `memory` - where the KV cache goes, paged vs contiguous reservations (paper §3,
+  Fig. 2 and 13): counts from a simulation, no model.
 * `attention` - the attention ops per backend against the GPU's own read bandwidth
   (paper §5.1, Fig. 18a).
 * `throughput` - offline serving throughput, minipaged vs Hugging Face ``generate``
   (paper §6.2), and the engine's own CPU time per step.
+* `serve` - online serving latency (TTFT, TPOT, ITL, E2EL) against a running
+  OpenAI-compatible server (paper §6).
 """
