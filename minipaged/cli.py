@@ -270,6 +270,7 @@ def _add_bench(subcommands) -> None:
                     "under benchmarks/results/<device>/ unless --json says otherwise.")
     benches = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
     _add_bench_memory(benches)
+    _add_bench_sharing(benches)
     _add_bench_attention(benches)
     _add_bench_throughput(benches)
     _add_bench_serve(benches)
@@ -313,6 +314,45 @@ def _run_bench_memory(args) -> None:
                          systems=memory_bench.systems(reports), kv_slots=args.kv_slots,
                          block_size=args.block_size, max_len=args.max_len,
                          num_requests=args.num_requests, seed=args.seed)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def _add_bench_sharing(benches) -> None:
+    parser = benches.add_parser(
+        "sharing", help="KV memory saved by sharing blocks: parallel sampling, beam search "
+                        "(Fig. 15)",
+        description="Serve synthetic requests with the engine on the tiny checkpoint and the "
+                    "paper's KV pool, with n completions or beams each; count blocks in use "
+                    "against the blocks the same sequences would hold without sharing.")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="alpaca",
+                        help="request lengths like this dataset's (default: %(default)s)")
+    parser.add_argument("--num-requests", type=int, default=40, metavar="N",
+                        help="(default: %(default)s)")
+    parser.add_argument("--widths", type=int, nargs="+", default=[2, 4, 6], metavar="N",
+                        help="n for parallel sampling, beam width for beam search "
+                             "(default: 2 4 6)")
+    parser.add_argument("--kv-slots", type=int, default=memory_bench.OPT13B_A100_SLOTS,
+                        metavar="N", help="tokens the KV pool holds (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="where to write the results (default: "
+                        "benchmarks/results/cpu/sharing-<workload>.json); the PNG goes beside it")
+    parser.set_defaults(run=_run_bench_sharing, command="bench sharing")
+
+
+def _run_bench_sharing(args) -> None:
+    from minipaged.bench import sharing as sharing_bench  # the engine: torch, transformers
+
+    runs = sharing_bench.bench_sharing(args.workload, args.num_requests, widths=args.widths,
+                                       kv_slots=args.kv_slots, seed=args.seed)
+    print(f"{args.num_requests} {args.workload}-like requests on {args.kv_slots} KV slots")
+    print(sharing_bench.format_table(runs))
+    title = f"{args.num_requests} {args.workload}-like requests, {args.kv_slots} KV slots"
+    # Counts, not times: the same on any machine, so always under cpu/.
+    path = write_results(args.json or default_path(f"sharing-{args.workload}", "cpu"),
+                         sharing_bench.rows(runs, args.workload), "cpu", args.command_line,
+                         sharing_bench.plot_sharing(runs, title), workload=args.workload,
+                         kv_slots=args.kv_slots, num_requests=args.num_requests,
+                         seed=args.seed)
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
