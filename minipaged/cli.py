@@ -271,6 +271,7 @@ def _add_bench(subcommands) -> None:
     benches = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
     _add_bench_memory(benches)
     _add_bench_sharing(benches)
+    _add_bench_prefix(benches)
     _add_bench_attention(benches)
     _add_bench_throughput(benches)
     _add_bench_serve(benches)
@@ -352,6 +353,39 @@ def _run_bench_sharing(args) -> None:
                          sharing_bench.rows(runs, args.workload), "cpu", args.command_line,
                          sharing_bench.plot_sharing(runs, title), workload=args.workload,
                          kv_slots=args.kv_slots, num_requests=args.num_requests,
+                         seed=args.seed)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def _add_bench_prefix(benches) -> None:
+    parser = benches.add_parser(
+        "prefix", help="a shared few-shot prefix with prefix caching off and on (§6.4)",
+        description="Every request is one shared prefix (the paper's 1-shot 80 tokens or "
+                    "5-shot 341 tokens) plus its own Alpaca-like suffix; run them with prefix "
+                    "caching off and on; report the hit rate, prefill tokens computed and "
+                    "throughput.")
+    parser.add_argument("--num-requests", type=int, default=100, metavar="N",
+                        help="(default: %(default)s)")
+    parser.add_argument("--prefixes", nargs="+", default=["1-shot", "5-shot"],
+                        metavar="PREFIX", help="1-shot and/or 5-shot (default: both)")
+    parser.add_argument("--kv-slots", type=int, default=memory_bench.OPT13B_A100_SLOTS,
+                        metavar="N", help="tokens the KV pool holds (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="where to write the results (default: "
+                        "benchmarks/results/cpu/prefix.json); the PNG goes beside it")
+    parser.set_defaults(run=_run_bench_prefix, command="bench prefix")
+
+
+def _run_bench_prefix(args) -> None:
+    from minipaged.bench import prefix as prefix_bench  # the engine: torch, transformers
+
+    runs = prefix_bench.bench_prefix(args.num_requests, args.prefixes, args.kv_slots,
+                                     seed=args.seed)
+    print(prefix_bench.format_table(runs))
+    title = f"{args.num_requests} requests sharing a few-shot prefix, tiny model on a CPU"
+    path = write_results(args.json or default_path("prefix", "cpu"), prefix_bench.rows(runs),
+                         "cpu", args.command_line, prefix_bench.plot_prefix(runs, title),
+                         num_requests=args.num_requests, kv_slots=args.kv_slots,
                          seed=args.seed)
     print(f"wrote {path} and {path.with_suffix('.png')}")
 

@@ -8,6 +8,8 @@ every figure in the docs can be traced to the run, machine and versions that mad
   Fig. 2 and 13): counts from a simulation, no model.
 * `sharing` - KV blocks saved by parallel sampling and beam search (paper §4.4,
   Fig. 15): counts from the engine on the tiny checkpoint.
+* `prefix` - a few-shot prefix shared by every request, prefix caching off vs on
+  (paper §6.4): hit rate, prefill tokens computed, throughput.
 * `attention` - the attention ops per backend against the GPU's own read bandwidth
   (paper §5.1, Fig. 18a).
 * `throughput` - offline serving throughput, minipaged vs Hugging Face ``generate``
