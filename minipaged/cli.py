@@ -21,7 +21,9 @@ import types
 import typing
 
 from minipaged.bench import attention as attention_bench
+from minipaged.bench import blocksize as blocksize_bench
 from minipaged.bench import memory as memory_bench
+from minipaged.bench import preemption as preemption_bench
 from minipaged.bench import throughput as throughput_bench
 from minipaged.bench.results import default_path, device_name, write_results
 from minipaged.config import ATTENTION_BACKENDS, DEVICES, EngineConfig
@@ -275,6 +277,8 @@ def _add_bench(subcommands) -> None:
     _add_bench_attention(benches)
     _add_bench_throughput(benches)
     _add_bench_serve(benches)
+    _add_bench_block_size(benches)
+    _add_bench_preemption(benches)
 
 
 def _add_bench_memory(benches) -> None:
@@ -558,6 +562,134 @@ def _run_bench_serve(args) -> None:
     path = serve_bench.save_results(args.json or default_path("serve", device), summary,
                                     records, args.command_line, device=device)
     print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def _add_bench_block_size(benches) -> None:
+    presets = blocksize_bench.PRESETS
+    parser = benches.add_parser(
+        "block-size", help="block size: internal fragmentation vs throughput (Fig. 18b)",
+        description="Serve the same ShareGPT- and Alpaca-like requests on one KV pool in "
+                    "blocks of 1 to 256 tokens: the pool's internal fragmentation and mean "
+                    "batch (simulated, counts) and the engine's throughput (ignore_eos), "
+                    "normalized to the best block size of the workload.")
+    parser.add_argument("--model", metavar="DIR", help="a local Hugging Face checkpoint "
+                        "(default: the preset's synthetic one, written to the cache)")
+    parser.add_argument("--preset", choices=sorted(presets),
+                        default=blocksize_bench.default_preset(),
+                        help="cpu: the tiny checkpoint, short requests, about 30 s; gpu: a "
+                             "Llama-3.2-1B-shaped random model, full-length requests on the "
+                             "paper's KV pool (default: gpu if CUDA is available)")
+    parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS),
+                        default=["sharegpt", "alpaca"], metavar="WORKLOAD",
+                        help="request lengths like these datasets' (default: sharegpt alpaca)")
+    parser.add_argument("--block-sizes", type=int, nargs="+", metavar="N",
+                        default=list(blocksize_bench.BLOCK_SIZES),
+                        help="(default: 1 2 4 ... 256)")
+    parser.add_argument("--num-requests", type=int, metavar="N",
+                        help="requests of every workload (default: the preset's)")
+    parser.add_argument("--kv-slots", type=int, metavar="N",
+                        help="tokens the KV pool holds at every block size (default: the "
+                             "preset's)")
+    parser.add_argument("--json", help="where to write the results (default: "
+                        "benchmarks/results/<device>/block-size.json); the PNG goes beside it")
+    # The block size, the pool and the swap space are what the sweep sets itself.
+    _add_engine_flags(parser, exclude=blocksize_bench.SWEPT)
+    parser.set_defaults(run=_run_bench_block_size, command="bench block-size")
+
+
+def _run_bench_block_size(args) -> None:
+    import torch
+
+    preset = blocksize_bench.PRESETS[args.preset]
+    device = blocksize_bench.preset_device(args.preset, args.device)
+    num_requests = {w: preset.num_requests[w] if args.num_requests is None
+                    else args.num_requests for w in args.workloads}
+    kv_slots = preset.kv_slots if args.kv_slots is None else args.kv_slots
+    model = args.model or blocksize_bench.preset_model(args.preset)
+    engine = {**engine_kwargs(args), "device": device.type}
+    rows = blocksize_bench.bench_block_size(model, args.workloads, args.block_sizes,
+                                            num_requests, kv_slots, preset.length_scales,
+                                            engine, args.seed)
+    print(blocksize_bench.format_table(rows))
+    path = write_results(
+        args.json or default_path("block-size", device), rows, device, args.command_line,
+        blocksize_bench.plot_block_size(rows, device_name(device)), preset=args.preset,
+        model=args.model or f"synthetic: the {args.preset} preset's ({model.name})",
+        model_config=_model_config(model),
+        torch_threads=1 if device.type == "cpu" else torch.get_num_threads(), engine=engine,
+        workloads={w: {"num_requests": num_requests[w],
+                       "length_scale": preset.length_scales[w]} for w in args.workloads},
+        kv_slots=kv_slots, block_sizes=sorted(set(args.block_sizes)), seed=args.seed)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def _add_bench_preemption(benches) -> None:
+    presets = preemption_bench.PRESETS
+    parser = benches.add_parser(
+        "preemption", help="preempted requests: swap vs recompute per block size (Fig. 19)",
+        description="Time swapping one request's KV out to the CPU pool and back in "
+                    "(batched, as the cache engine does, and one copy per block, as vLLM "
+                    "did) against recomputing it with one prefill, for block sizes 1 to "
+                    "256; then serve ShareGPT-like requests on a too-small KV pool with "
+                    "each preemption mode.")
+    parser.add_argument("--model", metavar="DIR", help="a local Hugging Face checkpoint "
+                        "(default: the preset's synthetic one, written to the cache)")
+    parser.add_argument("--preset", choices=sorted(presets),
+                        default=blocksize_bench.default_preset(),
+                        help="cpu: the tiny checkpoint, about 30 s; gpu: a Llama-3.2-1B-"
+                             "shaped random model on the paper's KV pool (default: gpu if "
+                             "CUDA is available)")
+    parser.add_argument("--block-sizes", type=int, nargs="+", metavar="N",
+                        default=list(blocksize_bench.BLOCK_SIZES),
+                        help="(default: 1 2 4 ... 256)")
+    for flag, help_ in [
+            ("--num-tokens", "tokens of the request swapped and recomputed"),
+            ("--repeats", "timings per operation, of which the median is reported"),
+            ("--warmup", "untimed runs of each operation first"),
+            ("--num-requests", "requests of the end-to-end workload"),
+            ("--kv-slots", "tokens the end-to-end KV pool holds (the CPU pool holds as "
+                           "many)")]:
+        parser.add_argument(flag, type=int, metavar="N", help=f"{help_} (default: the preset's)")
+    parser.add_argument("--length-scale", type=float, metavar="X",
+                        help="multiply the ShareGPT lengths by X (default: the preset's)")
+    parser.add_argument("--json", help="where to write the results (default: "
+                        "benchmarks/results/<device>/preemption.json); the PNG goes beside it")
+    _add_engine_flags(parser, exclude=preemption_bench.SWEPT)
+    parser.set_defaults(run=_run_bench_preemption, command="bench preemption")
+
+
+def _run_bench_preemption(args) -> None:
+    import torch
+
+    preset = preemption_bench.PRESETS[args.preset]
+    device = blocksize_bench.preset_device(args.preset, args.device, preemption_bench.PRESETS)
+    # A flag left out takes the preset's value.
+    setting = {name: getattr(preset, name) if getattr(args, name) is None else getattr(args, name)
+               for name in ("num_tokens", "repeats", "warmup", "num_requests", "kv_slots",
+                            "length_scale")}
+    model = args.model or blocksize_bench.preset_model(args.preset, preemption_bench.PRESETS)
+    engine = {**engine_kwargs(args), "device": device.type}
+    rows = preemption_bench.bench_preemption(model, args.block_sizes, **setting,
+                                             engine_kwargs=engine, seed=args.seed)
+    print(preemption_bench.format_table(rows))
+    path = write_results(
+        args.json or default_path("preemption", device), rows, device, args.command_line,
+        preemption_bench.plot_preemption(rows, device_name(device)), preset=args.preset,
+        model=args.model or f"synthetic: the {args.preset} preset's ({model.name})",
+        model_config=_model_config(model),
+        torch_threads=1 if device.type == "cpu" else torch.get_num_threads(), engine=engine,
+        block_sizes=sorted(set(args.block_sizes)), seed=args.seed, **setting)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def _model_config(model) -> dict:
+    """The checkpoint's shape, for a results file (not its path: that differs per machine)."""
+    from pathlib import Path
+
+    from minipaged.models.loader import read_config
+
+    config = read_config(Path(model))
+    return {k: getattr(config, k, None) for k in MODEL_CONFIG_KEYS}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,9 @@ every figure in the docs can be traced to the run, machine and versions that mad
   Fig. 15): counts from the engine on the tiny checkpoint.
 * `prefix` - a few-shot prefix shared by every request, prefix caching off vs on
   (paper §6.4): hit rate, prefill tokens computed, throughput.
+* `blocksize` - fragmentation and throughput against the block size (paper §7.2,
+  Fig. 18b).
+* `preemption` - swap vs recompute per block size (paper §7.3, Fig. 19).
 * `attention` - the attention ops per backend against the GPU's own read bandwidth
   (paper §5.1, Fig. 18a).
 * `throughput` - offline serving throughput, minipaged vs Hugging Face ``generate``
