@@ -22,6 +22,7 @@ import typing
 
 from minipaged.bench import attention as attention_bench
 from minipaged.bench import blocksize as blocksize_bench
+from minipaged.bench import latency as latency_bench
 from minipaged.bench import memory as memory_bench
 from minipaged.bench import preemption as preemption_bench
 from minipaged.bench import throughput as throughput_bench
@@ -29,10 +30,10 @@ from minipaged.bench.results import default_path, device_name, write_results
 from minipaged.config import ATTENTION_BACKENDS, DEVICES, EngineConfig
 from minipaged.models.tiny import ARCHS, make_tiny_model
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
-from minipaged.scheduler import PREEMPTION_MODES
+from minipaged.scheduler import MEMORY_MODES, PREEMPTION_MODES
 from minipaged.workloads import WORKLOADS
 
-CHOICES = {"device": DEVICES, "preemption_mode": PREEMPTION_MODES,
+CHOICES = {"device": DEVICES, "preemption_mode": PREEMPTION_MODES, "memory_mode": MEMORY_MODES,
            "attention_backend": ATTENTION_BACKENDS}
 MODEL_CONFIG_KEYS = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
@@ -279,6 +280,7 @@ def _add_bench(subcommands) -> None:
     _add_bench_serve(benches)
     _add_bench_block_size(benches)
     _add_bench_preemption(benches)
+    _add_bench_latency(benches)
 
 
 def _add_bench_memory(benches) -> None:
@@ -679,6 +681,80 @@ def _run_bench_preemption(args) -> None:
         model_config=_model_config(model),
         torch_threads=1 if device.type == "cpu" else torch.get_num_threads(), engine=engine,
         block_sizes=sorted(set(args.block_sizes)), seed=args.seed, **setting)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def _add_bench_latency(benches) -> None:
+    parser = benches.add_parser(
+        "latency", help="normalized latency against request rate: paged vs contiguous "
+                        "(Fig. 12)",
+        description="Serve synthetic requests arriving as a Poisson process at each rate "
+                    "with the engine in each memory mode (paged, and Orca's contiguous Max, "
+                    "Pow2 and Oracle reservations); report the mean normalized latency "
+                    "(end-to-end latency / output tokens), throughput and mean batch.")
+    parser.add_argument("--model", metavar="DIR", help="a local Hugging Face checkpoint "
+                        "(default: the preset's synthetic one, written to the cache)")
+    parser.add_argument("--preset", choices=sorted(latency_bench.PRESETS),
+                        default=blocksize_bench.default_preset(),
+                        help="cpu: the tiny checkpoint on a small KV pool, about 45 s; gpu: "
+                             "a Llama-3.2-1B-shaped random model on half the paper's pool at "
+                             "half the lengths (default: gpu if CUDA is available)")
+    parser.add_argument("--modes", nargs="+", choices=MEMORY_MODES, metavar="MODE",
+                        default=list(MEMORY_MODES),
+                        help=f"any of {', '.join(MEMORY_MODES)} (default: all)")
+    parser.add_argument("--rates", type=float, nargs="+", metavar="R",
+                        help="request rates, per second (default: the preset's)")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS),
+                        help="request lengths like this dataset's (default: the preset's)")
+    parser.add_argument("--length-scale", type=float, metavar="X",
+                        help="multiply the lengths (already scaled to --max-model-len) by X "
+                             "(default: the preset's)")
+    for flag, help_ in [("--num-requests", "requests served at each rate"),
+                        ("--block-size", "token slots per KV block"),
+                        ("--num-gpu-blocks", "the KV pool's size in blocks"),
+                        ("--max-model-len", "the longest sequence: what Max reserves")]:
+        parser.add_argument(flag, type=int, metavar="N", help=f"{help_} (default: the preset's)")
+    parser.add_argument("--json", help="where to write the results (default: benchmarks/"
+                        "results/<device>/latency-<workload>.json); the PNG goes beside it")
+    # The memory mode is what is compared; the pool's shape is the preset's.
+    _add_engine_flags(parser, exclude=("memory_mode", "block_size", "num_gpu_blocks",
+                                       "max_model_len"))
+    parser.set_defaults(run=_run_bench_latency, command="bench latency")
+
+
+def _run_bench_latency(args) -> None:
+    import torch
+
+    # A flag left out takes the preset's value.
+    setting = latency_bench.resolve_setting(
+        args.preset, workload=args.workload, num_requests=args.num_requests, rates=args.rates,
+        max_model_len=args.max_model_len, block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks, length_scale=args.length_scale)
+    latency_bench.check_setting(args.modes, setting["rates"], setting["num_requests"],
+                                setting["length_scale"])
+    device = blocksize_bench.preset_device(args.preset, args.device, latency_bench.PRESETS)
+    model = args.model or blocksize_bench.preset_model(args.preset, latency_bench.PRESETS)
+    work = latency_bench.make_workload(model, setting["workload"], setting["num_requests"],
+                                       setting["max_model_len"], setting["length_scale"],
+                                       args.seed)
+    engine = {**engine_kwargs(args), "device": device.type, "block_size": setting["block_size"],
+              "num_gpu_blocks": setting["num_gpu_blocks"], "max_model_len": work.max_model_len}
+    rows = latency_bench.bench_latency(model, args.modes, setting["rates"], work.requests,
+                                       work.prompts, engine, seed=args.seed)
+    print(latency_bench.format_table(rows))
+    slots = setting["num_gpu_blocks"] * setting["block_size"]
+    title = (f"{len(work.requests)} {work.workload}-like requests, {slots} KV slots, "
+             f"max_model_len {work.max_model_len}, {device_name(device)}")
+    path = write_results(
+        args.json or default_path(f"latency-{work.workload}", device), rows, device,
+        args.command_line, latency_bench.plot_latency(rows, title), preset=args.preset,
+        model=args.model or f"synthetic: the {args.preset} preset's ({model.name})",
+        model_config=_model_config(model),
+        torch_threads=1 if device.type == "cpu" else torch.get_num_threads(), engine=engine,
+        modes=args.modes,
+        workload={**setting, "seed": args.seed, "max_model_len": work.max_model_len,
+                  "prompt_lens": [r.prompt_len for r in work.requests],
+                  "output_lens": [r.output_len for r in work.requests]})
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from minipaged.scheduler import PREEMPTION_MODES
+from minipaged.scheduler import MEMORY_MODES, PREEMPTION_MODES
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda")
 DEVICES = ("auto", "cpu", "cuda")
@@ -36,6 +36,11 @@ class EngineConfig:
             activations and KV cache together.
         swap_space: GiB of CPU memory for the swap pool (§4.5).
         preemption_mode: ``"recompute"`` or ``"swap"``.
+        memory_mode: ``"paged"`` (blocks on demand, §4), or the paper's baseline to
+            compare against, Orca's contiguous reservation of the maximum length, the
+            final length rounded up to a power of two, or exactly the final length
+            (§6.1): ``"contiguous-max"``, ``"contiguous-pow2"``, ``"contiguous-oracle"``.
+            The KV stays paged; the reservation only decides when a request is admitted.
         enable_prefix_caching: reuse the KV of cached full prompt blocks (§4.4).
         max_num_seqs: the most sequences in one step.
         max_num_batched_tokens: the most new tokens in one step; longer prompts are
@@ -57,6 +62,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     swap_space: float = 4
     preemption_mode: str = "recompute"
+    memory_mode: str = "paged"
     enable_prefix_caching: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -69,6 +75,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
         _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _choice("memory_mode", self.memory_mode, MEMORY_MODES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _positive_int("block_size", self.block_size)
         _positive_int("max_num_seqs", self.max_num_seqs)

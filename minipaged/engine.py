@@ -81,7 +81,8 @@ class LLMEngine:
                                  config.enable_prefix_caching)
         self.trace = Trace(config.trace)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.preemption_mode, self.trace)
+                                   config.preemption_mode, self.trace, config.memory_mode,
+                                   self.max_model_len)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, SequenceGroup] = {}
         self._arrivals = itertools.count()
@@ -128,13 +129,26 @@ class LLMEngine:
         if width > self.config.max_num_seqs:
             raise ValueError(f"{name}={width} is more than max_num_seqs="
                              f"{self.config.max_num_seqs} can ever run at once")
+        self._check_fits_pool(len(prompt_token_ids), params, name, width)
+
+    def _check_fits_pool(self, prompt_len: int, params: Params, name: str, width: int) -> None:
+        """Refuse a request that could never run alone in the GPU pool."""
         # All-or-nothing preemption must be able to make room for any one request alone.
-        longest = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        longest = min(prompt_len + params.max_tokens, self.max_model_len)
         needed = width * blocks_for(longest, self.config.block_size)
         if needed > self.kv.gpu.num_blocks:
             raise ValueError(f"max_tokens={params.max_tokens} with {name}={width} may need "
                              f"{needed} KV blocks, more than the pool's {self.kv.gpu.num_blocks}"
                              " (num_gpu_blocks)")
+        # A contiguous mode's range must fit the empty pool (§6.1), or the request waits
+        # forever.
+        slots = self.scheduler.reservation_slots(prompt_len, params.max_tokens, width)
+        pool = self.kv.gpu.num_blocks * self.config.block_size
+        if slots is not None and slots > pool:
+            raise ValueError(f"memory_mode={self.config.memory_mode!r} reserves {slots} KV "
+                             f"slots for a {prompt_len}-token prompt with max_tokens="
+                             f"{params.max_tokens} and {name}={width}, more than the pool's "
+                             f"{pool} (num_gpu_blocks * block_size)")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks (between steps)."""

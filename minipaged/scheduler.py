@@ -21,6 +21,13 @@ prefill*).  One `schedule()` call, first come first served:
    chunk can be had (with prefix caching, cached full blocks of the prompt are reused
    and only the rest is computed, §4.4).
 
+``memory_mode`` other than ``"paged"`` turns the scheduler into the paper's baseline,
+Orca with contiguous reservations (§6.1: ``"contiguous-max"``, ``"-pow2"``,
+``"-oracle"``): a waiting request is admitted only if, besides the above, a
+contiguous range of slots for its whole final length can be placed first-fit
+(`ContiguousReservations`); the range is held until it finishes or is aborted.  The
+ranges cover every token their requests can write, so nothing is ever preempted.
+
 The scheduler decides; it does not touch tensors.  Its output lists the sequences to run
 and the block operations the cache engine must execute first (swap out, swap in,
 copy-on-write copies), as the KV cache manager's contract orders them.
@@ -36,10 +43,13 @@ from dataclasses import dataclass, field
 
 from minipaged.memory import KVCacheManager
 from minipaged.memory.block_table import blocks_for
+from minipaged.memory.contiguous import POLICIES, ContiguousReservations
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.trace import Trace
 
 PREEMPTION_MODES = ("recompute", "swap")
+# The names of the memory simulation's systems (minipaged.memory.simulate.SYSTEMS).
+MEMORY_MODES = ("paged", *(f"contiguous-{policy}" for policy in POLICIES))
 
 
 @dataclass
@@ -73,11 +83,13 @@ class Scheduler:
     """Queues of requests over a `KVCacheManager`; `schedule()` once per engine step."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str = "recompute", trace: Trace | None = None) -> None:
+                 preemption_mode: str = "recompute", trace: Trace | None = None,
+                 memory_mode: str = "paged", max_model_len: int | None = None) -> None:
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {preemption_mode!r}")
         self.kv = kv
+        self.reservations = _reservations(memory_mode, kv, max_model_len)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
@@ -103,6 +115,7 @@ class Scheduler:
                 if group.request_id == request_id:
                     queue.remove(group)
                     self._release(group, "abort")
+                    self._unreserve(group)
                     self.trace.record("abort", request_id)
                     return group
         return None
@@ -110,6 +123,7 @@ class Scheduler:
     def retire(self, group: SequenceGroup) -> None:
         """Take a finished request off the running queue (its blocks are already free)."""
         self.running.remove(group)
+        self._unreserve(group)
 
     def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         """A new sequence sharing all of ``parent``'s blocks, copy-on-write (§4.4)."""
@@ -195,10 +209,30 @@ class Scheduler:
             plan = self._admission_plan(seqs, budget)
             if plan is None or self._blocks_to_allocate(plan) > self.kv.gpu.num_free_blocks:
                 return
+            if not self._reserve(group):
+                return
             self.waiting.pop(0)
             budget -= self._allocate(group, out, budget)
             _insert(self.running, group, SequenceStatus.RUNNING)
             seats -= group.num_seats
+
+    # -- contiguous reservations (memory_mode other than "paged") -----------------------
+    def reservation_slots(self, prompt_len: int, max_tokens: int, width: int) -> int | None:
+        """The slots a request would reserve in this memory mode; None when paged."""
+        if self.reservations is None:
+            return None
+        return self.reservations.num_slots(prompt_len, max_tokens, width)
+
+    def _reserve(self, group: SequenceGroup) -> bool:
+        """Place the request's contiguous range, if this mode has them: last of the
+        admission checks, as it is the only one that changes anything."""
+        slots = self.reservation_slots(len(group.prompt_token_ids), group.params.max_tokens,
+                                       group.width)
+        return slots is None or self.reservations.reserve(group.request_id, slots)
+
+    def _unreserve(self, group: SequenceGroup) -> None:
+        if self.reservations is not None:
+            self.reservations.release(group.request_id)
 
     # -- block operations -------------------------------------------------------------
     def _append(self, group: SequenceGroup, plan: list[tuple[Sequence, int]],
@@ -298,6 +332,21 @@ class Scheduler:
 
     def _tables(self, seq_ids: list[str]) -> dict[str, list[int]]:
         return {s: self.kv.block_table(s) for s in seq_ids}
+
+
+def _reservations(memory_mode: str, kv: KVCacheManager,
+                  max_model_len: int | None) -> ContiguousReservations | None:
+    """The contiguous ranges a ``"contiguous-<policy>"`` mode admits by, over the GPU
+    pool's slots; None for ``"paged"``."""
+    if memory_mode not in MEMORY_MODES:
+        raise ValueError(f"memory_mode must be one of {MEMORY_MODES}, got {memory_mode!r}")
+    if memory_mode == "paged":
+        return None
+    if max_model_len is None:
+        raise ValueError(f"memory_mode={memory_mode!r} needs max_model_len (what "
+                         "reservations are cut at, and what Max reserves), got None")
+    return ContiguousReservations(memory_mode.removeprefix("contiguous-"), kv.gpu.num_blocks,
+                                  kv.block_size, max_model_len)
 
 
 def _plan(group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:

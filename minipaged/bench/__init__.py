@@ -13,6 +13,8 @@ every figure in the docs can be traced to the run, machine and versions that mad
 * `blocksize` - fragmentation and throughput against the block size (paper §7.2,
   Fig. 18b).
 * `preemption` - swap vs recompute per block size (paper §7.3, Fig. 19).
+* `latency` - normalized latency against request rate, paged vs contiguous memory
+  modes of the engine (paper §6.2, Fig. 12).
 * `attention` - the attention ops per backend against the GPU's own read bandwidth
   (paper §5.1, Fig. 18a).
 * `throughput` - offline serving throughput, minipaged vs Hugging Face ``generate``

@@ -11,11 +11,17 @@ policies appear in the paper's evaluation (§6.1):
 Ranges are placed first-fit in one pool of slots.  Three kinds of waste follow: slots
 *reserved* for tokens the request will write later, *internal fragmentation* (slots it
 will never write) and *external fragmentation* (free gaps too small for anyone).
+
+`ContiguousReservations` puts the same rule in front of the real engine
+(``LLM(memory_mode="contiguous-max")`` and so on): its scheduler admits a request only
+once its range can be placed, which is what costs those systems their batch size.
 """
 
 from __future__ import annotations
 
 import bisect
+
+from .block_table import blocks_for
 
 POLICIES = ("max", "pow2", "oracle")
 
@@ -71,3 +77,61 @@ class ContiguousAllocator:
             raise ValueError(f"start={start!r} is not the start of a reserved range")
         del self._sizes[start]
         self._starts.remove(start)
+
+
+class ContiguousReservations:
+    """Orca-style admission for an engine whose KV stays paged (paper §3, §6.1).
+
+    Each admitted request holds one contiguous range of slots, placed first-fit in a
+    `ContiguousAllocator` over the pool's ``num_blocks * block_size`` slots, from
+    admission until it finishes or is aborted; a request whose range does not fit waits.
+    The keys and values still go to paged blocks (the attention kernels cannot tell):
+    the range only decides *who* runs, never *what* is computed.
+
+    Sizes are rounded up to whole blocks.  A request of ``r`` reserved slots may touch
+    ``ceil(r / block_size)`` blocks, so exact slot counts could promise more blocks than
+    the pool has (block size 16, two ranges of 17 slots: 34 slots of 48, but 4 blocks
+    of 3).  With whole blocks the ranges' blocks never add up to more than the pool,
+    and since a range covers every token its request can write, a running request
+    always finds its blocks free: a contiguous system never preempts.  The rounding
+    costs at most ``block_size - 1`` slots a sequence, the paged system's own internal
+    fragmentation; with ``block_size=1`` the ranges are exactly Orca's.
+
+    A request that may run ``width`` sequences (``n`` completions, ``beam_width`` beams)
+    reserves one range ``width`` times as long, as if its sequences lay side by side.
+    """
+
+    def __init__(self, policy: str, num_blocks: int, block_size: int, max_len: int) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
+                            ("max_len", max_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.policy, self.block_size, self.max_len = policy, block_size, max_len
+        self.allocator = ContiguousAllocator(num_blocks * block_size)
+        self.starts: dict[str, int] = {}  # request id -> start of its range
+
+    def num_slots(self, prompt_len: int, max_tokens: int, width: int = 1) -> int:
+        """The slots a request reserves: its policy's size for a final length of
+        ``prompt_len + max_tokens`` (cut at ``max_len``, where the engine stops it), in
+        whole blocks, ``width`` times."""
+        output = min(max_tokens, self.max_len - prompt_len)
+        size = reservation_size(self.policy, prompt_len, output, self.max_len)
+        return width * blocks_for(size, self.block_size) * self.block_size
+
+    def reserve(self, request_id: str, num_slots: int) -> bool:
+        """Place ``request_id``'s range first-fit; False (and nothing held) if no gap is
+        big enough."""
+        if request_id in self.starts:
+            raise ValueError(f"request_id {request_id!r} already holds a reservation")
+        start = self.allocator.reserve(num_slots)
+        if start is None:
+            return False
+        self.starts[request_id] = start
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Give the range back; a request that was never admitted holds none."""
+        if request_id in self.starts:
+            self.allocator.release(self.starts.pop(request_id))
