@@ -53,7 +53,8 @@ def test_json_has_every_contract_field(cpu_run, tiny):
     assert doc["device"] and doc["torch"] == torch.__version__
     assert doc["command"] == f"minipaged {' '.join(CPU_ARGV)} --model {tiny} --json {path}"
     assert [r["system"] for r in doc["results"]] == ["minipaged-torch", "hf-generate",
-                                                     "hf-generate-batch"]
+                                                     "hf-generate-batch",
+                                                     "hf-continuous-batching"]
     for row in doc["results"]:
         assert ROW_FIELDS <= row.keys()
         assert row["num_requests"] == 6 and row["elapsed_s"] > 0
@@ -114,11 +115,11 @@ def test_every_request_gets_exactly_its_wanted_tokens(tiny):
     requests = [RequestSpec(5, 7), RequestSpec(1, 1), RequestSpec(12, 3), RequestSpec(3, 9),
                 RequestSpec(8, 2)]
     prompts = [[(7 * i + j) % 256 for j in range(r.prompt_len)] for i, r in enumerate(requests)]
-    result = bench.bench_throughput(tiny, ["minipaged-torch", "hf-generate", "hf-generate-batch"],
-                                    requests, prompts, {"device": "cpu"}, hf_batch_size=2,
+    result = bench.bench_throughput(tiny, bench.SYSTEMS[:1] + bench.HF_SYSTEMS, requests,
+                                    prompts, {"device": "cpu"}, hf_batch_size=2,
                                     progress=False)
     wanted = [r.output_len for r in requests]
-    for system in ("minipaged-torch", "hf-generate"):
+    for system in ("minipaged-torch", "hf-generate", "hf-continuous-batching"):
         assert result.runs[system].generated == wanted
         assert result.runs[system].output == wanted
     batched = result.runs["hf-generate-batch"]
@@ -151,8 +152,8 @@ def test_overhead_probe_runs_every_sequence_with_the_model_stubbed(tiny):
 
 
 def test_available_systems_on_a_cpu_skip_interpreted_triton():
-    assert bench.available_systems(torch.device("cpu")) == ["minipaged-torch", "hf-generate",
-                                                            "hf-generate-batch"]
+    assert bench.available_systems(torch.device("cpu")) == [
+        "minipaged-torch", "hf-generate", "hf-generate-batch", "hf-continuous-batching"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -195,8 +196,8 @@ def test_gpu_run_times_every_backend_and_both_baselines(tiny, tmp_path):
     doc = json.loads(path.read_text())
     assert doc["device"] == torch.cuda.get_device_name()
     systems = [r["system"] for r in doc["results"]]
-    assert {"minipaged-triton", "minipaged-torch", "hf-generate",
-            "hf-generate-batch"} <= set(systems)
+    assert {"minipaged-triton", "minipaged-torch", "hf-generate", "hf-generate-batch",
+            "hf-continuous-batching"} <= set(systems)
     rows = {r["system"]: r for r in doc["results"]}
     assert rows["hf-generate"]["num_requests"] == 2
     assert rows["hf-generate-batch"]["num_requests"] == 8

@@ -57,8 +57,11 @@ from minipaged.ops import BackendUnavailableError, get_backend
 from minipaged.workloads import RequestSpec, synthetic_requests
 
 SYSTEMS = ("minipaged-torch", "minipaged-triton", "minipaged-cuda", "hf-generate",
-           "hf-generate-batch")
-HF_SYSTEMS = ("hf-generate", "hf-generate-batch")
+           "hf-generate-batch", "hf-continuous-batching")
+# hf-generate-batch is generate() on static, left-padded batches (the paper's "HF"
+# baseline); hf-continuous-batching is transformers 5's own continuous batching over
+# paged attention (what `model.generate_batch` runs), every request queued at once.
+HF_SYSTEMS = ("hf-generate", "hf-generate-batch", "hf-continuous-batching")
 PAPER_CONTEXT = 2048  # the context ShareGPT lengths are drawn for (OPT's, paper §6.1)
 OVERHEAD_GOAL_MS = 2.0
 # A decode step's phases, in step order (`measure_engine_overhead`).
@@ -77,6 +80,13 @@ BOOKKEEPING = ("schedule", "block_ops", "prepare_inputs", "update", "other")
 GPU_MODEL = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                  num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                  max_position_embeddings=4096, torch_dtype="bfloat16")
+# The qwen2.5-0.5b preset's model: Qwen2.5-0.5B's public config.json (24 layers, hidden
+# 896, GQA 14/2 heads of 64, q/k/v biases, a tied 151,936-row embedding), random bf16
+# weights; the shape of the end-to-end comparison with Hugging Face on a GPU.
+QWEN_MODEL = dict(arch="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+                  vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+                  torch_dtype="bfloat16")
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,9 @@ PRESETS = {
     # requests, so that every system, the slow torch backend included, fits in minutes.
     "gpu": Preset("cuda", num_requests=500, length_scale=1.0, hf_num_requests=8,
                   hf_batch_num_requests=64, hf_batch_size=32, model=GPU_MODEL),
+    # vLLM's benchmark_throughput default of 1000 requests, on Qwen2.5-0.5B's shape.
+    "qwen2.5-0.5b": Preset("cuda", num_requests=1000, length_scale=1.0, hf_num_requests=8,
+                           hf_batch_num_requests=64, hf_batch_size=32, model=QWEN_MODEL),
 }
 
 
@@ -367,6 +380,47 @@ def run_hf(model, system: str, requests: Sequence[RequestSpec], prompts: Sequenc
     return SystemRun(_row(system, requests, output, elapsed, **extra), generated, output)
 
 
+def run_hf_continuous(path, dtype: torch.dtype, device: torch.device,
+                      requests: Sequence[RequestSpec], prompts: Sequence[list[int]],
+                      progress: bool = True) -> SystemRun:
+    """``hf-continuous-batching``: transformers' continuous batching manager (the engine
+    behind ``generate_batch``) with ``attn_implementation="paged|sdpa"``; each request
+    added with its own ``max_new_tokens`` and no EOS, after a warm-up, all at once."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=dtype, attn_implementation="paged|sdpa")
+    model = model.to(device).eval()
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                              eos_token_id=-1, pad_token_id=0)  # -1: no token ends a request
+    generated = [0] * len(requests)
+
+    def run(manager, todo: Sequence[int], lengths: Sequence[int]) -> None:
+        for i in todo:
+            manager.add_request(list(prompts[i]), request_id=str(i), max_new_tokens=lengths[i])
+        for _ in tqdm(todo, desc="hf-continuous-batching", unit="req", disable=not progress,
+                      leave=False):
+            result = manager.get_result(timeout=600)
+            if result is None or result.error:
+                raise RuntimeError(f"hf-continuous-batching: {result and result.error}")
+            generated[int(result.request_id)] = len(result.generated_tokens)
+
+    with _quiet_transformers(), torch.inference_mode():
+        manager = model.init_continuous_batching(generation_config=config)
+        manager.start()
+        try:
+            run(manager, range(min(8, len(requests))), [4] * len(requests))  # warm-up
+            output = [r.output_len for r in requests]
+            _, elapsed = _timed(lambda: run(manager, range(len(requests)), output), device)
+        finally:
+            manager.stop(block=True)
+            del model
+            _free_memory(device)
+    _check_lengths("hf-continuous-batching", generated, requests)
+    return SystemRun(_row("hf-continuous-batching", requests, output, elapsed), generated,
+                     output)
+
+
 # -- the whole benchmark --------------------------------------------------------------
 @dataclass
 class ThroughputBench:
@@ -419,12 +473,25 @@ def _run_systems(path, systems, requests, prompts, engine_kwargs, device, hf_num
                              f"({str(error).splitlines()[0]}); try --gpu-memory-utilization 0.7")
                 tqdm.write(notes[-1])
             _free_memory(device)  # here, not in the handler: its traceback holds the engine
-    hf = [s for s in systems if s in HF_SYSTEMS]
+    if "hf-continuous-batching" in systems:
+        runs["hf-continuous-batching"] = _run_hf_continuous(path, requests, prompts,
+                                                            engine_kwargs, device, progress)
+    hf = [s for s in systems if s in ("hf-generate", "hf-generate-batch")]
     if hf:
         runs.update(_run_hf_systems(path, hf, requests, prompts, engine_kwargs, device,
                                     hf_num_requests, hf_batch_num_requests, hf_batch_size,
                                     progress))
     return runs, notes
+
+
+def _run_hf_continuous(path, requests, prompts, engine_kwargs, device, progress) -> SystemRun:
+    from transformers import AutoConfig
+
+    from minipaged.models.loader import resolve_dtype
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    dtype = resolve_dtype(engine_kwargs.get("dtype", "auto"), config)
+    return run_hf_continuous(path, dtype, device, requests, prompts, progress)
 
 
 def _run_hf_systems(path, systems, requests, prompts, engine_kwargs, device, hf_num_requests,
