@@ -48,6 +48,8 @@ class EngineConfig:
         max_model_len: the longest sequence (prompt + output); None: the model's limit.
         attention_backend: ``"auto"`` (the fastest available), ``"torch"``, ``"triton"``
             or ``"cuda"``.
+        enforce_eager: run every decode step op by op; by default, on CUDA with the
+            triton or cuda backend, decode steps replay CUDA graphs captured at start-up.
         seed: seeds the random stream of requests without a seed of their own.
         trace: record an event trace (`minipaged.trace`).
         cpu_kv_space: GiB of KV pool on the CPU when ``num_gpu_blocks`` is None (vLLM's
@@ -68,6 +70,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     attention_backend: str = "auto"
+    enforce_eager: bool = False
     seed: int = 0
     trace: bool = False
     cpu_kv_space: float = 1
@@ -92,7 +95,7 @@ class EngineConfig:
                 lambda x: 0 < x <= 1)
         _number("swap_space", self.swap_space, ">= 0", lambda x: x >= 0)
         _number("cpu_kv_space", self.cpu_kv_space, "> 0", lambda x: x > 0)
-        for name in ("enable_prefix_caching", "trace"):
+        for name in ("enable_prefix_caching", "enforce_eager", "trace"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:

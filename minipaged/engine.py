@@ -79,6 +79,8 @@ class LLMEngine:
                                         config.block_size, dtype, self.device)
         self.kv = KVCacheManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
                                  config.enable_prefix_caching)
+        if self._uses_cuda_graphs():
+            self._capture_cuda_graphs()
         self.trace = Trace(config.trace)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.preemption_mode, self.trace, config.memory_mode,
@@ -357,6 +359,24 @@ class LLMEngine:
             generated = tokens[prompt_len:-1] if tokens[-1] in eos else tokens[prompt_len:]
             sequences.append(BeamSearchSequence(tokens, self.tokenizer.decode(generated), cum))
         return BeamSearchOutput(group.request_id, sequences)
+
+    # -- CUDA graphs ------------------------------------------------------------------
+    def _uses_cuda_graphs(self) -> bool:
+        """On CUDA, unless ``enforce_eager``: with the kernel backends (the torch
+        reference's data-dependent shapes cannot be captured) and without a sliding
+        window (its check reads the positions on the host)."""
+        return (self.device.type == "cuda" and not self.config.enforce_eager
+                and self.attention_backend in ("triton", "cuda")
+                and sliding_window(self.model.config) is None)
+
+    def _capture_cuda_graphs(self) -> None:
+        try:
+            self.runner.capture_decode_graphs(self.cache_engine.gpu_cache,
+                                              self.config.max_num_seqs, self.max_model_len)
+        except RuntimeError as error:
+            raise RuntimeError(f"capturing the decode CUDA graphs failed ({error}); "
+                               "enforce_eager=True (--enforce-eager) runs without them"
+                               ) from error
 
     # -- memory -----------------------------------------------------------------------
     def _generator(self, params: Params, index: int) -> torch.Generator | None:

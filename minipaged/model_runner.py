@@ -5,12 +5,15 @@ sequence contributes its new tokens (a prompt, a chunk of one, or one decode tok
 their positions, and `AttentionMetadata` tells every layer where their keys and values
 go and what they attend to (paper §4.3).  Only the last token of a sequence that reached
 its end is projected to logits; a chunk that stops mid-prompt samples nothing.
+With `capture_decode_graphs`, a step of decodes only replays a CUDA graph instead
+(`minipaged.cuda_graphs`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from minipaged.cuda_graphs import DecodeGraphs
 from minipaged.models.attention import (AttentionMetadata, allocate_kv_caches, int_tensor,
                                         token_positions)
 from minipaged.scheduler import ScheduledSeq
@@ -21,6 +24,14 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, kv_caches, max_num_seqs: int, max_model_len: int) -> None:
+        """Record the decode forward as CUDA graphs over ``kv_caches`` (which must
+        stay the tensors every later step passes)."""
+        with torch.inference_mode():
+            self.graphs = DecodeGraphs(self.model, kv_caches, self.block_size, max_num_seqs,
+                                       max_model_len, self.device)
 
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq],
@@ -38,7 +49,9 @@ class ModelRunner:
                                 for t in s.seq.token_ids[s.start:s.start + s.num_new_tokens]],
                                self.device, torch.long)
         positions = token_positions(starts, counts, self.device)
-        hidden = self.model(input_ids, positions, kv_caches, attn)
+        hidden = self.graphs.run(input_ids, positions, attn) if self.graphs else None
+        if hidden is None:
+            hidden = self.model(input_ids, positions, kv_caches, attn)
         sampling, last_rows, end = [], [], 0
         for s in seqs:
             end += s.num_new_tokens

@@ -1,0 +1,112 @@
+"""Decode steps replayed from CUDA graphs (as vLLM and nano-vllm do).
+
+A decode step runs one token per sequence through every layer: hundreds of small kernel
+launches, each costing the CPU a few microseconds.  At small batches the GPU finishes
+the work faster than Python can launch it, and sits idle.  A CUDA graph records a whole
+step's launches once and replays them with one call.
+
+Replaying reruns the recorded kernels on the recorded addresses with the recorded grid
+sizes, so everything a step varies must live in fixed buffers and fixed shapes:
+
+- one graph per batch size in `graph_batch_sizes`; a step's batch is padded up to the
+  next one (`padded_batch_size`), its padding rows writing no KV (slot -1) and attending
+  to one token;
+- the inputs (token ids, positions, slot mapping, block tables, context lengths) are
+  copied into static buffers before each replay; block tables are as wide as
+  ``max_model_len`` needs;
+- the decode op's launch must not depend on this step's longest context, so the graphs
+  pass the block tables' full width as its bound (``max_decode_context_len``); the
+  kernels read each sequence's real length from ``decode_context_lens``.
+
+Prefill steps, and mixed steps, run eagerly: their token counts vary too much to pad.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+import torch
+
+from minipaged.models.attention import AttentionMetadata
+
+SMALL_BATCHES = (1, 2, 4, 8)
+BATCH_STEP = 16
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The batch sizes captured: 1, 2, 4, 8, then every multiple of 16, up to and
+    including ``max_num_seqs`` (nano-vllm's choice: padding wastes at most 15 rows)."""
+    sizes = [s for s in SMALL_BATCHES if s < max_num_seqs]
+    sizes += range(BATCH_STEP, max_num_seqs, BATCH_STEP)
+    return [*sizes, max_num_seqs]
+
+
+def padded_batch_size(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size that holds ``num_seqs`` rows; None if none does."""
+    i = bisect.bisect_left(sizes, num_seqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+class DecodeGraphs:
+    """One CUDA graph of the model's decode forward per batch size, over static buffers."""
+
+    def __init__(self, model, kv_caches, block_size: int, max_num_seqs: int,
+                 max_model_len: int, device: torch.device) -> None:
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        rows, width = self.sizes[-1], math.ceil(max_model_len / block_size)
+        self.max_context_len = width * block_size
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((rows,), -1, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(rows, width, dtype=torch.int32, device=device)
+        self.context_lens = torch.ones(rows, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.num_replays = 0
+        self._capture(model, kv_caches, device)
+
+    def _capture(self, model, kv_caches, device) -> None:
+        # Largest first: the smaller graphs then fit in the memory pool it leaves.
+        pool = None
+        for size in reversed(self.sizes):
+            args = (self.input_ids[:size], self.positions[:size], kv_caches,
+                    self._metadata(size))
+            model(*args)  # compiles every kernel, outside the capture
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                hidden = model(*args)
+            pool = graph.pool()
+            self.graphs[size] = graph, hidden
+        torch.cuda.synchronize(device)
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        none = self.context_lens[:0]
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size], num_prefill_tokens=0,
+            prefill_block_tables=self.block_tables[:0], prefill_query_start_loc=none,
+            prefill_context_lens=none, max_prefill_query_len=0,
+            decode_block_tables=self.block_tables[:size],
+            decode_context_lens=self.context_lens[:size],
+            max_decode_context_len=self.max_context_len)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            attn: AttentionMetadata) -> torch.Tensor | None:
+        """The hidden states of a decode-only step, by replay; None if its batch is
+        larger than every graph (the caller then runs it eagerly)."""
+        n = input_ids.shape[0]
+        size = padded_batch_size(n, self.sizes)
+        if size is None or attn.num_prefill_tokens:
+            return None
+        width = attn.decode_block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(attn.slot_mapping)
+        self.slot_mapping[n:size].fill_(-1)  # padding rows write nowhere
+        self.block_tables[:n, :width].copy_(attn.decode_block_tables)
+        self.context_lens[:n].copy_(attn.decode_context_lens)
+        self.context_lens[n:size].fill_(1)  # and attend to one token of any block
+        graph, hidden = self.graphs[size]
+        graph.replay()
+        self.num_replays += 1
+        return hidden[:n]
