@@ -19,6 +19,7 @@ keeping the cut at ``max_len`` from pulling the means down (about 1% for ShareGP
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -69,3 +70,19 @@ def synthetic_requests(workload: str, num_requests: int, seed: int = 0,
         output = min(_lognormal_int(rng, dist.mean_output, dist.sigma), max_len - prompt)
         requests.append(RequestSpec(prompt, output))
     return requests
+
+
+def arrival_times(num_requests: int, request_rate: float, seed: int = 0) -> list[float]:
+    """When each request arrives, in seconds from the first: a Poisson process of
+    ``request_rate`` per second (the paper's online traces, §6.1), i.e. exponential gaps
+    of mean ``1 / request_rate``; all at once for ``inf``.  The gaps are drawn at rate 1
+    and divided by the rate, so every rate replays the same sequence, compressed."""
+    if not isinstance(num_requests, int) or num_requests < 1:
+        raise ValueError(f"num_requests must be an int >= 1, got {num_requests!r}")
+    if not request_rate > 0:  # also refuses NaN
+        raise ValueError(f"request_rate must be > 0 (or inf), got {request_rate!r}")
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    rng = random.Random(f"arrivals-{seed}")
+    gaps = (rng.expovariate(1.0) / request_rate for _ in range(num_requests - 1))
+    return list(itertools.accumulate(gaps, initial=0.0))

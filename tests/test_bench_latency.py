@@ -21,7 +21,7 @@ from minipaged.bench.throughput import make_prompts
 from minipaged.models import make_tiny_model
 from minipaged.sampling_params import SamplingParams
 from minipaged.scheduler import MEMORY_MODES
-from minipaged.workloads import RequestSpec, synthetic_requests
+from minipaged.workloads import RequestSpec, arrival_times, synthetic_requests
 
 ROW_FIELDS = {"mode", "rate", "num_requests", "normalized_latency_s_per_token",
               "mean_latency_s", "requests_per_s", "output_tokens_per_s", "mean_batch",
@@ -107,33 +107,6 @@ def test_serve_by_hand():
         pytest.approx(3.5 / 3)
 
 
-# -- arrivals -------------------------------------------------------------------------
-
-def test_arrivals_are_seeded_and_scale_with_the_rate():
-    first = bench.arrival_times(50, 4.0, seed=3)
-    assert first == bench.arrival_times(50, 4.0, seed=3)
-    assert first != bench.arrival_times(50, 4.0, seed=4)
-    assert first[0] == 0.0 and first == sorted(first) and len(first) == 50
-    # The same sequence at every rate, compressed: twice the rate, half the times.
-    assert bench.arrival_times(50, 8.0, seed=3) == pytest.approx([t / 2 for t in first])
-
-
-def test_arrival_gaps_have_mean_one_over_the_rate():
-    """20,000 exponential gaps at 5 per second: the mean is 0.2 s (its standard error
-    is 0.2 / sqrt(20,000), about 0.7%)."""
-    times = bench.arrival_times(20_001, 5.0, seed=0)
-    assert times[-1] / 20_000 == pytest.approx(0.2, rel=0.03)
-
-
-@pytest.mark.parametrize("num_requests, rate, match", [
-    (0, 1.0, "num_requests must be an int >= 1, got 0"), (3, 0.0, "rate.*0.0"),
-    (3, -1.0, "rate"), (3, math.inf, "rate.*inf"), (3, math.nan, "rate.*nan"),
-])
-def test_arrival_times_refuse_bad_arguments(num_requests, rate, match):
-    with pytest.raises(ValueError, match=match):
-        bench.arrival_times(num_requests, rate)
-
-
 # -- the workload and the setting -----------------------------------------------------
 
 def test_requests_keep_the_drawn_lengths_at_full_context():
@@ -204,7 +177,7 @@ def test_serve_on_the_engine(tiny, mode):
     requests = bench.make_requests("alpaca", 8, 64, length_scale=16, seed=1)
     prompts = make_prompts(requests, llm.get_tokenizer(), llm.engine.vocab_size, seed=1)
     params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in requests]
-    arrivals = bench.arrival_times(8, 200.0, seed=1)
+    arrivals = arrival_times(8, 200.0, seed=1)
     served = bench.serve(llm.engine, prompts, params, arrivals, tag="r")
     assert served.output_tokens == [r.output_len for r in requests]
     assert all(f >= a for a, f in zip(arrivals, served.finishes))

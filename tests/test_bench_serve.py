@@ -1,14 +1,12 @@
-"""``minipaged bench serve``'s library: vLLM's metrics on hand-computed records, Poisson
-arrivals, requests that fit the model, the streaming protocol (on an in-memory transport,
-no server) and clear errors.  The run against a real ``minipaged serve`` is in the
-server's tests."""
+"""``minipaged bench serve``'s library: vLLM's metrics on hand-computed records, requests
+that fit the model, the streaming protocol (on an in-memory transport, no server) and
+clear errors.  The Poisson arrivals are tested in test_workloads.py, the run against a
+real ``minipaged serve`` in the server's tests."""
 
 import asyncio
-import itertools
 import json
 import math
 import socket
-import statistics
 
 import httpx
 import pytest
@@ -63,41 +61,6 @@ def test_summarize_with_nothing_measured_says_none_not_zero():
 def test_summarize_rejects_a_bad_duration(duration):
     with pytest.raises(ValueError, match="duration_s"):
         serve.summarize(hand_made_records(), duration)
-
-
-# -- arrivals -------------------------------------------------------------------------
-def test_arrivals_are_seeded_and_start_at_zero():
-    times = serve.arrival_times(50, 2.0, seed=3)
-    assert times == serve.arrival_times(50, 2.0, seed=3)
-    assert times != serve.arrival_times(50, 2.0, seed=4)
-    assert times[0] == 0 and times == sorted(times) and len(times) == 50
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_arrival_gaps_are_exponential_with_mean_one_over_rate(seed):
-    # Fixed seeds: deterministic.  20,000 gaps put the sample mean within 0.7% (one
-    # standard error) of 1/rate; the bounds are over 4 standard errors wide.
-    times = serve.arrival_times(20_001, 4.0, seed)
-    gaps = [b - a for a, b in itertools.pairwise(times)]
-    assert statistics.fmean(gaps) == pytest.approx(0.25, rel=0.03)
-    # an exponential's standard deviation equals its mean (a Poisson process, not a
-    # jittered uniform one)
-    assert statistics.stdev(gaps) / statistics.fmean(gaps) == pytest.approx(1, rel=0.05)
-
-
-def test_infinite_rate_sends_everything_at_once():
-    assert serve.arrival_times(5, math.inf) == [0.0] * 5
-
-
-@pytest.mark.parametrize("rate", [0, -1.0, math.nan])
-def test_arrivals_reject_a_bad_rate(rate):
-    with pytest.raises(ValueError, match="request_rate"):
-        serve.arrival_times(3, rate)
-
-
-def test_arrivals_reject_no_requests():
-    with pytest.raises(ValueError, match="num_requests"):
-        serve.arrival_times(0, 1.0)
 
 
 # -- requests -------------------------------------------------------------------------

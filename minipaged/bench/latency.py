@@ -37,9 +37,7 @@ and 2.7-8x that of Orca Max at the same normalized latency.
 
 from __future__ import annotations
 
-import itertools
 import math
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -52,7 +50,7 @@ from minipaged.bench.throughput import GPU_MODEL, PAPER_CONTEXT, make_prompts
 from minipaged.demo import one_cpu_thread
 from minipaged.memory.simulate import OPT13B_A100_SLOTS
 from minipaged.scheduler import MEMORY_MODES
-from minipaged.workloads import WORKLOADS, RequestSpec
+from minipaged.workloads import WORKLOADS, RequestSpec, arrival_times
 
 COLORS = {"paged": "tab:red", "contiguous-oracle": "tab:blue", "contiguous-pow2": "tab:green",
           "contiguous-max": "tab:gray"}
@@ -136,19 +134,6 @@ def make_requests(workload: str, num_requests: int, max_model_len: int,
         raise ValueError(f"length_scale must be > 0, got {length_scale!r}")
     scale = length_scale * min(1.0, max_model_len / PAPER_CONTEXT)
     return blocksize.make_requests(workload, num_requests, scale, max_model_len, seed)
-
-
-def arrival_times(num_requests: int, rate: float, seed: int = 0) -> list[float]:
-    """Seconds from the first arrival: a Poisson process of ``rate`` per second, i.e.
-    exponential gaps of mean ``1 / rate``.  The gaps are drawn at rate 1 and divided by
-    ``rate``, so every rate gets the same sequence, compressed."""
-    if not isinstance(num_requests, int) or num_requests < 1:
-        raise ValueError(f"num_requests must be an int >= 1, got {num_requests!r}")
-    if not 0 < rate < math.inf:  # also refuses NaN
-        raise ValueError(f"rate must be a finite number > 0, got {rate!r}")
-    rng = random.Random(f"arrivals-{seed}")
-    gaps = (rng.expovariate(1.0) / rate for _ in range(num_requests - 1))
-    return list(itertools.accumulate(gaps, initial=0.0))
 
 
 @dataclass

@@ -42,7 +42,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from minipaged.bench.results import write_results
-from minipaged.workloads import WORKLOADS, synthetic_requests
+from minipaged.workloads import WORKLOADS, arrival_times, synthetic_requests
 
 PROMPT_VOCAB = 256  # prompt ids are drawn from [0, PROMPT_VOCAB): bytes in any tokenizer
 DEFAULT_MAX_MODEL_LEN = 2048  # when the server does not say (the paper's OPT context)
@@ -114,21 +114,6 @@ def make_requests(workload: str, num_requests: int, max_model_len: int,
     rng = random.Random(f"prompts-{seed}")
     return [Request([rng.randrange(PROMPT_VOCAB) for _ in range(s.prompt_len)], s.output_len)
             for s in specs]
-
-
-def arrival_times(num_requests: int, request_rate: float, seed: int = 0) -> list[float]:
-    """Send times in seconds from the first request: a Poisson process, i.e. exponential
-    gaps of mean ``1 / request_rate`` (all zero for ``inf``).  Absolute times rather
-    than a sleep per gap, so the event loop's lateness does not accumulate."""
-    if num_requests < 1:
-        raise ValueError(f"num_requests must be >= 1, got {num_requests!r}")
-    if not request_rate > 0:  # also refuses NaN
-        raise ValueError(f"request_rate must be > 0 (or inf), got {request_rate!r}")
-    if math.isinf(request_rate):
-        return [0.0] * num_requests
-    rng = random.Random(f"arrivals-{seed}")
-    gaps = (rng.expovariate(request_rate) for _ in range(num_requests - 1))
-    return list(itertools.accumulate(gaps, initial=0.0))
 
 
 # -- the metrics ----------------------------------------------------------------------
