@@ -577,7 +577,7 @@ def _add_bench_block_size(benches) -> None:
     parser.add_argument("--model", metavar="DIR", help="a local Hugging Face checkpoint "
                         "(default: the preset's synthetic one, written to the cache)")
     parser.add_argument("--preset", choices=sorted(presets),
-                        default=blocksize_bench.default_preset(),
+                        default=throughput_bench.default_preset(),
                         help="cpu: the tiny checkpoint, short requests, about 30 s; gpu: a "
                              "Llama-3.2-1B-shaped random model, full-length requests on the "
                              "paper's KV pool (default: gpu if CUDA is available)")
@@ -603,11 +603,12 @@ def _run_bench_block_size(args) -> None:
     import torch
 
     preset = blocksize_bench.PRESETS[args.preset]
-    device = blocksize_bench.preset_device(args.preset, args.device)
+    device = throughput_bench.preset_device(args.preset, args.device,
+                                             blocksize_bench.PRESETS)
     num_requests = {w: preset.num_requests[w] if args.num_requests is None
                     else args.num_requests for w in args.workloads}
     kv_slots = preset.kv_slots if args.kv_slots is None else args.kv_slots
-    model = args.model or blocksize_bench.preset_model(args.preset)
+    model = args.model or throughput_bench.preset_model(args.preset, blocksize_bench.PRESETS)
     engine = {**engine_kwargs(args), "device": device.type}
     rows = blocksize_bench.bench_block_size(model, args.workloads, args.block_sizes,
                                             num_requests, kv_slots, preset.length_scales,
@@ -637,7 +638,7 @@ def _add_bench_preemption(benches) -> None:
     parser.add_argument("--model", metavar="DIR", help="a local Hugging Face checkpoint "
                         "(default: the preset's synthetic one, written to the cache)")
     parser.add_argument("--preset", choices=sorted(presets),
-                        default=blocksize_bench.default_preset(),
+                        default=throughput_bench.default_preset(),
                         help="cpu: the tiny checkpoint, about 30 s; gpu: a Llama-3.2-1B-"
                              "shaped random model on the paper's KV pool (default: gpu if "
                              "CUDA is available)")
@@ -664,12 +665,12 @@ def _run_bench_preemption(args) -> None:
     import torch
 
     preset = preemption_bench.PRESETS[args.preset]
-    device = blocksize_bench.preset_device(args.preset, args.device, preemption_bench.PRESETS)
+    device = throughput_bench.preset_device(args.preset, args.device, preemption_bench.PRESETS)
     # A flag left out takes the preset's value.
     setting = {name: getattr(preset, name) if getattr(args, name) is None else getattr(args, name)
                for name in ("num_tokens", "repeats", "warmup", "num_requests", "kv_slots",
                             "length_scale")}
-    model = args.model or blocksize_bench.preset_model(args.preset, preemption_bench.PRESETS)
+    model = args.model or throughput_bench.preset_model(args.preset, preemption_bench.PRESETS)
     engine = {**engine_kwargs(args), "device": device.type}
     rows = preemption_bench.bench_preemption(model, args.block_sizes, **setting,
                                              engine_kwargs=engine, seed=args.seed)
@@ -695,7 +696,7 @@ def _add_bench_latency(benches) -> None:
     parser.add_argument("--model", metavar="DIR", help="a local Hugging Face checkpoint "
                         "(default: the preset's synthetic one, written to the cache)")
     parser.add_argument("--preset", choices=sorted(latency_bench.PRESETS),
-                        default=blocksize_bench.default_preset(),
+                        default=throughput_bench.default_preset(),
                         help="cpu: the tiny checkpoint on a small KV pool, about 45 s; gpu: "
                              "a Llama-3.2-1B-shaped random model on half the paper's pool at "
                              "half the lengths (default: gpu if CUDA is available)")
@@ -732,8 +733,8 @@ def _run_bench_latency(args) -> None:
         num_gpu_blocks=args.num_gpu_blocks, length_scale=args.length_scale)
     latency_bench.check_setting(args.modes, setting["rates"], setting["num_requests"],
                                 setting["length_scale"])
-    device = blocksize_bench.preset_device(args.preset, args.device, latency_bench.PRESETS)
-    model = args.model or blocksize_bench.preset_model(args.preset, latency_bench.PRESETS)
+    device = throughput_bench.preset_device(args.preset, args.device, latency_bench.PRESETS)
+    model = args.model or throughput_bench.preset_model(args.preset, latency_bench.PRESETS)
     work = latency_bench.make_workload(model, setting["workload"], setting["num_requests"],
                                        setting["max_model_len"], setting["length_scale"],
                                        args.seed)

@@ -16,7 +16,7 @@ from cli_helpers import run_main
 from matplotlib.figure import Figure
 
 from minipaged.bench import blocksize as bench
-from minipaged.bench.throughput import make_prompts
+from minipaged.bench.throughput import make_prompts, preset_device
 from minipaged.llm import LLM
 from minipaged.models import make_tiny_model
 from minipaged.workloads import RequestSpec
@@ -123,7 +123,7 @@ def test_bad_arguments_are_refused_by_name_before_any_engine(tiny, change, name,
 
 def test_bad_preset_and_scale_are_refused_by_name():
     with pytest.raises(ValueError, match="preset"):
-        bench.preset_device("tpu")
+        preset_device("tpu", presets=bench.PRESETS)
     with pytest.raises(ValueError, match="scale"):
         bench.make_requests("alpaca", 2, 0.0, 1024)
 

@@ -45,7 +45,7 @@ from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from minipaged.bench.throughput import GPU_MODEL, PAPER_CONTEXT, make_prompts
-from minipaged.demo import cached_checkpoint, one_cpu_thread
+from minipaged.demo import one_cpu_thread
 from minipaged.memory.simulate import OPT13B_A100_SLOTS, MemoryReport, simulate_memory
 from minipaged.workloads import WORKLOADS, RequestSpec, synthetic_requests
 
@@ -85,30 +85,6 @@ PRESETS = {
                   kv_slots=OPT13B_A100_SLOTS, length_scales={"sharegpt": 1.0, "alpaca": 1.0},
                   model=GPU_MODEL),
 }
-
-
-def default_preset() -> str:
-    return "gpu" if torch.cuda.is_available() else "cpu"
-
-
-def preset_device(preset: str, device: str = "auto", presets: dict | None = None) -> torch.device:
-    """``device`` unless ``"auto"``, else ``preset``'s (of ``presets``, default this
-    module's), checked to exist."""
-    presets = PRESETS if presets is None else presets
-    if preset not in presets:
-        raise ValueError(f"preset must be one of {list(presets)}, got {preset!r}")
-    device = torch.device(presets[preset].device if device == "auto" else device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"preset {preset!r} needs a CUDA GPU, and torch sees none "
-                         "(pass --device cpu or --preset cpu)")
-    return device
-
-
-def preset_model(preset: str, presets: dict | None = None) -> Path:
-    """The preset's synthetic checkpoint; the same one ``bench throughput``'s preset of
-    that name uses, written to the cache on first use."""
-    presets = PRESETS if presets is None else presets
-    return cached_checkpoint(f"bench-{preset}", **presets[preset].model)
 
 
 def check_block_sizes(block_sizes: Sequence[int]) -> list[int]:

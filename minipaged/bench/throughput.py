@@ -123,11 +123,13 @@ def default_preset() -> str:
     return "gpu" if torch.cuda.is_available() else "cpu"
 
 
-def preset_device(preset: str, device: str = "auto") -> torch.device:
-    """``device`` unless ``"auto"``, else ``preset``'s, checked to exist."""
-    if preset not in PRESETS:
-        raise ValueError(f"preset must be one of {list(PRESETS)}, got {preset!r}")
-    device = torch.device(PRESETS[preset].device if device == "auto" else device)
+def preset_device(preset: str, device: str = "auto", presets: dict | None = None) -> torch.device:
+    """``device`` unless ``"auto"``, else ``preset``'s, checked to exist.  ``presets``:
+    another benchmark's (block size, preemption, latency), default this module's."""
+    presets = PRESETS if presets is None else presets
+    if preset not in presets:
+        raise ValueError(f"preset must be one of {list(presets)}, got {preset!r}")
+    device = torch.device(presets[preset].device if device == "auto" else device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"preset {preset!r} needs a CUDA GPU, and torch sees none "
                          "(pass --device cpu or --preset cpu)")
@@ -146,9 +148,11 @@ def check_setting(num_requests: int, length_scale: float, hf_num_requests: int |
         raise ValueError(f"length_scale must be > 0, got {length_scale!r}")
 
 
-def preset_model(preset: str) -> Path:
-    """The preset's synthetic checkpoint, written to the cache on first use."""
-    return cached_checkpoint(f"bench-{preset}", **PRESETS[preset].model)
+def preset_model(preset: str, presets: dict | None = None) -> Path:
+    """The preset's synthetic checkpoint, written to the cache on first use; presets of
+    the same name in other benchmarks share it."""
+    presets = PRESETS if presets is None else presets
+    return cached_checkpoint(f"bench-{preset}", **presets[preset].model)
 
 
 def available_systems(device: torch.device) -> list[str]:
