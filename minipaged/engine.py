@@ -40,6 +40,7 @@ from minipaged.memory import KVCacheManager
 from minipaged.memory.block_table import blocks_for
 from minipaged.model_runner import ModelRunner
 from minipaged.models.attention import head_dim
+from minipaged.models.hub import resolve_model
 from minipaged.models.llama import sliding_window
 from minipaged.models.loader import load_model
 from minipaged.ops import BackendUnavailableError, check_supported, get_backend
@@ -61,7 +62,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        path = Path(config.model)
+        path = resolve_model(config.model)
         self.attention_backend = resolve_backend(config.attention_backend, self.device)
         self.model = load_model(path, config.dtype, self.device, self.attention_backend)
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
