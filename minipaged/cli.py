@@ -215,14 +215,18 @@ def _beam_lines(output) -> list[str]:
 
 def _add_demo(subcommands) -> None:
     parser = subcommands.add_parser(
-        "demo", help="what paging buys: KV memory waste and sharing, measured",
-        description="Run the engine on a tiny embedded checkpoint with parallel sampling and "
-                    "a shared system prompt, and count the blocks sharing saves; then serve "
-                    "a ShareGPT-like load on OPT-13B's KV pool, paged vs contiguous.")
-    parser.add_argument("--n", type=int, default=4, help="completions per prompt "
+        "demo", help="a real model answers; the blocks paging saves, measured",
+        description="SmolLM2-135M-Instruct answers chat questions: one streamed token by "
+                    "token, then a batch sharing a system prompt with n answers each, "
+                    "with the KV blocks sharing saves and the throughput; then a "
+                    "ShareGPT-like load on OPT-13B's KV pool, paged vs contiguous.")
+    parser.add_argument("--model", default="smollm2",
+                        help="a checkpoint directory, a .gguf file or a known name "
+                             "(default: %(default)s)")
+    parser.add_argument("--n", type=int, default=2, help="answers per question "
                         "(default: %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=24,
-                        help="tokens per completion (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=48,
+                        help="tokens per answer (default: %(default)s)")
     parser.add_argument("--num-requests", type=int, default=300,
                         help="requests in the paged-vs-contiguous simulation "
                              "(default: %(default)s)")
@@ -231,14 +235,9 @@ def _add_demo(subcommands) -> None:
 
 
 def _run_demo(args) -> None:
-    from minipaged.demo import engine_report, sharing_report, waste_report
+    from minipaged.demo import run
 
-    waste = waste_report(args.num_requests, args.seed)  # checks its flags before the engine runs
-    print(engine_report(args.n, args.max_tokens, args.seed))
-    print()
-    print(waste)
-    print()
-    print(sharing_report())
+    run(args.model, args.n, args.max_tokens, args.seed, args.num_requests)
 
 
 def _add_serve(subcommands) -> None:

@@ -1,18 +1,19 @@
-"""``make demo`` (``minipaged demo``): what paging buys, measured.
+"""``make demo`` (``minipaged demo``): a real model answers, and paging is measured.
 
-1. The engine itself, on the embedded tiny checkpoint: a batch of prompts that share a
-   system prompt, each asking for ``n`` completions.  Parallel sampling shares each
-   prompt's blocks between its completions copy-on-write, and prefix caching shares
-   the system prompt's full blocks between requests (paper §4.4).  The memory report
-   is taken at the engine's busiest step and set against the same completions served
-   as separate requests with no sharing at all.
-2. Where KV memory goes when a ShareGPT-like load is served on a pool the size of
+1. SmolLM2-135M-Instruct (real trained weights, `minipaged.models.hub`) answers one
+   chat question, streamed token by token as the engine steps (``output_kind=DELTA``).
+2. The same model answers a batch of questions that share a system prompt, ``n``
+   completions each.  Parallel sampling shares each prompt's blocks between its
+   completions copy-on-write, and prefix caching shares the system prompt's full blocks
+   between requests (paper §4.4).  The memory at the engine's busiest step is set
+   against the same completions served as separate requests with no sharing at all,
+   and the batch's throughput is printed.
+3. Where KV memory goes when a ShareGPT-like load is served on a pool the size of
    OPT-13B's KV cache on an A100-40GB, paged vs contiguous reservation (§3, Fig. 2),
    simulated with minipaged's own memory layer.
-3. The same two kinds of sharing counted in the memory layer alone, without a model.
 
 Also home to two helpers the command line shares: `cached_checkpoint` (the tiny
-checkpoints the demo and the benchmarks write once) and `PeakUsage` with
+checkpoints the tests and the benchmarks write once) and `PeakUsage` with
 `memory_report` (the engine's memory at its busiest step, in one paragraph).
 """
 
@@ -23,34 +24,26 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from .bench.memory import bench_memory, format_table
-from .memory import KVCacheManager
-from .memory.block_table import blocks_for
 from .memory.simulate import OPT13B_A100_SLOTS
-from .sampling_params import SamplingParams
+from .models.hub import cache_dir
+from .sampling_params import RequestOutputKind, SamplingParams
 
-
-SYSTEM_PROMPT = ("You are a helpful assistant who explains how a language model server "
-                 "manages GPU memory. Answer in one short sentence.\n")
-QUESTIONS = ["What is a KV cache?", "Why cut it into blocks?",
-             "What does copy-on-write share?", "When is a block freed?"]
-DEMO_BLOCKS = 256  # a small fixed pool: the same numbers on every machine
+DEMO_MODEL = "smollm2"
+SYSTEM_PROMPT = ("You are a helpful assistant. Answer in one or two short sentences.")
+STREAMED_QUESTION = "What is a cache, in computing?"
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
+             "What is 12 times 12?", "Give me a tip for writing clear code."]
+DEMO_BLOCKS = 256  # a small fixed pool: the same block numbers on every machine
 
 
 # -- tiny checkpoints, written once ---------------------------------------------------
-def cache_dir() -> Path:
-    """Where minipaged keeps what it writes for itself: ``$MINIPAGED_CACHE``, else
-    ``$XDG_CACHE_HOME/minipaged``, else ``~/.cache/minipaged``."""
-    if os.environ.get("MINIPAGED_CACHE"):
-        return Path(os.environ["MINIPAGED_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "minipaged"
-
-
 def cached_checkpoint(name: str, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """A tiny seeded checkpoint (`make_tiny_model`) under `cache_dir`, written on first use.
 
@@ -148,69 +141,127 @@ def memory_report(engine, peak: PeakUsage) -> str:
         f"{stats['num_gpu_blocks']} blocks are free again.")
 
 
-# -- 1. the engine on the tiny checkpoint ---------------------------------------------
+# -- the real model ---------------------------------------------------------------------
+def chat_prompt(tokenizer, question: str, system: str | None = SYSTEM_PROMPT) -> dict:
+    """``question`` in the model's chat template, as ``LLM.generate`` takes it: the
+    template adds the special tokens itself, so the text is encoded without more."""
+    messages = ([{"role": "system", "content": system}] if system else []) + \
+        [{"role": "user", "content": question}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+def stream_answer(llm, question: str, max_tokens: int, out=None) -> tuple[str, int, float]:
+    """Answer ``question`` greedily, printing each step's new text as the engine makes
+    it to ``out`` (default stdout); returns the answer, its token count and the
+    seconds it took."""
+    out = out or sys.stdout
+    engine = llm.engine
+    prompt = chat_prompt(engine.tokenizer, question)
+    engine.add_request("stream", prompt["prompt_token_ids"],
+                       SamplingParams(temperature=0, max_tokens=max_tokens,
+                                      output_kind=RequestOutputKind.DELTA))
+    text, num_tokens, start = [], 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            for completion in output.outputs:
+                print(completion.text, end="", flush=True, file=out)
+                text.append(completion.text)
+                num_tokens += len(completion.token_ids)
+    print(file=out)
+    return "".join(text), num_tokens, time.perf_counter() - start
+
+
 @dataclass
 class Served:
-    """One run of the demo batch: completions per request, and the pool's peak."""
+    """One run of the demo batch: completions per request, the pool's peak, the time."""
 
     completions: list[list[list[int]]]  # [request][completion] -> generated token ids
     texts: list[list[str]]
     peak: dict
     final: dict
     prompt_tokens: int
+    seconds: float
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(c) for request in self.completions for c in request)
 
 
-def serve(path, prompts: list[str], params: list[SamplingParams], prefix_caching: bool,
-          seed: int = 0, device: str = "auto") -> Served:
-    """Run ``prompts`` through ``LLM.generate``, recording `stats()` after every step."""
-    from .llm import LLM
-
-    llm = LLM(str(path), device=device, num_gpu_blocks=DEMO_BLOCKS, swap_space=0,
-              enable_prefix_caching=prefix_caching, seed=seed)
+def serve(llm, prompts: list, params: list[SamplingParams]) -> Served:
+    """Run ``prompts`` through ``llm.generate``, recording `stats()` after every step."""
+    start = time.perf_counter()
     with PeakUsage.watch(llm.engine) as peak:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     return Served([[c.token_ids for c in out.outputs] for out in outputs],
                   [[c.text for c in out.outputs] for out in outputs], peak.stats,
-                  llm.stats(), sum(len(out.prompt_token_ids) for out in outputs))
+                  llm.stats(), sum(len(out.prompt_token_ids) for out in outputs),
+                  time.perf_counter() - start)
 
 
-def engine_report(n: int = 4, max_tokens: int = 24, seed: int = 0) -> str:
+def demo_llm(model: str, enable_prefix_caching: bool, seed: int):
+    from .llm import LLM
+
+    return LLM(model, num_gpu_blocks=DEMO_BLOCKS, swap_space=0,
+               enable_prefix_caching=enable_prefix_caching, seed=seed)
+
+
+def run(model: str = DEMO_MODEL, n: int = 2, max_tokens: int = 48, seed: int = 0,
+        num_requests: int = 300, out=None) -> None:
+    """``make demo``: the three parts of the module docstring, printed to ``out``
+    (default stdout)."""
+    out = out or sys.stdout
+    waste = waste_report(num_requests, seed)  # checks its flags before the model loads
+    separate_llm = demo_llm(model, enable_prefix_caching=False, seed=seed)
+    print(_model_line(separate_llm), file=out)
+    print(f"\n== 1. One question, streamed token by token ==\nuser: {STREAMED_QUESTION}\n"
+          "assistant: ", end="", file=out)
+    _, num_tokens, seconds = stream_answer(separate_llm, STREAMED_QUESTION, 2 * max_tokens, out)
+    print(f"[{num_tokens} tokens in {seconds:.1f} s: {num_tokens / seconds:.1f} tokens/s, "
+          "one request]", file=out)
+    print(f"\n== 2. A batch: {len(QUESTIONS)} questions sharing a system prompt, n={n} "
+          f"answers each ==", file=out)
+    print(batch_report(model, separate_llm, n, max_tokens, seed), file=out)
+    print(f"\n== 3. Where KV memory goes, paged vs contiguous ==\n{waste}", file=out)
+
+
+def batch_report(model: str, separate_llm, n: int, max_tokens: int, seed: int) -> str:
     """The demo batch served twice: with sharing (``n`` completions per request, prefix
     caching) and without (every completion its own request, prefix caching off).
     Completion ``j`` of a request seeded ``s`` draws from ``s + j`` (vLLM's rule), so the
     separate request seeded ``s + j`` produces the very same tokens: only memory differs."""
-    import torch
-
-    with one_cpu_thread("cuda" if torch.cuda.is_available() else "cpu"):
-        return _engine_report(n, max_tokens, seed)
-
-
-def _engine_report(n: int, max_tokens: int, seed: int) -> str:
-    path = cached_checkpoint("demo-llama")
-    prompts = [SYSTEM_PROMPT + q for q in QUESTIONS]
+    shared_llm = demo_llm(model, enable_prefix_caching=True, seed=seed)
+    prompts = [chat_prompt(shared_llm.get_tokenizer(), q) for q in QUESTIONS]
     seeds = [seed + 1000 * i for i in range(len(prompts))]
 
     def params(n_, s):
-        return SamplingParams(n=n_, temperature=0.8, max_tokens=max_tokens, seed=s,
-                              ignore_eos=True)
+        return SamplingParams(n=n_, temperature=0.7, top_p=0.9, max_tokens=max_tokens, seed=s)
 
-    shared = serve(path, prompts, [params(n, s) for s in seeds], prefix_caching=True,
-                   seed=seed)
-    separate = serve(path, [p for p in prompts for _ in range(n)],
-                     [params(1, s + j) for s in seeds for j in range(n)],
-                     prefix_caching=False, seed=seed)
+    shared = serve(shared_llm, prompts, [params(n, s) for s in seeds])
+    separate = serve(separate_llm, [p for p in prompts for _ in range(n)],
+                     [params(1, s + j) for s in seeds for j in range(n)])
     same = [c for req in shared.completions for c in req] == \
         [req[0] for req in separate.completions]
-    lines = [f"The engine on a tiny random Llama: {len(prompts)} prompts sharing a "
-             f"{len(SYSTEM_PROMPT)}-character system prompt, n={n} completions each, "
-             f"{max_tokens} tokens per completion.",
-             "(Its weights are random, so the text is gibberish; the memory accounting is real.)"]
-    for prompt, texts in zip(prompts, shared.texts):
-        lines.append(f"prompt: ...{prompt[len(SYSTEM_PROMPT):]!r}")
-        lines += [f"  [{j}] {text[:60]!r}" for j, text in enumerate(texts)]
+    lines = [f"system: {SYSTEM_PROMPT}"]
+    for question, texts in zip(QUESTIONS, shared.texts):
+        lines.append(f"user: {question}")
+        lines += [f"  [{j}] {' '.join(text.split())}" for j, text in enumerate(texts)]
     lines += ["", *_sharing_table(shared, separate, n, len(prompts)),
-              f"same tokens either way: {'yes' if same else 'NO'}"]
+              f"same tokens either way: {'yes' if same else 'NO'}",
+              f"throughput: {shared.num_generated} tokens in {shared.seconds:.1f} s = "
+              f"{shared.num_generated / shared.seconds:.1f} tokens/s for the batch "
+              f"({len(prompts) * n} completions decoded together)"]
     return "\n".join(lines)
+
+
+def _model_line(llm) -> str:
+    engine, config = llm.engine, llm.engine.model.config
+    dtype = engine.model.model.embed_tokens.weight.dtype
+    return (f"model: {engine.config.model} ({config.num_hidden_layers} layers, "
+            f"{config.num_attention_heads} query / {config.num_key_value_heads} KV heads), "
+            f"on {engine.device.type}, {str(dtype).removeprefix('torch.')}, attention "
+            f"backend {engine.attention_backend}, KV pool {DEMO_BLOCKS} blocks of "
+            f"{engine.config.block_size} slots")
 
 
 def _sharing_table(shared: Served, separate: Served, n: int, num_prompts: int) -> list[str]:
@@ -229,38 +280,9 @@ def _sharing_table(shared: Served, separate: Served, n: int, num_prompts: int) -
     return lines
 
 
-# -- 2. and 3. the memory layer alone -------------------------------------------------
+# -- the memory layer alone -----------------------------------------------------------
 def waste_report(num_requests: int = 300, seed: int = 0) -> str:
     reports = bench_memory("sharegpt", num_requests, OPT13B_A100_SLOTS, seed=seed)
     return (f"KV memory while serving {num_requests} ShareGPT-like requests on "
-            f"{OPT13B_A100_SLOTS} token slots (cf. paper Fig. 2)\n{format_table(reports)}")
-
-
-def sharing_report(block_size: int = 16) -> str:
-    prompt, n, output_len = list(range(200)), 4, 40
-    shared = KVCacheManager(1000, block_size)
-    shared.allocate("s0", prompt)
-    for i in range(1, n):
-        shared.fork("s0", f"s{i}")
-    separate = KVCacheManager(1000, block_size)
-    for i in range(n):
-        separate.allocate(f"s{i}", prompt)
-    for step in range(output_len):
-        for i in range(n):
-            shared.append(f"s{i}", [1000 + 10 * step + i])
-            separate.append(f"s{i}", [1000 + 10 * step + i])
-    used_shared = shared.gpu.num_used_blocks
-    used_separate = separate.gpu.num_used_blocks
-
-    system_prompt = list(range(5000, 5160))
-    cache = KVCacheManager(1000, block_size, enable_prefix_caching=True)
-    for i in range(8):
-        cache.allocate(f"r{i}", system_prompt + [i] * 20)
-    return "\n".join([
-        f"Parallel sampling, n={n}, {len(prompt)}-token prompt, {output_len} tokens each: "
-        f"{used_shared} blocks with copy-on-write vs {used_separate} without "
-        f"({1 - used_shared / used_separate:.0%} saved)",
-        f"Prefix caching, 8 requests sharing a {len(system_prompt)}-token system prompt: "
-        f"hit rate {cache.gpu.hit_rate:.0%}, {cache.gpu.num_used_blocks} blocks instead of "
-        f"{8 * blocks_for(len(system_prompt) + 20, block_size)}",
-    ])
+            f"{OPT13B_A100_SLOTS} token slots, simulated (cf. paper Fig. 2)\n"
+            f"{format_table(reports)}")
