@@ -61,6 +61,7 @@ constexpr int MAX_QUERIES_PER_BLOCK = 8;
 constexpr int PARTITION_SIZE = 512;
 
 void write_kv(const WriteKVParams& params, DType dtype, void* stream);
+void paged_attention_v0(const DecodeParams& params, DType dtype, void* stream);
 void paged_attention_v1(const DecodeParams& params, DType dtype, void* stream);
 void paged_attention_v2(const DecodeParams& params, DType dtype, void* stream);
 

@@ -9,12 +9,13 @@
 //   token       ─ the threads of a group read 16 bytes each of the token's key row and
 //                 add up their parts of its dot products with a few lane shuffles
 //
-// Three phases, each ending at a barrier:
-//   1. logits  q·k for every token and query head, kept in shared memory;
-//   2. softmax max and sum over the range, reduced with warp shuffles, then across
-//              warps through shared memory; logits become exp(logit - max);
-//   3. values  each warp sums weight x value row over its blocks, lanes of a warp
-//              split a row's head_dim; warps then add up through shared memory.
+// Three phases (the paper's §4.1, one device function each, each ending at a barrier):
+//   1. qk_logits      q·k for every token and query head, kept in shared memory;
+//   2. block_softmax  max and sum over the range, reduced with warp shuffles, then
+//                     across warps through shared memory; logits become exp(logit - max);
+//   3. ValueSums      each warp sums weight x value row over its blocks, lanes of a
+//                     warp split a row's head_dim; warps then add up through shared
+//                     memory, and the sum is divided by the softmax's.
 //
 // Keys and values are read once per thread block, whatever the number of query heads
 // that use them: for GQA, that is the point of covering a whole group in one block.
@@ -67,60 +68,68 @@ __host__ __device__ inline size_t attend_static_bytes(int head_dim) {
   return sizeof(float) * (size_t(MAX_QUERIES) * head_dim + NUM_WARPS * MAX_QUERIES);
 }
 
-// Attention of the query heads of `qs` of sequence `seq` over its tokens [begin, end),
-// end > begin, begin a multiple of BLOCK_SIZE.  `logits` (shared, attend_shared_floats)
-// holds a row of `logits_stride` >= end - begin floats per query head.
-//
-// Every thread leaves the range's max logit and sum of exp(logit - max) per query
-// head in row_max / row_sum.  The normalised output, sum_t softmax_t * v_t, goes out
-// through store(i, d, x) for query head qs.first + i and dimension d, called once per
-// (i, d) by some thread of warp 0.
-template <typename T, int HEAD_DIM, int BLOCK_SIZE, typename Store>
-__device__ void attend(const DecodeParams& p, int seq, const QuerySlice& qs, int begin,
-                       int end, int logits_stride, float* logits,
-                       float (&row_max)[MAX_QUERIES], float (&row_sum)[MAX_QUERIES],
-                       Store store) {
-  static_assert(WARP_SIZE % BLOCK_SIZE == 0, "a warp must cover whole KV blocks");
-  __shared__ float q[MAX_QUERIES][HEAD_DIM];
-  __shared__ float scratch[NUM_WARPS * MAX_QUERIES];
-  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-  const CacheView& cache = p.cache;
-  const int32_t* block_table = p.block_tables + seq * p.block_tables_stride;
-  const int first_block = begin / BLOCK_SIZE;
-  const int end_block = (end + BLOCK_SIZE - 1) / BLOCK_SIZE;
-  const int64_t head_offset = qs.kv_head * cache.head_stride;
+// The tokens [begin, end) of one sequence that a thread block attends to, end > begin,
+// begin a multiple of BLOCK_SIZE, and where their keys and values live: the logical
+// blocks [first_block, end_block) of the sequence's block table, KV head `kv_head`.
+struct TokenRange {
+  const int32_t* block_table;
+  int begin, end, first_block, end_block;
+  int64_t head_offset;  // elements from a cache row's start to KV head kv_head's slice
+};
 
-  // The query heads, pre-scaled, in shared memory: every thread group reads all of them.
+template <int BLOCK_SIZE>
+__device__ inline TokenRange token_range(const DecodeParams& p, int seq, const QuerySlice& qs,
+                                         int begin, int end) {
+  return {p.block_tables + seq * p.block_tables_stride, begin, end, begin / BLOCK_SIZE,
+          (end + BLOCK_SIZE - 1) / BLOCK_SIZE, qs.kv_head * p.cache.head_stride};
+}
+
+// The query heads of `qs`, pre-scaled, into shared memory: every thread group reads
+// all of them in phase 1.  Ends at a barrier.
+template <typename T, int HEAD_DIM>
+__device__ void load_query(const DecodeParams& p, int seq, const QuerySlice& qs,
+                           float (&q)[MAX_QUERIES][HEAD_DIM]) {
   const T* query = static_cast<const T*>(p.query) + seq * p.query_seq_stride;
   for (int e = threadIdx.x; e < qs.count * HEAD_DIM; e += NUM_THREADS) {
     const int i = e / HEAD_DIM, d = e % HEAD_DIM;
     q[i][d] = p.scale * to_float(query[(qs.first + i) * p.query_head_stride + d]);
   }
   __syncthreads();
+}
 
-  // 1. Logits.  A thread group of GROUP_THREADS lanes shares each token; per round, each
-  // thread reads K_VEC elements (16 bytes) of the key row, next to its neighbours'.
+// Phase 1, logits: q·k for every token of the range and query head, into `logits`
+// (a row of `logits_stride` floats per query head).  Warp w takes logical blocks w,
+// w + NUM_WARPS, ...; in it, a thread group of GROUP_THREADS lanes shares each token,
+// and per round each thread reads K_VEC elements (16 bytes) of the key row, next to its
+// neighbours'.  Each thread leaves in row_max the largest logit it wrote (or -inf).
+template <typename T, int HEAD_DIM, int BLOCK_SIZE>
+__device__ void qk_logits(const DecodeParams& p, const TokenRange& r, const QuerySlice& qs,
+                          const float (&q)[MAX_QUERIES][HEAD_DIM], float* logits,
+                          int logits_stride, float (&row_max)[MAX_QUERIES]) {
+  static_assert(WARP_SIZE % BLOCK_SIZE == 0, "a warp must cover whole KV blocks");
   constexpr int GROUP_THREADS = WARP_SIZE / BLOCK_SIZE;
   constexpr int K_VEC = 16 / sizeof(T);
   constexpr int K_ROUNDS = HEAD_DIM / (GROUP_THREADS * K_VEC);
   static_assert(K_ROUNDS * GROUP_THREADS * K_VEC == HEAD_DIM, "head_dim too small");
+  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int token_in_block = lane / GROUP_THREADS, thread_in_group = lane % GROUP_THREADS;
+  const CacheView& cache = p.cache;
   const T* keys = static_cast<const T*>(cache.key);
 
 #pragma unroll
   for (int i = 0; i < MAX_QUERIES; ++i) row_max[i] = -INFINITY;
-  for (int b = first_block + warp; b < end_block; b += NUM_WARPS) {
+  for (int b = r.first_block + warp; b < r.end_block; b += NUM_WARPS) {
     const int token = b * BLOCK_SIZE + token_in_block;
     float dot[MAX_QUERIES] = {};
-    if (token < end) {  // the last block's tail holds no token of this sequence
-      const T* k = keys + block_table[b] * cache.block_stride +
-                   token_in_block * cache.token_stride + head_offset;
+    if (token < r.end) {  // the last block's tail holds no token of this sequence
+      const T* k = keys + r.block_table[b] * cache.block_stride +
+                   token_in_block * cache.token_stride + r.head_offset;
       // Fully unrolled, fp32's 32 rounds (block 32) would keep more loads in flight than
       // there are registers and spill kilobytes; 8 rounds at a time spill a few bytes at
       // most in fp32, none in fp16/bf16 (nvcc -Xptxas -v).
 #pragma unroll 8
-      for (int r = 0; r < K_ROUNDS; ++r) {
-        const int d0 = (r * GROUP_THREADS + thread_in_group) * K_VEC;
+      for (int round = 0; round < K_ROUNDS; ++round) {
+        const int d0 = (round * GROUP_THREADS + thread_in_group) * K_VEC;
         float kf[K_VEC];
         load_floats<T, K_VEC>(k + d0, kf);
 #pragma unroll
@@ -135,60 +144,80 @@ __device__ void attend(const DecodeParams& p, int seq, const QuerySlice& qs, int
     for (int i = 0; i < MAX_QUERIES; ++i) {
       if (i >= qs.count) break;  // the same for every lane: the shuffles stay in step
       dot[i] = group_sum<GROUP_THREADS>(dot[i]);
-      if (token < end && thread_in_group == 0) {
-        logits[i * logits_stride + token - begin] = dot[i];
+      if (token < r.end && thread_in_group == 0) {
+        logits[i * logits_stride + token - r.begin] = dot[i];
         row_max[i] = fmaxf(row_max[i], dot[i]);
       }
     }
   }
+}
 
-  // 2. Softmax over the range: the max, then exp(logit - max) and its sum.
+// Phase 2, the block-wise softmax: the range's max logit per query head (reduced over
+// the thread block), then every logit becomes exp(logit - max), and row_sum their sum.
+// Every thread leaves with the same row_max and row_sum; the weights are left
+// unnormalised, for phase 3 to divide once per output element instead of per token.
+__device__ inline void block_softmax(const QuerySlice& qs, int num_tokens, float* logits,
+                                     int logits_stride, float (&row_max)[MAX_QUERIES],
+                                     float (&row_sum)[MAX_QUERIES], float* scratch) {
   block_reduce<NUM_WARPS, MAX_QUERIES, true>(row_max, scratch);
 #pragma unroll
   for (int i = 0; i < MAX_QUERIES; ++i) {
     row_sum[i] = 0.f;
     if (i >= qs.count) continue;
-    for (int t = threadIdx.x; t < end - begin; t += NUM_THREADS) {
+    for (int t = threadIdx.x; t < num_tokens; t += NUM_THREADS) {
       const float weight = expf(logits[i * logits_stride + t] - row_max[i]);
       logits[i * logits_stride + t] = weight;
       row_sum[i] += weight;
     }
   }
   block_reduce<NUM_WARPS, MAX_QUERIES, false>(row_sum, scratch);
+}
 
-  // 3. Values.  ROW_LANES lanes split a value row into 16-byte pieces; the warp reads
-  // ROWS rows (tokens) at once.  Each lane sums weight x value over its rows.
-  constexpr int V_VEC = 16 / sizeof(T);
-  constexpr int V_PIECES = HEAD_DIM / V_VEC;
-  constexpr int ROW_LANES = V_PIECES < WARP_SIZE ? V_PIECES : WARP_SIZE;
-  constexpr int ROWS = WARP_SIZE / ROW_LANES;
-  constexpr int LANE_PIECES = V_PIECES / ROW_LANES;
-  static_assert(ROWS <= BLOCK_SIZE, "head_dim too small for this block size");
-  const int row = lane / ROW_LANES, col = lane % ROW_LANES;
-  const T* values = static_cast<const T*>(cache.value);
+// Phase 3, weighted values: sum_t weight_t x v_t per query head.  ROW_LANES lanes split
+// a value row into 16-byte pieces, so a warp reads ROWS rows (tokens) at once; each lane
+// keeps the sums of its pieces in registers, then the lanes and warps that hold the
+// same dimensions add theirs up.
+template <typename T, int HEAD_DIM>
+struct ValueSums {
+  static constexpr int V_VEC = 16 / sizeof(T);
+  static constexpr int V_PIECES = HEAD_DIM / V_VEC;
+  static constexpr int ROW_LANES = V_PIECES < WARP_SIZE ? V_PIECES : WARP_SIZE;
+  static constexpr int ROWS = WARP_SIZE / ROW_LANES;
+  static constexpr int LANE_PIECES = V_PIECES / ROW_LANES;
   float acc[MAX_QUERIES][LANE_PIECES][V_VEC] = {};
+  int warp = threadIdx.x / WARP_SIZE, row = threadIdx.x % WARP_SIZE / ROW_LANES,
+      col = threadIdx.x % ROW_LANES;
 
-  for (int b = first_block + warp; b < end_block; b += NUM_WARPS) {
-    const T* block = values + block_table[b] * cache.block_stride + head_offset;
-    for (int t = row; t < BLOCK_SIZE && b * BLOCK_SIZE + t < end; t += ROWS) {
-      const float* weight = logits + b * BLOCK_SIZE + t - begin;
+  // Add weight x value for this lane's rows of the warp's blocks (as in phase 1).
+  template <int BLOCK_SIZE>
+  __device__ void accumulate(const DecodeParams& p, const TokenRange& r, const QuerySlice& qs,
+                             const float* weights, int weights_stride) {
+    static_assert(ROWS <= BLOCK_SIZE, "head_dim too small for this block size");
+    const T* values = static_cast<const T*>(p.cache.value);
+    for (int b = r.first_block + warp; b < r.end_block; b += NUM_WARPS) {
+      const T* block = values + r.block_table[b] * p.cache.block_stride + r.head_offset;
+      for (int t = row; t < BLOCK_SIZE && b * BLOCK_SIZE + t < r.end; t += ROWS) {
+        const float* weight = weights + b * BLOCK_SIZE + t - r.begin;
 #pragma unroll
-      for (int c = 0; c < LANE_PIECES; ++c) {
-        float vf[V_VEC];
-        load_floats<T, V_VEC>(block + t * cache.token_stride + (c * ROW_LANES + col) * V_VEC, vf);
+        for (int c = 0; c < LANE_PIECES; ++c) {
+          float vf[V_VEC];
+          load_floats<T, V_VEC>(block + t * p.cache.token_stride + (c * ROW_LANES + col) * V_VEC,
+                                vf);
 #pragma unroll
-        for (int i = 0; i < MAX_QUERIES; ++i) {
-          if (i >= qs.count) break;
-          const float w = weight[i * logits_stride];
+          for (int i = 0; i < MAX_QUERIES; ++i) {
+            if (i >= qs.count) break;
+            const float w = weight[i * weights_stride];
 #pragma unroll
-          for (int e = 0; e < V_VEC; ++e) acc[i][c][e] += w * vf[e];
+            for (int e = 0; e < V_VEC; ++e) acc[i][c][e] += w * vf[e];
+          }
         }
       }
     }
   }
 
-  // What follows visits each of this lane's sums: f(query head i, dimension d, sum).
-  auto for_each_sum = [&](auto f) {
+  // f(query head i, dimension d, sum) for each of this lane's sums.
+  template <typename F>
+  __device__ void for_each(const QuerySlice& qs, F f) {
 #pragma unroll
     for (int i = 0; i < MAX_QUERIES; ++i) {
       if (i >= qs.count) break;
@@ -197,28 +226,59 @@ __device__ void attend(const DecodeParams& p, int seq, const QuerySlice& qs, int
 #pragma unroll
         for (int e = 0; e < V_VEC; ++e) f(i, (c * ROW_LANES + col) * V_VEC + e, acc[i][c][e]);
     }
-  };
-  // Lanes with the same col hold the same dimensions: fold the rows into row 0...
-  for_each_sum([&](int, int, float& sum) {
-#pragma unroll
-    for (int mask = ROW_LANES; mask < WARP_SIZE; mask *= 2)
-      sum += __shfl_xor_sync(FULL_MASK, sum, mask);
-  });
-  // ...then warps 1..3 hand their sums to warp 0 through the logits' space, now free.
-  __syncthreads();
-  float* warp_sums = logits;  // [NUM_WARPS - 1][MAX_QUERIES][HEAD_DIM]
-  auto warp_sum = [&](int w, int i, int d) -> float& {
-    return warp_sums[((w - 1) * MAX_QUERIES + i) * HEAD_DIM + d];
-  };
-  if (warp > 0 && row == 0)
-    for_each_sum([&](int i, int d, float& sum) { warp_sum(warp, i, d) = sum; });
-  __syncthreads();
-  if (warp == 0 && row == 0) {
-    for_each_sum([&](int i, int d, float& sum) {
-      for (int w = 1; w < NUM_WARPS; ++w) sum += warp_sum(w, i, d);
-      store(i, d, sum / row_sum[i]);
-    });
   }
+
+  // Add up every lane's and warp's sums and store(i, d, sum / row_sum[i]) each once.
+  // `spare` is shared memory phase 3 no longer reads: NUM_WARPS - 1 warps' sums.
+  template <typename Store>
+  __device__ void reduce_and_store(const QuerySlice& qs, float* spare,
+                                   const float (&row_sum)[MAX_QUERIES], Store store) {
+    // Lanes with the same col hold the same dimensions: fold the rows into row 0...
+    for_each(qs, [&](int, int, float& sum) {
+#pragma unroll
+      for (int mask = ROW_LANES; mask < WARP_SIZE; mask *= 2)
+        sum += __shfl_xor_sync(FULL_MASK, sum, mask);
+    });
+    // ...then warps 1..3 hand their sums to warp 0 through shared memory.
+    __syncthreads();  // every warp is done reading the weights `spare` held
+    auto warp_sum = [&](int w, int i, int d) -> float& {
+      return spare[((w - 1) * MAX_QUERIES + i) * HEAD_DIM + d];
+    };
+    if (warp > 0 && row == 0)
+      for_each(qs, [&](int i, int d, float& sum) { warp_sum(warp, i, d) = sum; });
+    __syncthreads();
+    if (warp == 0 && row == 0) {
+      for_each(qs, [&](int i, int d, float& sum) {
+        for (int w = 1; w < NUM_WARPS; ++w) sum += warp_sum(w, i, d);
+        store(i, d, sum / row_sum[i]);
+      });
+    }
+  }
+};
+
+// Attention of the query heads of `qs` of sequence `seq` over its tokens [begin, end),
+// end > begin, begin a multiple of BLOCK_SIZE: the three phases of §4.1 in order.
+// `logits` (shared, attend_shared_floats) holds a row of `logits_stride` >= end - begin
+// floats per query head.
+//
+// Every thread leaves the range's max logit and sum of exp(logit - max) per query
+// head in row_max / row_sum.  The normalised output, sum_t softmax_t * v_t, goes out
+// through store(i, d, x) for query head qs.first + i and dimension d, called once per
+// (i, d) by some thread of warp 0.
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, typename Store>
+__device__ void attend(const DecodeParams& p, int seq, const QuerySlice& qs, int begin,
+                       int end, int logits_stride, float* logits,
+                       float (&row_max)[MAX_QUERIES], float (&row_sum)[MAX_QUERIES],
+                       Store store) {
+  __shared__ float q[MAX_QUERIES][HEAD_DIM];
+  __shared__ float scratch[NUM_WARPS * MAX_QUERIES];
+  const TokenRange r = token_range<BLOCK_SIZE>(p, seq, qs, begin, end);
+  load_query<T, HEAD_DIM>(p, seq, qs, q);
+  qk_logits<T, HEAD_DIM, BLOCK_SIZE>(p, r, qs, q, logits, logits_stride, row_max);
+  block_softmax(qs, end - begin, logits, logits_stride, row_max, row_sum, scratch);
+  ValueSums<T, HEAD_DIM> values;
+  values.template accumulate<BLOCK_SIZE>(p, r, qs, logits, logits_stride);
+  values.reduce_and_store(qs, logits, row_sum, store);
 }
 
 }  // namespace minipaged

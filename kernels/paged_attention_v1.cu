@@ -9,6 +9,11 @@
 // always enough: a batch of 1-4 long sequences launches only batch x KV-heads thread
 // blocks, far fewer than an H100's 132 multiprocessors can run, and shared memory
 // (one float per token per query head) caps the context.  Version 2 lifts both.
+//
+// Validate (CPU emulator or GPU), time (GPU), and see registers and spills:
+//   pytest tests/test_ops_cuda.py -k "version or v1"
+//   minipaged bench attention --ops decode --backends cuda-v0 cuda-v1 cuda-v2
+//   nvcc -c -std=c++17 -arch=sm_90 -Xptxas -v kernels/paged_attention_v1.cu -o /tmp/v1.o
 #include "paged_attention.cuh"
 
 namespace minipaged {

@@ -12,6 +12,11 @@
 // (subtracting M keeps every exp() in range, as in any softmax).  The price is a second
 // launch and a float round trip of the partial outputs, which is why version 1 remains
 // the better choice when the batch alone fills the GPU.
+//
+// Validate (CPU emulator or GPU), time (GPU), and see registers and spills:
+//   pytest tests/test_ops_cuda.py -k "version or v2"
+//   minipaged bench attention --ops decode --backends cuda-v1 cuda-v2
+//   nvcc -c -std=c++17 -arch=sm_90 -Xptxas -v kernels/paged_attention_v2.cu -o /tmp/v2.o
 #include "paged_attention.cuh"
 
 namespace minipaged {

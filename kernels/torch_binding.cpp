@@ -91,14 +91,16 @@ DecodeParams decode_params(const at::Tensor& out, const at::Tensor& query,
           int(query.size(0)), int(query.size(1)), int(max_context_len), nullptr, nullptr, 0};
 }
 
-void paged_attention_v1(const at::Tensor& out, const at::Tensor& query,
-                        const at::Tensor& key_cache, const at::Tensor& value_cache,
-                        const at::Tensor& block_tables, const at::Tensor& context_lens,
-                        double scale, int64_t max_context_len) {
+// Versions 0 and 1 take the same arguments: out, query, the caches, the tables.
+template <void (*kernel)(const DecodeParams&, DType, void*)>
+void paged_attention(const at::Tensor& out, const at::Tensor& query,
+                     const at::Tensor& key_cache, const at::Tensor& value_cache,
+                     const at::Tensor& block_tables, const at::Tensor& context_lens,
+                     double scale, int64_t max_context_len) {
   const DecodeParams p = decode_params(out, query, key_cache, value_cache, block_tables,
                                        context_lens, scale, max_context_len);
   const Launch launch(query);
-  minipaged::paged_attention_v1(p, dtype_of(query), launch.stream());
+  kernel(p, dtype_of(query), launch.stream());
 }
 
 void paged_attention_v2(const at::Tensor& out, const at::Tensor& partial_out,
@@ -131,7 +133,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("PARTITION_SIZE") = minipaged::PARTITION_SIZE;
   m.attr("MAX_QUERIES_PER_BLOCK") = minipaged::MAX_QUERIES_PER_BLOCK;
   m.def("write_kv", &minipaged_torch::write_kv);
-  m.def("paged_attention_v1", &minipaged_torch::paged_attention_v1);
+  m.def("paged_attention_v0", &minipaged_torch::paged_attention<minipaged::paged_attention_v0>);
+  m.def("paged_attention_v1", &minipaged_torch::paged_attention<minipaged::paged_attention_v1>);
   m.def("paged_attention_v2", &minipaged_torch::paged_attention_v2);
   m.def("v1_shared_memory", &minipaged::paged_attention_v1_shared_memory,
         "bytes of shared memory a v1 thread block needs",

@@ -5,6 +5,10 @@
 // x head_dim keys (and values) go.  The threads copy them element by element, neighbours
 // on neighbouring elements, so each warp's reads and writes coalesce.  A slot of -1
 // marks a token whose K/V is not to be kept: its thread block returns at once.
+//
+// Validate (CPU emulator or GPU) and compile-check it:
+//   pytest tests/test_ops_cuda.py -k write_kv
+//   nvcc -c -std=c++17 -arch=sm_90 -Xptxas -v kernels/write_kv.cu -o /tmp/write_kv.o
 #include "common.cuh"
 
 namespace minipaged {

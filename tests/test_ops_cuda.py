@@ -1,4 +1,4 @@
-"""The CUDA backend against the oracle: the whole adversarial suite, both decode
+"""The CUDA backend against the oracle: the whole adversarial suite, the three decode
 versions, every compiled (dtype, head_dim, block_size), GQA groups split over several
 thread blocks, and the errors for what the kernels are not built for.
 
@@ -56,9 +56,9 @@ def _decode(case, version, num_heads=NUM_HEADS, **kwargs):
     return out, decode_oracle(query, kv.keys, kv.values, case.scale)
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [0, 1, 2])
 @pytest.mark.parametrize("case", [c for c in DECODE_CASES if _compiled_for(c)], ids=str)
-def test_both_versions_match_oracle(case, version):
+def test_every_version_matches_oracle(case, version):
     assert_close(*_decode(case, version))
 
 
@@ -71,7 +71,7 @@ EVERY_INSTANCE = [
 ]
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [0, 1, 2])
 @pytest.mark.parametrize("case", EVERY_INSTANCE, ids=str)
 def test_every_compiled_shape_and_dtype(case, version):
     """bf16 included: unlike Triton's interpreter, the emulator computes in real floats."""
@@ -80,7 +80,7 @@ def test_every_compiled_shape_and_dtype(case, version):
 
 
 # GQA groups wider than a thread block's 8 query heads are split across thread blocks.
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [0, 1, 2])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(12, 1), (24, 2), (32, 2)])
 def test_wide_gqa_groups_are_sliced(num_heads, num_kv_heads, version):
     case = Case((5, 600), block_size=16, num_kv_heads=num_kv_heads)
@@ -115,11 +115,11 @@ def test_unsupported_dtype_is_refused_by_name():
     with pytest.raises(ValueError, match="dtype must be one of"):
         cuda_ops.write_kv(cache[0], cache[0], cache, cache.clone(),
                           torch.arange(16, device=_device()))
-    with pytest.raises(ValueError, match="version must be 1 or 2"):
+    with pytest.raises(ValueError, match="version must be 0, 1 or 2"):
         _decode(DECODE_CASES[0], version=3)
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [0, 1, 2])
 def test_an_empty_batch_launches_nothing(version):
     cache = torch.zeros(4, 16, 2, 64, device=_device())
     tables = torch.zeros(0, 2, dtype=torch.int32, device=_device())

@@ -10,9 +10,10 @@ the same run by summing a buffer far larger than its caches.
 Every shape lays the same K/V out three ways:
 
 - paged, with physical blocks in shuffled order as a real allocator leaves them: the
-  backends ``torch``, ``triton``, and ``cuda-v1`` and ``cuda-v2``, the two versions of the
-  CUDA decode kernel (lesson 08; the CUDA backend prefills with Triton's kernel, so
-  these two time decode only);
+  backends ``torch``, ``triton``, and ``cuda-v0``, ``cuda-v1`` and ``cuda-v2``, the three
+  versions of the CUDA decode kernel (lesson 08: v0 the plain one-thread-per-head
+  algorithm, v1 the paper's, v2 partitioned; the CUDA backend prefills with Triton's
+  kernel, so these time decode only);
 - paged with an identity block table, sequence ``b`` owning consecutive blocks, which is
   byte for byte a contiguous cache: ``triton-contiguous``.  ``triton`` over
   ``triton-contiguous`` is the price of paging; the paper's kernel paid 20-26% (§7.1);
@@ -43,7 +44,8 @@ from minipaged.ops import cuda_ops
 from minipaged.ops.testing import assert_close
 
 OPS = ("decode", "prefill")
-BACKENDS = ("torch", "triton", "triton-contiguous", "cuda-v1", "cuda-v2", "sdpa-contiguous")
+BACKENDS = ("torch", "triton", "triton-contiguous", "cuda-v0", "cuda-v1", "cuda-v2",
+            "sdpa-contiguous")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # The decode goal on an H100 (a benchmark figure, never a test assert).
 GOAL_FRACTION = 0.8
@@ -389,7 +391,7 @@ def format_table(bench: AttentionBench) -> str:
                      f"{row['fraction_of_read_bw']:>9.1%}")
     # Paging overhead: the same kernel on the same bytes, through shuffled blocks or not.
     # and each paged kernel's share of the read bandwidth, side by side.
-    kernels = ("triton", "cuda-v1", "cuda-v2")
+    kernels = ("triton", "cuda-v0", "cuda-v1", "cuda-v2")
     lines += ["", f"{'decode':<8}{'shape':<24}{'triton / triton-contiguous':>28}"
               + "".join(f"{k + ' of read':>17}" for k in kernels)]
     decode = [row for row in bench.rows if row["op"] == "decode"]

@@ -26,7 +26,8 @@ import torch
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 EMULATE_ENV = "MINIPAGED_CUDA_EMULATE"
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minipaged"
-KERNEL_SOURCES = ("write_kv.cu", "paged_attention_v1.cu", "paged_attention_v2.cu")
+KERNEL_SOURCES = ("write_kv.cu", "paged_attention_v0.cu", "paged_attention_v1.cu",
+                  "paged_attention_v2.cu")
 BINDING = "torch_binding.cpp"
 # kernel<<<grid, block, shared_bytes, stream>>>(args  ->  ::emu::launch(kernel, ..., args
 LAUNCH = re.compile(r"(\w+)<<<(.*?)>>>\(")

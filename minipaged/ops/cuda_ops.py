@@ -2,13 +2,16 @@
 
 ``write_kv`` and decode run the CUDA C++ kernels, built on first use
 (``cuda_build``); prefill runs the Triton kernel, which reads the same cache layout
-(a CUDA build of torch always brings Triton).  Decode comes in two versions:
+(a CUDA build of torch always brings Triton).  Decode comes in three versions:
 
+- v0, one thread per query head, every key and value read element by element: the
+  plain algorithm, for lesson 08 to start from and the others to be measured against;
 - v1, one thread block per (sequence, KV head) over the whole context, the paper's;
 - v2, the context also split into partitions of ``PARTITION_SIZE`` tokens, merged by a
   second kernel: more thread blocks for few long sequences.
 
-``choose_version`` picks one per call, from the host-side shapes alone.  Arguments are
+``choose_version`` picks v1 or v2 per call, from the host-side shapes alone; v0 runs
+only when asked for.  Arguments are
 checked in ``minipaged.ops``; these functions assume well-formed input but check what
 only this backend needs: the dtype, head_dim and block_size its kernels are compiled for.
 """
@@ -83,8 +86,8 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
 
     ``max_context_len`` bounds the contexts, if the caller knows it on the host; by
     default the block tables' width does, so that launching never waits for the GPU.
-    ``version`` (1 or 2; default: ``choose_version``) is exposed for tests, the lesson
-    and the benchmark; results do not depend on it beyond rounding.
+    ``version`` (0, 1 or 2; default: ``choose_version``) is exposed for tests, the
+    lesson and the benchmark; results do not depend on it beyond rounding.
     """
     batch, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
@@ -96,15 +99,15 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
     if version is None:
         version = choose_version(batch, num_heads, num_kv_heads, max_len,
                                  _num_sms(query.device), fits)
-    if version not in (1, 2):
-        raise ValueError(f"version must be 1 or 2, got {version!r}")
+    if version not in (0, 1, 2):
+        raise ValueError(f"version must be 0, 1 or 2, got {version!r}")
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     # The kernels read int32 tables and a query whose head_dim is contiguous.
     tables, lens = block_tables.to(torch.int32), context_lens.to(torch.int32)
     query = query if query.stride(2) == 1 else query.contiguous()
     args = (query, key_cache, value_cache, tables, lens, float(scale), max_len)
-    if version == 1:
-        ext.paged_attention_v1(out, *args)
+    if version in (0, 1):
+        getattr(ext, f"paged_attention_v{version}")(out, *args)
         return out
     partitions = math.ceil(max_len / PARTITION_SIZE)
     partial = torch.empty(batch, num_heads, partitions, head_dim, dtype=torch.float32,
