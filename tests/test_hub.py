@@ -212,9 +212,20 @@ def test_a_killed_download_leaves_nothing_that_passes_for_a_model(
         run.wait()
     target = cache / "models" / "SmolLM2-135M-Instruct"
     assert not target.exists()
+    (abandoned,) = (cache / "models").glob(f".{target.name}.pid{run.pid}.*")
+    assert (abandoned / "config.json").is_file()
     tried = fake_sources(monkeypatch, hub_write=write_checkpoint)
     assert hub.resolve_model("smollm2") == target  # the half-written staging is not it
     assert tried == ["hub HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert leftovers(cache / "models") == [target.name]  # the killed run's is deleted
+
+
+def test_the_staging_of_a_run_in_progress_is_left_alone(cache, monkeypatch):
+    live = cache / "models" / f".SmolLM2-135M-Instruct.pid{os.getpid()}.other"
+    live.mkdir(parents=True)
+    fake_sources(monkeypatch, hub_write=write_checkpoint)
+    hub.resolve_model("smollm2")
+    assert live.is_dir()
 
 
 # -- GGUF files -----------------------------------------------------------------------

@@ -13,7 +13,8 @@ template), the only thing `minipaged.models.loader` reads:
 - any other hub id (``org/name``, not a local path) is fetched from the hub, as vLLM does.
 
 Everything is written beside its final place and renamed into it when complete, so a
-run killed half way leaves nothing that later passes for a model.
+run killed half way leaves nothing that later passes for a model (and the next run
+deletes what it left).
 """
 
 from __future__ import annotations
@@ -148,7 +149,9 @@ def _cached(target: str | Path, write) -> Path:
         raise ValueError(f"dir {str(target)!r} exists and holds no checkpoint "
                          "(no config.json): choose another, or remove it")
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    _remove_abandoned(target)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.pid{os.getpid()}.",
+                                    dir=target.parent))
     try:
         write(staging)
         staging.chmod(0o755)  # mkdtemp's 0700 was for the staging, not for the model
@@ -159,6 +162,25 @@ def _cached(target: str | Path, write) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _remove_abandoned(target: Path) -> None:
+    """Delete the staging directories of runs killed half way (their process is gone):
+    hundreds of MB each, and never anything but a leftover."""
+    for staging in target.parent.glob(f".{target.name}.pid*.*"):
+        match = re.fullmatch(rf"\.{re.escape(target.name)}\.pid(\d+)\..*", staging.name)
+        if match and not _alive(int(match[1])):
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _fetch(name: str, hub_id: str, known: KnownModel | None, staging: Path) -> None:
