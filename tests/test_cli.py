@@ -248,9 +248,11 @@ def test_a_model_that_cannot_be_had_is_a_one_line_error(command, tmp_path, monke
                                                         capsys):
     from minipaged.models import hub
 
+    def unreachable(name, *args):
+        raise hub.ModelUnavailableError(f"model {name!r} is not cached; `minipaged download`")
+
     monkeypatch.setenv("MINIPAGED_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(hub, "_fetch", lambda name, *args: (_ for _ in ()).throw(
-        hub.ModelUnavailableError(f"model {name!r} is not cached; `minipaged download`")))
+    monkeypatch.setattr(hub, "_fetch", unreachable)
     assert run_main([*command, "--model", "org/gone", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "'org/gone' is not cached" in err and "`minipaged download`" in err
