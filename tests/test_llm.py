@@ -13,6 +13,7 @@ from minipaged import LLM, SamplingParams
 from minipaged import engine as engine_module
 from minipaged.cache_engine import GIB, block_bytes
 from minipaged.config import EngineConfig
+from minipaged.models.loader import read_config
 
 tiny = engine_helpers.tiny
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
@@ -193,8 +194,7 @@ def test_pools_follow_the_gib_asked_for_when_they_are_smaller(llama):
 
 
 def test_pools_fit_half_the_memory_available(llama, monkeypatch):
-    config = LLM(llama, device="cpu", num_gpu_blocks=1).engine.model.config
-    per_block = block_bytes(config, 16, torch.float32)
+    per_block = block_bytes(read_config(llama), 16, torch.float32)
     monkeypatch.setattr(engine_module, "available_memory", lambda: 2 * 30 * per_block)
     llm = LLM(
         llama, device="cpu"
