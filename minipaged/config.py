@@ -11,6 +11,7 @@ Standard library only.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from minipaged.scheduler import MEMORY_MODES, PREEMPTION_MODES
@@ -25,16 +26,22 @@ class EngineConfig:
     """Everything `LLM` takes besides the model path's contents.
 
     Args:
-        model: a local Hugging Face checkpoint directory.
+        model: a local Hugging Face checkpoint directory, a ``.gguf`` file, ``smollm2``
+            or a Hugging Face hub id (`minipaged.models.hub.resolve_model`).
+        tokenizer: where the tokenizer comes from, as ``model`` names it; None: the model's.
+        trust_remote_code: accepted for vLLM's sake and ignored: minipaged runs its own
+            model code, never a checkpoint's.
         device: ``"auto"`` (CUDA if available), ``"cuda"`` or ``"cpu"``.
         dtype: ``"auto"`` (the checkpoint's), ``"float32"``, ``"float16"`` or ``"bfloat16"``.
         block_size: token slots per KV block (§4.2).
         num_gpu_blocks: the KV pool's size in blocks; None sizes it from
             ``gpu_memory_utilization`` on CUDA (after a profiling step), or from
-            ``cpu_kv_space`` GiB on the CPU.
+            ``cpu_kv_space`` GiB on the CPU, never beyond what ``max_num_seqs`` sequences
+            of ``max_model_len`` tokens can use nor half the memory available.
         gpu_memory_utilization: the share of GPU memory the engine may fill, weights,
             activations and KV cache together.
-        swap_space: GiB of CPU memory for the swap pool (§4.5).
+        swap_space: GiB of CPU memory for the swap pool (§4.5), at most what
+            ``max_num_seqs`` full-length sequences can use and what the machine has free.
         preemption_mode: ``"recompute"`` or ``"swap"``.
         memory_mode: ``"paged"`` (blocks on demand, §4), or the paper's baseline to
             compare against, Orca's contiguous reservation of the maximum length, the
@@ -57,6 +64,8 @@ class EngineConfig:
     """
 
     model: str
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
     device: str = "auto"
     dtype: str = "auto"
     block_size: int = 16
@@ -95,7 +104,11 @@ class EngineConfig:
                 lambda x: 0 < x <= 1)
         _number("swap_space", self.swap_space, ">= 0", lambda x: x >= 0)
         _number("cpu_kv_space", self.cpu_kv_space, "> 0", lambda x: x > 0)
-        for name in ("enable_prefix_caching", "enforce_eager", "trace"):
+        if isinstance(self.tokenizer, os.PathLike):
+            self.tokenizer = os.fspath(self.tokenizer)
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str):
+            raise ValueError(f"tokenizer must be a str, a path or None, got {self.tokenizer!r}")
+        for name in ("trust_remote_code", "enable_prefix_caching", "enforce_eager", "trace"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:

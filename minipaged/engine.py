@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -53,6 +54,9 @@ from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.trace import Trace
 
 Params = SamplingParams | BeamSearchParams
+# The share of the host's available memory the KV pools in it (the CPU device's pool, the
+# swap pool) may take: the rest is for activations, the tokenizer and everyone else.
+HOST_KV_SHARE = 0.5
 Output = RequestOutput | BeamSearchOutput
 
 
@@ -65,7 +69,8 @@ class LLMEngine:
         path = resolve_model(config.model)
         self.attention_backend = resolve_backend(config.attention_backend, self.device)
         self.model = load_model(path, config.dtype, self.device, self.attention_backend)
-        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            resolve_model(config.tokenizer) if config.tokenizer else path, local_files_only=True)
         self.eos_token_ids = eos_token_ids(path, self.model.config, self.tokenizer)
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.model.config)
         self.vocab_size = self.model.config.vocab_size
@@ -73,9 +78,8 @@ class LLMEngine:
         dtype = self.model.model.embed_tokens.weight.dtype
         check_supported(self.attention_backend, dtype, head_dim(self.model.config),
                         config.block_size)
-        per_block = block_bytes(self.model.config, config.block_size, dtype)
-        num_gpu_blocks = config.num_gpu_blocks or self._auto_num_gpu_blocks(per_block)
-        num_cpu_blocks = int(config.swap_space * GIB // per_block)
+        num_gpu_blocks, num_cpu_blocks = self._pool_sizes(
+            block_bytes(self.model.config, config.block_size, dtype))
         self.cache_engine = CacheEngine(self.model.config, num_gpu_blocks, num_cpu_blocks,
                                         config.block_size, dtype, self.device)
         self.kv = KVCacheManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
@@ -385,21 +389,33 @@ class LLMEngine:
         seed = getattr(params, "seed", None)
         return None if seed is None else make_generator(seed + index, self.device)
 
-    def _auto_num_gpu_blocks(self, per_block: int) -> int:
+    def _pool_sizes(self, per_block: int) -> tuple[int, int]:
+        """The GPU pool's and the CPU swap pool's blocks (§4.5): what was asked for, but
+        never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens could use,
+        nor (for pools in host memory) more than half the memory available now."""
         config = self.config
-        if self.device.type == "cuda":
-            budget = self.runner.kv_memory_budget(config.gpu_memory_utilization,
-                                                  config.max_num_batched_tokens,
-                                                  self.max_model_len)
-            num_blocks = int(budget // per_block)
-            if num_blocks < 1:
-                raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} "
-                                 "leaves no GPU memory for the KV cache after the weights "
-                                 "and a full step's activations")
-            return num_blocks
-        # On a CPU: a fixed KV space, no more than max_num_seqs full-length sequences use.
         most = config.max_num_seqs * blocks_for(self.max_model_len, config.block_size)
-        return max(1, min(int(config.cpu_kv_space * GIB // per_block), most))
+        host = int(HOST_KV_SHARE * available_memory() // per_block)
+        if config.num_gpu_blocks:
+            num_gpu_blocks = config.num_gpu_blocks
+        elif self.device.type == "cuda":
+            num_gpu_blocks = min(self._cuda_num_gpu_blocks(per_block), most)
+        else:
+            num_gpu_blocks = max(1, min(int(config.cpu_kv_space * GIB // per_block), most, host))
+        if self.device.type == "cpu":  # both pools share the host's memory
+            host = max(0, host - num_gpu_blocks)
+        return num_gpu_blocks, min(int(config.swap_space * GIB // per_block), most, host)
+
+    def _cuda_num_gpu_blocks(self, per_block: int) -> int:
+        config = self.config
+        budget = self.runner.kv_memory_budget(config.gpu_memory_utilization,
+                                              config.max_num_batched_tokens, self.max_model_len)
+        num_blocks = int(budget // per_block)
+        if num_blocks < 1:
+            raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} "
+                             "leaves no GPU memory for the KV cache after the weights "
+                             "and a full step's activations")
+        return num_blocks
 
     def stats(self) -> dict[str, float]:
         """The pools, the queues and the counters (design.md's ``stats()`` contract),
@@ -434,6 +450,19 @@ def beam_score(tokens: list[int], cum_logprob: float, eos_token_ids: set[int],
     ``ignore_eos``."""
     length = len(tokens) - (tokens[-1] in eos_token_ids)
     return cum_logprob / length ** length_penalty
+
+
+def available_memory() -> int:
+    """Bytes of host memory available now: free plus reclaimable (``MemAvailable``),
+    else the free pages ``sysconf`` counts."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def resolve_device(device: str) -> torch.device:

