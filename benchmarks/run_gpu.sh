@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The runs a session with the GPU machine owes the project (issue 8), one stage per
-# `device` command, each well under its 10-minute limit.  The machine has its own torch,
+# What needs a CUDA GPU, in stages, each well under ten minutes so that a machine
+# with a per-command time limit can run them one call at a time.  The machine has its own torch,
 # triton and transformers and no venv, so the package runs from the checkout.
 #
 #   bash benchmarks/run_gpu.sh tests        every gpu-marked test (make gpu-test)

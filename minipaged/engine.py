@@ -418,7 +418,7 @@ class LLMEngine:
         return num_blocks
 
     def stats(self) -> dict[str, float]:
-        """The pools, the queues and the counters (design.md's ``stats()`` contract),
+        """The pools, the queues and the counters (vLLM's names where it has them),
         and where the pool's slots go (``kv.usage()``, which walks every block table)."""
         return {**self.counters(), **self.kv.usage()}
 

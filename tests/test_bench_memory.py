@@ -1,5 +1,5 @@
-"""``minipaged bench memory`` (paper Fig. 2 and 13): the results file holds design.md's
-contract, its numbers are the simulation's own (run here directly on the same
+"""``minipaged bench memory`` (paper Fig. 2 and 13): the results file holds the
+results contract, its numbers are the simulation's own (run here directly on the same
 requests), and the reproduction keeps the paper's shape.  The simulation's accounting
 itself is checked by hand in test_contiguous.py."""
 

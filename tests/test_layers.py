@@ -1,4 +1,4 @@
-"""Import arrows point down the layers of design.md: the memory layer is standard library only."""
+"""Import arrows point down the layers of docs/architecture.md: the memory layer is standard library only."""
 
 import subprocess
 import sys

@@ -1,6 +1,6 @@
 """SamplingParams and BeamSearchParams: vLLM's names, defaults and validation.
 
-The oracle is the contract in design.md ("Contract: the Python API") and vLLM's rules:
+The oracle is vLLM's Python API and its rules:
 every bad argument raises ValueError naming the argument and showing the bad value.
 """
 

@@ -56,7 +56,7 @@ def check_finished(sim, specs):
 # -- layering and arguments ----------------------------------------------------------------
 
 def test_scheduler_imports_no_torch():
-    """The scheduler is standard library only (design.md's layers): importing it, the
+    """The scheduler is standard library only (the layers of docs/architecture.md): importing it, the
     sequences and the trace loads no third-party module, torch least of all."""
     code = ("import sys, minipaged.scheduler, minipaged.sequence, minipaged.trace; "
             "print('\\n'.join(sorted({m.split('.')[0] for m in sys.modules})))")

@@ -186,7 +186,7 @@ def run_engine(llm, requests: Sequence[RequestSpec], prompts: Sequence[list[int]
 
 
 def check_all_free(llm) -> None:
-    """A finished workload leaves every block of both pools free (design.md); one that
+    """A finished workload leaves every block of both pools free; one that
     does not has leaked memory, and whatever it measured is suspect."""
     stats = llm.stats()
     for pool in ("gpu", "cpu"):

@@ -36,7 +36,7 @@ def bench_memory(workload: str, num_requests: int, kv_slots: int = OPT13B_A100_S
 
 
 def systems(reports: list[MemoryReport]) -> dict[str, dict[str, float]]:
-    """design.md's ``bench memory`` JSON: system -> its shares and ``max_batch``."""
+    """The ``bench memory`` JSON: system -> its shares and ``max_batch``."""
     return {r.system: {**{k: getattr(r, k) for k in SHARES}, "max_batch": r.max_batch}
             for r in reports}
 

@@ -1,4 +1,4 @@
-"""Where benchmark results go and what every results file holds (design.md, "Contract: results").
+"""Where benchmark results go and what every results file holds: the results contract.
 
 A run of ``minipaged bench NAME`` writes ``benchmarks/results/<device-slug>/NAME.json``
 and ``NAME.png`` beside it.  The JSON records what produced the numbers (device, torch
