@@ -209,7 +209,7 @@ class LLMEngine:
         for group, group_rows in rows.items():
             try:
                 self._update([sampling[i] for i in group_rows], logits[group_rows])
-            except Exception as error:  # whatever it began, the abort frees
+            except Exception as error:  # noqa: BLE001  any error; the abort frees its blocks
                 self.failed[group.request_id] = error
                 self.abort_request(group.request_id)
 

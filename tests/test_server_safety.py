@@ -10,7 +10,11 @@ KV block must be free again.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,15 +22,38 @@ import pytest
 
 pytest.importorskip("fastapi")  # the server extra; the GPU machine has none
 
-import httpx  # noqa: E402
-from engine_helpers import (assert_all_blocks_free, make_llm, random_prompt,  # noqa: E402
-                            tiny)  # noqa: F401
-from server_helpers import ENGINE, in_process_app, metrics, wait_idle  # noqa: E402
+import httpx
+from cli_helpers import run_main
+from engine_helpers import (
+    assert_all_blocks_free,
+    make_llm,
+    random_prompt,
+    tiny,  # noqa: F401  (a fixture)
+)
+from server_helpers import (
+    ENGINE,
+    FLAGS,
+    free_port,
+    in_process_app,
+    metrics,
+    wait_healthy,
+    wait_idle,
+)
 
-import minipaged.engine as engine_module  # noqa: E402
-from minipaged import SamplingParams  # noqa: E402
-from minipaged.server.app import ServerLimits, default_model_name  # noqa: E402
-from minipaged.server.guard import LOCAL_HOSTS, default_allowed_hosts, host_name  # noqa: E402
+import minipaged.engine as engine_module
+from minipaged import SamplingParams
+from minipaged.bench import chaos
+from minipaged.server.app import default_model_name
+from minipaged.server.guard import LOCAL_HOSTS, default_allowed_hosts, host_name
+from minipaged.server.limits import ServerLimits
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny):  # noqa: F811  (pytest passes the imported fixture)
+    """The tiny Llama checkpoint every test here serves."""
+    path, _ = tiny("llama")
+    return path
+
 
 CULPRIT_SEED = 666  # the request whose sampling is made to raise
 
@@ -44,16 +71,24 @@ def failing_sample(real):
     return sample
 
 
-def test_a_request_whose_sampling_raises_fails_alone(tiny, monkeypatch):
+def test_a_request_whose_sampling_raises_fails_alone(checkpoint, monkeypatch):
     """With ``fail_alone`` the culprit is aborted with its error and its blocks freed;
     the others (greedy, seeded, n=2) finish exactly as LLM.generate makes them."""
-    path, _ = tiny("llama")
+    path = checkpoint
     llm = make_llm(path)
-    others = [(random_prompt(5 + i, seed=i), params) for i, params in enumerate([
-        SamplingParams(temperature=0, max_tokens=8),
-        SamplingParams(temperature=1.0, seed=7, max_tokens=8),
-        SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=6)])]
-    wants = [llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0] for p, sp in others]
+    others = [
+        (random_prompt(5 + i, seed=i), params)
+        for i, params in enumerate(
+            [
+                SamplingParams(temperature=0, max_tokens=8),
+                SamplingParams(temperature=1.0, seed=7, max_tokens=8),
+                SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=6),
+            ]
+        )
+    ]
+    wants = [
+        llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0] for p, sp in others
+    ]
     monkeypatch.setattr(engine_module, "sample", failing_sample(engine_module.sample))
     engine = llm.engine
     culprit = SamplingParams(temperature=1.0, seed=CULPRIT_SEED, max_tokens=8)
@@ -71,31 +106,39 @@ def test_a_request_whose_sampling_raises_fails_alone(tiny, monkeypatch):
     for i, want in enumerate(wants):
         got = done[f"r{i}"].outputs
         assert [(c.text, c.token_ids) for c in got] == [
-            (c.text, c.token_ids) for c in want.outputs]
+            (c.text, c.token_ids) for c in want.outputs
+        ]
     assert_all_blocks_free(llm)
 
 
-def test_without_fail_alone_the_error_propagates(tiny, monkeypatch):
+def test_without_fail_alone_the_error_propagates(checkpoint, monkeypatch):
     """LLM.generate keeps raising: the caller asked, the caller hears."""
-    path, _ = tiny("llama")
+    path = checkpoint
     llm = make_llm(path)
     monkeypatch.setattr(engine_module, "sample", failing_sample(engine_module.sample))
     with pytest.raises(RuntimeError, match="fell over"):
-        llm.generate("a", SamplingParams(seed=CULPRIT_SEED, max_tokens=4), use_tqdm=False)
+        llm.generate(
+            "a", SamplingParams(seed=CULPRIT_SEED, max_tokens=4), use_tqdm=False
+        )
     assert_all_blocks_free(llm)
 
 
 # -- the server ------------------------------------------------------------------------
-LIMITS = dict(max_prompts=4, max_n=8, max_body_bytes=64 * 1024, read_timeout_s=1.0)
-GREEDY = dict(temperature=0, max_tokens=8)
+LIMITS = {
+    "max_prompts": 4,
+    "max_n": 8,
+    "max_body_bytes": 64 * 1024,
+    "read_timeout_s": 1.0,
+}
+GREEDY = {"temperature": 0, "max_tokens": 8}
 PROMPT = "Hello, my name is"
 
 
 @pytest.fixture(scope="module")
-def served(tiny):
+def served(checkpoint):
     """One in-process server for this module: (base URL, AsyncEngine, app), with small
     limits so that tests can reach them."""
-    path, _ = tiny("llama")
+    path = checkpoint
     yield from in_process_app(path, limits=ServerLimits(**LIMITS))
 
 
@@ -106,19 +149,27 @@ def base_url(served):
 
 
 @pytest.fixture(scope="module")
-def oracle(tiny):
-    path, _ = tiny("llama")
+def oracle(checkpoint):
+    path = checkpoint
     return make_llm(path, **{k: v for k, v in ENGINE.items() if k != "device"})
 
 
 def greedy_text(oracle, prompt, **params) -> str:
-    return oracle.generate(prompt, SamplingParams(**{**GREEDY, **params}),
-                           use_tqdm=False)[0].outputs[0].text
+    return (
+        oracle.generate(prompt, SamplingParams(**{**GREEDY, **params}), use_tqdm=False)[
+            0
+        ]
+        .outputs[0]
+        .text
+    )
 
 
 def completion(base_url: str, **body) -> httpx.Response:
-    return httpx.post(f"{base_url}/v1/completions", json={"prompt": PROMPT, **GREEDY, **body},
-                      timeout=60)
+    return httpx.post(
+        f"{base_url}/v1/completions",
+        json={"prompt": PROMPT, **GREEDY, **body},
+        timeout=60,
+    )
 
 
 def sse_events(text: str) -> list:
@@ -142,8 +193,10 @@ def test_top_p_that_rounds_to_zero_never_kills_the_engine(base_url, oracle, stre
     if response.status_code == 200 and stream:
         events = sse_events(response.text)
         assert events[-1] == "[DONE]"
-        assert all("error" not in e or set(e["error"]) == {"message", "type", "param", "code"}
-                   for e in events[:-1])
+        assert all(
+            "error" not in e or set(e["error"]) == {"message", "type", "param", "code"}
+            for e in events[:-1]
+        )
     elif response.status_code != 200:
         assert response.status_code in (400, 500)
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
@@ -155,11 +208,16 @@ def test_a_failing_request_fails_alone_while_others_run(base_url, oracle, monkey
     """The culprit gets a 500 (or an error event and [DONE]); 6 others running beside it
     finish exactly as LLM.generate makes them; every block is free after."""
     prompts = [random_prompt(4 + i, seed=50 + i) for i in range(6)]
-    wants = [greedy_text(oracle, {"prompt_token_ids": p}, ignore_eos=True) for p in prompts]
+    wants = [
+        greedy_text(oracle, {"prompt_token_ids": p}, ignore_eos=True) for p in prompts
+    ]
     monkeypatch.setattr(engine_module, "sample", failing_sample(engine_module.sample))
-    culprit = dict(temperature=1.0, seed=CULPRIT_SEED)
+    culprit = {"temperature": 1.0, "seed": CULPRIT_SEED}
     with ThreadPoolExecutor(8) as pool:
-        others = [pool.submit(completion, base_url, prompt=p, ignore_eos=True) for p in prompts]
+        others = [
+            pool.submit(completion, base_url, prompt=p, ignore_eos=True)
+            for p in prompts
+        ]
         plain = pool.submit(completion, base_url, **culprit)
         streamed = pool.submit(completion, base_url, stream=True, **culprit)
         assert [f.result().json()["choices"][0]["text"] for f in others] == wants
@@ -174,12 +232,18 @@ def test_a_failing_request_fails_alone_while_others_run(base_url, oracle, monkey
 
 
 # -- size, length and time -------------------------------------------------------------
-def assert_openai_error(response: httpx.Response, status: int, param: str | None = None,
-                        code: str | None = None) -> dict:
+def assert_openai_error(
+    response: httpx.Response,
+    status: int,
+    param: str | None = None,
+    code: str | None = None,
+) -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    assert error["type"] == (
+        "invalid_request_error" if status < 500 else "server_error"
+    )
     assert error["param"] == param
     if code is not None:
         assert error["code"] == code
@@ -188,20 +252,28 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
 
 def test_a_body_over_the_cap_gets_413(base_url, oracle):
     huge = {"prompt": "x" * (LIMITS["max_body_bytes"] + 1)}
-    assert_openai_error(httpx.post(f"{base_url}/v1/completions", json=huge), 413,
-                        code="request_too_large")
+    assert_openai_error(
+        httpx.post(f"{base_url}/v1/completions", json=huge),
+        413,
+        code="request_too_large",
+    )
 
     def chunks():  # no Content-Length: the cap holds as the body streams in
         for _ in range(LIMITS["max_body_bytes"] // 1024 + 2):
             yield b" " * 1024
 
-    response = httpx.post(f"{base_url}/v1/completions", content=chunks(),
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        f"{base_url}/v1/completions",
+        content=chunks(),
+        headers={"content-type": "application/json"},
+    )
     assert_openai_error(response, 413)
     assert_alive(base_url, oracle)
 
 
-def test_a_prompt_too_long_in_characters_is_refused_before_tokenizing(served, monkeypatch):
+def test_a_prompt_too_long_in_characters_is_refused_before_tokenizing(
+    served, monkeypatch
+):
     base_url, engine, _ = served
     tokenizer = engine.engine.tokenizer
     calls = []
@@ -210,8 +282,10 @@ def test_a_prompt_too_long_in_characters_is_refused_before_tokenizing(served, mo
     too_long = "y" * (engine.engine.max_model_len * longest + 1)
     error = assert_openai_error(completion(base_url, prompt=too_long), 400, "prompt")
     assert "characters" in error["message"]
-    chat = httpx.post(f"{base_url}/v1/chat/completions",
-                      json={"messages": [{"role": "user", "content": too_long}]})
+    chat = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": too_long}]},
+    )
     assert_openai_error(chat, 400, "messages")
     assert calls == []
 
@@ -241,9 +315,11 @@ def test_health_answers_while_a_slow_prompt_is_tokenized(served, monkeypatch):
 def test_a_half_sent_body_times_out_with_408(base_url, oracle):
     port = int(base_url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
-                     b'{"prompt":')
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+            b'{"prompt":'
+        )
         start = time.monotonic()
         reply = sock.recv(65536).decode()
     assert reply.startswith("HTTP/1.1 408"), reply
@@ -265,31 +341,45 @@ def test_client_gone_before_a_non_streamed_answer_aborts_it(served, monkeypatch)
     monkeypatch.setattr(engine.engine, "step", slow_step)
     before = metrics(base_url)["minipaged:generation_tokens_total"]
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{base_url}/v1/completions", timeout=0.5,
-                   json={"prompt": "a", "max_tokens": 120, "ignore_eos": True})
+        httpx.post(
+            f"{base_url}/v1/completions",
+            timeout=0.5,
+            json={"prompt": "a", "max_tokens": 120, "ignore_eos": True},
+        )
     after = wait_idle(base_url)
     assert after["minipaged:generation_tokens_total"] - before < 100
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("completions", '{"prompt": "ab\\ud800c"}', "prompt"),
-    ("completions", '{"prompt": ["ok", "\\udfff"]}', "prompt"),
-    ("completions", '{"prompt": "a", "stop": ["\\ud83d"]}', "stop"),
-    ("chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("completions", '{"prompt": "ab\\ud800c"}', "prompt"),
+        ("completions", '{"prompt": ["ok", "\\udfff"]}', "prompt"),
+        ("completions", '{"prompt": "a", "stop": ["\\ud83d"]}', "stop"),
+        (
+            "chat/completions",
+            '{"messages": [{"role": "user", "content": "\\ud800"}]}',
+            "messages",
+        ),
+    ],
+)
 def test_a_lone_surrogate_gets_400(base_url, oracle, path, body, param):
-    response = httpx.post(f"{base_url}/v1/{path}", content=body.encode(),
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        f"{base_url}/v1/{path}",
+        content=body.encode(),
+        headers={"content-type": "application/json"},
+    )
     assert_openai_error(response, 400, param)
     assert_alive(base_url, oracle)
 
 
 @pytest.fixture(scope="module")
-def guarded(tiny):
+def guarded(checkpoint):
     """A server with an API key and the loopback host names only."""
-    path, _ = tiny("llama")
-    yield from in_process_app(path, api_key="sesame", allowed_hosts=LOCAL_HOSTS,
-                              limits=ServerLimits(**LIMITS))
+    path = checkpoint
+    yield from in_process_app(
+        path, api_key="sesame", allowed_hosts=LOCAL_HOSTS, limits=ServerLimits(**LIMITS)
+    )
 
 
 def test_a_non_ascii_authorization_header_gets_401(guarded):
@@ -306,10 +396,14 @@ def test_the_api_key_is_checked_before_the_body_is_read(guarded):
     base_url, *_ = guarded
     url = f"{base_url}/v1/completions"
     for content in (b'{"prompt": ', b"x" * (LIMITS["max_body_bytes"] + 1)):
-        response = httpx.post(url, content=content, headers={"content-type": "application/json"})
+        response = httpx.post(
+            url, content=content, headers={"content-type": "application/json"}
+        )
         assert_openai_error(response, 401, code="invalid_api_key")
     authorized = {"Authorization": "Bearer sesame"}
-    response = httpx.post(url, json={"prompt": "a", "max_tokens": 2}, headers=authorized)
+    response = httpx.post(
+        url, json={"prompt": "a", "max_tokens": 2}, headers=authorized
+    )
     assert response.status_code == 200, response.text
 
 
@@ -322,16 +416,30 @@ def test_hosts_outside_the_allowed_list_get_400_and_no_redirect(guarded):
         response = httpx.get(f"{base_url}/health", headers={"Host": host})
         assert_openai_error(response, 400, code="invalid_host")
     for host in (f"localhost:{port}", "127.0.0.1", f"[::1]:{port}"):
-        assert httpx.get(f"{base_url}/health", headers={"Host": host}).status_code == 200
-    response = httpx.get(f"{base_url}/v1/models/", headers={"Authorization": "Bearer sesame"})
+        assert (
+            httpx.get(f"{base_url}/health", headers={"Host": host}).status_code == 200
+        )
+    response = httpx.get(
+        f"{base_url}/v1/models/", headers={"Authorization": "Bearer sesame"}
+    )
     assert response.status_code == 404 and "location" not in response.headers
 
 
 def test_default_allowed_hosts():
-    assert default_allowed_hosts("127.0.0.1") == default_allowed_hosts("::1") == LOCAL_HOSTS
-    assert default_allowed_hosts("0.0.0.0") is None  # the operator chose to be reachable
+    assert (
+        default_allowed_hosts("127.0.0.1")
+        == default_allowed_hosts("::1")
+        == LOCAL_HOSTS
+    )
+    assert (
+        default_allowed_hosts("0.0.0.0") is None
+    )  # the operator chose to be reachable
     assert [host_name(h) for h in ("a.b:80", "[::1]:8000", "::1", "localhost")] == [
-        "a.b", "::1", "::1", "localhost"]
+        "a.b",
+        "::1",
+        "::1",
+        "localhost",
+    ]
 
 
 # -- caps and OpenAI compatibility -----------------------------------------------------
@@ -339,18 +447,29 @@ CAPPED = {  # name: (path, body, param)
     "too many prompts": ("completions", {"prompt": ["a"] * 5}, "prompt"),
     "n over the cap": ("completions", {"prompt": "a", "n": 9}, "n"),
     "logprobs over 20": ("completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
-    "top_logprobs over 20": ("chat/completions", {
-        "messages": [{"role": "user", "content": "a"}], "logprobs": True,
-        "top_logprobs": 21}, "top_logprobs"),
-    "top_logprobs without logprobs": ("chat/completions", {
-        "messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs"),
+    "top_logprobs over 20": (
+        "chat/completions",
+        {
+            "messages": [{"role": "user", "content": "a"}],
+            "logprobs": True,
+            "top_logprobs": 21,
+        },
+        "top_logprobs",
+    ),
+    "top_logprobs without logprobs": (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+        "top_logprobs",
+    ),
 }
 
 
 @pytest.mark.parametrize("name", CAPPED)
 def test_caps_get_clear_400s(base_url, name):
     path, body, param = CAPPED[name]
-    error = assert_openai_error(httpx.post(f"{base_url}/v1/{path}", json=body), 400, param)
+    error = assert_openai_error(
+        httpx.post(f"{base_url}/v1/{path}", json=body), 400, param
+    )
     assert param in error["message"]
 
 
@@ -366,8 +485,12 @@ def test_max_tokens_null_runs_to_the_context_length(base_url, oracle, served):
     response = completion(base_url, prompt=prompt, max_tokens=None, ignore_eos=True)
     assert response.status_code == 200, response.text
     (choice,) = response.json()["choices"]
-    want = greedy_text(oracle, {"prompt_token_ids": prompt}, ignore_eos=True,
-                       max_tokens=max_model_len - 10)
+    want = greedy_text(
+        oracle,
+        {"prompt_token_ids": prompt},
+        ignore_eos=True,
+        max_tokens=max_model_len - 10,
+    )
     assert (choice["text"], choice["finish_reason"]) == (want, "length")
     assert response.json()["usage"]["completion_tokens"] == max_model_len - 10
 
@@ -377,9 +500,12 @@ def test_the_openapi_schema_documents_the_400_the_server_sends(base_url):
     for path in ("/v1/completions", "/v1/chat/completions"):
         responses = schema["paths"][path]["post"]["responses"]
         assert "422" not in responses and {"400", "401", "413"} <= set(responses)
-        assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith(
-            "/ErrorResponse")
-    response = httpx.post(f"{base_url}/v1/completions", json={"prompt": "a", "n": "two"})
+        assert responses["400"]["content"]["application/json"]["schema"][
+            "$ref"
+        ].endswith("/ErrorResponse")
+    response = httpx.post(
+        f"{base_url}/v1/completions", json={"prompt": "a", "n": "two"}
+    )
     assert_openai_error(response, 400, "n")
 
 
@@ -394,4 +520,241 @@ def test_the_model_id_defaults_to_the_checkpoint_name(tmp_path):
     checkpoint.mkdir(parents=True)
     assert default_model_name(str(checkpoint)) == "tiny-llama"
     assert default_model_name(f"{checkpoint}/") == "tiny-llama"
-    assert default_model_name("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"  # not a path here
+    assert (
+        default_model_name("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+    )  # not a path here
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("max_n", 0),
+        ("max_prompts", 1.5),
+        ("read_timeout_s", -1),
+        ("shutdown_grace_s", "5"),
+    ],
+)
+def test_server_limits_name_a_bad_value(name, value):
+    with pytest.raises(ValueError, match=name):
+        ServerLimits(**{name: value})
+
+
+# -- the process: startup, a dead engine, shutdown --------------------------------------
+def patched_serve(path, patch: str, *flags: str) -> tuple[subprocess.Popen, str]:
+    """``minipaged serve`` in a process of its own after running ``patch`` (Python
+    source) in it; stderr is captured.  Returns the process and its base URL, once
+    healthy."""
+    port = free_port()
+    script = f"import sys\n{patch}\nfrom minipaged.cli import main\nsys.exit(main(sys.argv[1:]))"
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            script,
+            "serve",
+            str(path),
+            "--port",
+            str(port),
+            *FLAGS,
+            *flags,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base_url, lambda: process.poll() is None)
+    except AssertionError:
+        process.kill()
+        raise AssertionError(process.communicate()[1]) from None
+    return process, base_url
+
+
+def stop(process: subprocess.Popen, sig=None) -> tuple[int, str]:
+    """Signal ``process`` (if ``sig``) and return its exit status and stderr."""
+    if sig is not None:
+        os.kill(process.pid, sig)
+    try:
+        _, stderr = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail(f"the server did not stop: {process.communicate()[1]}")
+    return process.returncode, stderr
+
+
+BROKEN_STEP = """
+from minipaged.engine import LLMEngine
+def step(self, fail_alone=False):
+    raise RuntimeError("a kernel fell over")
+LLMEngine.step = step
+"""
+
+
+def test_a_dead_engine_loop_exits_the_server_nonzero_with_its_traceback(checkpoint):
+    """If the loop itself dies, the waiting request gets a 500, the traceback is
+    logged and the process exits 1 for its supervisor; its startup block said what
+    was served where, under the checkpoint's own name."""
+    path = checkpoint
+    process, base_url = patched_serve(path, BROKEN_STEP)
+    try:
+        (card,) = httpx.get(f"{base_url}/v1/models").json()["data"]
+        assert card["id"] == path.name
+        response = httpx.post(
+            f"{base_url}/v1/completions", json={"prompt": "a"}, timeout=30
+        )
+        assert_openai_error(response, 500)
+        assert "a kernel fell over" in response.json()["error"]["message"]
+    finally:
+        status, stderr = stop(process)
+    assert status == 1, stderr
+    assert "Traceback" in stderr and "RuntimeError: a kernel fell over" in stderr
+    port = base_url.rsplit(":", 1)[1]
+    for line in (
+        f"model           {path} (served as '{path.name}')",
+        "device          cpu",
+        "KV cache        ",
+        "max_model_len   128 tokens",
+        "API key         none",
+        "allowed hosts   localhost, 127.0.0.1, ::1",
+        f"listening on    http://127.0.0.1:{port}",
+    ):
+        assert line in stderr
+
+
+SLOW_STEP = """
+import time
+from minipaged.engine import LLMEngine
+step = LLMEngine.step
+def slow_step(self, fail_alone=False):
+    time.sleep(0.02)  # a slower model: requests are still running at the signal
+    return step(self, fail_alone)
+LLMEngine.step = slow_step
+"""
+
+
+def test_shutdown_ends_what_runs_past_the_grace_with_an_error(checkpoint):
+    """SIGINT with no grace: a stream gets an error event then [DONE], a waiting
+    answer a 503 in OpenAI's shape; the process exits cleanly, with no traceback."""
+    path = checkpoint
+    process, base_url = patched_serve(path, SLOW_STEP, "--shutdown-grace", "0")
+    body = {"prompt": "a", "max_tokens": 120, "ignore_eos": True}
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            waiting = pool.submit(
+                httpx.post, f"{base_url}/v1/completions", json=body, timeout=60
+            )
+            with httpx.stream(
+                "POST",
+                f"{base_url}/v1/completions",
+                timeout=60,
+                json={**body, "stream": True},
+            ) as stream:
+                lines = stream.iter_lines()
+                first = next(line for line in lines if line)
+                while metrics(base_url)["minipaged:num_requests_running"] < 2:
+                    time.sleep(0.02)
+                os.kill(process.pid, signal.SIGINT)
+                events = sse_events("\n".join([first, *lines]))
+            assert_openai_error(waiting.result(), 503)
+    finally:
+        status, stderr = stop(process)
+    *tokens, error, done = events
+    assert "shut down" in error["error"]["message"] and done == "[DONE]"
+    assert all("choices" in t for t in tokens) and len(tokens) < 120
+    assert status == 0 and "Traceback" not in stderr, stderr
+
+
+def test_draining_refuses_new_work_and_lets_running_requests_finish(checkpoint):
+    """While draining (within the grace period): new /v1 requests and /health get 503;
+    a stream already running ends as it would have, with [DONE]."""
+    path = checkpoint
+    for base_url, _, app in in_process_app(
+        path, limits=ServerLimits(shutdown_grace_s=30)
+    ):
+        with httpx.stream(
+            "POST",
+            f"{base_url}/v1/completions",
+            timeout=60,
+            json={"prompt": "a", "max_tokens": 20, "ignore_eos": True, "stream": True},
+        ) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line)
+            app.state.draining.start()
+            assert_openai_error(completion(base_url), 503, code="server_shutting_down")
+            assert httpx.get(f"{base_url}/health").status_code == 503
+            events = sse_events("\n".join([first, *lines]))
+        assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1])
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert sum(len(e["choices"]) for e in events[:-1]) == 20
+
+
+# -- bursts and chaos ------------------------------------------------------------------
+def test_a_burst_of_bad_requests_leaves_the_server_whole(base_url, oracle):
+    """120 requests, 24 at a time: malformed JSON, huge bodies, bad sampling values,
+    lone surrogates, unknown models, and clients leaving mid-stream, mid-wait and
+    mid-body.  Each invalid one gets a 4xx; after, no block is held, and a normal
+    request gets LLM.generate's answer."""
+    bad = [k for k in chaos.KINDS if k not in chaos.GOOD]
+    report = chaos.run(
+        base_url, 120, 24, seed=1, kinds=bad, huge_bytes=LIMITS["max_body_bytes"] + 1
+    )
+    assert report.unexpected == [] and report.blocks_leaked == 0 and report.alive
+    assert {o.kind for o in report.outcomes} == set(bad)
+    assert all(
+        400 <= o.status < 500 for o in report.outcomes if o.kind not in chaos.LEAVING
+    )
+    assert_alive(base_url, oracle)
+
+
+def test_bench_chaos_reports_a_whole_server(base_url, capsys, tmp_path):
+    out = tmp_path / "chaos.json"
+    assert (
+        run_main(
+            [
+                "bench",
+                "chaos",
+                "--base-url",
+                base_url,
+                "--num-requests",
+                "80",
+                "--concurrency",
+                "16",
+                "--huge-bytes",
+                str(LIMITS["max_body_bytes"] + 1),
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "unexpected      0" in printed and "blocks leaked   0" in printed
+    report = json.loads(out.read_text())
+    good = sum(n for kind in chaos.GOOD for n in report["statuses"][kind].values())
+    assert report["served"] == good > 0 and report["requests"] == 80
+    assert 0 < report["p50_ms"] <= report["p99_ms"]
+
+
+def test_chaos_flags_what_breaks_the_rules():
+    """The verdict is not vacuous: a 5xx, a leak or a dead engine each fail the run."""
+    fine = [
+        chaos.Outcome("completion", 200, 0.1),
+        chaos.Outcome("huge_body", 413, 0.01),
+    ]
+    assert not chaos.failed(chaos.ChaosReport(fine, 1.0, 0, True))
+    broken = [
+        *fine,
+        chaos.Outcome("lone_surrogate", 500, 0.01, "500 for an invalid request"),
+    ]
+    for report in (
+        chaos.ChaosReport(broken, 1.0, 0, True),
+        chaos.ChaosReport(fine, 1.0, 3, True),
+        chaos.ChaosReport(fine, 1.0, 0, False),
+    ):
+        assert chaos.failed(report)
+    assert "unexpected      1" in chaos.format_report(
+        chaos.ChaosReport(broken, 1.0, 0, True)
+    )
+    with pytest.raises(ValueError, match="kinds"):
+        chaos.run("http://127.0.0.1:1", kinds=["nonsense"])

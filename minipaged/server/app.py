@@ -33,7 +33,6 @@ import uuid
 from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager, suppress
-from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
@@ -49,6 +48,7 @@ from minipaged.outputs import CompletionOutput, RequestOutput
 from minipaged.server.async_engine import (AsyncEngine, EngineDeadError, RequestFailedError,
                                            ServerClosingError)
 from minipaged.server.guard import GuardConfig, RequestGuard, default_allowed_hosts
+from minipaged.server.limits import ServerLimits
 from minipaged.server.metrics import make_registry
 from minipaged.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
                                        SamplingRequest)
@@ -61,38 +61,6 @@ ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": description} 
                                            (404, "Unknown model"), (413, "Body too large"),
                                            (500, "Failed in the engine"),
                                            (503, "Shutting down")]}
-
-
-@dataclass
-class ServerLimits:
-    """What one request may ask for, and how long the server waits (vLLM-like defaults).
-
-    Attributes:
-        max_prompts: prompts in one ``/v1/completions`` request.
-        max_n: completions per prompt (OpenAI's cap, 128).
-        max_logprobs: ``logprobs`` and ``top_logprobs`` (vLLM's ``max_logprobs``, 20).
-        max_body_bytes: a request body's size (413 beyond).
-        read_timeout_s: the longest pause while a body arrives (408 beyond).
-        shutdown_grace_s: how long running requests may finish after a shutdown
-            begins, before the rest are ended with an error.
-    """
-
-    max_prompts: int = 256
-    max_n: int = 128
-    max_logprobs: int = 20
-    max_body_bytes: int = 8 * 2**20
-    read_timeout_s: float = 30.0
-    shutdown_grace_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        for name in ("max_prompts", "max_n", "max_logprobs", "max_body_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("read_timeout_s", "shutdown_grace_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
 
 
 class APIError(Exception):
@@ -279,7 +247,7 @@ class OpenAIServing:
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                       tokenize=False)
-        except Exception as error:  # noqa: BLE001  a template raises what it likes
+        except Exception as error:  # a template raises what it likes
             raise APIError(400, f"the chat template refused the messages: {error}",
                            "messages") from error
         return self.tokenizer.encode(text, add_special_tokens=False)  # the template has them
@@ -449,7 +417,10 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
                             timeout_graceful_shutdown=limits.shutdown_grace_s + 5)
     server = Server(config, app.state.draining)
     log_startup(engine.engine, model, name, host, port, api_key, limits, hosts)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it has already handled
+        pass
     if engine.error is not None:
         raise SystemExit(f"minipaged serve: the engine died ({engine.error!r}); "
                          "the traceback is above")
@@ -462,14 +433,14 @@ def log_startup(engine: LLMEngine, model: str, name: str, host: str, port: int,
     dtype = engine.model.model.embed_tokens.weight.dtype
     lines = [
         f"model           {model} (served as {name!r})",
-        f"device          {engine.device}, {str(dtype).removeprefix('torch.')}, "
-        f"attention backend {engine.attention_backend}",
-        f"KV cache        {kv.gpu.num_blocks} blocks x {config.block_size} tokens = "
-        f"{kv.gpu.num_blocks * config.block_size} tokens; {kv.cpu.num_blocks} swap blocks",
+        (f"device          {engine.device}, {str(dtype).removeprefix('torch.')}, "
+         f"attention backend {engine.attention_backend}"),
+        (f"KV cache        {kv.gpu.num_blocks} blocks x {config.block_size} tokens = "
+         f"{kv.gpu.num_blocks * config.block_size} tokens; {kv.cpu.num_blocks} swap blocks"),
         f"max_model_len   {engine.max_model_len} tokens",
-        f"limits          body {limits.max_body_bytes} bytes, {limits.max_prompts} prompts, "
-        f"n <= {limits.max_n}, logprobs <= {limits.max_logprobs}, read timeout "
-        f"{limits.read_timeout_s:g} s, shutdown grace {limits.shutdown_grace_s:g} s",
+        (f"limits          body {limits.max_body_bytes} bytes, {limits.max_prompts} prompts, "
+         f"n <= {limits.max_n}, logprobs <= {limits.max_logprobs}, read timeout "
+         f"{limits.read_timeout_s:g} s, shutdown grace {limits.shutdown_grace_s:g} s"),
         f"API key         {'required' if api_key else 'none'}",
         f"allowed hosts   {', '.join(hosts) if hosts else 'any'}",
         f"listening on    http://{f'[{host}]' if ':' in host else host}:{port}",

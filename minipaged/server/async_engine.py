@@ -122,7 +122,7 @@ class AsyncEngine:
                     self._deliver(self.engine.step(fail_alone=True))
                     self._fail(self.engine.failed)
                 self.stats = self.engine.counters()
-        except Exception as error:  # noqa: BLE001  every waiting request must hear of it
+        except Exception as error:  # every waiting request must hear of it
             logger.exception("the engine loop died; the server cannot go on")
             self.error = error
             for request_id in list(self._streams):

@@ -51,21 +51,34 @@ def host_name(header: str) -> str:
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
-def error(status: int, message: str, code: str | None = None,
-          headers: dict[str, str] | None = None) -> JSONResponse:
+def error(
+    status: int,
+    message: str,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     """OpenAI's error body (the app's `error_body`, repeated here to stay import-free)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
-                                   "code": code}}, status_code=status, headers=headers)
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": code}},
+        status_code=status,
+        headers=headers,
+    )
 
 
 class RequestGuard:
     """The checks above, around ``app``; ``closing()`` says whether to refuse new work."""
 
-    def __init__(self, app: ASGIApp, config: GuardConfig,
-                 closing: Callable[[], bool] = lambda: False) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        config: GuardConfig,
+        closing: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.app, self.config, self.closing = app, config, closing
-        self.bearer = None if config.api_key is None else f"Bearer {config.api_key}".encode()
+        self.bearer = (
+            None if config.api_key is None else f"Bearer {config.api_key}".encode()
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -83,16 +96,28 @@ class RequestGuard:
         allowed = self.config.allowed_hosts
         host = host_name(headers.get(b"host", b"").decode("latin-1"))
         if allowed is not None and "*" not in allowed and host not in allowed:
-            return error(400, f"the Host header {host!r} is not an allowed host "
-                              "(see --allowed-hosts)", "invalid_host")
+            return error(
+                400,
+                f"the Host header {host!r} is not an allowed host "
+                "(see --allowed-hosts)",
+                "invalid_host",
+            )
         v1 = scope["path"].startswith("/v1")
         if v1 and self.closing():
             return error(503, "the server is shutting down", "server_shutting_down")
         # Bytes, not str: a non-ASCII header must compare unequal, not raise.
         given = headers.get(b"authorization", b"")
-        if v1 and self.bearer is not None and not secrets.compare_digest(given, self.bearer):
-            return error(401, "Incorrect API key provided.", "invalid_api_key",
-                         {"WWW-Authenticate": "Bearer"})
+        if (
+            v1
+            and self.bearer is not None
+            and not secrets.compare_digest(given, self.bearer)
+        ):
+            return error(
+                401,
+                "Incorrect API key provided.",
+                "invalid_api_key",
+                {"WWW-Authenticate": "Bearer"},
+            )
         length = headers.get(b"content-length", b"0")
         if not length.isdigit():
             return error(400, "Content-Length must be a number of bytes")
@@ -101,8 +126,10 @@ class RequestGuard:
         return None
 
     def _too_large(self) -> str:
-        return (f"the request body is larger than {self.config.max_body_bytes} bytes "
-                "(see --max-request-bytes)")
+        return (
+            f"the request body is larger than {self.config.max_body_bytes} bytes "
+            "(see --max-request-bytes)"
+        )
 
     def _limited(self, receive: Receive) -> Receive:
         """``receive`` with the body's size and read time bounded (a chunked body has no
@@ -117,8 +144,11 @@ class RequestGuard:
             try:
                 message = await asyncio.wait_for(receive(), self.config.read_timeout_s)
             except TimeoutError:
-                raise HTTPException(408, f"the request body did not arrive within "
-                                         f"{self.config.read_timeout_s:g} s") from None
+                raise HTTPException(
+                    408,
+                    f"the request body did not arrive within "
+                    f"{self.config.read_timeout_s:g} s",
+                ) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 done = not message.get("more_body", False)
