@@ -520,9 +520,10 @@ def test_the_model_id_defaults_to_the_checkpoint_name(tmp_path):
     checkpoint.mkdir(parents=True)
     assert default_model_name(str(checkpoint)) == "tiny-llama"
     assert default_model_name(f"{checkpoint}/") == "tiny-llama"
-    assert (
-        default_model_name("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
-    )  # not a path here
+    (tmp_path / "link").symlink_to(checkpoint)
+    assert default_model_name(str(tmp_path / "link")) == "link"  # the name given
+    hub_id = "Qwen/Qwen2.5-0.5B"  # not a directory here: kept as given
+    assert default_model_name(hub_id) == hub_id
 
 
 @pytest.mark.parametrize(

@@ -357,7 +357,9 @@ def default_model_name(model: str) -> str:
     """The model's id in the API: a local checkpoint's directory name (not the whole
     path, which says where the server's files are), else the name as given."""
     path = Path(model)
-    return path.resolve().name if path.is_dir() else model
+    if not path.is_dir():
+        return model
+    return path.name or path.resolve().name  # as named (a link keeps its name); "." too
 
 
 class Draining:
