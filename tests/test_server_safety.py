@@ -9,6 +9,7 @@ KV block must be free again.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -759,3 +760,29 @@ def test_chaos_flags_what_breaks_the_rules():
     )
     with pytest.raises(ValueError, match="kinds"):
         chaos.run("http://127.0.0.1:1", kinds=["nonsense"])
+
+
+def test_after_end_all_requests_still_on_their_way_are_turned_back(checkpoint):
+    """A request that passed the checks just before a shutdown ended everything gets
+    the same error, instead of running with no one left to stop it."""
+    from minipaged.config import EngineConfig
+    from minipaged.engine import LLMEngine
+    from minipaged.server.async_engine import AsyncEngine, ServerClosingError
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(checkpoint), **ENGINE)))
+
+    async def late_request():
+        engine.end_all("the server shut down")
+        await asyncio.sleep(0.2)  # the engine thread has ended everything there was
+        outputs = engine.generate(
+            [("late", [1, 2, 3], SamplingParams(max_tokens=4), None)]
+        )
+        with pytest.raises(ServerClosingError, match="shut down"):
+            async for _ in outputs:
+                pass
+
+    try:
+        asyncio.run(late_request())
+    finally:
+        engine.shutdown()
+    assert not engine.engine.has_unfinished_requests() and not engine.engine.kv.tables

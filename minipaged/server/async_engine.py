@@ -60,6 +60,7 @@ class AsyncEngine:
         self.stats = engine.counters()
         self.error: BaseException | None = None
         self.on_dead = on_dead
+        self._closed: str | None = None  # why, once `end_all` has ended everything
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._run, name="minipaged-engine", daemon=True)
@@ -134,9 +135,8 @@ class AsyncEngine:
         """Tell each request that failed alone why (and log it: a bug to look at)."""
         for request_id, error in failed.items():
             logger.error("request %s failed in the engine", request_id, exc_info=error)
-            self._send(request_id, RequestFailedError(
+            self._end(request_id, RequestFailedError(
                 f"the request failed in the engine: {error!r}"))
-            self._streams.pop(request_id, None)
 
     def _take_commands(self) -> list[tuple]:
         """Everything queued; an idle engine sleeps here until something is."""
@@ -157,17 +157,25 @@ class AsyncEngine:
                 self.engine.abort_request(arg)
                 continue
             if kind == "end_all":
+                self._closed = arg  # and requests still on their way are turned back
                 for request_id in list(self._streams):
-                    self.engine.abort_request(request_id)
-                    self._send(request_id, ServerClosingError(arg))
-                    self._streams.pop(request_id, None)
+                    self._end(request_id, ServerClosingError(arg))
                 continue
             request_id, token_ids, params, prompt = arg
+            if self._closed is not None:
+                self._end(request_id, ServerClosingError(self._closed))
+                continue
             try:
                 self.engine.add_request(request_id, token_ids, params, prompt=prompt)
             except ValueError as error:  # e.g. its id reused since it was checked
                 self._send(request_id, error)
         return True
+
+    def _end(self, request_id: str, error: Exception) -> None:
+        """Abort a request (a no-op if it never reached the engine) and tell its stream."""
+        self.engine.abort_request(request_id)
+        self._send(request_id, error)
+        self._streams.pop(request_id, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
