@@ -64,13 +64,14 @@ def in_process_app(path, api_key: str | None = None, **app_kwargs):
 
     from minipaged.config import EngineConfig
     from minipaged.engine import LLMEngine
-    from minipaged.server.app import build_app
+    from minipaged.server.app import ServerLimits, build_app, uvicorn_config
     from minipaged.server.async_engine import AsyncEngine
 
     engine = AsyncEngine(LLMEngine(EngineConfig(model=str(path), **ENGINE)))
     port = free_port()
     app = build_app(engine, MODEL, api_key, **app_kwargs)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+    limits = app_kwargs.get("limits") or ServerLimits()
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, limits,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -328,6 +328,30 @@ def test_a_half_sent_body_times_out_with_408(base_url, oracle):
     assert_alive(base_url, oracle)
 
 
+@pytest.mark.parametrize(
+    "sent",
+    [b"", b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-"],
+    ids=["nothing", "half a head"],
+)
+def test_a_silent_or_half_sent_head_is_closed(base_url, oracle, sent):
+    """uvicorn times neither: the connection is closed after the read timeout."""
+    port = int(base_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(sent)
+        start = time.monotonic()
+        assert sock.recv(65536) == b""  # closed, not held
+    assert time.monotonic() - start < LIMITS["read_timeout_s"] + 5
+    assert_alive(base_url, oracle)
+
+
+def test_a_keep_alive_connection_still_serves_many_requests(base_url):
+    """The head timer starts again after each response, and lets a prompt one through."""
+    with httpx.Client(base_url=base_url) as client:
+        for _ in range(3):
+            assert client.get("/health").status_code == 200
+            time.sleep(LIMITS["read_timeout_s"] / 2)
+
+
 # -- disconnects, text, auth -----------------------------------------------------------
 def test_client_gone_before_a_non_streamed_answer_aborts_it(served, monkeypatch):
     """A client that hangs up while waiting for a whole answer aborts it: the engine

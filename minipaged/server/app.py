@@ -47,7 +47,8 @@ from minipaged.engine import LLMEngine
 from minipaged.outputs import CompletionOutput, RequestOutput
 from minipaged.server.async_engine import (AsyncEngine, EngineDeadError, RequestFailedError,
                                            ServerClosingError)
-from minipaged.server.guard import GuardConfig, RequestGuard, default_allowed_hosts
+from minipaged.server.guard import (GuardConfig, RequestGuard, default_allowed_hosts,
+                                    h11_with_head_timeout)
 from minipaged.server.limits import ServerLimits
 from minipaged.server.metrics import make_registry
 from minipaged.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
@@ -415,9 +416,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     engine = AsyncEngine(LLMEngine(EngineConfig(model=str(model), **engine_kwargs)), on_dead)
     name = served_model_name or default_model_name(model)
     app = build_app(engine, name, api_key, limits, hosts)
-    config = uvicorn.Config(app, host=host, port=port,
-                            timeout_graceful_shutdown=limits.shutdown_grace_s + 5)
-    server = Server(config, app.state.draining)
+    server = Server(uvicorn_config(app, host, port, limits), app.state.draining)
     log_startup(engine.engine, model, name, host, port, api_key, limits, hosts)
     try:
         server.run()
@@ -426,6 +425,15 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     if engine.error is not None:
         raise SystemExit(f"minipaged serve: the engine died ({engine.error!r}); "
                          "the traceback is above")
+
+
+def uvicorn_config(app: FastAPI, host: str, port: int, limits: ServerLimits,
+                   **kwargs) -> uvicorn.Config:
+    """uvicorn's settings for ``app``: HTTP/1.1 heads timed like bodies, and shutdown
+    waiting out the grace period (plus time for the last error events to go out)."""
+    return uvicorn.Config(app, host=host, port=port,
+                          http=h11_with_head_timeout(limits.read_timeout_s),
+                          timeout_graceful_shutdown=limits.shutdown_grace_s + 5, **kwargs)
 
 
 def log_startup(engine: LLMEngine, model: str, name: str, host: str, port: int,

@@ -11,6 +11,9 @@ In order, each answered in OpenAI's error shape:
    as it streams in;
 5. a body that stops arriving for ``read_timeout_s`` is refused (408), so a client that
    sends half a body does not hold a connection forever.
+
+Before all of these, `HeadTimeoutH11Protocol` closes a connection whose request line and
+headers do not arrive within the same time.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import h11
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 # The names a server bound to a loopback address answers to by default.
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -157,3 +162,46 @@ class RequestGuard:
             return message
 
         return limited
+
+
+class HeadTimeoutH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, closing a connection whose request head (the request
+    line and headers) has not arrived ``head_timeout_s`` after the connection opened or
+    the previous response ended: uvicorn times neither, so a client that connects and
+    sends nothing, or half a head, would hold a connection forever.  (The body's pace is
+    `RequestGuard`'s.)"""
+
+    head_timeout_s = 30.0
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._await_head()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE and self._head_timer is not None:
+            self._head_timer.cancel()  # the head is in
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._await_head()
+
+    def _await_head(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        if self.conn.their_state is h11.IDLE:  # not already reading a pipelined request
+            self._head_timer = self.loop.call_later(
+                self.head_timeout_s, self._head_late
+            )
+
+    def _head_late(self) -> None:
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+def h11_with_head_timeout(seconds: float) -> type[HeadTimeoutH11Protocol]:
+    """The protocol class for ``uvicorn.Config(http=...)``, timing heads at ``seconds``."""
+    return type(
+        "HeadTimeoutH11Protocol", (HeadTimeoutH11Protocol,), {"head_timeout_s": seconds}
+    )
