@@ -59,7 +59,8 @@ logger = logging.getLogger("minipaged.server")
 # The errors the /v1 routes document in the OpenAPI schema, all in OpenAI's shape.
 ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": description} for
                    status, description in [(400, "Invalid request"), (401, "Wrong API key"),
-                                           (404, "Unknown model"), (413, "Body too large"),
+                                           (404, "Unknown model"), (408, "Body too slow"),
+                                           (413, "Body too large"),
                                            (500, "Failed in the engine"),
                                            (503, "Shutting down")]}
 
@@ -271,7 +272,7 @@ class OpenAIServing:
                            "model_not_found")
         if name := body.unsupported():
             raise APIError(400, f"{name} is not supported by minipaged", name)
-        if isinstance(body.n, int) and body.n > self.limits.max_n:
+        if body.n > self.limits.max_n:
             raise APIError(400, f"n must be at most {self.limits.max_n} (--max-n), "
                                 f"got {body.n}", "n")
         if name := unencodable_field(body.model_dump()):
