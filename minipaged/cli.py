@@ -295,16 +295,45 @@ def _add_serve(subcommands) -> None:
                         help="if set, /v1 requests need 'Authorization: Bearer KEY' "
                              "(default: $MINIPAGED_API_KEY, else none)")
     parser.add_argument("--served-model-name", metavar="NAME",
-                        help="the model's name in the API (default: MODEL as given)")
+                        help="the model's name in the API (default: a directory's own "
+                             "name, else MODEL as given)")
+    _add_serve_safety_flags(parser)
     _add_engine_flags(parser)
     parser.set_defaults(run=_run_serve, command="serve")
 
 
+def _add_serve_safety_flags(parser) -> None:
+    """The server's limits (`minipaged.server.app.ServerLimits`) and allowed hosts; see
+    docs/serving-safely.md."""
+    from minipaged.server.limits import ServerLimits
+
+    defaults = ServerLimits()
+    group = parser.add_argument_group("limits", "what one request may ask for, and how "
+                                                "long the server waits")
+    group.add_argument("--allowed-hosts", nargs="+", metavar="HOST",
+                       help="Host header values to answer, '*' for any (default: the "
+                            "loopback names when bound to one, else any)")
+    for flag, dest, kind, help_ in [
+            ("--max-request-bytes", "max_body_bytes", int, "a request body's size (413)"),
+            ("--max-prompts", "max_prompts", int, "prompts in one completions request"),
+            ("--max-n", "max_n", int, "completions per prompt"),
+            ("--max-logprobs", "max_logprobs", int, "logprobs and top_logprobs"),
+            ("--read-timeout", "read_timeout_s", float,
+             "seconds a request body may pause (408)"),
+            ("--shutdown-grace", "shutdown_grace_s", float,
+             "seconds running requests may finish after a shutdown begins")]:
+        group.add_argument(flag, dest=dest, type=kind, default=getattr(defaults, dest),
+                           help=f"{help_} (default: %(default)s)")
+
+
 def _run_serve(args) -> None:
     from minipaged.server.app import serve  # FastAPI and uvicorn: the server extra
+    from minipaged.server.limits import ServerLimits
 
-    serve(args.model, args.host, args.port, args.api_key, args.served_model_name,
-          **engine_kwargs(args))
+    limits = ServerLimits(**{f.name: getattr(args, f.name)
+                             for f in dataclasses.fields(ServerLimits)})
+    serve(args.model, args.host, args.port, args.api_key, args.served_model_name, limits,
+          args.allowed_hosts, **engine_kwargs(args))
 
 
 def _add_bench(subcommands) -> None:
@@ -319,6 +348,7 @@ def _add_bench(subcommands) -> None:
     _add_bench_attention(benches)
     _add_bench_throughput(benches)
     _add_bench_serve(benches)
+    _add_bench_chaos(benches)
     _add_bench_block_size(benches)
     _add_bench_preemption(benches)
     _add_bench_latency(benches)
@@ -560,6 +590,47 @@ def _run_bench_throughput(args) -> None:
         engine_overhead_ms_per_step=overhead and overhead["ms_per_step"],
         engine_overhead=overhead, notes=bench.notes)
     print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def _add_bench_chaos(benches) -> None:
+    parser = benches.add_parser(
+        "chaos", help="load and faults: many clients, dropped connections, invalid requests",
+        description="Send a seeded mix of good requests, invalid ones and clients that hang "
+                    "up to a server (by default one started here on the tiny demo "
+                    "checkpoint); report requests served, statuses by kind, anything "
+                    "unexpected (a 5xx, a good request refused), KV blocks leaked and the "
+                    "good requests' p50/p99 latency.  Exits 1 if the server broke a rule.")
+    parser.add_argument("--base-url", help="a running server (default: start one)")
+    parser.add_argument("--num-requests", type=int, default=400, metavar="N",
+                        help="(default: %(default)s)")
+    parser.add_argument("--concurrency", type=int, default=32, metavar="N",
+                        help="clients at once (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the mix and the prompts")
+    parser.add_argument("--huge-bytes", type=int, metavar="B",
+                        help="the oversized body's size: one over the server's cap "
+                             "(default: 1 MiB + 1 for the server started here, else "
+                             "8 MiB + 1, the default cap)")
+    parser.add_argument("--json", help="also write the report here")
+    parser.set_defaults(run=_run_bench_chaos, command="bench chaos")
+
+
+def _run_bench_chaos(args) -> None:
+    from minipaged.bench import chaos  # httpx: the server extra
+
+    def run(base_url: str, huge_bytes: int):
+        return chaos.run(base_url, args.num_requests, args.concurrency, args.seed,
+                         args.huge_bytes or huge_bytes)
+
+    if args.base_url:
+        report = run(args.base_url, 8 * 2**20 + 1)
+    else:
+        with chaos.local_server(max_body_bytes=2**20) as base_url:
+            report = run(base_url, 2**20 + 1)
+    print(chaos.format_report(report))
+    if args.json:
+        chaos.save_report(args.json, report)
+    if chaos.failed(report):
+        raise SystemExit(1)
 
 
 def _add_bench_serve(benches) -> None:

@@ -53,23 +53,32 @@ def wait_healthy(base_url: str, alive=lambda: True) -> None:
 def in_process(path, api_key: str | None = None):
     """The app, served by uvicorn on a thread of this process; yields its base URL and
     its `AsyncEngine`."""
+    for base_url, engine, _ in in_process_app(path, api_key):
+        yield base_url, engine
+
+
+def in_process_app(path, api_key: str | None = None, **app_kwargs):
+    """As `in_process`, with `build_app`'s other arguments (``limits``,
+    ``allowed_hosts``); yields the base URL, the `AsyncEngine` and the app."""
     import uvicorn
 
     from minipaged.config import EngineConfig
     from minipaged.engine import LLMEngine
-    from minipaged.server.app import build_app
+    from minipaged.server.app import ServerLimits, build_app, uvicorn_config
     from minipaged.server.async_engine import AsyncEngine
 
     engine = AsyncEngine(LLMEngine(EngineConfig(model=str(path), **ENGINE)))
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL, api_key), host="127.0.0.1",
-                                           port=port, log_level="warning"))
+    app = build_app(engine, MODEL, api_key, **app_kwargs)
+    limits = app_kwargs.get("limits") or ServerLimits()
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, limits,
+                                           log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base_url = f"http://127.0.0.1:{port}"
     wait_healthy(base_url, thread.is_alive)
     try:
-        yield base_url, engine
+        yield base_url, engine, app
     finally:
         server.should_exit = True
         thread.join(timeout=30)

@@ -364,7 +364,7 @@ def test_a_failing_engine_fails_requests_clearly_and_health_says_so(tiny):
     an error event mid-stream), new ones are refused, and /health turns 503."""
     path, _ = tiny("llama")
     for base_url, engine in in_process(path):
-        def broken_step():
+        def broken_step(fail_alone=False):
             raise RuntimeError("a kernel fell over")
 
         engine.engine.step = broken_step

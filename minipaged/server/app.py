@@ -12,19 +12,31 @@ same batch as everyone else's.  A stream sends each step's new text as it is mad
 aborts its requests, which frees their blocks.  Errors have OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``, with a 4xx status for anything the
 client got wrong, and the server goes on serving.
+
+No one request can stop, stall or leak from the server (docs/serving-safely.md): the
+host, the API key and the body's size and pace are checked before the body is read
+(`minipaged.server.guard`); prompts, ``n`` and logprobs are capped (`ServerLimits`);
+a prompt's length is checked in characters before it is tokenized, on a thread of its
+own; a request that fails inside the engine fails alone; a client that hangs up aborts
+its request, streamed or not; and shutdown refuses new work, gives running requests a
+grace period, then ends the rest with an error the client can read.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import secrets
+import logging
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncIterator, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing, asynccontextmanager, suppress
+from pathlib import Path
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -33,10 +45,24 @@ from starlette.exceptions import HTTPException
 from minipaged.config import EngineConfig
 from minipaged.engine import LLMEngine
 from minipaged.outputs import CompletionOutput, RequestOutput
-from minipaged.server.async_engine import AsyncEngine, EngineDeadError
+from minipaged.server.async_engine import (AsyncEngine, EngineDeadError, RequestFailedError,
+                                           ServerClosingError)
+from minipaged.server.guard import (GuardConfig, RequestGuard, default_allowed_hosts,
+                                    h11_with_head_timeout)
+from minipaged.server.limits import ServerLimits
 from minipaged.server.metrics import make_registry
-from minipaged.server.protocol import (ChatCompletionRequest, CompletionRequest,
+from minipaged.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
                                        SamplingRequest)
+
+logger = logging.getLogger("minipaged.server")
+
+# The errors the /v1 routes document in the OpenAPI schema, all in OpenAI's shape.
+ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": description} for
+                   status, description in [(400, "Invalid request"), (401, "Wrong API key"),
+                                           (404, "Unknown model"), (408, "Body too slow"),
+                                           (413, "Body too large"),
+                                           (500, "Failed in the engine"),
+                                           (503, "Shutting down")]}
 
 
 class APIError(Exception):
@@ -50,6 +76,11 @@ class APIError(Exception):
 
 def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error_body(error), status_code=error.status)
+
+
+def server_error(error: Exception) -> APIError:
+    """An engine-side failure as the client sees it: 503 while shutting down, else 500."""
+    return APIError(503 if isinstance(error, ServerClosingError) else 500, str(error))
 
 
 def error_body(error: APIError) -> dict:
@@ -77,10 +108,18 @@ class Usage:
 class OpenAIServing:
     """The endpoints' logic: requests in, engine requests out, responses back."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str,
+                 limits: ServerLimits | None = None) -> None:
         self.engine, self.model_name = engine, model_name
+        self.limits = limits or ServerLimits()
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
+        # No token is longer than the vocabulary's longest entry (a byte-level entry has
+        # a character per byte), so a longer prompt cannot fit; checked before tokenizing.
+        longest = max(map(len, self.tokenizer.get_vocab()))
+        self.max_prompt_chars = self.max_model_len * longest
+        # One thread: tokenizing never blocks the event loop, and never runs twice at once.
+        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="minipaged-tokenize")
 
     def models(self) -> dict:
         return {"object": "list", "data": [{
@@ -93,14 +132,19 @@ class OpenAIServing:
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo with logprobs needs the prompt's logprobs, which "
                                 "minipaged does not compute", "echo")
-        prompts = self._completion_prompts(body.prompt)
-        for token_ids, _ in prompts:
-            self._check_context(len(token_ids), body.max_tokens, "prompt")
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        self._check_logprobs(body.logprobs, "logprobs")
+        prompts = await self._completion_prompts(body.prompt)
+        params = {}
+        for i, (token_ids, _) in enumerate(prompts):
+            # max_tokens null: up to the context's end, as OpenAI does.
+            max_tokens = (body.max_tokens if body.max_tokens is not None
+                          else max(1, self.max_model_len - len(token_ids)))
+            self._check_context(len(token_ids), max_tokens, "prompt")
+            params[i] = body.sampling_params(max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        outputs = self.engine.generate([(rid, token_ids, params, text) for rid, (token_ids, text)
-                                        in zip(ids, prompts)])
+        outputs = self.engine.generate([(rid, token_ids, params[i], text) for i, (rid, (
+            token_ids, text)) in enumerate(zip(ids, prompts))])
         head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
         usage = Usage([token_ids for token_ids, _ in prompts])
@@ -124,15 +168,24 @@ class OpenAIServing:
         choices = await self._collect(outputs, choice, usage)
         return JSONResponse({**head, "choices": choices, "usage": usage.as_dict()})
 
-    def _completion_prompts(self, prompt) -> list[tuple[list[int], str | None]]:
+    async def _completion_prompts(self, prompt) -> list[tuple[list[int], str | None]]:
         """(token ids, text) per prompt: ``prompt`` is a str, a list of str, a list of
-        token ids, or a list of those."""
+        token ids, or a list of those.  Counted and measured first, tokenized off the
+        event loop."""
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt or any(not p for p in prompt):
             raise APIError(400, "prompt must not be empty", "prompt")
-        return [(self.tokenizer.encode(p), p) if isinstance(p, str) else (p, None)
-                for p in prompt]
+        if len(prompt) > self.limits.max_prompts:
+            raise APIError(400, f"prompt holds {len(prompt)} prompts, more than the "
+                                f"{self.limits.max_prompts} one request may (--max-prompts)",
+                           "prompt")
+        for p in prompt:
+            if isinstance(p, str):
+                self._check_chars(len(p), "prompt")
+        return await self._off_loop(lambda: [
+            (self.tokenizer.encode(p), p) if isinstance(p, str) else (p, None)
+            for p in prompt])
 
     def _prompt_text(self, prompt: tuple[list[int], str | None]) -> str:
         token_ids, text = prompt
@@ -151,7 +204,10 @@ class OpenAIServing:
     # -- chat -------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest) -> Response:
         self._check(body)
-        token_ids = self._chat_prompt(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+        self._check_logprobs(body.top_logprobs, "top_logprobs")
+        token_ids = await self._chat_prompt(body)
         asked = [m for m in (body.max_completion_tokens, body.max_tokens) if m is not None]
         max_tokens = asked[0] if asked else max(1, self.max_model_len - len(token_ids))
         self._check_context(len(token_ids), max_tokens, "messages")
@@ -179,16 +235,20 @@ class OpenAIServing:
         choices = await self._collect(outputs, choice, usage)
         return JSONResponse({**head, "choices": choices, "usage": usage.as_dict()})
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         if not body.messages:
             raise APIError(400, "messages must not be empty", "messages")
         if self.tokenizer.chat_template is None:
             raise APIError(400, "this model's tokenizer has no chat template; use "
                                 "/v1/completions", "messages")
+        messages = [m.as_template_input() for m in body.messages]
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        return await self._off_loop(lambda: self._render_chat(messages))
+
+    def _render_chat(self, messages: list[dict]) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(
-                [m.as_template_input() for m in body.messages], add_generation_prompt=True,
-                tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=False)
         except Exception as error:  # a template raises what it likes
             raise APIError(400, f"the chat template refused the messages: {error}",
                            "messages") from error
@@ -212,6 +272,29 @@ class OpenAIServing:
                            "model_not_found")
         if name := body.unsupported():
             raise APIError(400, f"{name} is not supported by minipaged", name)
+        if body.n > self.limits.max_n:
+            raise APIError(400, f"n must be at most {self.limits.max_n} (--max-n), "
+                                f"got {body.n}", "n")
+        if name := unencodable_field(body.model_dump()):
+            raise APIError(400, f"{name} holds a lone surrogate, which is not text "
+                                "(UTF-16 halves must come in pairs)", name)
+
+    def _check_logprobs(self, asked: int | None, param: str) -> None:
+        if asked is not None and asked > self.limits.max_logprobs:
+            raise APIError(400, f"{param} must be at most {self.limits.max_logprobs} "
+                                f"(--max-logprobs), got {asked}", param)
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        """Refuse text that cannot fit the context whatever it tokenizes to, before
+        spending time tokenizing it."""
+        if num_chars > self.max_prompt_chars:
+            raise APIError(400, f"the {param} has {num_chars} characters; no text over "
+                                f"{self.max_prompt_chars} fits this model's maximum "
+                                f"context length of {self.max_model_len} tokens", param)
+
+    async def _off_loop(self, work):
+        """``work()`` on the tokenizing thread, so a long prompt stalls no one else."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, work)
 
     def _check_context(self, prompt_len: int, max_tokens: int, param: str) -> None:
         """As OpenAI and vLLM: prompt and completion must fit the model's context."""
@@ -223,7 +306,11 @@ class OpenAIServing:
 
     @staticmethod
     async def _collect(outputs: AsyncIterator[RequestOutput], choice, usage: Usage) -> list:
-        finals = [output async for output in outputs]  # FINAL_ONLY: one per request
+        try:
+            async with aclosing(outputs):  # closing it (a cancelled task) aborts the rest
+                finals = [output async for output in outputs]  # FINAL_ONLY: one each
+        except (EngineDeadError, RequestFailedError, ServerClosingError) as error:
+            raise server_error(error) from error
         choices = [choice(o.request_id, c) for o in finals for c in o.outputs]
         usage.completion_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
         return sorted(choices, key=lambda c: c["index"])
@@ -241,56 +328,221 @@ class OpenAIServing:
                                                                   completion)]})
                 if include_usage:
                     yield sse({**head, "choices": [], "usage": usage.as_dict()})
-            except (EngineDeadError, ValueError) as error:
-                yield sse(error_body(APIError(500 if isinstance(error, EngineDeadError)
-                                              else 400, str(error))))
+            except ValueError as error:
+                yield sse(error_body(APIError(400, str(error))))
+            except (EngineDeadError, RequestFailedError, ServerClosingError) as error:
+                yield sse(error_body(server_error(error)))
             yield sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
+def unencodable_field(body: dict) -> str | None:
+    """The first top-level field of ``body`` holding a string that is not valid Unicode
+    (a lone surrogate, which JSON's ``\\ud800`` escapes allow and tokenizers refuse)."""
+
+    def bad(value) -> bool:
+        if isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                return True
+            return False
+        if isinstance(value, dict):
+            return any(bad(k) or bad(v) for k, v in value.items())
+        return isinstance(value, list) and any(map(bad, value))
+
+    return next((name for name, value in body.items() if bad(value)), None)
+
+
+def default_model_name(model: str) -> str:
+    """The model's id in the API: a local checkpoint's directory name (not the whole
+    path, which says where the server's files are), else the name as given."""
+    path = Path(model)
+    if not path.is_dir():
+        return model
+    return path.name or path.resolve().name  # as named (a link keeps its name); "." too
+
+
+class Draining:
+    """A shutdown in progress: new ``/v1`` requests get 503 and ``/health`` 503 (for
+    load balancers), running requests have ``grace_s`` to finish, then the rest are
+    ended with an error (an SSE error event and ``[DONE]``, or a 503 body)."""
+
+    def __init__(self, engine: AsyncEngine, grace_s: float) -> None:
+        self.engine, self.grace_s = engine, grace_s
+        self.started = False
+
+    def start(self) -> None:
+        if self.started:
+            return
+        self.started = True
+        logger.info("shutting down: %d request(s) running, %g s to finish",
+                    self.engine.num_requests, self.grace_s)
+        timer = threading.Timer(self.grace_s, self.engine.end_all,
+                                ["the server shut down before the request finished"])
+        timer.daemon = True
+        timer.start()
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, whose shutdown drains the app first (`Draining`)."""
+
+    def __init__(self, config: uvicorn.Config, draining: Draining) -> None:
+        super().__init__(config)
+        self.draining = draining
+
+    async def shutdown(self, sockets=None) -> None:
+        self.draining.start()
+        await super().shutdown(sockets)
+
+
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          served_model_name: str | None = None, **engine_kwargs) -> None:
+          served_model_name: str | None = None, limits: ServerLimits | None = None,
+          allowed_hosts: list[str] | None = None, **engine_kwargs) -> None:
     """Load ``model`` into an engine (``engine_kwargs``: `EngineConfig`'s) and serve it
-    over HTTP, as ``served_model_name`` (default: ``model`` as given), until stopped."""
-    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(model), **engine_kwargs)))
-    app = build_app(engine, served_model_name or str(model), api_key)
-    uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=5)
+    over HTTP, as ``served_model_name`` (default: `default_model_name`), until stopped.
+    ``allowed_hosts`` defaults to the loopback names when bound to one, else any.  If
+    the engine's loop dies, the server stops and this raises ``SystemExit(1)``, so a
+    supervisor can restart it."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    limits = limits or ServerLimits()
+    hosts = tuple(allowed_hosts) if allowed_hosts else default_allowed_hosts(host)
+    server: Server | None = None
+
+    def on_dead(_: BaseException) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(model), **engine_kwargs)), on_dead)
+    name = served_model_name or default_model_name(model)
+    app = build_app(engine, name, api_key, limits, hosts)
+    server = Server(uvicorn_config(app, host, port, limits), app.state.draining)
+    log_startup(engine.engine, model, name, host, port, api_key, limits, hosts)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it has already handled
+        pass
+    if engine.error is not None:
+        raise SystemExit(f"minipaged serve: the engine died ({engine.error!r}); "
+                         "the traceback is above")
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def uvicorn_config(app: FastAPI, host: str, port: int, limits: ServerLimits,
+                   **kwargs) -> uvicorn.Config:
+    """uvicorn's settings for ``app``: HTTP/1.1 heads timed like bodies, and shutdown
+    waiting out the grace period (plus time for the last error events to go out)."""
+    return uvicorn.Config(app, host=host, port=port,
+                          http=h11_with_head_timeout(limits.read_timeout_s),
+                          timeout_graceful_shutdown=limits.shutdown_grace_s + 5, **kwargs)
+
+
+def log_startup(engine: LLMEngine, model: str, name: str, host: str, port: int,
+                api_key: str | None, limits: ServerLimits, hosts) -> None:
+    """One block saying what is served, where and on what, as vLLM's startup log does."""
+    kv, config = engine.kv, engine.config
+    dtype = engine.model.model.embed_tokens.weight.dtype
+    lines = [
+        f"model           {model} (served as {name!r})",
+        (f"device          {engine.device}, {str(dtype).removeprefix('torch.')}, "
+         f"attention backend {engine.attention_backend}"),
+        (f"KV cache        {kv.gpu.num_blocks} blocks x {config.block_size} tokens = "
+         f"{kv.gpu.num_blocks * config.block_size} tokens; {kv.cpu.num_blocks} swap blocks"),
+        f"max_model_len   {engine.max_model_len} tokens",
+        (f"limits          body {limits.max_body_bytes} bytes, {limits.max_prompts} prompts, "
+         f"n <= {limits.max_n}, logprobs <= {limits.max_logprobs}, read timeout "
+         f"{limits.read_timeout_s:g} s, shutdown grace {limits.shutdown_grace_s:g} s"),
+        f"API key         {'required' if api_key else 'none'}",
+        f"allowed hosts   {', '.join(hosts) if hosts else 'any'}",
+        f"listening on    http://{f'[{host}]' if ':' in host else host}:{port}",
+    ]
+    logger.info("minipaged serve\n%s", "\n".join(f"  {line}" for line in lines))
+
+
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+              limits: ServerLimits | None = None,
+              allowed_hosts: tuple[str, ...] | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``; with ``api_key``, the
-    ``/v1`` routes want ``Authorization: Bearer <api_key>``.  Stopping the app stops
-    the engine's thread."""
+    ``/v1`` routes want ``Authorization: Bearer <api_key>``; ``allowed_hosts`` None
+    allows any ``Host``.  ``app.state.draining`` is its `Draining`.  Stopping the app
+    stops the engine's thread."""
+    limits = limits or ServerLimits()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
         engine.shutdown()
 
-    app = FastAPI(title="minipaged", lifespan=lifespan)
-    serving, registry = OpenAIServing(engine, model_name), make_registry(engine)
+    # No trailing-slash redirects: they would send clients to the Host they named.
+    app = FastAPI(title="minipaged", lifespan=lifespan, redirect_slashes=False)
+    serving, registry = OpenAIServing(engine, model_name, limits), make_registry(engine)
+    draining = app.state.draining = Draining(engine, limits.shutdown_grace_s)
+    app.add_middleware(RequestGuard, config=GuardConfig(
+        api_key, allowed_hosts, limits.max_body_bytes, limits.read_timeout_s),
+        closing=lambda: draining.started)
 
-    def authorize(request: Request) -> None:
-        given = request.headers.get("authorization", "")
-        if api_key is not None and not secrets.compare_digest(given, f"Bearer {api_key}"):
-            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+    app.get("/v1/models", responses=ERROR_RESPONSES)(serving.models)
 
-    v1 = [Depends(authorize)]
-    app.get("/v1/models", dependencies=v1)(serving.models)
-    app.post("/v1/completions", dependencies=v1)(serving.completions)
-    app.post("/v1/chat/completions", dependencies=v1)(serving.chat)
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await cancel_on_disconnect(request, serving.completions(body))
+
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        return await cancel_on_disconnect(request, serving.chat(body))
 
     @app.get("/health")
     def health() -> Response:
-        return Response(status_code=200 if engine.error is None else 503)
+        return Response(status_code=200 if engine.error is None and not draining.started
+                        else 503)
 
     @app.get("/metrics")
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     _add_error_handlers(app)
+    _document_400_not_422(app)
     return app
+
+
+async def cancel_on_disconnect(request: Request, handler: Coroutine) -> Response:
+    """Run ``handler``; if the client hangs up first, cancel it, which aborts its engine
+    requests and frees their blocks (vLLM's ``with_cancellation``).  A stream is
+    returned at once and watches for the hang-up itself."""
+    work = asyncio.ensure_future(handler)
+    gone = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if work.done():
+        gone.cancel()
+        return work.result()
+    work.cancel()
+    with suppress(asyncio.CancelledError):
+        await work
+    return Response(status_code=499)  # no one reads it: the client left
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client has hung up (the body is read by now)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _document_400_not_422(app: FastAPI) -> None:
+    """FastAPI documents a 422 for every body; this server answers a bad body with
+    OpenAI's 400, so the schema says so."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(unused, None)
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -311,7 +563,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, error: HTTPException) -> JSONResponse:
-        return error_response(APIError(error.status_code, str(error.detail)))
+        response = error_response(APIError(error.status_code, str(error.detail)))
+        response.headers.update(error.headers or {})  # a 405's Allow, for one
+        return response
 
     @app.exception_handler(ValueError)  # SamplingParams and the engine name the argument
     async def bad_value(_: Request, error: ValueError) -> JSONResponse:

@@ -14,14 +14,20 @@ of commands, and it answers through each request's ``asyncio.Queue``, by way of
 ``loop.call_soon_threadsafe``.  After every step it also publishes ``stats`` (the
 engine's ``counters()``), a fresh dict that ``/metrics`` reads without touching the
 engine.
+
+A request whose sampling raises fails alone (`LLMEngine.step` with ``fail_alone``): its
+stream gets a `RequestFailedError` and everyone else's batch goes on.  If the loop
+itself dies, the traceback is logged, every waiting request hears of it, and
+``on_dead`` is called, so a server can exit for its supervisor to restart it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from minipaged.engine import LLMEngine
 from minipaged.outputs import RequestOutput
@@ -30,18 +36,31 @@ from minipaged.sampling_params import SamplingParams
 # A request for the engine thread: (request_id, prompt_token_ids, params, prompt text).
 Request = tuple[str, list[int], SamplingParams, str | None]
 
+logger = logging.getLogger("minipaged.server")
+
 
 class EngineDeadError(RuntimeError):
     """A step raised: the engine's state is unknown, so it serves nothing more."""
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (its blocks are freed); the rest go on."""
+
+
+class ServerClosingError(RuntimeError):
+    """The server is shutting down and ended the request (its blocks are freed)."""
+
+
 class AsyncEngine:
     """An `LLMEngine` stepped by a thread of its own, with asyncio streams of outputs."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine,
+                 on_dead: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
         self.stats = engine.counters()
         self.error: BaseException | None = None
+        self.on_dead = on_dead
+        self._closed: str | None = None  # why, once `end_all` has ended everything
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._run, name="minipaged-engine", daemon=True)
@@ -83,6 +102,15 @@ class AsyncEngine:
         if self._streams.pop(request_id, None) is not None:
             self._commands.put(("abort", request_id))
 
+    def end_all(self, message: str) -> None:
+        """End every running request now with `ServerClosingError` (shutting down)."""
+        self._commands.put(("end_all", message))
+
+    @property
+    def num_requests(self) -> int:
+        """Requests with a stream still open (the event loop's own count)."""
+        return len(self._streams)
+
     def shutdown(self) -> None:
         self._commands.put(("stop", None))
         self._thread.join()
@@ -92,12 +120,23 @@ class AsyncEngine:
         try:
             while self._apply(self._take_commands()):
                 if self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step())
+                    self._deliver(self.engine.step(fail_alone=True))
+                    self._fail(self.engine.failed)
                 self.stats = self.engine.counters()
         except Exception as error:  # every waiting request must hear of it
+            logger.exception("the engine loop died; the server cannot go on")
             self.error = error
             for request_id in list(self._streams):
                 self._send(request_id, EngineDeadError(f"the engine stopped: {error!r}"))
+            if self.on_dead is not None:
+                self.on_dead(error)
+
+    def _fail(self, failed: dict[str, Exception]) -> None:
+        """Tell each request that failed alone why (and log it: a bug to look at)."""
+        for request_id, error in failed.items():
+            logger.error("request %s failed in the engine", request_id, exc_info=error)
+            self._end(request_id, RequestFailedError(
+                f"the request failed in the engine: {error!r}"))
 
     def _take_commands(self) -> list[tuple]:
         """Everything queued; an idle engine sleeps here until something is."""
@@ -117,12 +156,26 @@ class AsyncEngine:
             if kind == "abort":
                 self.engine.abort_request(arg)
                 continue
+            if kind == "end_all":
+                self._closed = arg  # and requests still on their way are turned back
+                for request_id in list(self._streams):
+                    self._end(request_id, ServerClosingError(arg))
+                continue
             request_id, token_ids, params, prompt = arg
+            if self._closed is not None:
+                self._end(request_id, ServerClosingError(self._closed))
+                continue
             try:
                 self.engine.add_request(request_id, token_ids, params, prompt=prompt)
             except ValueError as error:  # e.g. its id reused since it was checked
                 self._send(request_id, error)
         return True
+
+    def _end(self, request_id: str, error: Exception) -> None:
+        """Abort a request (a no-op if it never reached the engine) and tell its stream."""
+        self.engine.abort_request(request_id)
+        self._send(request_id, error)
+        self._streams.pop(request_id, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -72,7 +72,7 @@ class CompletionRequest(SamplingRequest):
     token ids or a list of those."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # null: up to the context length
     echo: bool = False
     logprobs: int | None = None
 
@@ -104,3 +104,16 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str  # invalid_request_error (4xx) or server_error (5xx)
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body, as OpenAI sends it."""
+
+    error: ErrorInfo
