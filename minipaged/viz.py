@@ -465,7 +465,7 @@ _SYSTEM = {
     "model": (2, 1, "models/", "Llama layers"),
     "ops": (2, 0, "ops/", "PagedAttention kernels"),
 }
-_BOX_CHARS = 32  # characters of 7.5-point text that fit across a box of the system map
+_BOX_CHARS = 36  # characters of 7.5-point text that fit across a box of the system map
 _CALLS = [("LLM", "LLMEngine"), ("LLMEngine", "Scheduler"), ("LLMEngine", "CacheEngine"),
           ("LLMEngine", "ModelRunner"), ("LLMEngine", "sampler"), ("Scheduler", "KVCacheManager"),
           ("ModelRunner", "model"), ("model", "ops")]
