@@ -50,6 +50,10 @@ docs-build: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
+.PHONY: lessons
+lessons: $(STAMP)  # re-execute every lesson in place: the outputs the docs site shows
+	$(PY) scripts/execute_lessons.py
+
 # On the GPU machine: use the torch that is installed there, as it is.
 gpu-test:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -m gpu tests
