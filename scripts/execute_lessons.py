@@ -24,10 +24,10 @@ from traitlets.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 # The kernel talks to its client over local Unix sockets (TCP would make ipykernel warn
-# that the channel is unencrypted), named by an absolute path (the kernel runs in
-# lessons/, the client elsewhere) in a folder of this process's own.  `conftest.py`
-# gives nbmake's kernels the same.
-_SOCKETS = Path(tempfile.mkdtemp(prefix="minipaged-kernels-")) / "kernel"
+# that the channel is unencrypted).  Their names are absolute paths, as the kernel runs in
+# lessons/ and the client elsewhere, and carry our process id, as other runs may share
+# the folder.  `conftest.py` gives nbmake's kernels the same.
+_SOCKETS = Path(tempfile.gettempdir()) / f"minipaged-kernel-{os.getpid()}"
 KERNEL_CONFIG = Config({"KernelManager": {"transport": "ipc", "ip": str(_SOCKETS)}})
 
 
