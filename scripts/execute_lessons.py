@@ -37,8 +37,18 @@ def execute(path: Path) -> None:
                             resources={"metadata": {"path": str(path.parent)}},
                             config=KERNEL_CONFIG)
     client.execute()
-    nb.metadata.pop("widgets", None)  # widget state is not output
+    drop_widgets(nb)
     nbformat.write(nb, path)
+
+
+def drop_widgets(nb) -> None:
+    """Remove widget outputs (tqdm's progress bars): the site cannot show them without
+    their state, and their ids are random, so every run would change the file."""
+    nb.metadata.pop("widgets", None)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = [o for o in cell.outputs
+                            if "application/vnd.jupyter.widget-view+json" not in o.get("data", {})]
 
 
 def main(paths: list[str]) -> None:
