@@ -72,6 +72,10 @@ docs-build: $(STAMP) ## build the docs site into site/ (strict: a broken link fa
 docs: $(STAMP) ## serve the docs site at http://127.0.0.1:8000
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
+.PHONY: lessons
+lessons: $(STAMP)  # re-execute every lesson in place: the outputs the docs site shows
+	$(PY) scripts/execute_lessons.py
+
 # On the GPU machine: use the torch that is installed there, as it is.
 gpu-test: ## the gpu-marked tests, on a GPU machine, with the torch installed there
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -m gpu tests

@@ -21,6 +21,8 @@ The engine at work, from its event trace (`minipaged.trace`):
 
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
@@ -463,6 +465,7 @@ _SYSTEM = {
     "model": (2, 1, "models/", "Llama layers"),
     "ops": (2, 0, "ops/", "PagedAttention kernels"),
 }
+_BOX_CHARS = 36  # characters of 7.5-point text that fit across a box of the system map
 _CALLS = [("LLM", "LLMEngine"), ("LLMEngine", "Scheduler"), ("LLMEngine", "CacheEngine"),
           ("LLMEngine", "ModelRunner"), ("LLMEngine", "sampler"), ("Scheduler", "KVCacheManager"),
           ("ModelRunner", "model"), ("model", "ops")]
@@ -485,7 +488,9 @@ def draw_system_map(notes: dict[str, str] | None = None, ax=None, title: str | N
     for name, (x, y, module, job) in _SYSTEM.items():
         ax.add_patch(Rectangle((x * 1.2, y), w * 1.2, h, facecolor="#eef3fa" if name in notes
                                else "#f7f7f7", edgecolor=_EDGE, lw=1))
-        lines = [f"$\\bf{{{name}}}$  ({module})", job] + ([notes[name]] if name in notes else [])
+        # Job and note are wrapped to the box's width: a note can be longer than a line.
+        said = [job] + ([notes[name]] if name in notes else [])
+        lines = [f"$\\bf{{{name}}}$  ({module})"] + [textwrap.fill(t, _BOX_CHARS) for t in said]
         ax.text(x * 1.2 + 0.6 * w, y + h / 2, "\n".join(lines), ha="center", va="center",
                 fontsize=7.5)
     for src, dst in _CALLS:

@@ -12,7 +12,7 @@ from matplotlib.text import Annotation  # noqa: E402
 from minipaged.memory import KVCacheManager  # noqa: E402
 from minipaged.memory.simulate import MemoryReport  # noqa: E402
 from minipaged.viz import (draw_block_pool, draw_block_tables, draw_memory_shares,  # noqa: E402
-                           seq_colours)
+                           draw_system_map, seq_colours)
 
 
 @pytest.fixture(autouse=True)
@@ -255,3 +255,17 @@ def test_system_map_draws_every_part_and_the_notes():
     assert len(highlighted) == 2                      # the parts with a note
     with pytest.raises(ValueError, match="Schedular"):
         draw_system_map({"Schedular": "typo"})
+
+
+def test_system_map_text_stays_in_its_box():
+    notes = {"CacheEngine": "1 copy-on-write copy, 12 blocks swapped out, 12 swapped back in",
+             "KVCacheManager": "3 allocations, 1 fork, 4 frees"}
+    ax = draw_system_map(notes)
+    renderer = ax.figure.canvas.get_renderer()
+    boxes = [p.get_window_extent(renderer) for p in ax.patches]
+    texts = [t for t in ax.texts if t.get_text()]
+    assert len(texts) == len(boxes) == 9
+    for text in texts:
+        extent = text.get_window_extent(renderer)
+        assert any(box.x0 <= extent.x0 and extent.x1 <= box.x1 and box.y0 <= extent.y0
+                   and extent.y1 <= box.y1 for box in boxes), text.get_text()
