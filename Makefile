@@ -15,7 +15,7 @@ PIP    := $(PY) -m pip install --disable-pip-version-check
 
 .DEFAULT_GOAL := help
 .PHONY: help install models demo test kernels-check kernels-check-or-skip pytest docs \
-        docs-build gpu-test clean
+        docs-build gpu-test lessons clean
 
 help: ## list the targets
 	@echo "make TARGET, where TARGET is one of:"
@@ -72,8 +72,7 @@ docs-build: $(STAMP) ## build the docs site into site/ (strict: a broken link fa
 docs: $(STAMP) ## serve the docs site at http://127.0.0.1:8000
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
-.PHONY: lessons
-lessons: $(STAMP)  # re-execute every lesson in place: the outputs the docs site shows
+lessons: $(STAMP) ## re-execute every lesson in place: the outputs the docs site shows
 	$(PY) scripts/execute_lessons.py
 
 # On the GPU machine: use the torch that is installed there, as it is.
