@@ -453,7 +453,7 @@ def draw_request_journey(trace, request_id: str, block_size: int, axes=None,
     return top, bottom
 
 
-# name -> (x, y, module, what it does); the layers of design.md, top down
+# name -> (x, y, module, what it does); the layers of docs/architecture.md, top down
 _SYSTEM = {
     "LLM": (1.5, 4, "llm.py", "tokenize, queue, step until done"),
     "LLMEngine": (1.5, 3, "engine.py", "schedule → execute → sample → update"),
