@@ -73,7 +73,8 @@ class TensorParallelExecutor(Executor):
             self.workers.tp.broadcast_object(StepPlan.of(batch))
             return super().execute(batch)
         except BaseException as error:  # Ctrl-C too: the ranks are out of step for good
-            self.workers.fail(error)
+            if dead := self.workers.fail(error):
+                raise RuntimeError(dead) from error
             raise
 
     def shutdown(self) -> None:
@@ -194,15 +195,17 @@ class WorkerGroup:
         if self.failure is not None:
             raise RuntimeError(self.failure)
 
-    def fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> str | None:
         """The group is broken (a worker died, or a step was interrupted midway): stop
-        every worker now, and remember why (naming the dead rank, if one died)."""
+        every worker now and remember why; returns which rank died, if one did."""
+        dead = None
         if self.failure is None:
             dead = _dead_rank(self.processes)
             self.failure = (dead or f"the tensor-parallel group stopped: "
                             f"{type(error).__name__}: {error}")
-        self._finalizer.detach()
-        _stop(self.processes, self.conns, self._threads, goodbye=False)
+        if self._finalizer.detach():
+            _stop(self.processes, self.conns, self._threads, goodbye=False)
+        return dead
 
     def shutdown(self) -> None:
         """Stop the workers (idempotent); afterwards every step raises."""
