@@ -11,6 +11,7 @@ seconds, so one engine serves several checks.
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import signal
 
@@ -190,3 +191,20 @@ def test_nccl_greedy_equals_tp1_on_every_gpu(tiny):
     assert_no_worker_left(llm)
     assert_greedy_matches_hf(outputs, PROMPTS, oracle, MAX_TOKENS)
     assert tokens(outputs) == tokens(generate(LLM(str(path), **settings), PROMPTS, GREEDY))
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5, True, "2"])
+def test_tensor_parallel_size_must_be_a_positive_int(size):
+    from minipaged.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"tensor_parallel_size must be an int >= 1, got {size!r}"):
+        EngineConfig(model="m", tensor_parallel_size=size)
+
+
+def test_a_model_that_does_not_split_is_refused_before_any_process_starts(tiny):
+    path, _ = tiny("llama")  # 4 query heads
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's "
+                                         "num_attention_heads \\(4\\)"):
+        make_llm(path, tensor_parallel_size=3)
+    assert set(multiprocessing.active_children()) == before

@@ -3,8 +3,9 @@
 A group of two gloo processes builds every parallel layer from one seeded reference
 layer (each rank keeping the slice its ``load_targets`` names, as the loader does) and
 runs it on the same input; the parent compares what each rank computed with the
-reference's output (each process imports this module, which imports torch only).  Rules that need no processes (KV-head replication, which sizes
-split) are checked directly.
+reference's output (each process imports this module, which imports torch only).
+Rules that need no processes (KV-head replication, which sizes split) are checked
+directly.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def _reference():
     torch.manual_seed(0)
     return dict(q=nn.Linear(HIDDEN, 4 * HEAD), k=nn.Linear(HIDDEN, HEAD),
                 o=nn.Linear(4 * HEAD, HIDDEN), embed=torch.randn(VOCAB, HIDDEN),
-                x=torch.randn(TOKENS, HIDDEN), xo=torch.randn(TOKENS, 4 * HEAD), ids=torch.tensor([0, 5, 6, 10, 3]))
+                x=torch.randn(TOKENS, HIDDEN), xo=torch.randn(TOKENS, 4 * HEAD),
+                ids=torch.tensor([0, 5, 6, 10, 3]))
 
 
 def _load(layer, name: str, tensor: torch.Tensor, kind: str = "weight") -> None:
@@ -46,7 +48,10 @@ def _run_rank(rank: int, size: int, port: int, results) -> None:
     tp = init_tensor_parallel(rank, size, port, torch.device("cpu"))
     try:
         with torch.no_grad():
-            results.put((rank, _outputs(rank, tp)))
+            out = _outputs(rank, tp)
+        # As lists: a queued tensor is shared through a file descriptor that vanishes
+        # with this process, which may exit before the parent reads it.
+        results.put((rank, {k: None if v is None else v.tolist() for k, v in out.items()}))
     finally:
         destroy_tensor_parallel()
 
@@ -80,7 +85,8 @@ def ranks():
                  for rank in range(2)]
     for process in processes:
         process.start()
-    out = dict(results.get(timeout=120) for _ in processes)
+    out = {rank: {k: None if v is None else torch.tensor(v) for k, v in values.items()}
+           for rank, values in (results.get(timeout=120) for _ in processes)}
     for process in processes:
         process.join(30)
         assert process.exitcode == 0

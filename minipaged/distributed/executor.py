@@ -16,6 +16,7 @@ raise, naming its rank, after stopping the others.
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 import weakref
 
@@ -69,6 +70,7 @@ class TensorParallelExecutor(Executor):
 
     def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
         self.workers.check()
+        self.workers.in_step.set()
         try:
             self.workers.tp.broadcast_object(StepPlan.of(batch))
             return super().execute(batch)
@@ -76,6 +78,8 @@ class TensorParallelExecutor(Executor):
             if dead := self.workers.fail(error):
                 raise RuntimeError(dead) from error
             raise
+        finally:
+            self.workers.in_step.clear()
 
     def shutdown(self) -> None:
         self.workers.shutdown()
@@ -110,7 +114,11 @@ class WorkerGroup:
         self.failure: str | None = None
         self._threads = torch.get_num_threads()
         torch.set_num_threads(num_threads)
-        self._finalizer = weakref.finalize(self, _stop, processes, conns, self._threads)
+        # Set while a step runs (perhaps in another thread, as in the server): the
+        # workers are in its collectives then, and cannot hear a goodbye.
+        self.in_step = threading.Event()
+        self._finalizer = weakref.finalize(self, _stop, processes, conns, self._threads,
+                                           self.in_step)
 
     @classmethod
     def start(cls, size: int, path, dtype: str, device: torch.device, attention_backend: str,
@@ -204,7 +212,7 @@ class WorkerGroup:
             self.failure = (dead or f"the tensor-parallel group stopped: "
                             f"{type(error).__name__}: {error}")
         if self._finalizer.detach():
-            _stop(self.processes, self.conns, self._threads, goodbye=False)
+            _stop(self.processes, self.conns, self._threads)
         return dead
 
     def shutdown(self) -> None:
@@ -214,9 +222,11 @@ class WorkerGroup:
         self._finalizer()
 
 
-def _stop(processes: list, conns: list, num_threads: int, goodbye: bool = True) -> None:
-    """Tell healthy workers to leave (the broadcast of None), then make sure every one
-    is gone: SIGTERM, then SIGKILL, for any that is not."""
+def _stop(processes: list, conns: list, num_threads: int,
+          in_step: threading.Event | None = None) -> None:
+    """Between steps, tell healthy workers to leave (the broadcast of None); then make
+    sure every one is gone: SIGTERM, then SIGKILL, for any that is not."""
+    goodbye = in_step is not None and not in_step.is_set()
     if goodbye and processes and all(p.is_alive() for p in processes):
         try:
             TensorParallelGroup(0, len(processes) + 1).broadcast_object(None)
