@@ -8,8 +8,8 @@ driver broadcasts the step's plan, then every rank runs the same step on its sha
 the driver alone receives the logits, gathered.  So the engine's step still reads
 schedule -> execute -> sample -> update, whatever the number of ranks.
 
-The workers live as long as the executor: `shutdown` (also run when it is garbage
-collected, and at exit) stops them; a worker that dies makes the driver's next step
+The workers live as long as their `WorkerGroup`: `WorkerGroup.shutdown` (also run when
+the group is garbage collected, and at exit) stops them; a worker that dies makes the driver's next step
 raise, naming its rank, after stopping the others.
 """
 
@@ -51,9 +51,6 @@ class Executor:
         self.cache_engine.execute(batch)
         return self.runner.execute(batch.seqs, self.cache_engine.gpu_cache)
 
-    def shutdown(self) -> None:
-        """Nothing to stop on one process."""
-
 
 class TensorParallelExecutor(Executor):
     """The driver's side of a step over ``workers``: broadcast the plan, then run rank
@@ -81,9 +78,6 @@ class TensorParallelExecutor(Executor):
         finally:
             self.workers.in_step.clear()
 
-    def shutdown(self) -> None:
-        self.workers.shutdown()
-
 
 def on_all_ranks(workers: WorkerGroup | None, runner: ModelRunner, method: str, *args) -> list:
     """``runner.method(*args)`` on every rank (rank 0's result first), at once, for set-up
@@ -93,10 +87,10 @@ def on_all_ranks(workers: WorkerGroup | None, runner: ModelRunner, method: str, 
     workers.send(method, *args)
     try:
         mine = getattr(runner, method)(*args)
+        return [mine, *workers.receive()]
     except BaseException as error:
         workers.fail(error)
         raise
-    return [mine, *workers.receive()]
 
 
 class WorkerGroup:
@@ -124,7 +118,9 @@ class WorkerGroup:
     def start(cls, size: int, path, dtype: str, device: torch.device, attention_backend: str,
               block_size: int) -> WorkerGroup:
         """Spawn ``size - 1`` workers and form the group with them (this process is rank 0)."""
-        context = multiprocessing.get_context("spawn")  # fork would copy torch's threads
+        # Not fork: a forked child of a process whose torch (or CUDA) started threads
+        # may deadlock on locks those threads held.
+        context = multiprocessing.get_context("spawn")
         # On a CPU the ranks share its cores: as many threads each as leave none idle
         # and none fighting (OpenMP threads that compete for a core wait on each other).
         num_threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else 1
