@@ -208,3 +208,27 @@ def test_a_model_that_does_not_split_is_refused_before_any_process_starts(tiny):
                                          "num_attention_heads \\(4\\)"):
         make_llm(path, tensor_parallel_size=3)
     assert set(multiprocessing.active_children()) == before
+
+
+@pytest.mark.parametrize("command", [["generate", "--model", "M", "hi"], ["serve", "M"],
+                                     ["bench", "throughput"]])
+def test_tensor_parallel_size_flag(command):
+    from minipaged.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args([*command, "--tensor-parallel-size", "3"])
+    assert engine_kwargs(args)["tensor_parallel_size"] == 3
+
+
+def test_bench_throughput_reports_communication_per_step(tiny):
+    from minipaged.bench.throughput import run_minipaged
+    from minipaged.workloads import RequestSpec
+
+    path, _ = tiny("llama")
+    requests = [RequestSpec(5, 4), RequestSpec(9, 6)]
+    prompts = [random_prompt(r.prompt_len, i) for i, r in enumerate(requests)]
+    settings = dict(device="cpu", tensor_parallel_size=2, num_gpu_blocks=32, swap_space=0.01)
+    run = run_minipaged(path, "torch", requests, prompts, settings, progress=False)
+    assert run.generated == [4, 6]
+    assert run.row["system"] == "minipaged-torch-tp2" and run.row["tensor_parallel_size"] == 2
+    comm = run.row["comm_ms_per_step"]
+    assert set(comm) == {"broadcast", "all_reduce", "gather"} and all(v > 0 for v in comm.values())
