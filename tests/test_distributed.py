@@ -108,6 +108,20 @@ class TestTwoRanks:
             generate(tp2, PROMPTS[:1], GREEDY)
 
 
+@pytest.mark.parametrize(("arch", "overrides"), [
+    ("qwen2", {}),  # q/k/v biases, tied embeddings
+    ("qwen3", {}),  # q/k norms, head_dim 32 != hidden_size / num_heads
+    ("llama", {"attention_bias": True, "mlp_bias": True}),  # row-parallel biases, added once
+])
+def test_variants_split_two_ways_equal_hf(tiny, arch, overrides):
+    path, oracle = tiny(arch, **overrides)
+    llm = make_llm(path, tensor_parallel_size=2, block_size=BLOCK_SIZE, num_gpu_blocks=64)
+    assert_greedy_matches_hf(generate(llm, PROMPTS, GREEDY), PROMPTS, oracle, MAX_TOKENS,
+                             logprobs=2)
+    assert_all_blocks_free(llm)
+    llm.shutdown()
+
+
 def test_four_ranks_replicate_kv_heads_and_survive_ctrl_c(tiny):
     """4 ranks, 2 KV heads: each KV head on two ranks.  Then a Ctrl-C mid-step (after
     the plan went out, before rank 0's forward): the driver stops the workers, which
