@@ -129,8 +129,8 @@ def init_tensor_parallel(rank: int, size: int, port: int,
     if dist.is_initialized():
         raise RuntimeError("this process is already in a torch.distributed group: one "
                            "tensor-parallel LLM per process (shut the other one down first)")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type == "cuda":  # NCCL's object collectives use the current device
+        torch.cuda.set_device(rank if device.index is None else device.index)
     dist.init_process_group(dist_backend(device), init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=size, timeout=TIMEOUT)
     return TensorParallelGroup(rank, size)
