@@ -13,6 +13,8 @@ Large Language Model Serving with PagedAttention" (SOSP 2023).  The layers, bott
   run each step (standard library only);
 - ``minipaged.cache_engine``, ``minipaged.model_runner``, ``minipaged.engine`` and
   ``minipaged.llm`` - the KV tensors, the forward pass, the step loop and the ``LLM`` API;
+- ``minipaged.distributed`` - tensor parallelism (§4.6): the parallel layers the models
+  are built from, and the executor that runs a step over a group of processes;
 - ``minipaged.viz`` and ``minipaged.workloads`` - pictures and synthetic requests for the
   lessons and benchmarks.
 

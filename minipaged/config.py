@@ -61,6 +61,8 @@ class EngineConfig:
         trace: record an event trace (`minipaged.trace`).
         cpu_kv_space: GiB of KV pool on the CPU when ``num_gpu_blocks`` is None (vLLM's
             ``VLLM_CPU_KVCACHE_SPACE``).
+        tensor_parallel_size: processes to split the model over (§4.6), one per GPU on
+            CUDA; on a CPU they share its cores.
     """
 
     model: str
@@ -83,6 +85,7 @@ class EngineConfig:
     seed: int = 0
     trace: bool = False
     cpu_kv_space: float = 1
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
@@ -91,6 +94,7 @@ class EngineConfig:
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _positive_int("block_size", self.block_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         for name in ("num_gpu_blocks", "max_model_len", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))

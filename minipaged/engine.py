@@ -7,7 +7,8 @@ One `LLMEngine.step()` is the whole serving loop, once:
 - **schedule**: the `Scheduler` picks this step's tokens and the block operations they
   need (swap out, swap in, copy-on-write), preempting if the pool is short;
 - **execute**: the `CacheEngine` runs those block operations, then the `ModelRunner`
-  runs one forward pass over the batch;
+  runs one forward pass over the batch (the `Executor` does both; with
+  ``tensor_parallel_size`` > 1, on every rank of the group, §4.6);
 - **sample**: the sampler picks each finished sequence's next token (beam search ranks
   candidates instead);
 - **update**: new tokens are appended and detokenized, stop conditions checked,
@@ -37,13 +38,17 @@ from transformers import AutoTokenizer, GenerationConfig
 from minipaged.cache_engine import GIB, CacheEngine, block_bytes
 from minipaged.config import EngineConfig
 from minipaged.detokenizer import IncrementalDetokenizer
+from minipaged.distributed.executor import (Executor, TensorParallelExecutor, WorkerGroup,
+                                            on_all_ranks)
+from minipaged.distributed.parallel_state import SINGLE
+from minipaged.distributed.worker import rank_kv_config
 from minipaged.memory import KVCacheManager
 from minipaged.memory.block_table import blocks_for
 from minipaged.model_runner import ModelRunner
 from minipaged.models.attention import head_dim
 from minipaged.models.hub import resolve_model
-from minipaged.models.llama import sliding_window
-from minipaged.models.loader import load_model
+from minipaged.models.llama import check_tensor_parallel, sliding_window
+from minipaged.models.loader import load_model, read_config
 from minipaged.ops import BackendUnavailableError, check_supported, get_backend
 from minipaged.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput,
                                RequestOutput)
@@ -68,7 +73,19 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         path = resolve_model(config.model)
         self.attention_backend = resolve_backend(config.attention_backend, self.device)
-        self.model = load_model(path, config.dtype, self.device, self.attention_backend)
+        self.workers = self._start_workers(path)
+        try:
+            self._build(path)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, path: Path) -> None:
+        config = self.config
+        tp = self.workers.tp if self.workers else SINGLE
+        self.model = load_model(path, config.dtype, self.device, self.attention_backend, tp)
+        if self.workers:
+            self.workers.wait_loaded()
         self.tokenizer = AutoTokenizer.from_pretrained(
             resolve_model(config.tokenizer) if config.tokenizer else path, local_files_only=True)
         self.eos_token_ids = eos_token_ids(path, self.model.config, self.tokenizer)
@@ -78,10 +95,13 @@ class LLMEngine:
         dtype = self.model.model.embed_tokens.weight.dtype
         check_supported(self.attention_backend, dtype, head_dim(self.model.config),
                         config.block_size)
+        kv_config = rank_kv_config(self.model.config, tp.size)  # this rank's KV heads
         num_gpu_blocks, num_cpu_blocks = self._pool_sizes(
-            block_bytes(self.model.config, config.block_size, dtype))
-        self.cache_engine = CacheEngine(self.model.config, num_gpu_blocks, num_cpu_blocks,
+            block_bytes(kv_config, config.block_size, dtype))
+        self.cache_engine = CacheEngine(kv_config, num_gpu_blocks, num_cpu_blocks,
                                         config.block_size, dtype, self.device)
+        self.executor = (TensorParallelExecutor(self.runner, self.cache_engine, self.workers)
+                         if self.workers else Executor(self.runner, self.cache_engine))
         self.kv = KVCacheManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
                                  config.enable_prefix_caching)
         if self._uses_cuda_graphs():
@@ -178,8 +198,7 @@ class LLMEngine:
         propagates to the caller."""
         self.failed = {}
         batch = self.scheduler.schedule()
-        self.cache_engine.execute(batch)
-        sampling, logits = self.runner.execute(batch.seqs, self.cache_engine.gpu_cache)
+        sampling, logits = self.executor.execute(batch)
         if sampling and fail_alone:
             self._update_failing_alone(sampling, logits)
         elif sampling:
@@ -404,6 +423,7 @@ class LLMEngine:
         reference's data-dependent shapes cannot be captured) and without a sliding
         window (its check reads the positions on the host)."""
         return (self.device.type == "cuda" and not self.config.enforce_eager
+                and self.config.tensor_parallel_size == 1  # collectives are not captured
                 and self.attention_backend in ("triton", "cuda")
                 and sliding_window(self.model.config) is None)
 
@@ -416,6 +436,26 @@ class LLMEngine:
                                "enforce_eager=True (--enforce-eager) runs without them"
                                ) from error
 
+    # -- tensor parallelism (§4.6) -----------------------------------------------------
+    def _start_workers(self, path: Path) -> WorkerGroup | None:
+        """With ``tensor_parallel_size`` N > 1, ranks 1..N-1 (this process is rank 0),
+        once the model is known to split N ways."""
+        size = self.config.tensor_parallel_size
+        if size == 1:
+            return None
+        check_tensor_parallel(read_config(path), size)
+        if self.device.type == "cuda" and size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, torch sees "
+                             f"{torch.cuda.device_count()}")
+        return WorkerGroup.start(size, path, self.config.dtype, self.device,
+                                 self.attention_backend, self.config.block_size)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the engine is
+        garbage collected); the engine cannot step afterwards."""
+        if self.workers:
+            self.workers.shutdown()
+
     # -- memory -----------------------------------------------------------------------
     def _generator(self, params: Params, index: int) -> torch.Generator | None:
         """Completion ``index`` of a seeded request draws from ``seed + index`` (vLLM)."""
@@ -426,6 +466,7 @@ class LLMEngine:
         """The GPU pool's and the CPU swap pool's blocks (§4.5): what was asked for, but
         never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens could use,
         nor (for pools in host memory) more than half the memory available now."""
+        config = self.config
         config = self.config
         most = config.max_num_seqs * blocks_for(self.max_model_len, config.block_size)
         host = int(HOST_KV_SHARE * available_memory() // per_block)
@@ -441,8 +482,10 @@ class LLMEngine:
 
     def _cuda_num_gpu_blocks(self, per_block: int) -> int:
         config = self.config
-        budget = self.runner.kv_memory_budget(config.gpu_memory_utilization,
-                                              config.max_num_batched_tokens, self.max_model_len)
+        # Every rank profiles its own GPU; the tightest sets the blocks of all.
+        budget = min(on_all_ranks(self.workers, self.runner, "kv_memory_budget",
+                                  config.gpu_memory_utilization,
+                                  config.max_num_batched_tokens, self.max_model_len))
         num_blocks = int(budget // per_block)
         if num_blocks < 1:
             raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} "

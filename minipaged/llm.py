@@ -96,6 +96,11 @@ class LLM:
         return self._run(prompts, _per_prompt(params, len(prompts), BeamSearchParams, "params"),
                          use_tqdm)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (``tensor_parallel_size`` > 1) now,
+        rather than when this object is garbage collected; it cannot generate after."""
+        self.engine.shutdown()
+
     def stats(self) -> dict[str, float]:
         """The engine's memory and scheduling counters (`LLMEngine.stats`)."""
         return self.engine.stats()

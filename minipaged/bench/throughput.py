@@ -281,29 +281,36 @@ def run_minipaged(path, backend: str, requests: Sequence[RequestSpec],
     from minipaged.llm import LLM
     from minipaged.sampling_params import SamplingParams
 
+    from minipaged.distributed.parallel_state import COMM
+
     llm = LLM(str(path), **{**engine_kwargs, "attention_backend": backend})
-    device = llm.engine.device
+    device, tp = llm.engine.device, llm.engine.config.tensor_parallel_size
+    system = f"minipaged-{backend}" + (f"-tp{tp}" if tp > 1 else "")
     try:
         # Warm-up: a lone request, then a full batch, so the kernels the timed run
         # launches (one and many sequences, prefill and decode) are compiled.
         for count in (1, min(len(prompts), llm.engine.config.max_num_seqs)):
             llm.generate([{"prompt_token_ids": p} for p in prompts[:count]],
                          SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-        before = llm.stats()
+        before, comm_before = llm.stats(), dict(COMM.seconds)
         params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len,
                                  ignore_eos=True) for r in requests]
         outputs, elapsed = _timed(lambda: llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress), device)
         after = llm.stats()
+        steps = after["num_steps"] - before["num_steps"]
+        # The driver's time in collectives (waiting for the slowest rank included).
+        comm_ms = {kind: 1e3 * (s - comm_before.get(kind, 0.0)) / steps
+                   for kind, s in COMM.seconds.items()}
     finally:
         del llm
         _free_memory(device)
     generated = [len(o.outputs[0].token_ids) for o in outputs]
-    _check_lengths(f"minipaged-{backend}", generated, requests)
-    return SystemRun(_row(f"minipaged-{backend}", requests, generated, elapsed,
-                          attention_backend=backend,
-                          num_steps=after["num_steps"] - before["num_steps"],
-                          num_preemptions=after["num_preemptions"] - before["num_preemptions"]),
+    _check_lengths(system, generated, requests)
+    return SystemRun(_row(system, requests, generated, elapsed,
+                          attention_backend=backend, num_steps=steps,
+                          num_preemptions=after["num_preemptions"] - before["num_preemptions"],
+                          tensor_parallel_size=tp, comm_ms_per_step=comm_ms),
                      generated, generated)
 
 
@@ -661,6 +668,10 @@ def format_table(rows: list[dict], overhead: dict | None = None) -> str:
         lines.append(f"{r['system']:<20}{r['num_requests']:>9}{r['output_tokens']:>12}"
                      f"{r['elapsed_s']:>11.2f}{r['requests_per_s']:>9.2f}"
                      f"{r['output_tokens_per_s']:>14.1f}")
+    lines += [f"{r['system']}: {sum(r['comm_ms_per_step'].values()):.2f} ms per step in "
+              "communication (" + ", ".join(f"{k} {v:.2f}" for k, v in
+                                           r["comm_ms_per_step"].items()) + ")"
+              for r in rows if r.get("comm_ms_per_step")]
     if overhead:
         lines += ["", format_overhead(overhead)]
     return "\n".join(lines)

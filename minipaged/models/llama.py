@@ -17,8 +17,15 @@ casts, in the same places), so that on the same weights the logits agree to roun
 It differs in what serving needs (paper §4): no batch dimension and no padding, since a
 step is one flat batch of the new tokens of many sequences (``AttentionMetadata``); keys
 and values go to the paged cache rather than a per-sequence one; and, as in vLLM,
-q/k/v_proj and gate/up_proj each run as one matmul (``MergedLinear``), which the loader
-fills from HF's separate tensors.  Every other parameter has its HF name.
+q/k/v_proj and gate/up_proj each run as one matmul (``ColumnParallelLinear`` with
+parts), which the loader fills from HF's separate tensors.  Every other parameter has
+its HF name.
+
+With ``tp``, a `TensorParallelGroup` of more than one rank, each rank builds its slice
+of every layer (§4.6, Megatron-LM): its share of the query heads and of the KV heads
+(one replicated KV head when there are more ranks than KV heads), of the MLP's
+intermediate size and of the vocabulary; o_proj and down_proj end in an all-reduce, and
+the logits are gathered on rank 0.  `check_tensor_parallel` says which sizes must divide.
 """
 
 from __future__ import annotations
@@ -30,10 +37,13 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from minipaged.distributed.layers import (ColumnParallelLinear, ParallelLMHead,
+                                          RowParallelLinear, VocabParallelEmbedding)
+from minipaged.distributed.parallel_state import SINGLE, TensorParallelGroup, kv_heads_per_rank
 from minipaged.models.attention import AttentionMetadata, PagedAttention, head_dim
 
-__all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-           "MODELS", "ROPE_TYPES", "MergedLinear", "rope_frequencies", "sliding_window"]
+__all__ = ["MODELS", "ROPE_TYPES", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+           "Qwen3ForCausalLM", "check_tensor_parallel", "rope_frequencies", "sliding_window"]
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # The RoPE variants Llama-family configs use.  "longrope" (Phi-3) picks its frequencies
@@ -111,43 +121,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None] + torch.cat((-second, first), dim=-1) * sin[:, None]
 
 
-class MergedLinear(nn.Linear):
-    """Projections of the same input stacked by output rows, run as one matmul.
-
-    ``parts`` maps each HF module name (``q_proj``, ``k_proj``, ...) to its number of
-    rows, in order; the loader copies each HF tensor into its rows.  vLLM's
-    ``QKVParallelLinear`` and ``MergedColumnParallelLinear``, without tensor parallelism.
-    """
-
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(parts.values()), bias=bias)
-        self.parts = parts
-
-    def slices(self) -> dict[str, slice]:
-        """The rows of each part."""
-        out, start = {}, 0
-        for name, rows in self.parts.items():
-            out[name], start = slice(start, start + rows), start + rows
-        return out
-
-    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Each part's projection of ``x``."""
-        return self(x).split(list(self.parts.values()), dim=-1)
-
-
 class LlamaAttention(nn.Module):
-    """GQA self-attention: project, (Qwen3) norm q/k per head, rotate, attend paged."""
+    """GQA self-attention: project, (Qwen3) norm q/k per head, rotate, attend paged.
+    Under tensor parallelism, over this rank's heads, o_proj summing the ranks' outputs."""
 
-    def __init__(self, config, arch: ArchOptions, attention_backend: str) -> None:
+    def __init__(self, config, arch: ArchOptions, attention_backend: str,
+                 tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = config.num_attention_heads // tp.size
+        self.num_kv_heads = kv_heads_per_rank(config.num_key_value_heads, tp.size)
         self.head_dim = head_dim(config)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size,
-                                     {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
-                                     bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=arch.o_bias)
+        q_size = config.num_attention_heads * self.head_dim
+        kv_size = config.num_key_value_heads * self.head_dim
+        kv_shards = min(tp.size, config.num_key_value_heads)
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
+            bias=arch.qkv_bias, tp=tp, shards={"k_proj": kv_shards, "v_proj": kv_shards})
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=arch.o_bias, tp=tp)
         if arch.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -168,12 +158,12 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU (Shazeer 2020): ``down(act(gate(x)) * up(x))``, act being SiLU here."""
 
-    def __init__(self, config, bias: bool) -> None:
+    def __init__(self, config, bias: bool, tp: TensorParallelGroup) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size,
-                                         {"gate_proj": size, "up_proj": size}, bias=bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, {"gate_proj": size, "up_proj": size}, bias=bias, tp=tp)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, tp=tp)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,10 +174,11 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, config, arch: ArchOptions, attention_backend: str) -> None:
+    def __init__(self, config, arch: ArchOptions, attention_backend: str,
+                 tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, arch, attention_backend)
-        self.mlp = LlamaMLP(config, arch.mlp_bias)
+        self.self_attn = LlamaAttention(config, arch, attention_backend, tp)
+        self.mlp = LlamaMLP(config, arch.mlp_bias, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -213,10 +204,11 @@ def sliding_window(config) -> int | None:
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm: token ids -> last hidden states."""
 
-    def __init__(self, config, arch: ArchOptions, attention_backend: str) -> None:
+    def __init__(self, config, arch: ArchOptions, attention_backend: str,
+                 tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, arch, attention_backend)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, arch, attention_backend, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
@@ -252,14 +244,17 @@ class LlamaForCausalLM(nn.Module):
 
     ``model(input_ids [T], positions [T], kv_caches, attn) -> hidden [T, hidden_size]``
     runs one step; ``compute_logits(hidden [N, hidden_size]) -> [N, vocab] float32`` is
-    separate so the engine projects only the rows it samples from.
+    separate so the engine projects only the rows it samples from.  ``tp``: this
+    process's rank in a tensor-parallel group (default: none), whose slice it builds.
     """
 
-    def __init__(self, config, attention_backend: str = "torch") -> None:
+    def __init__(self, config, attention_backend: str = "torch",
+                 tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__()
-        self.config = config
-        self.model = LlamaModel(config, self.arch_options(config), attention_backend)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        check_tensor_parallel(config, tp.size)
+        self.config, self.tp = config, tp
+        self.model = LlamaModel(config, self.arch_options(config), attention_backend, tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             # One parameter under two names, as in HF; checkpoints store it once.
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -277,10 +272,29 @@ class LlamaForCausalLM(nn.Module):
         returns the final hidden state of every token."""
         return self.model(input_ids, positions, kv_caches, attn)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``[N, hidden_size] -> [N, vocab_size]`` float32 (projected in the model dtype,
-        as HF does, then widened for sampling)."""
-        return self.lm_head(hidden).float()
+        as HF does, then widened for sampling); None on tensor-parallel ranks other
+        than 0, which only contribute their slice of the vocabulary."""
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()
+
+
+def check_tensor_parallel(config, size: int) -> None:
+    """Raise ``ValueError`` unless ``size`` ranks can split ``config``'s model: the query
+    heads and the MLP's intermediate size evenly, and the KV heads evenly or (more ranks
+    than KV heads) each one over a whole number of ranks."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {size!r}")
+    kv = config.num_key_value_heads
+    for what, total in (("num_attention_heads", config.num_attention_heads),
+                        ("intermediate_size", config.intermediate_size)):
+        if total % size:
+            raise ValueError(f"tensor_parallel_size={size} must divide the model's "
+                             f"{what} ({total})")
+    if kv % size and size % kv:
+        raise ValueError(f"tensor_parallel_size={size} must divide the model's "
+                         f"num_key_value_heads ({kv}) or be a multiple of it")
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -7,6 +7,10 @@ transformers' ``AutoConfig``, never touching the network) and the weights in
 Every tensor is matched by its HF name; a weight the model needs and the checkpoint
 lacks, or one the checkpoint has and the model would not use, is an error rather than
 a silent random init or a silently ignored tensor.
+
+Under tensor parallelism (paper §4.6) each rank builds its slice of the model and reads
+only its slice of each tensor from the files (safetensors reads a slice without the
+rest); each parallel layer says which slice (``load_targets``).
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from minipaged.distributed.parallel_state import SINGLE, TensorParallelGroup
 from minipaged.models.attention import check_backend
-from minipaged.models.llama import MODELS, MergedLinear
+from minipaged.models.llama import MODELS
 
 __all__ = ["DTYPES", "load_model", "read_config", "resolve_dtype", "checkpoint_files",
            "load_weights"]
@@ -33,12 +38,14 @@ SINGLE_FILE = "model.safetensors"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def load_model(path, dtype="auto", device="cpu", attention_backend: str = "torch"):
+def load_model(path, dtype="auto", device="cpu", attention_backend: str = "torch",
+               tp: TensorParallelGroup = SINGLE):
     """The model in directory ``path``, its weights loaded, in eval mode, no grads.
 
     ``dtype`` is ``"auto"`` (the config's ``dtype``), a name in :data:`DTYPES` or one
     of those torch dtypes.  ``attention_backend`` is checked against ``device`` before
-    anything is built.  The model's HF config is ``model.config``.
+    anything is built.  ``tp``: build and load this rank's slice only.  The model's HF
+    config is ``model.config``.
     """
     path = Path(path)
     config = read_config(path)
@@ -47,7 +54,7 @@ def load_model(path, dtype="auto", device="cpu", attention_backend: str = "torch
     check_backend(attention_backend, device)
     files = checkpoint_files(path)
     with _default_dtype(dtype), torch.device(device):
-        model = cls(config, attention_backend=attention_backend)
+        model = cls(config, attention_backend=attention_backend, tp=tp)
     load_weights(model, files)
     return model.requires_grad_(False).eval()
 
@@ -98,7 +105,7 @@ def load_weights(model, files: list[Path]) -> None:
 
     Names and shapes are all checked, from the files' headers, before any data is read:
     missing or unexpected weights raise ``ValueError`` listing them, so does a shape
-    that does not fit.
+    that does not fit (under tensor parallelism: the model's slice against the file's).
     """
     targets = _targets(model)
     shapes = {}
@@ -106,31 +113,35 @@ def load_weights(model, files: list[Path]) -> None:
         with safe_open(file, framework="pt") as f:
             shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
     _check_names(model, targets.keys(), shapes.keys())
-    for name, (param, rows) in targets.items():
-        if shapes[name] != param[rows].shape:
+    for name, (param, ours, theirs) in targets.items():
+        full = torch.empty(shapes[name], device="meta")
+        if full[theirs].shape != param[ours].shape:
             raise ValueError(f"checkpoint tensor {name!r} has shape {shapes[name]}, the "
-                             f"model expects {tuple(param[rows].shape)}")
+                             f"model expects {tuple(param[ours].shape)}"
+                             + (f" (of {theirs})" if theirs != (slice(None),) else ""))
     with torch.no_grad():
         for file in files:
             with safe_open(file, framework="pt") as f:
                 for name in targets.keys() & f.keys():
-                    param, rows = targets[name]
-                    param[rows].copy_(f.get_tensor(name))  # casts to the model's dtype/device
+                    param, ours, theirs = targets[name]
+                    # Reads only the slice; copy_ casts to the model's dtype and device.
+                    param[ours].copy_(f.get_slice(name)[theirs])
 
 
-def _targets(model) -> dict[str, tuple[torch.Tensor, slice]]:
-    """HF tensor name -> (parameter, its rows that tensor fills)."""
+def _targets(model) -> dict[str, tuple[torch.Tensor, tuple, tuple]]:
+    """HF tensor name -> (parameter, the index of it that tensor fills, the index of
+    the tensor this rank reads)."""
     targets = {}
     # named_parameters() lists a tied parameter once, under its first name (the embedding).
     for name, param in model.named_parameters():
         module_name, kind = name.rsplit(".", 1)
         module = model.get_submodule(module_name)
-        if isinstance(module, MergedLinear):
-            parent = module_name.rsplit(".", 1)[0]
-            for part, rows in module.slices().items():
-                targets[f"{parent}.{part}.{kind}"] = (param, rows)
-        else:
-            targets[name] = (param, slice(None))
+        if not hasattr(module, "load_targets"):  # replicated: every rank reads it whole
+            targets[name] = (param, (slice(None),), (slice(None),))
+            continue
+        parent = module_name.rsplit(".", 1)[0]
+        for part, (ours, theirs) in module.load_targets(kind).items():
+            targets[f"{parent}.{part}.{kind}" if part else name] = (param, ours, theirs)
     return targets
 
 

@@ -1,0 +1,260 @@
+"""Executors: how the engine runs a scheduled step on the model (paper §4.6).
+
+`Executor` is one process: the cache engine's block operations, then the model
+runner's forward pass.  `TensorParallelExecutor` is the paper's distributed execution:
+the engine (scheduler, KV cache manager, sampler) runs once, in the driver, which is
+also rank 0; `WorkerGroup` starts ranks 1..N-1 as processes of their own.  Each step the
+driver broadcasts the step's plan, then every rank runs the same step on its shard and
+the driver alone receives the logits, gathered.  So the engine's step still reads
+schedule -> execute -> sample -> update, whatever the number of ranks.
+
+The workers live as long as their `WorkerGroup`: `WorkerGroup.shutdown` (also run when
+the group is garbage collected, and at exit) stops them; a worker that dies makes the driver's next step
+raise, naming its rank, after stopping the others.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+import weakref
+
+import torch
+
+from minipaged.cache_engine import CacheEngine
+from minipaged.distributed.parallel_state import (TensorParallelGroup, destroy_tensor_parallel,
+                                                  free_port, init_tensor_parallel)
+from minipaged.distributed.worker import StepPlan, WorkerArgs, worker_main
+from minipaged.model_runner import ModelRunner
+from minipaged.scheduler import ScheduledSeq, SchedulerOutput
+
+__all__ = ["Executor", "TensorParallelExecutor", "WorkerGroup", "on_all_ranks"]
+
+# Seconds a worker gets to answer at start-up (loading a shard, profiling memory), to
+# leave after the driver's goodbye, and to die after SIGTERM.
+START_TIMEOUT = 600
+EXIT_TIMEOUT = 10
+SPAWN_HINT = ("each worker imports the script that runs the driver, as multiprocessing's "
+              "spawn does, so a script must build the LLM under `if __name__ == "
+              "'__main__':`")
+
+
+class Executor:
+    """A step on one process: block operations (swap out, swap in, copy), then the
+    forward pass; returns the sequences that sample and their logits."""
+
+    def __init__(self, runner: ModelRunner, cache_engine: CacheEngine) -> None:
+        self.runner, self.cache_engine = runner, cache_engine
+
+    def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
+        self.cache_engine.execute(batch)
+        return self.runner.execute(batch.seqs, self.cache_engine.gpu_cache)
+
+
+class TensorParallelExecutor(Executor):
+    """The driver's side of a step over ``workers``: broadcast the plan, then run rank
+    0's shard like any other rank.  The workers' pools get as many blocks as the
+    driver's (``cache_engine``), so the block tables hold on every rank."""
+
+    def __init__(self, runner: ModelRunner, cache_engine: CacheEngine,
+                 workers: WorkerGroup) -> None:
+        super().__init__(runner, cache_engine)
+        self.workers = workers
+        sizes = (len(cache_engine.gpu_cache[0][0]), len(cache_engine.cpu_cache[0][0]))
+        shapes = workers.call("allocate", *sizes)
+        self.cache_shapes = [tuple(cache_engine.gpu_cache[0][0].shape), *shapes]
+
+    def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
+        self.workers.check()
+        self.workers.in_step.set()
+        try:
+            self.workers.tp.broadcast_object(StepPlan.of(batch))
+            return super().execute(batch)
+        except BaseException as error:  # Ctrl-C too: the ranks are out of step for good
+            if dead := self.workers.fail(error):
+                raise RuntimeError(dead) from error
+            raise
+        finally:
+            self.workers.in_step.clear()
+
+
+def on_all_ranks(workers: WorkerGroup | None, runner: ModelRunner, method: str, *args) -> list:
+    """``runner.method(*args)`` on every rank (rank 0's result first), at once, for set-up
+    steps that run the model and so meet in its collectives (memory profiling)."""
+    if workers is None:
+        return [getattr(runner, method)(*args)]
+    workers.send(method, *args)
+    try:
+        mine = getattr(runner, method)(*args)
+        return [mine, *workers.receive()]
+    except BaseException as error:
+        workers.fail(error)
+        raise
+
+
+class WorkerGroup:
+    """Ranks 1..``size``-1 as spawned processes, and the driver's place (rank 0) in
+    their ``torch.distributed`` group, ``tp``.
+
+    ``start`` returns once every rank has joined; the workers then load their shards
+    while the driver loads its own (`wait_loaded`).  Set-up calls go over a pipe per
+    worker; steps go over ``tp`` (`TensorParallelExecutor`).
+    """
+
+    def __init__(self, processes: list, conns: list, num_threads: int) -> None:
+        self.processes, self.conns = processes, conns
+        self.tp = TensorParallelGroup()
+        self.failure: str | None = None
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(num_threads)
+        # Set while a step runs (perhaps in another thread, as in the server): the
+        # workers are in its collectives then, and cannot hear a goodbye.
+        self.in_step = threading.Event()
+        self._finalizer = weakref.finalize(self, _stop, processes, conns, self._threads,
+                                           self.in_step)
+
+    @classmethod
+    def start(cls, size: int, path, dtype: str, device: torch.device, attention_backend: str,
+              block_size: int) -> WorkerGroup:
+        """Spawn ``size - 1`` workers and form the group with them (this process is rank 0)."""
+        # Not fork: a forked child of a process whose torch (or CUDA) started threads
+        # may deadlock on locks those threads held.
+        context = multiprocessing.get_context("spawn")
+        # On a CPU the ranks share its cores: as many threads each as leave none idle
+        # and none fighting (OpenMP threads that compete for a core wait on each other).
+        num_threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else 1
+        args = WorkerArgs(str(path), dtype, device.type, attention_backend, block_size,
+                          num_threads)
+        port, processes, conns = free_port(), [], []
+        for rank in range(1, size):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=worker_main, args=(rank, size, port, theirs, args),
+                                      name=f"minipaged-tp-rank{rank}", daemon=True)
+            process.start()
+            theirs.close()
+            processes.append(process)
+            conns.append(ours)
+        group = cls(processes, conns, num_threads)
+        try:
+            try:  # every worker has started, so joining cannot wait on a dead one
+                group.receive()
+            except RuntimeError as error:
+                raise RuntimeError(f"{error}, before it started: {SPAWN_HINT}") from None
+            group.tp = init_tensor_parallel(0, size, port, device)
+        except BaseException as error:
+            group.fail(error)
+            raise
+        return group
+
+    def wait_loaded(self) -> None:
+        """Wait for every worker to have loaded its shard."""
+        try:
+            self.receive()
+        except BaseException as error:
+            self.fail(error)
+            raise
+
+    def send(self, method: str, *args) -> None:
+        for conn in self.conns:
+            conn.send((method, args))
+
+    def call(self, method: str, *args) -> list:
+        """``runner.method(*args)`` on every worker (not the driver); their results."""
+        self.send(method, *args)
+        try:
+            return self.receive()
+        except BaseException as error:
+            self.fail(error)
+            raise
+
+    def receive(self) -> list:
+        """Each worker's next answer, in rank order; raises ``RuntimeError`` naming the
+        rank if a worker reports an error, dies or takes longer than ``START_TIMEOUT``."""
+        answers = []
+        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
+            deadline = time.monotonic() + START_TIMEOUT
+            while not conn.poll(0.05):
+                if not process.is_alive():
+                    raise RuntimeError(_died(rank, process))
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel worker rank {rank} did not answer "
+                                       f"in {START_TIMEOUT} s")
+            try:
+                status, value = conn.recv()
+            except EOFError:  # it closed its end: it is exiting
+                process.join(EXIT_TIMEOUT)
+                raise RuntimeError(_died(rank, process)) from None
+            if status == "error":
+                raise RuntimeError(f"tensor-parallel worker rank {rank} failed:\n{value}")
+            answers.append(value)
+        return answers
+
+    def check(self) -> None:
+        """Raise ``RuntimeError`` if the group has failed or a worker has died."""
+        if self.failure is None:
+            for rank, process in enumerate(self.processes, start=1):
+                if not process.is_alive():
+                    self.fail(RuntimeError(_died(rank, process)))
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+
+    def fail(self, error: BaseException) -> str | None:
+        """The group is broken (a worker died, or a step was interrupted midway): stop
+        every worker now and remember why; returns which rank died, if one did."""
+        dead = None
+        if self.failure is None:
+            dead = _dead_rank(self.processes)
+            self.failure = (dead or f"the tensor-parallel group stopped: "
+                            f"{type(error).__name__}: {error}")
+        if self._finalizer.detach():
+            _stop(self.processes, self.conns, self._threads)
+        return dead
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent); afterwards every step raises."""
+        if self.failure is None:
+            self.failure = "the tensor-parallel workers were shut down"
+        self._finalizer()
+
+
+def _stop(processes: list, conns: list, num_threads: int,
+          in_step: threading.Event | None = None) -> None:
+    """Between steps, tell healthy workers to leave (the broadcast of None); then make
+    sure every one is gone: SIGTERM, then SIGKILL, for any that is not."""
+    goodbye = in_step is not None and not in_step.is_set()
+    if goodbye and processes and all(p.is_alive() for p in processes):
+        try:
+            TensorParallelGroup(0, len(processes) + 1).broadcast_object(None)
+        except RuntimeError:
+            pass  # a worker died meanwhile; it is reaped below
+    for process in processes:
+        process.join(EXIT_TIMEOUT if goodbye else 0)
+    for stop in ("terminate", "kill"):
+        for process in processes:
+            if process.is_alive():
+                getattr(process, stop)()
+                process.join(EXIT_TIMEOUT)
+    for conn in conns:
+        conn.close()
+    destroy_tensor_parallel()
+    torch.set_num_threads(num_threads)
+
+
+def _dead_rank(processes: list, wait: float = 2.0) -> str | None:
+    """Say which worker died, if one has (a collective can fail a moment before the
+    dead process is reaped)."""
+    deadline = time.monotonic() + wait
+    while True:
+        for rank, process in enumerate(processes, start=1):
+            if not process.is_alive():
+                return _died(rank, process)
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+
+
+def _died(rank: int, process) -> str:
+    return (f"tensor-parallel worker rank {rank} (pid {process.pid}) died with exit code "
+            f"{process.exitcode}")
+

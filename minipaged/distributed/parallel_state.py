@@ -1,0 +1,147 @@
+"""Ranks, the process group, and the collectives tensor parallelism needs (paper §4.6).
+
+Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) splits every layer over
+``tensor_parallel_size`` ranks, one process each.  A rank computes with its slice of the
+weights and meets the others only in collectives: an **all-reduce** that sums the
+partial outputs of a row-parallel layer, a **gather** of the vocabulary slices of the
+logits to the driver, and a **broadcast** of each step's plan from the driver.
+
+One tensor-parallel group per process: ``torch.distributed``'s default group, over
+``gloo`` on a CPU and ``nccl`` on CUDA.  `TensorParallelGroup` is what a layer holds: its
+rank, the group's size, and the collectives, each timed (`COMM`), so benchmarks can say
+what communication costs.  With ``size == 1`` every collective is the identity and
+``torch.distributed`` is never touched.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["COMM", "SINGLE", "CommStats", "TensorParallelGroup", "destroy_tensor_parallel",
+           "dist_backend", "free_port", "init_tensor_parallel", "kv_heads_per_rank"]
+
+# How long a collective may wait for a peer before gloo gives up.  A dead peer is noticed
+# sooner (its sockets close); this bounds a live peer that stopped answering.
+TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass
+class CommStats:
+    """Seconds spent in collectives in this process, and how many ran, by kind."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+COMM = CommStats()
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    """This process's place in the tensor-parallel group: ``rank`` of ``size``.
+
+    The default, ``TensorParallelGroup()``, is no parallelism at all.  Collectives block
+    until every rank has called them; on CUDA they are timed after a device sync, so
+    the time is the collective's, not the queued kernels'.
+    """
+
+    rank: int = 0
+    size: int = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over all ranks, in place (Megatron's ``g`` operator)."""
+        if self.size > 1:
+            with _timed("all_reduce", x.device):
+                dist.all_reduce(x)
+        return x
+
+    def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        """Every rank's ``x`` (same shape on all) concatenated along ``dim`` on rank 0;
+        None on the other ranks."""
+        if self.size == 1:
+            return x
+        with _timed("gather", x.device):
+            parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+            dist.gather(x.contiguous(), parts, dst=0)
+        return torch.cat(parts, dim=dim) if self.rank == 0 else None
+
+    def broadcast_object(self, obj=None):
+        """Rank 0's ``obj`` (any picklable object), on every rank."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        with _timed("broadcast", torch.device("cpu")):
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+SINGLE = TensorParallelGroup()  # no parallelism: every collective is the identity
+
+
+class _timed:
+    def __init__(self, kind: str, device: torch.device) -> None:
+        self.kind, self.cuda = kind, device.type == "cuda"
+
+    def __enter__(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        COMM.add(self.kind, time.perf_counter() - self.start)
+
+
+def dist_backend(device: torch.device) -> str:
+    """``nccl`` between GPUs, ``gloo`` between CPU processes."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_tensor_parallel(rank: int, size: int, port: int,
+                         device: torch.device) -> TensorParallelGroup:
+    """Join the group of ``size`` processes that meet at ``127.0.0.1:port`` (rank 0
+    listens there); blocks until all have joined."""
+    if dist.is_initialized():
+        raise RuntimeError("this process is already in a torch.distributed group: one "
+                           "tensor-parallel LLM per process (shut the other one down first)")
+    if device.type == "cuda":  # NCCL's object collectives use the current device
+        torch.cuda.set_device(rank if device.index is None else device.index)
+    dist.init_process_group(dist_backend(device), init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=size, timeout=TIMEOUT)
+    return TensorParallelGroup(rank, size)
+
+
+def destroy_tensor_parallel() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
+    """KV heads each rank holds: its share, or, with more ranks than KV heads, one,
+    replicated on ``size // num_kv_heads`` ranks (vLLM's rule)."""
+    return max(1, num_kv_heads // size)

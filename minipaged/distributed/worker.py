@@ -1,0 +1,151 @@
+"""A tensor-parallel worker process: one rank's slice of the model and of the KV cache
+(paper §4.6).
+
+The paper's workers hold a shard of every layer and the KV cache of their own attention
+heads; they schedule nothing.  Each step the driver broadcasts a `StepPlan` (the block
+operations to run and, per scheduled sequence, the tokens to run, where they start and
+its block table) and every rank runs the same step on its shard: the cache engine's
+swaps and copies on its own pools, then the model runner's forward pass, whose
+collectives (two all-reduces per layer, the gather of the logits) meet the driver's.
+The block tables are the driver's: every rank has the same number of blocks, so a
+block id means the same slot on all of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from minipaged.cache_engine import CacheEngine
+from minipaged.distributed.parallel_state import (TensorParallelGroup, destroy_tensor_parallel,
+                                                  init_tensor_parallel, kv_heads_per_rank)
+from minipaged.model_runner import ModelRunner
+from minipaged.models.attention import head_dim
+from minipaged.models.loader import load_model
+from minipaged.scheduler import ScheduledSeq, SchedulerOutput
+from minipaged.sequence import Sequence
+
+__all__ = ["StepPlan", "StepTokens", "WorkerArgs", "rank_device", "rank_kv_config",
+           "worker_main"]
+
+
+@dataclass
+class StepPlan:
+    """What a worker needs of one `SchedulerOutput`: no requests, no sampling."""
+
+    # Per sequence: (start, the tokens to run, block table, samples).
+    seqs: list[tuple[int, list[int], list[int], bool]]
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    copies: list[tuple[int, int]]
+
+    @classmethod
+    def of(cls, batch: SchedulerOutput) -> StepPlan:
+        seqs = [(s.start, s.seq.token_ids[s.start:s.start + s.num_new_tokens], s.block_table,
+                 s.samples) for s in batch.seqs]
+        return cls(seqs, batch.swap_out, batch.swap_in, batch.copies)
+
+    def batch(self) -> SchedulerOutput:
+        """The plan as the `SchedulerOutput` the cache engine and model runner take."""
+        seqs = [ScheduledSeq(Sequence("", StepTokens(start, tokens), 0), None, start,
+                             len(tokens), table, samples)
+                for start, tokens, table, samples in self.seqs]
+        return SchedulerOutput(seqs, self.swap_out, self.swap_in, self.copies)
+
+
+class StepTokens:
+    """A sequence's token ids as a worker knows them: ``len`` says how long it is, but
+    only the tokens from ``start`` on (this step's) can be read."""
+
+    def __init__(self, start: int, tokens: list[int]) -> None:
+        self.start, self.tokens = start, tokens
+
+    def __len__(self) -> int:
+        return self.start + len(self.tokens)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            first, stop, step = index.indices(len(self))
+            if first < self.start and first < stop:
+                raise IndexError(f"a worker knows tokens {self.start} onwards, not {first}")
+            return self.tokens[first - self.start:stop - self.start:step]
+        index = index + len(self) if index < 0 else index
+        if not self.start <= index < len(self):
+            raise IndexError(f"a worker knows tokens {self.start}..{len(self) - 1}, "
+                             f"not {index}")
+        return self.tokens[index - self.start]
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """How every rank builds its shard (the driver's settings)."""
+
+    path: str
+    dtype: str
+    device: str  # "cpu" or "cuda"
+    attention_backend: str
+    block_size: int
+    num_threads: int
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank ``r`` computes on GPU ``r``; on a CPU, all ranks share it."""
+    return torch.device("cuda", rank) if device == "cuda" else torch.device(device)
+
+
+def rank_kv_config(config, size: int):
+    """``config`` as one rank's KV cache sees it: `kv_heads_per_rank` KV heads of the
+    same ``head_dim`` (for `allocate_kv_caches` and `block_bytes`)."""
+    if size == 1:
+        return config
+    view = copy.copy(config)
+    view.head_dim = head_dim(config)  # fixed before the head counts change under it
+    view.num_key_value_heads = kv_heads_per_rank(config.num_key_value_heads, size)
+    return view
+
+
+def worker_main(rank: int, size: int, port: int, conn, args: WorkerArgs) -> None:
+    """A worker process's life: join the group, load the shard, answer the driver's
+    set-up calls on ``conn``, then run broadcast steps until the driver sends None."""
+    # Ctrl-C reaches every process of the terminal's group; only the driver acts on it
+    # (it stops the workers), so a worker never dies mid-collective on its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(args.num_threads)
+    try:
+        conn.send(("hello", os.getpid()))
+        device = rank_device(args.device, rank)
+        tp = init_tensor_parallel(rank, size, port, device)
+        model = load_model(args.path, args.dtype, device, args.attention_backend, tp)
+        runner = ModelRunner(model, args.block_size, device)
+        conn.send(("ok", None))
+        cache_engine = _set_up(conn, runner, tp, args.block_size, device)
+    except Exception:  # noqa: BLE001 (the driver re-raises it, naming this rank)
+        conn.send(("error", traceback.format_exc()))
+        return
+    try:
+        while (plan := tp.broadcast_object()) is not None:
+            batch = plan.batch()
+            cache_engine.execute(batch)
+            runner.execute(batch.seqs, cache_engine.gpu_cache)
+    finally:
+        destroy_tensor_parallel()
+
+
+def _set_up(conn, runner: ModelRunner, tp: TensorParallelGroup, block_size: int,
+            device: torch.device) -> CacheEngine:
+    """Answer ``(method, args)`` calls on the runner until ``("allocate", (num_gpu_blocks,
+    num_cpu_blocks))``, which builds this rank's pools and ends the set-up."""
+    while True:
+        method, call_args = conn.recv()
+        if method == "allocate":
+            config = rank_kv_config(runner.model.config, tp.size)
+            dtype = runner.model.model.embed_tokens.weight.dtype
+            cache_engine = CacheEngine(config, *call_args, block_size, dtype, device)
+            conn.send(("ok", tuple(cache_engine.gpu_cache[0][0].shape)))
+            return cache_engine
+        conn.send(("ok", getattr(runner, method)(*call_args)))
