@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from minipaged.models.attention import allocate_kv_caches, head_dim
-from minipaged.scheduler import SchedulerOutput
+from minipaged.batch import SchedulerOutput
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 GIB = 1 << 30

@@ -27,10 +27,10 @@ from minipaged.bench import memory as memory_bench
 from minipaged.bench import preemption as preemption_bench
 from minipaged.bench import throughput as throughput_bench
 from minipaged.bench.results import default_path, device_name, write_results
-from minipaged.config import ATTENTION_BACKENDS, DEVICES, EngineConfig
+from minipaged.config import (ATTENTION_BACKENDS, DEVICES, MEMORY_MODES, PREEMPTION_MODES,
+                              EngineConfig)
 from minipaged.models.tiny import ARCHS, make_tiny_model
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
-from minipaged.scheduler import MEMORY_MODES, PREEMPTION_MODES
 from minipaged.workloads import WORKLOADS
 
 CHOICES = {"device": DEVICES, "preemption_mode": PREEMPTION_MODES, "memory_mode": MEMORY_MODES,

@@ -14,10 +14,13 @@ import math
 import os
 from dataclasses import dataclass
 
-from minipaged.scheduler import MEMORY_MODES, PREEMPTION_MODES
+from minipaged.memory.contiguous import POLICIES
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda")
 DEVICES = ("auto", "cpu", "cuda")
+PREEMPTION_MODES = ("recompute", "swap")
+# The names of the memory simulation's systems (minipaged.memory.simulate.SYSTEMS).
+MEMORY_MODES = ("paged", *(f"contiguous-{policy}" for policy in POLICIES))
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 

@@ -54,7 +54,8 @@ from minipaged.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionO
                                RequestOutput)
 from minipaged.sampler import beam_candidates, make_generator, sample
 from minipaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from minipaged.scheduler import ScheduledSeq, Scheduler
+from minipaged.batch import ScheduledSeq
+from minipaged.scheduler import Scheduler
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.trace import Trace
 

@@ -16,7 +16,7 @@ import torch
 from minipaged.cuda_graphs import DecodeGraphs
 from minipaged.models.attention import (AttentionMetadata, allocate_kv_caches, int_tensor,
                                         token_positions)
-from minipaged.scheduler import ScheduledSeq
+from minipaged.batch import ScheduledSeq
 
 
 class ModelRunner:

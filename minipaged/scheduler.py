@@ -39,45 +39,14 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from dataclasses import dataclass, field
 
 from minipaged.memory import KVCacheManager
 from minipaged.memory.block_table import blocks_for
-from minipaged.memory.contiguous import POLICIES, ContiguousReservations
+from minipaged.batch import ScheduledSeq, SchedulerOutput
+from minipaged.config import MEMORY_MODES, PREEMPTION_MODES
+from minipaged.memory.contiguous import ContiguousReservations
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.trace import Trace
-
-PREEMPTION_MODES = ("recompute", "swap")
-# The names of the memory simulation's systems (minipaged.memory.simulate.SYSTEMS).
-MEMORY_MODES = ("paged", *(f"contiguous-{policy}" for policy in POLICIES))
-
-
-@dataclass
-class ScheduledSeq:
-    """Run tokens ``[start, start + num_new_tokens)`` of ``seq`` this step."""
-
-    seq: Sequence
-    group: SequenceGroup
-    start: int
-    num_new_tokens: int
-    block_table: list[int]
-    samples: bool  # does this step reach the sequence's end, so its last logits are used?
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's batch and the block operations to run before it, in this order."""
-
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, cpu_block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on the GPU
-    preempted: list[SequenceGroup] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
-
 
 class Scheduler:
     """Queues of requests over a `KVCacheManager`; `schedule()` once per engine step."""

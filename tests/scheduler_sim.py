@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 from minipaged.memory import KVCacheManager
 from minipaged.sampling_params import SamplingParams
-from minipaged.scheduler import Scheduler, SchedulerOutput
+from minipaged.batch import SchedulerOutput
+from minipaged.scheduler import Scheduler
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.trace import Trace
 

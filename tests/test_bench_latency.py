@@ -20,7 +20,7 @@ from minipaged.bench.results import write_results
 from minipaged.bench.throughput import make_prompts
 from minipaged.models import make_tiny_model
 from minipaged.sampling_params import SamplingParams
-from minipaged.scheduler import MEMORY_MODES
+from minipaged.config import MEMORY_MODES
 from minipaged.workloads import RequestSpec, arrival_times, synthetic_requests
 
 ROW_FIELDS = {"mode", "rate", "num_requests", "normalized_latency_s_per_token",

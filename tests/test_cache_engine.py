@@ -19,7 +19,7 @@ from transformers import AutoConfig, LlamaConfig
 
 from minipaged.cache_engine import CacheEngine, block_bytes
 from minipaged.models.tiny import make_tiny_model
-from minipaged.scheduler import SchedulerOutput
+from minipaged.batch import SchedulerOutput
 
 CPU = torch.device("cpu")
 BS = 4

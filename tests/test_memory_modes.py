@@ -25,7 +25,8 @@ from minipaged import BeamSearchParams, SamplingParams
 from minipaged.memory import KVCacheManager
 from minipaged.memory.contiguous import ContiguousReservations
 from minipaged.memory.simulate import SYSTEMS
-from minipaged.scheduler import MEMORY_MODES, Scheduler
+from minipaged.config import MEMORY_MODES
+from minipaged.scheduler import Scheduler
 
 CONTIGUOUS = [m for m in MEMORY_MODES if m != "paged"]
 tiny = engine_helpers.tiny  # the fixture: checkpoints and their HF oracle, once a session

@@ -49,7 +49,7 @@ from minipaged.bench import blocksize
 from minipaged.bench.throughput import GPU_MODEL, PAPER_CONTEXT, make_prompts
 from minipaged.demo import one_cpu_thread
 from minipaged.memory.simulate import OPT13B_A100_SLOTS
-from minipaged.scheduler import MEMORY_MODES
+from minipaged.config import MEMORY_MODES
 from minipaged.workloads import WORKLOADS, RequestSpec, arrival_times
 
 COLORS = {"paged": "tab:red", "contiguous-oracle": "tab:blue", "contiguous-pow2": "tab:green",

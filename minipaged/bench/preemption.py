@@ -54,7 +54,8 @@ from minipaged.cache_engine import GIB, KVCaches, block_bytes
 from minipaged.demo import one_cpu_thread
 from minipaged.memory.block_table import blocks_for
 from minipaged.memory.simulate import OPT13B_A100_SLOTS
-from minipaged.scheduler import PREEMPTION_MODES, SchedulerOutput
+from minipaged.batch import SchedulerOutput
+from minipaged.config import PREEMPTION_MODES
 from minipaged.workloads import RequestSpec
 
 SWAP_METHODS = ("batched", "per-block")

@@ -27,7 +27,7 @@ from minipaged.distributed.parallel_state import (TensorParallelGroup, destroy_t
                                                   free_port, init_tensor_parallel)
 from minipaged.distributed.worker import StepPlan, WorkerArgs, worker_main
 from minipaged.model_runner import ModelRunner
-from minipaged.scheduler import ScheduledSeq, SchedulerOutput
+from minipaged.batch import ScheduledSeq, SchedulerOutput
 
 __all__ = ["Executor", "TensorParallelExecutor", "WorkerGroup", "on_all_ranks"]
 

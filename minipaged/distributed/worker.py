@@ -27,7 +27,7 @@ from minipaged.distributed.parallel_state import (TensorParallelGroup, destroy_t
 from minipaged.model_runner import ModelRunner
 from minipaged.models.attention import head_dim
 from minipaged.models.loader import load_model
-from minipaged.scheduler import ScheduledSeq, SchedulerOutput
+from minipaged.batch import ScheduledSeq, SchedulerOutput
 from minipaged.sequence import Sequence
 
 __all__ = ["StepPlan", "StepTokens", "WorkerArgs", "rank_device", "rank_kv_config",

@@ -1,0 +1,42 @@
+"""What one engine step runs: the scheduler's decision, as data (paper §4.5).
+
+`SchedulerOutput` is what `Scheduler.schedule` hands down: the sequences to run, each a
+`ScheduledSeq` (which of its tokens, and its block table), and the block operations the
+cache engine must carry out before the forward pass.  The cache engine, the model runner
+and the tensor-parallel workers read it; none of them needs the scheduler itself.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minipaged.sequence import Sequence, SequenceGroup
+
+
+@dataclass
+class ScheduledSeq:
+    """Run tokens ``[start, start + num_new_tokens)`` of ``seq`` this step."""
+
+    seq: Sequence
+    group: SequenceGroup
+    start: int
+    num_new_tokens: int
+    block_table: list[int]
+    samples: bool  # does this step reach the sequence's end, so its last logits are used?
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch and the block operations to run before it, in this order."""
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, cpu_block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on the GPU
+    preempted: list[SequenceGroup] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
