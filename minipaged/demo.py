@@ -12,27 +12,19 @@
    OPT-13B's KV cache on an A100-40GB, paged vs contiguous reservation (§3, Fig. 2),
    simulated with minipaged's own memory layer.
 
-Also home to two helpers the command line shares: `cached_checkpoint` (the tiny
-checkpoints the tests and the benchmarks write once) and `PeakUsage` with
-`memory_report` (the engine's memory at its busiest step, in one paragraph).
+Also home to `PeakUsage` with `memory_report` (the engine's memory at its busiest step,
+in one paragraph), which `minipaged generate` prints too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
-import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from .bench.memory import bench_memory, format_table
 from .memory.simulate import OPT13B_A100_SLOTS
-from .models.hub import cache_dir
 from .sampling_params import RequestOutputKind, SamplingParams
 
 DEMO_MODEL = "smollm2"
@@ -41,51 +33,6 @@ STREAMED_QUESTION = "What is a cache, in computing?"
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
              "What is 12 times 12?", "Give me a tip for writing clear code."]
 DEMO_BLOCKS = 256  # a small fixed pool: the same block numbers on every machine
-
-
-# -- tiny checkpoints, written once ---------------------------------------------------
-def cached_checkpoint(name: str, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """A tiny seeded checkpoint (`make_tiny_model`) under `cache_dir`, written on first use.
-
-    The directory name carries a hash of everything that decides the weights, so a
-    changed definition gets a new checkpoint instead of a stale one; it is written
-    beside its final place and renamed, so a run that dies half way leaves nothing.
-    """
-    from .models import tiny
-
-    recipe = {"arch": arch, "seed": seed, "overrides": overrides, "base": tiny.BASE_CONFIG,
-              "archs": tiny.ARCHS, "init_std": tiny.INIT_STD}
-    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-    path = cache_dir() / f"{name}-{digest}"
-    if (path / "model.safetensors").is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=path.parent))
-    try:
-        tiny.make_tiny_model(staging, arch=arch, seed=seed, **overrides)
-        os.replace(staging, path)
-    except OSError:
-        if not (path / "model.safetensors").is_file():  # not a lost race with another run
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return path
-
-
-@contextlib.contextmanager
-def one_cpu_thread(device):
-    """On a CPU, run torch on one thread.  A tiny model's tensors are too small for
-    torch's thread pool to help, and where other processes compete for the cores its
-    threads wait for each other: 10 to 70 times slower, and erratic."""
-    import torch
-
-    threads = torch.get_num_threads()
-    if torch.device(device).type == "cpu":
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 # -- the engine's memory at its busiest step ------------------------------------------

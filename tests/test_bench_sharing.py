@@ -15,7 +15,7 @@ import pytest
 from cli_helpers import run_main
 
 from minipaged.bench.sharing import measure_sharing
-from minipaged.demo import cached_checkpoint
+from minipaged.models.tiny import cached_checkpoint
 from minipaged.llm import LLM
 
 P, OUT = 8, 6  # P and O above

@@ -11,6 +11,7 @@ import pytest
 from minipaged import LLM, SamplingParams, demo
 from minipaged.cli import main
 from minipaged.memory.block_table import blocks_for
+from minipaged.models.tiny import cached_checkpoint
 
 N, MAX_TOKENS, BLOCK = 2, 12, 16
 QUESTION = "What is the capital of France?"
@@ -121,14 +122,14 @@ def test_demo_still_reports_paged_and_contiguous_waste(out):
 
 
 def test_the_checkpoint_is_written_once_to_the_cache(cache):
-    path = demo.cached_checkpoint("demo-llama")
+    path = cached_checkpoint("demo-llama")
     assert path.parent == cache and (path / "model.safetensors").is_file()
-    assert demo.cached_checkpoint("demo-llama") == path
-    assert demo.cached_checkpoint("demo-llama", num_hidden_layers=1) != path
+    assert cached_checkpoint("demo-llama") == path
+    assert cached_checkpoint("demo-llama", num_hidden_layers=1) != path
 
 
 def test_peak_usage_watch_leaves_the_engine_as_it_was(cache):
-    llm = LLM(str(demo.cached_checkpoint("demo-llama")), device="cpu", num_gpu_blocks=32,
+    llm = LLM(str(cached_checkpoint("demo-llama")), device="cpu", num_gpu_blocks=32,
               swap_space=0)
     with demo.PeakUsage.watch(llm.engine) as peak:
         llm.generate(["abcdefgh" * 3], SamplingParams(n=2, max_tokens=4, ignore_eos=True),

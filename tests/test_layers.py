@@ -1,7 +1,10 @@
 """Import arrows point down the layers of docs/architecture.md: the memory layer is standard library only."""
 
+import ast
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 
 def modules_loaded_by(*names: str) -> set[str]:
@@ -17,3 +20,70 @@ def test_memory_layer_needs_nothing_but_the_standard_library():
     at_start_up = modules_loaded_by("sys")  # the interpreter's and the venv's own
     third_party = loaded - at_start_up - set(sys.stdlib_module_names) - {"minipaged"}
     assert third_party == set(), f"the memory layer pulled in {sorted(third_party)}"
+
+
+# -- every import points down the layers docs/architecture.md lists --------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def documented_layers() -> list[list[str]]:
+    """The modules of each numbered layer of docs/architecture.md, top layer first."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    items = re.split(r"\n(?=\d+\. \*\*)", section)
+    return [re.findall(r"`(minipaged\.[\w.]+)`", item.split("\n\n")[0]) for item in items
+            if re.match(r"\d+\. \*\*", item)]
+
+
+def layer_of(module: str, layers: list[list[str]]) -> int:
+    """The layer (0 = top) of the longest documented name that ``module`` is or is in."""
+    matches = [(len(name), i) for i, names in enumerate(layers) for name in names
+               if module == name or module.startswith(name + ".")]
+    assert matches, f"{module} is in no layer of docs/architecture.md"
+    return max(matches)[1]
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Each module of the package -> the minipaged modules it imports."""
+    imports = {}
+    for path in sorted((ROOT / "minipaged").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        package = path.name == "__init__.py"
+        module = ".".join(parts[:-1] if package else parts)
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = (module if package else module.rsplit(".", 1)[0]).split(".")
+                base = base[:len(base) - node.level + 1] if node.level else []
+                name = ".".join(base + [node.module] if node.module else base) \
+                    if node.level else node.module
+                found.add(name)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        imports[module] = {name for name in found if name.split(".")[0] == "minipaged"}
+    return imports
+
+
+def test_the_layers_are_documented_top_down():
+    layers = documented_layers()
+    assert len(layers) == 10 and layers[0][0] == "minipaged.cli"
+    assert layers[-1] == ["minipaged.memory", "minipaged.workloads"]
+
+
+def test_every_import_points_down_the_layers():
+    layers = documented_layers()
+    upward = []
+    for module, imported in package_imports().items():
+        if module in ("minipaged", "minipaged.distributed"):  # the packages' own faces
+            continue
+        for name in imported:
+            if name != "minipaged" and layer_of(name, layers) < layer_of(module, layers):
+                upward.append(f"{module} -> {name}")
+    assert not upward, "imports pointing up the layers:\n" + "\n".join(sorted(upward))
+
+
+def test_the_checker_orders_layers():
+    """An import of the engine from the memory layer would count as pointing up."""
+    layers = documented_layers()
+    assert layer_of("minipaged.engine", layers) < layer_of("minipaged.memory.allocator", layers)
+    assert layer_of("minipaged.bench.common", layers) < layer_of("minipaged.models.tiny", layers)

@@ -45,7 +45,7 @@ from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from minipaged.bench.throughput import GPU_MODEL, PAPER_CONTEXT, make_prompts
-from minipaged.demo import one_cpu_thread
+from minipaged.bench.common import one_cpu_thread
 from minipaged.memory.simulate import OPT13B_A100_SLOTS, MemoryReport, simulate_memory
 from minipaged.workloads import WORKLOADS, RequestSpec, synthetic_requests
 

@@ -15,7 +15,7 @@ was unexpected (any 5xx, a transport error, a good request refused or an invalid
 accepted), the blocks leaked, and the p50/p99 latency of the good requests.
 
 Without ``--base-url`` it starts ``minipaged serve`` itself on the tiny demo checkpoint
-(`minipaged.demo.cached_checkpoint`), with a small body cap, and stops it after.
+(`minipaged.models.tiny.cached_checkpoint`), with a small body cap, and stops it after.
 """
 
 from __future__ import annotations
@@ -338,7 +338,7 @@ def local_server(max_body_bytes: int = 2**20):
     """``minipaged serve`` on the tiny demo checkpoint, on a free loopback port, with a
     small body cap; yields its base URL and stops it (SIGINT) after.  Its log is kept
     in a temporary file, named if it fails to start."""
-    from minipaged.demo import cached_checkpoint
+    from minipaged.models.tiny import cached_checkpoint
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

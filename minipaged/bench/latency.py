@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 
 from minipaged.bench import blocksize
 from minipaged.bench.throughput import GPU_MODEL, PAPER_CONTEXT, make_prompts
-from minipaged.demo import one_cpu_thread
+from minipaged.bench.common import one_cpu_thread
 from minipaged.memory.simulate import OPT13B_A100_SLOTS
 from minipaged.config import MEMORY_MODES
 from minipaged.workloads import WORKLOADS, RequestSpec, arrival_times

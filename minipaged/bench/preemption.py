@@ -51,7 +51,7 @@ from minipaged.bench.blocksize import (check_all_free, check_block_sizes,
                                        run_engine, sync)
 from minipaged.bench.throughput import GPU_MODEL, make_prompts
 from minipaged.cache_engine import GIB, KVCaches, block_bytes
-from minipaged.demo import one_cpu_thread
+from minipaged.bench.common import one_cpu_thread
 from minipaged.memory.block_table import blocks_for
 from minipaged.memory.simulate import OPT13B_A100_SLOTS
 from minipaged.batch import SchedulerOutput

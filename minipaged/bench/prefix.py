@@ -12,7 +12,7 @@ same requests run with caching off and on, in the same process, and we report th
 cache's hit rate (the share of prompt tokens whose KV was found), the prefill tokens
 actually computed, and throughput, whose ratio on/off is the speed-up (a ratio within
 one run, so it means something on any machine; the counts are the same everywhere).
-On a CPU torch runs on one thread (`demo.one_cpu_thread`): a tiny model's tensors gain
+On a CPU torch runs on one thread (`bench.common.one_cpu_thread`): a tiny model's tensors gain
 nothing from more, and threads competing for busy cores make timings erratic.
 """
 
@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from matplotlib.figure import Figure
 
 from minipaged.bench.throughput import make_prompts
-from minipaged.demo import cached_checkpoint, one_cpu_thread
+from minipaged.bench.common import one_cpu_thread
+from minipaged.models.tiny import cached_checkpoint
 from minipaged.llm import LLM
 from minipaged.memory.simulate import OPT13B_A100_SLOTS
 from minipaged.sampling_params import SamplingParams

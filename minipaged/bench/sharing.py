@@ -25,7 +25,7 @@ from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from minipaged.bench.throughput import make_prompts
-from minipaged.demo import cached_checkpoint
+from minipaged.models.tiny import cached_checkpoint
 from minipaged.llm import LLM
 from minipaged.memory.simulate import OPT13B_A100_SLOTS
 from minipaged.sampling_params import BeamSearchParams, SamplingParams

@@ -52,7 +52,8 @@ from unittest import mock
 import torch
 from tqdm.auto import tqdm
 
-from minipaged.demo import cached_checkpoint, one_cpu_thread
+from minipaged.bench.common import one_cpu_thread
+from minipaged.models.tiny import cached_checkpoint
 from minipaged.ops import BackendUnavailableError, get_backend
 from minipaged.workloads import RequestSpec, synthetic_requests
 

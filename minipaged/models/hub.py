@@ -33,7 +33,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 __all__ = ["KNOWN_MODELS", "ModelUnavailableError", "cache_dir", "convert_gguf", "download",
-           "resolve_model"]
+           "materialize", "resolve_model"]
 
 
 class ModelUnavailableError(ConnectionError):
@@ -80,7 +80,7 @@ def resolve_model(model: str | os.PathLike) -> Path:
     if path.is_dir():
         return path
     if path.suffix == ".gguf" and path.is_file():
-        return _cached(_gguf_cache_name(path), lambda staging: convert_gguf(path, staging))
+        return materialize(_gguf_cache_name(path), lambda staging: convert_gguf(path, staging))
     if _known(str(model)) or _is_hub_id(str(model)):
         return download(str(model))
     raise ValueError(f"model {str(model)!r} is not a directory, not a .gguf file and not a "
@@ -96,7 +96,7 @@ def download(name: str, dir: str | os.PathLike | None = None) -> Path:
                          f"(org/name), got {name!r}")
     hub_id = known.hub_id if known else name
     target = Path(dir) if dir is not None else cache_dir() / "models" / hub_id.rsplit("/", 1)[-1]
-    return _cached(target, lambda staging: _fetch(name, hub_id, known, staging))
+    return materialize(target, lambda staging: _fetch(name, hub_id, known, staging))
 
 
 def convert_gguf(gguf_file: Path, out: Path) -> None:
@@ -139,7 +139,7 @@ def _gguf_cache_name(path: Path) -> str:
     return f"gguf-{path.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
 
 
-def _cached(target: str | Path, write) -> Path:
+def materialize(target: str | Path, write) -> Path:
     """``target`` (a name under the cache, or a path), made by ``write(staging)`` into a
     staging directory beside it and renamed into place only once complete."""
     target = Path(target) if isinstance(target, Path) else cache_dir() / "models" / target

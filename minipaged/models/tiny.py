@@ -18,8 +18,11 @@ LM heads, a padded vocabulary.  The same seed always writes byte-identical weigh
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
+
+from minipaged.models.hub import cache_dir, materialize
 
 # The tokenizer: ids 0..255 are the 256 byte values, so any text round-trips (after NFC
 # normalisation: "e" + combining accent becomes "é"); then the special tokens.
@@ -142,3 +145,18 @@ def _bytes_to_unicode() -> dict[int, str]:
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable},
             **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def cached_checkpoint(name: str, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A tiny seeded checkpoint (`make_tiny_model`) under `cache_dir`, written on first use.
+
+    The directory name carries a hash of everything that decides the weights, so a
+    changed definition gets a new checkpoint instead of a stale one; it is written
+    beside its final place and renamed (`materialize`), so a run that dies half way
+    leaves nothing.
+    """
+    recipe = {"arch": arch, "seed": seed, "overrides": overrides, "base": BASE_CONFIG,
+              "archs": ARCHS, "init_std": INIT_STD}
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    return materialize(cache_dir() / f"{name}-{digest}",
+                       lambda staging: make_tiny_model(staging, arch=arch, seed=seed, **overrides))
