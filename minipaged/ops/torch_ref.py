@@ -8,12 +8,20 @@ through the block table into dense tensors and then attend the ordinary way.  Th
 short rather than fast: the Triton and CUDA backends do the same work without ever
 materialising the gathered K/V.
 
+Two things keep them usable as the CPU's attention path.  The gather is one
+``index_select`` of cache slots into a buffer reused from call to call (`_workspace`):
+a fresh buffer of tens of megabytes costs the kernel a page fault per 4 KB, which on a
+CPU took longer than the copy itself.  And the attention itself is torch's fused
+``scaled_dot_product_attention`` over strided views of the gathered K/V, with no copy
+to reorder them.
+
 Arguments are checked in ``minipaged.ops``; these functions assume well-formed input.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -76,33 +84,60 @@ def _gather_kv(key_cache, value_cache, block_tables, context_lens, max_len):
 
     Position ``i`` of sequence ``b`` lives in physical block ``block_tables[b, i //
     block_size]`` at offset ``i % block_size`` (paper §4.1).  Returns ``k, v [B, max_len,
-    num_kv_heads, D]`` and ``valid [B, max_len]``; positions past a sequence's length
-    come back as zeros.
+    num_kv_heads, D]`` and ``valid [B, max_len]``.  Positions past a sequence's length
+    read its position 0 instead: block-table entries past its last block, and slots past
+    its last token, may hold anything (even NaN), and a zero attention weight times NaN
+    would still be NaN.  Both tensors live in `_workspace` buffers, valid until the
+    next call.
     """
     block_size = key_cache.shape[1]
     pos = torch.arange(max_len, device=key_cache.device)
     valid = pos[None, :] < context_lens[:, None]
-    # Block-table entries past a sequence's last block, and slots past its last token,
-    # may hold anything (even NaN); redirect and zero them so none reaches the softmax.
-    blocks = torch.where(valid, block_tables[:, pos // block_size], 0).long()
-    offsets = pos % block_size
-    keep = valid[:, :, None, None]
-    k = torch.where(keep, key_cache[blocks, offsets], 0)
-    v = torch.where(keep, value_cache[blocks, offsets], 0)
+    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size
+    slots = torch.where(valid, slots, slots[:, :1]).view(-1)
+    shape = (*valid.shape, *key_cache.shape[2:])
+    k, v = (torch.index_select(cache.flatten(0, 1), 0, slots,
+                               out=_workspace(name, slots.numel(), cache)).view(shape)
+            for name, cache in (("key", key_cache), ("value", value_cache)))
     return k, v, valid
+
+
+_WORKSPACES: dict[tuple, torch.Tensor] = {}
+
+
+def _workspace(name: str, rows: int, cache: torch.Tensor) -> torch.Tensor:
+    """A ``[rows, num_kv_heads, D]`` buffer of ``cache``'s dtype and device, the same
+    memory at every call (grown when too small): every layer of every step gathers
+    into it."""
+    key = (name, cache.device, cache.dtype)
+    buffer = _WORKSPACES.get(key)
+    if buffer is None or buffer.shape[0] < rows or buffer.shape[1:] != cache.shape[2:]:
+        # A normal tensor even when made under inference mode (the engine's), so that
+        # a forward outside it (a test under no_grad) may write into it too.
+        with torch.inference_mode(False):
+            buffer = _WORKSPACES[key] = torch.empty(rows, *cache.shape[2:], dtype=cache.dtype,
+                                                    device=cache.device)
+    return buffer[:rows]
 
 
 def _attend(query, k, v, mask, scale):
     """``query [B, n, H, D]`` attends to ``k, v [B, L, H_kv, D]`` where ``mask [B, n, L]``.
 
-    Scores and softmax run in float32 whatever the storage dtype, as the kernels do.
+    Scores and softmax run in float32 whatever the storage dtype, as the kernels do,
+    in torch's fused ``scaled_dot_product_attention``.  GQA: the ``group`` query heads
+    that share a KV head become ``group`` query rows of that head, so K/V are read as
+    strided views of the gathered tensors, never copied per query head.
     """
     batch, n, num_heads, head_dim = query.shape
-    num_kv_heads = k.shape[2]
-    # GQA: split the query heads into [num_kv_heads, group] so that every group reads
-    # its one kv head by broadcasting, without copying K/V group times.
-    q = query.float().reshape(batch, n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("bnkgd,blkd->bkgnl", q, k.float()) * scale
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    out = torch.einsum("bkgnl,blkd->bnkgd", scores.softmax(dim=-1), v.float())
+    length, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    if n == 0:
+        return torch.empty_like(query)
+    rows = (query.float().view(batch, n, num_kv_heads, group, head_dim).transpose(1, 2)
+            .reshape(batch, num_kv_heads, n * group, head_dim))
+    row_mask = mask[:, None, :, None, :].expand(batch, 1, n, group, length)
+    out = F.scaled_dot_product_attention(
+        rows, k.float().transpose(1, 2), v.float().transpose(1, 2),
+        attn_mask=row_mask.reshape(batch, 1, n * group, length), scale=scale)
+    out = out.view(batch, num_kv_heads, n, group, head_dim).transpose(1, 2)
     return out.reshape(batch, n, num_heads, head_dim).to(query.dtype)
