@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import random
 import time
 from collections import defaultdict
@@ -455,13 +456,22 @@ def bench_throughput(path, systems: Sequence[str], requests: Sequence[RequestSpe
     path = resolve_model(path)
 
     device = resolve_device(engine_kwargs.get("device", "auto"))
+    load = _load_note("before")
     with one_cpu_thread(device):
         runs, notes = _run_systems(path, systems, requests, prompts, engine_kwargs, device,
                                    hf_num_requests, hf_batch_num_requests, hf_batch_size,
                                    progress)
+    notes += [load, _load_note("after")]
     if not runs:
         raise ValueError(f"systems {list(systems)} could not run here: " + "; ".join(notes))
     return ThroughputBench([runs[s].row for s in systems if s in runs], runs, notes)
+
+
+def _load_note(when: str) -> str:
+    """The machine's load, for the record: on a shared CPU other processes slow every
+    system, so compare the systems of one run, not runs of different days."""
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return f"load average (1, 5, 15 min) {when} the runs: {load} on {os.cpu_count()} CPUs"
 
 
 def _run_systems(path, systems, requests, prompts, engine_kwargs, device, hf_num_requests,

@@ -31,12 +31,14 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     Slot ``s`` is block ``s // block_size``, offset ``s % block_size``.  A slot of -1
     means "do not store": padding tokens, or tokens whose KV is already cached.
     """
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    block_size = key_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key[keep]
-    value_cache[blocks, offsets] = value[keep]
+    slots = slot_mapping.long()
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        key, value, slots = key[keep], value[keep], slots[keep]
+    # Slot s is row s of the cache seen as [num_blocks * block_size, ...] (a view: the
+    # caches are contiguous), so one index_copy_ stores every token.
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key)
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value)
 
 
 def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor,
