@@ -110,21 +110,19 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     logits = apply_min_tokens(apply_penalties(raw, params, token_ids, prompt_lens), params,
                               token_ids, prompt_lens, eos_token_ids)
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    if len(rows) < len(params):  # greedy rows keep the argmax; the others are overwritten
-        token_ids = logits.argmax(dim=-1)
+    if len(rows) == len(params):  # no greedy row: no argmax, no copy of the rows
+        next_ids = _draw(_sampling_probs(logits, list(params)),
+                         list(generators or [None] * len(params)), generator)
     else:
-        token_ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
-    if rows:
-        everyone = len(rows) == len(params)  # then indexing would only copy
-        probs = _sampling_probs(logits if everyone else logits[rows], [params[i] for i in rows])
-        row_generators = [generators[i] for i in rows] if generators else [None] * len(rows)
-        drawn = _draw(probs, row_generators, generator)
-        token_ids = drawn if everyone else token_ids.index_copy_(
-            0, torch.tensor(rows, device=logits.device), drawn)
+        next_ids = logits.argmax(dim=-1)  # greedy rows keep this
+        if rows:
+            probs = _sampling_probs(logits[rows], [params[i] for i in rows])
+            row_generators = [generators[i] for i in rows] if generators else [None] * len(rows)
+            next_ids[rows] = _draw(probs, row_generators, generator)
     lse = raw.logsumexp(dim=-1)
-    chosen = raw.gather(1, token_ids[:, None]).squeeze(1) - lse
-    token_ids, chosen = token_ids.tolist(), chosen.tolist()
-    return SamplerOutput(token_ids, chosen, _top_logprobs(raw, lse, token_ids, chosen, params))
+    chosen = raw.gather(1, next_ids[:, None]).squeeze(1) - lse
+    next_ids, chosen = next_ids.tolist(), chosen.tolist()
+    return SamplerOutput(next_ids, chosen, _top_logprobs(raw, lse, next_ids, chosen, params))
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],

@@ -11,9 +11,8 @@ materialising the gathered K/V.
 Two things keep them usable as the CPU's attention path.  The gather is one
 ``index_select`` of cache slots into a buffer reused from call to call (`_workspace`):
 a fresh buffer of tens of megabytes costs the kernel a page fault per 4 KB, which on a
-CPU took longer than the copy itself.  And the attention itself is torch's fused
-``scaled_dot_product_attention`` over strided views of the gathered K/V, with no copy
-to reorder them.
+CPU took longer than the copy itself.  And each KV head's scores are one ``bmm`` over
+strided views of the gathered K/V, with no copy to reorder them.
 
 Arguments are checked in ``minipaged.ops``; these functions assume well-formed input.
 """
@@ -21,7 +20,6 @@ Arguments are checked in ``minipaged.ops``; these functions assume well-formed i
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -125,21 +123,23 @@ def _workspace(name: str, rows: int, cache: torch.Tensor) -> torch.Tensor:
 def _attend(query, k, v, mask, scale):
     """``query [B, n, H, D]`` attends to ``k, v [B, L, H_kv, D]`` where ``mask [B, n, L]``.
 
-    Scores and softmax run in float32 whatever the storage dtype, as the kernels do,
-    in torch's fused ``scaled_dot_product_attention``.  GQA: the ``group`` query heads
-    that share a KV head become ``group`` query rows of that head, so K/V are read as
-    strided views of the gathered tensors, never copied per query head.
+    Scores and softmax run in float32 whatever the storage dtype, as the kernels do.
+    GQA: the ``group`` query heads of one KV head are rows of one ``bmm`` against that
+    head's keys, a strided view of ``k``, so K/V are never copied per query head.  (Not
+    torch's fused SDPA: on a CPU it splits a decode's keys over threads, so a
+    sequence's logits, and its seeded samples, would depend on the thread count.)
     """
     batch, n, num_heads, head_dim = query.shape
     length, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
-    if n == 0:
-        return torch.empty_like(query)
-    rows = (query.float().view(batch, n, num_kv_heads, group, head_dim).transpose(1, 2)
-            .reshape(batch, num_kv_heads, n * group, head_dim))
-    row_mask = mask[:, None, :, None, :].expand(batch, 1, n, group, length)
-    out = F.scaled_dot_product_attention(
-        rows, k.float().transpose(1, 2), v.float().transpose(1, 2),
-        attn_mask=row_mask.reshape(batch, 1, n * group, length), scale=scale)
-    out = out.view(batch, num_kv_heads, n, group, head_dim).transpose(1, 2)
-    return out.reshape(batch, n, num_heads, head_dim).to(query.dtype)
+    q = query.float().view(batch, n, num_kv_heads, group, head_dim)
+    k, v = k.float(), v.float()
+    hidden = ~mask[:, :, None, :]  # [B, n, 1, L]: the same for a head's whole group
+    out = torch.empty(batch, n, num_kv_heads, group, head_dim, device=query.device)
+    for h in range(num_kv_heads):
+        rows = q[:, :, h].reshape(batch, n * group, head_dim)
+        scores = torch.bmm(rows, k[:, :, h].transpose(1, 2)).mul_(scale)
+        scores = scores.view(batch, n, group, length).masked_fill_(hidden, float("-inf"))
+        probs = scores.softmax(dim=-1).view(batch, n * group, length)
+        out[:, :, h] = torch.bmm(probs, v[:, :, h]).view(batch, n, group, head_dim)
+    return out.view(batch, n, num_heads, head_dim).to(query.dtype)
