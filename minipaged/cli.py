@@ -142,7 +142,8 @@ def _run_make_tiny_model(args) -> None:
         print(f"  {file.name:<24} {file.stat().st_size:>10,} bytes")
 
 
-SAMPLING_FIELDS = ("max_tokens", "n", "temperature", "top_p", "top_k", "min_p", "seed",
+SAMPLING_FIELDS = ("max_tokens", "min_tokens", "n", "temperature", "top_p", "top_k", "min_p",
+                   "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
                    "ignore_eos", "logprobs")
 
 

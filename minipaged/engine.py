@@ -252,23 +252,27 @@ class LLMEngine:
                 rows: list[int]) -> None:
         """Draw one token per sequence; a prompt with ``n`` > 1 first forks into ``n``
         sequences, all drawing from its one row of logits."""
-        targets = []
+        logit_rows, groups, seqs = [], [], []
         for i in rows:
             group, seq = sampling[i].group, sampling[i].seq
-            seqs = [seq]
+            branch = [seq]
             if group.params.n > 1 and len(group.seqs) == 1:
-                seqs += [self._fork(group, seq) for _ in range(group.params.n - 1)]
-            targets += [(i, group, s) for s in seqs]
-        out = sample(logits[[i for i, _, _ in targets]], [g.params for _, g, _ in targets],
-                     [s.generator for _, _, s in targets], self.generator)
-        self.num_generated_tokens += len(targets)
-        for j, (_, group, seq) in enumerate(targets):
-            seq.append_token(out.token_ids[j], out.logprobs[j])
-            if self.trace.enabled:
-                self.trace.record("sample", group.request_id, seq.seq_id,
-                                  token_id=out.token_ids[j])
+                branch += [self._fork(group, seq) for _ in range(group.params.n - 1)]
+            logit_rows += [i] * len(branch)
+            groups += [group] * len(branch)
+            seqs += branch
+        out = sample(logits[logit_rows], [g.params for g in groups], [s.generator for s in seqs],
+                     self.generator, [s.token_ids for s in seqs], [s.prompt_len for s in seqs],
+                     self.eos_token_ids)
+        self.num_generated_tokens += len(seqs)
+        record = self.trace.enabled
+        for group, seq, token, logprob, top in zip(groups, seqs, out.token_ids, out.logprobs,
+                                                   out.top_logprobs):
+            seq.append_token(token, logprob)
+            if record:
+                self.trace.record("sample", group.request_id, seq.seq_id, token_id=token)
             if seq.logprobs is not None:
-                seq.logprobs.append(out.top_logprobs[j])
+                seq.logprobs.append(top)
             self._check_stop(group, seq)
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
@@ -279,21 +283,24 @@ class LLMEngine:
         return child
 
     def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
-        """Detokenize the new token and decide whether ``seq`` is done."""
+        """Decide whether ``seq`` is done after its new token, detokenizing as it goes
+        where text is needed before the end (stop strings, streaming)."""
         params, token = group.params, seq.token_ids[-1]
         eos = not params.ignore_eos and token in self.eos_token_ids
         if eos or token in params.stop_token_ids:
             # The stop token stays in the token ids but not in the text (vLLM).
-            seq.output_text += seq.detokenizer.update(seq.output_token_ids[:-1], final=True)
-            self._end(group, seq, "stop", None if eos else token)
+            self._end(group, seq, "stop", None if eos else token, seq.output_token_ids[:-1])
             return
-        new_text = seq.detokenizer.update(seq.output_token_ids)
-        seq.output_text += new_text
-        if hit := self._stop_string(seq, params.stop, len(new_text)):
-            self._end(group, seq, "stop", hit)
-        elif seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            seq.output_text += seq.detokenizer.update(seq.output_token_ids, final=True)
-            self._end(group, seq, "length", None)
+        if params.stop or params.output_kind is not RequestOutputKind.FINAL_ONLY:
+            new_text = seq.detokenizer.update(seq.output_token_ids)
+            seq.output_text += new_text
+            # vLLM: no stop string counts before min_tokens (stop tokens are masked).
+            if (seq.num_output_tokens >= params.min_tokens
+                    and (hit := self._stop_string(seq, params.stop, len(new_text)))):
+                self._end(group, seq, "stop", hit)
+                return
+        if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            self._end(group, seq, "length", None, seq.output_token_ids)
 
     def _stop_string(self, seq: Sequence, stops: list[str], num_new: int) -> str | None:
         """The first of ``stops`` that the last ``num_new`` characters completed (it may
@@ -309,7 +316,12 @@ class LLMEngine:
         return None
 
     def _end(self, group: SequenceGroup, seq: Sequence, reason: str,
-             stop_reason: int | str | None) -> None:
+             stop_reason: int | str | None, text_token_ids: list[int] | None = None) -> None:
+        """Finish ``seq``; ``text_token_ids``: the tokens whose text it ends with, decoded
+        now if not yet (a request that neither streams nor stops on strings is decoded
+        only here, once, which gives the same text as decoding it step by step)."""
+        if text_token_ids is not None:
+            seq.output_text += seq.detokenizer.update(text_token_ids, final=True)
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.free_seq(group, seq)
 

@@ -43,9 +43,17 @@ class SamplingParams:
             probability reaches ``top_p``; 1 keeps all.
         top_k: keep the ``top_k`` most likely tokens; 0 or -1 keeps all.
         min_p: drop tokens less likely than ``min_p`` times the most likely one.
+        repetition_penalty: divides the positive logits and multiplies the negative ones
+            of every token already in the prompt or the output (Hugging Face's and
+            vLLM's meaning); 1 is off, above 1 discourages repeats.
+        presence_penalty: subtracted from the logit of every token already in the
+            output (OpenAI's meaning, the prompt not counted); in [-2, 2], 0 is off.
+        frequency_penalty: subtracted once per occurrence in the output; in [-2, 2].
         seed: seeds this request's own random stream, so its output does not depend on
             what else is in the batch.
         max_tokens: the most new tokens to generate per completion.
+        min_tokens: the end-of-sequence token and ``stop_token_ids`` cannot be sampled,
+            and stop strings are not checked, before this many new tokens.
         stop: strings that end a completion when generated (not included in its text);
             a single string is turned into a one-element list, None into ``[]``.
         stop_token_ids: token ids that end a completion (``[]`` if None).
@@ -53,6 +61,8 @@ class SamplingParams:
         logprobs: return the log-probabilities of this many most likely tokens at each
             step, plus the sampled token's; None returns none.
         output_kind: when `LLMEngine.step` reports this request (`RequestOutputKind`).
+        best_of: accepted only as None or equal to ``n``: minipaged does not generate
+            extra completions to keep the ``n`` most likely (vLLM removed it too).
     """
 
     n: int = 1
@@ -60,13 +70,18 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     max_tokens: int = 16
+    min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1)
@@ -75,9 +90,19 @@ class SamplingParams:
         if self.top_k not in (0, -1):
             _check_int("top_k", self.top_k, low=1, hint=" (or 0 or -1 for off)")
         _check_float("min_p", self.min_p, "a number in [0, 1]", lambda p: 0 <= p <= 1)
+        _check_float("repetition_penalty", self.repetition_penalty, "a finite number > 0",
+                     lambda r: r > 0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(name, getattr(self, name), "a number in [-2, 2]",
+                         lambda x: -2 <= x <= 2)
         if self.seed is not None:
             _check_int("seed", self.seed, low=0, high=2**64 - 1, hint=" or None")
         _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens,
+                   hint=" (at most max_tokens)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of must be None or equal to n={self.n} (minipaged does "
+                             f"not rank extra completions), got {self.best_of!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, hint=" or None")
         _check_bool("ignore_eos", self.ignore_eos)
@@ -90,6 +115,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Pick the most likely token every step (temperature below ``SAMPLING_EPS``)."""
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits depend on the tokens so far (any penalty is on)."""
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0
+                or self.frequency_penalty != 0)
 
 
 @dataclass

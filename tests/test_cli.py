@@ -150,6 +150,17 @@ def test_generate_greedy_with_stops_and_logprobs(tiny, llm, capsys):
     assert out.count("logprobs[") == len(c.token_ids)
 
 
+def test_generate_penalty_and_min_tokens_flags_reach_sampling_params(tiny, llm, capsys):
+    argv = ["generate", "--model", str(tiny), *ENGINE_ARGV, "--temperature", "0",
+            "--max-tokens", "8", "--min-tokens", "3", "--repetition-penalty", "1.5",
+            "--presence-penalty", "0.5", "--frequency-penalty", "-0.5", "abc"]
+    assert main(argv) == 0
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=3, repetition_penalty=1.5,
+                            presence_penalty=0.5, frequency_penalty=-0.5)
+    c = llm.generate("abc", params, use_tqdm=False)[0].outputs[0]
+    assert completions(capsys.readouterr().out) == {(0, 0): (c.text, len(c.token_ids))}
+
+
 def test_generate_beam_search_prints_llm_beam_search(tiny, llm, capsys):
     argv = ["generate", "--model", str(tiny), *ENGINE_ARGV, "--beam-width", "3",
             "--max-tokens", "5", "Hello"]
@@ -167,6 +178,8 @@ def test_generate_beam_search_prints_llm_beam_search(tiny, llm, capsys):
     (["--temperature", "-1"], "temperature must be a finite number >= 0, got -1.0"),
     (["--max-tokens", "0"], "max_tokens must be an int >= 1, got 0"),
     (["--n", "0"], "n must be an int >= 1, got 0"),
+    (["--presence-penalty", "3"], "presence_penalty must be a number in [-2, 2], got 3.0"),
+    (["--min-tokens", "20"], "min_tokens must be an int in [0, 16] (at most max_tokens), got 20"),
     (["--beam-width", "2", "--n", "2"], "beam_width=2 cannot be combined with --n"),
     (["--beam-width", "2", "--sampling-seed", "1", "--stop", "x"],
      "cannot be combined with --sampling-seed, --stop"),

@@ -170,6 +170,29 @@ def test_min_p_applies_after_top_p():
     assert kept == [True, True, False, False]
 
 
+@pytest.mark.parametrize("top_p", [1e-300, 1e-50, 5e-324])
+def test_a_top_p_that_rounds_to_zero_keeps_exactly_the_argmax(top_p):
+    """1e-300 is 0 in float32: without a guard every token is dropped, the softmax is
+    NaN and the draw raises (this once killed the server's engine thread)."""
+    logits = fixture_logits(rows=5, seed=4)
+    kept = filter_logits(logits, [0] * 5, [top_p] * 5, [0.0] * 5).isfinite()
+    assert kept.sum(dim=-1).tolist() == [1] * 5
+    assert kept.float().argmax(dim=-1).tolist() == logits.argmax(dim=-1).tolist()
+    params = [SamplingParams(top_p=top_p, temperature=2.0)] * 4 + [
+        SamplingParams(top_p=top_p, seed=3)]
+    generators = [None] * 4 + [make_generator(3)]
+    out = sample(logits, params, generators, make_generator(0))
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize(("top_k", "min_p"), [(1, 0.0), (0, 1.0), (1, 1.0)])
+def test_the_tightest_top_k_and_min_p_keep_the_argmax(top_k, min_p):
+    logits = fixture_logits(rows=5, seed=5)
+    out = sample(logits, [SamplingParams(top_k=top_k, min_p=min_p)] * 5,
+                 generator=make_generator(0))
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
 def test_greedy_rows_take_the_argmax_whatever_the_other_knobs():
     logits = fixture_logits(rows=16, vocab=1000, seed=4)
     params = [SamplingParams(temperature=0, top_k=k, top_p=p, seed=s)

@@ -25,6 +25,12 @@ INVALID_SAMPLING = [
     ("ignore_eos", 1), ("ignore_eos", None),
     ("logprobs", -1), ("logprobs", 1.0), ("logprobs", True),
     ("output_kind", "delta"), ("output_kind", None),
+    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
+    ("repetition_penalty", None),
+    ("presence_penalty", 2.01), ("presence_penalty", -2.5), ("presence_penalty", math.nan),
+    ("frequency_penalty", 3.0), ("frequency_penalty", -2.01), ("frequency_penalty", "1"),
+    ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", 1.0), ("min_tokens", None),
+    ("best_of", 2), ("best_of", 0),
 ]
 
 INVALID_BEAM = [
@@ -58,6 +64,10 @@ def test_defaults_are_the_contract():
     {"n": 1}, {"n": 64}, {"temperature": 0}, {"temperature": 0.0}, {"temperature": 1e-9},
     {"temperature": 5}, {"top_p": 1}, {"top_p": 1e-9}, {"top_k": 0}, {"top_k": -1},
     {"top_k": 1}, {"top_k": 10**6}, {"min_p": 0}, {"min_p": 1}, {"seed": 0},
+    {"top_p": 1e-300}, {"repetition_penalty": 1e-3}, {"repetition_penalty": 10},
+    {"presence_penalty": -2}, {"presence_penalty": 2}, {"frequency_penalty": -2},
+    {"frequency_penalty": 2}, {"min_tokens": 16}, {"min_tokens": 0}, {"best_of": 1},
+    {"n": 3, "best_of": 3}, {"max_tokens": 4, "min_tokens": 4},
     {"seed": 2**64 - 1}, {"max_tokens": 1}, {"logprobs": 0}, {"logprobs": 20},
     {"stop": ["a", "bc"]}, {"stop": ("a",)}, {"stop_token_ids": [0, 2]},
     {"stop_token_ids": ()}, {"ignore_eos": True},

@@ -219,8 +219,11 @@ BAD_REQUESTS = {  # name: (path, body, status, param)
     "image content": ("chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages"),
     "token id out of range": ("completions", {"prompt": [1, 10**6]}, 400, None),
-    "unsupported presence_penalty": ("completions", {"prompt": "a", "presence_penalty": 1.0},
-                                     400, "presence_penalty"),
+    "unsupported logit_bias": ("completions", {"prompt": "a", "logit_bias": {"5": 1.0}},
+                               400, "logit_bias"),
+    "presence_penalty out of range": ("completions", {"prompt": "a", "presence_penalty": 3.0},
+                                      400, None),
+    "top_p zero": ("completions", {"prompt": "a", "top_p": 0.0}, 400, None),
     "echo with logprobs": ("completions", {"prompt": "a", "echo": True, "logprobs": 1}, 400,
                            "echo"),
     "body not an object": ("completions", [1, 2], 400, None),

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import random
 import time
 from collections import defaultdict
@@ -202,13 +203,16 @@ class Workload:
 
 def make_workload(path, num_requests: int, length_scale: float = 1.0,
                   max_model_len: int | None = None, seed: int = 0) -> Workload:
-    """The requests and their prompt token ids for the checkpoint at ``path``."""
+    """The requests and their prompt token ids for the checkpoint at ``path`` (a
+    directory, a ``.gguf`` file or a model name such as ``smollm2``: `resolve_model`)."""
     from transformers import AutoTokenizer
 
     from minipaged.engine import resolve_max_model_len
+    from minipaged.models.hub import resolve_model
     from minipaged.models.loader import read_config
 
-    config = read_config(Path(path))
+    path = resolve_model(path)
+    config = read_config(path)
     max_model_len = resolve_max_model_len(max_model_len, config)
     requests = make_requests(num_requests, max_model_len, length_scale, seed)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -449,20 +453,33 @@ def bench_throughput(path, systems: Sequence[str], requests: Sequence[RequestSpe
     """Run each of ``systems`` on ``requests`` (the HF ones on the first
     ``hf_num_requests`` / ``hf_batch_num_requests`` of them).  ``engine_kwargs`` are
     ``LLM``'s, less ``attention_backend``; their ``device`` and ``dtype`` apply to HF too.
-    A system that cannot run here gets a note; none at all is a ``ValueError``."""
+    A system that cannot run here gets a note; none at all is a ``ValueError``.
+    ``path`` is resolved as ``LLM``'s ``model`` is (`resolve_model`), for HF too."""
     bad = [s for s in systems if s not in SYSTEMS]
     if bad or not systems:
         raise ValueError(f"systems must be a non-empty subset of {SYSTEMS}, got {list(systems)}")
     from minipaged.engine import resolve_device
+    from minipaged.models.hub import resolve_model
+
+    path = resolve_model(path)
 
     device = resolve_device(engine_kwargs.get("device", "auto"))
+    load = _load_note("before")
     with one_cpu_thread(device):
         runs, notes = _run_systems(path, systems, requests, prompts, engine_kwargs, device,
                                    hf_num_requests, hf_batch_num_requests, hf_batch_size,
                                    progress)
+    notes += [load, _load_note("after")]
     if not runs:
         raise ValueError(f"systems {list(systems)} could not run here: " + "; ".join(notes))
     return ThroughputBench([runs[s].row for s in systems if s in runs], runs, notes)
+
+
+def _load_note(when: str) -> str:
+    """The machine's load, for the record: on a shared CPU other processes slow every
+    system, so compare the systems of one run, not runs of different days."""
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return f"load average (1, 5, 15 min) {when} the runs: {load} on {os.cpu_count()} CPUs"
 
 
 def _run_systems(path, systems, requests, prompts, engine_kwargs, device, hf_num_requests,

@@ -8,6 +8,12 @@ through the block table into dense tensors and then attend the ordinary way.  Th
 short rather than fast: the Triton and CUDA backends do the same work without ever
 materialising the gathered K/V.
 
+Two things keep them usable as the CPU's attention path.  The gather is one
+``index_select`` of cache slots into a buffer reused from call to call (`_workspace`):
+a fresh buffer of tens of megabytes costs the kernel a page fault per 4 KB, which on a
+CPU took longer than the copy itself.  And each KV head's scores are one ``bmm`` over
+strided views of the gathered K/V, with no copy to reorder them.
+
 Arguments are checked in ``minipaged.ops``; these functions assume well-formed input.
 """
 
@@ -23,12 +29,14 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     Slot ``s`` is block ``s // block_size``, offset ``s % block_size``.  A slot of -1
     means "do not store": padding tokens, or tokens whose KV is already cached.
     """
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    block_size = key_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key[keep]
-    value_cache[blocks, offsets] = value[keep]
+    slots = slot_mapping.long()
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        key, value, slots = key[keep], value[keep], slots[keep]
+    # Slot s is row s of the cache seen as [num_blocks * block_size, ...] (a view: the
+    # caches are contiguous), so one index_copy_ stores every token.
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key)
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value)
 
 
 def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor,
@@ -76,33 +84,62 @@ def _gather_kv(key_cache, value_cache, block_tables, context_lens, max_len):
 
     Position ``i`` of sequence ``b`` lives in physical block ``block_tables[b, i //
     block_size]`` at offset ``i % block_size`` (paper §4.1).  Returns ``k, v [B, max_len,
-    num_kv_heads, D]`` and ``valid [B, max_len]``; positions past a sequence's length
-    come back as zeros.
+    num_kv_heads, D]`` and ``valid [B, max_len]``.  Positions past a sequence's length
+    read its position 0 instead: block-table entries past its last block, and slots past
+    its last token, may hold anything (even NaN), and a zero attention weight times NaN
+    would still be NaN.  Both tensors live in `_workspace` buffers, valid until the
+    next call.
     """
     block_size = key_cache.shape[1]
     pos = torch.arange(max_len, device=key_cache.device)
     valid = pos[None, :] < context_lens[:, None]
-    # Block-table entries past a sequence's last block, and slots past its last token,
-    # may hold anything (even NaN); redirect and zero them so none reaches the softmax.
-    blocks = torch.where(valid, block_tables[:, pos // block_size], 0).long()
-    offsets = pos % block_size
-    keep = valid[:, :, None, None]
-    k = torch.where(keep, key_cache[blocks, offsets], 0)
-    v = torch.where(keep, value_cache[blocks, offsets], 0)
+    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size
+    slots = torch.where(valid, slots, slots[:, :1]).view(-1)
+    shape = (*valid.shape, *key_cache.shape[2:])
+    k, v = (torch.index_select(cache.flatten(0, 1), 0, slots,
+                               out=_workspace(name, slots.numel(), cache)).view(shape)
+            for name, cache in (("key", key_cache), ("value", value_cache)))
     return k, v, valid
+
+
+_WORKSPACES: dict[tuple, torch.Tensor] = {}
+
+
+def _workspace(name: str, rows: int, cache: torch.Tensor) -> torch.Tensor:
+    """A ``[rows, num_kv_heads, D]`` buffer of ``cache``'s dtype and device, the same
+    memory at every call (grown when too small): every layer of every step gathers
+    into it."""
+    key = (name, cache.device, cache.dtype)
+    buffer = _WORKSPACES.get(key)
+    if buffer is None or buffer.shape[0] < rows or buffer.shape[1:] != cache.shape[2:]:
+        # A normal tensor even when made under inference mode (the engine's), so that
+        # a forward outside it (a test under no_grad) may write into it too.
+        with torch.inference_mode(False):
+            buffer = _WORKSPACES[key] = torch.empty(rows, *cache.shape[2:], dtype=cache.dtype,
+                                                    device=cache.device)
+    return buffer[:rows]
 
 
 def _attend(query, k, v, mask, scale):
     """``query [B, n, H, D]`` attends to ``k, v [B, L, H_kv, D]`` where ``mask [B, n, L]``.
 
     Scores and softmax run in float32 whatever the storage dtype, as the kernels do.
+    GQA: the ``group`` query heads of one KV head are rows of one ``bmm`` against that
+    head's keys, a strided view of ``k``, so K/V are never copied per query head.  (Not
+    torch's fused SDPA: on a CPU it splits a decode's keys over threads, so a
+    sequence's logits, and its seeded samples, would depend on the thread count.)
     """
     batch, n, num_heads, head_dim = query.shape
-    num_kv_heads = k.shape[2]
-    # GQA: split the query heads into [num_kv_heads, group] so that every group reads
-    # its one kv head by broadcasting, without copying K/V group times.
-    q = query.float().reshape(batch, n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("bnkgd,blkd->bkgnl", q, k.float()) * scale
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    out = torch.einsum("bkgnl,blkd->bnkgd", scores.softmax(dim=-1), v.float())
-    return out.reshape(batch, n, num_heads, head_dim).to(query.dtype)
+    length, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    q = query.float().view(batch, n, num_kv_heads, group, head_dim)
+    k, v = k.float(), v.float()
+    hidden = ~mask[:, :, None, :]  # [B, n, 1, L]: the same for a head's whole group
+    out = torch.empty(batch, n, num_kv_heads, group, head_dim, device=query.device)
+    for h in range(num_kv_heads):
+        rows = q[:, :, h].reshape(batch, n * group, head_dim)
+        scores = torch.bmm(rows, k[:, :, h].transpose(1, 2)).mul_(scale)
+        scores = scores.view(batch, n, group, length).masked_fill_(hidden, float("-inf"))
+        probs = scores.softmax(dim=-1).view(batch, n * group, length)
+        out[:, :, h] = torch.bmm(probs, v[:, :, h]).view(batch, n, group, head_dim)
+    return out.view(batch, n, num_heads, head_dim).to(query.dtype)

@@ -3,7 +3,8 @@
 Pydantic checks the JSON's shape (a field missing, a string where a number goes); the
 values are checked where they always are, by `SamplingParams`, so the server and
 ``LLM.generate`` refuse the same things with the same messages.  Fields beyond OpenAI's
-are vLLM's (``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``), so a client written
+are vLLM's (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``), so a client written
 for vLLM works unchanged.  Unknown fields are ignored, as OpenAI and vLLM do, except the
 sampling options minipaged does not implement: asking for one is an error, not a
 silent no-op.
@@ -18,8 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from minipaged.sampling_params import RequestOutputKind, SamplingParams
 
 # Options minipaged does not implement, and the values that ask for nothing.
-UNSUPPORTED = {"best_of": (None, 1), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
-               "repetition_penalty": (None, 1), "logit_bias": (None, {}), "suffix": (None, ""),
+UNSUPPORTED = {"logit_bias": (None, {}), "suffix": (None, ""),
                "tools": (None, []), "response_format": (None, {"type": "text"})}
 
 
@@ -38,6 +38,11 @@ class SamplingRequest(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_tokens: int | None = None
+    best_of: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -58,7 +63,9 @@ class SamplingRequest(BaseModel):
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's parameters (raises ``ValueError`` naming a bad value).  A stream
         wants each step's news (DELTA), an answer only the end (FINAL_ONLY)."""
-        optional = {name: value for name in ("temperature", "top_p", "top_k", "min_p")
+        optional = {name: value for name in ("temperature", "top_p", "top_k", "min_p",
+                                             "repetition_penalty", "presence_penalty",
+                                             "frequency_penalty", "min_tokens", "best_of")
                     if (value := getattr(self, name)) is not None}
         return SamplingParams(
             n=self.n, seed=self.seed, max_tokens=max_tokens, stop=self.stop,
