@@ -181,7 +181,8 @@ def test_bad_flags_exit_2_naming_them(argv, message, tiny, tmp_path, capsys):
 def test_a_missing_model_is_a_one_line_error(tmp_path, capsys):
     assert run_main([*CPU_ARGV, "--model", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err  # resolved as LLM resolves it: a name, a file or a dir
-    assert "model must be a local checkpoint directory" in err and "nope" in err
+    assert "is not a directory, not a .gguf file and not a known name" in err
+    assert "nope" in err
     assert "Traceback" not in err
 
 

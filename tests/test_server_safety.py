@@ -63,8 +63,8 @@ def failing_sample(real):
     """``sample`` that raises for any batch holding the culprit, after drawing (so the
     other rows' generators have moved on and must be rolled back)."""
 
-    def sample(logits, params, generators=None, generator=None):
-        out = real(logits, params, generators, generator)
+    def sample(logits, params, *args, **kwargs):
+        out = real(logits, params, *args, **kwargs)
         if any(p.seed == CULPRIT_SEED for p in params):
             raise RuntimeError("the sampler fell over")
         return out

@@ -44,6 +44,7 @@ KINDS = {
     "completion": (4, "a greedy completion, waited for"),
     "stream": (3, "a streamed completion, read to [DONE]"),
     "chat": (2, "a chat completion"),
+    "extreme_sampling": (1, "valid but extreme sampling values, answered like any other"),
     "malformed_json": (1, "a body that is not JSON"),
     "huge_body": (1, "a body one byte over the cap"),
     "bad_sampling": (2, "a sampling value out of range"),
@@ -53,7 +54,7 @@ KINDS = {
     "dropped_wait": (1, "an answer not waited for"),
     "half_body": (1, "half a body, then the connection closed"),
 }
-GOOD = ("completion", "stream", "chat")
+GOOD = ("completion", "stream", "chat", "extreme_sampling")
 LEAVING = ("dropped_stream", "dropped_wait", "half_body")
 BAD_SAMPLING = [
     {"top_p": 1.5},
@@ -63,6 +64,13 @@ BAD_SAMPLING = [
     {"top_k": -5},
     {"logprobs": 21},
     {"min_p": 2.0},
+]
+# In range, yet once enough to kill an engine: a top_p that rounds to 0 in float32.
+EXTREME_SAMPLING = [
+    {"temperature": 1.0, "top_p": 1e-300},
+    {"temperature": 1.0, "top_k": 1},
+    {"temperature": 1e-3, "min_p": 1.0},
+    {"temperature": 2.0, "repetition_penalty": 100.0, "presence_penalty": 2.0},
 ]
 IDLE_TIMEOUT_S = 30.0
 
@@ -133,8 +141,10 @@ async def _post(client: httpx.AsyncClient, path: str, **kwargs) -> httpx.Respons
     return await client.post(f"/v1/{path}", **kwargs)
 
 
-async def _good(client, kind: str, body: dict) -> tuple[int, str | None]:
+async def _good(client, kind: str, body: dict, rng: random.Random) -> tuple[int, str | None]:
     """A good request's status and, if its answer is not whole, what is wrong."""
+    if kind == "extreme_sampling":
+        body = {**body, **rng.choice(EXTREME_SAMPLING)}
     if kind == "chat":
         body = {
             "model": body["model"],
@@ -228,7 +238,7 @@ async def one_request(
     body, start = _body(rng, model), time.perf_counter()
     try:
         if kind in GOOD:
-            status, problem = await _good(client, kind, body)
+            status, problem = await _good(client, kind, body, rng)
         elif kind in LEAVING:
             await _leave(client, kind, body, address)
             status, problem = None, None
