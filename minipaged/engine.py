@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from minipaged.batch import ScheduledSeq
+from minipaged.beam_search import BeamSearch
 from minipaged.cache_engine import GIB, CacheEngine, block_bytes
 from minipaged.config import EngineConfig
 from minipaged.detokenizer import IncrementalDetokenizer
@@ -50,11 +52,9 @@ from minipaged.models.hub import resolve_model
 from minipaged.models.llama import check_tensor_parallel, sliding_window
 from minipaged.models.loader import load_model, read_config
 from minipaged.ops import BackendUnavailableError, check_supported, get_backend
-from minipaged.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput,
-                               RequestOutput)
-from minipaged.sampler import beam_candidates, make_generator, sample
+from minipaged.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
+from minipaged.sampler import make_generator, sample
 from minipaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from minipaged.batch import ScheduledSeq
 from minipaged.scheduler import Scheduler
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.trace import Trace
@@ -111,6 +111,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.preemption_mode, self.trace, config.memory_mode,
                                    self.max_model_len)
+        self.beam_search = BeamSearch(self.scheduler, self.eos_token_ids, self.max_model_len,
+                                      self.tokenizer)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, SequenceGroup] = {}
         self._arrivals = itertools.count()
@@ -246,7 +248,7 @@ class LLMEngine:
         if plain:
             self._sample(sampling, logits, plain)
         if beams:
-            self._rank_beams(sampling, logits, beams)
+            self.num_generated_tokens += self.beam_search.rank(sampling, logits, beams)
 
     def _sample(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
                 rows: list[int]) -> None:
@@ -325,72 +327,13 @@ class LLMEngine:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.free_seq(group, seq)
 
-    # -- beam search (§4.4) -----------------------------------------------------------
-    def _rank_beams(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
-                    rows: list[int]) -> None:
-        """Give every beam that reached its end its best next tokens; a request whose
-        live beams all have theirs moves on to the next step's beams."""
-        width = max(sampling[i].group.params.beam_width for i in rows)
-        top = beam_candidates(logits[rows], width)
-        ids, logprobs = top.token_ids.tolist(), top.logprobs.tolist()
-        for j, i in enumerate(rows):
-            k = 2 * sampling[i].group.params.beam_width
-            sampling[i].seq.beam_candidates = list(zip(ids[j][:k], logprobs[j][:k]))
-        for group in dict.fromkeys(sampling[i].group for i in rows):
-            # After a recompute, beams may finish their prompts in different steps.
-            if all(b.beam_candidates is not None for b in group.unfinished_seqs):
-                self._extend_beams(group)
-
-    def _extend_beams(self, group: SequenceGroup) -> None:
-        """Keep the ``beam_width`` best extensions of all beams; a beam kept more than
-        once forks (sharing its blocks), a beam not kept is freed.  Extensions ending in
-        EOS are set aside as finished candidates, as vLLM's ``beam_search`` does."""
-        params = group.params
-        live, eos = [], set() if params.ignore_eos else self.eos_token_ids
-        for beam in group.unfinished_seqs:
-            for token, logprob in beam.beam_candidates:
-                score = beam.cumulative_logprob + logprob
-                if token in eos:
-                    group.completed_beams.append((beam.token_ids + [token], score))
-                else:
-                    live.append((score, beam, token, logprob))
-            beam.beam_candidates = None
-        live.sort(key=lambda c: -beam_score(c[1].token_ids + [c[2]], c[0], self.eos_token_ids,
-                                            params.length_penalty))
-        children = defaultdict(list)
-        for _, beam, token, logprob in live[:params.beam_width]:
-            children[beam].append((token, logprob))
-        self.num_generated_tokens += min(params.beam_width, len(live))
-        for beam in group.unfinished_seqs:
-            if beam not in children:
-                self.scheduler.free_seq(group, beam)
-                group.seqs.remove(beam)
-                continue
-            first, *rest = children[beam]
-            for token, logprob in rest:  # fork before the parent grows
-                self.scheduler.fork(group, beam).append_token(token, logprob)
-            beam.append_token(*first)
-        self._maybe_finish_beams(group)
-
-    def _maybe_finish_beams(self, group: SequenceGroup) -> None:
-        """At ``max_tokens`` (or ``max_model_len``) the live beams join the finished
-        candidates and give their blocks back."""
-        beams = group.unfinished_seqs
-        if beams and (beams[0].num_output_tokens < group.params.max_tokens
-                      and len(beams[0].token_ids) < self.max_model_len):
-            return
-        for beam in beams:
-            group.completed_beams.append((list(beam.token_ids), beam.cumulative_logprob))
-            self.scheduler.free_seq(group, beam)
-            beam.finish_reason = "length"
-
     # -- outputs ----------------------------------------------------------------------
     def _finish(self, group: SequenceGroup) -> Output:
         del self.requests[group.request_id]
         self.scheduler.retire(group)
         self.trace.record("finish", group.request_id)
         if group.is_beam_search:
-            return self._beam_output(group)
+            return self.beam_search.output(group)
         return self.request_output(group)
 
     def request_output(self, group: SequenceGroup) -> RequestOutput | None:
@@ -418,17 +361,6 @@ class LLMEngine:
             text, seq.num_reported_chars = text[seq.num_reported_chars:], len(text)
         return CompletionOutput(seq.index, text, list(tokens), seq.cumulative_logprob,
                                 logprobs, seq.finish_reason, seq.stop_reason)
-
-    def _beam_output(self, group: SequenceGroup) -> BeamSearchOutput:
-        params, prompt_len = group.params, len(group.prompt_token_ids)
-        eos = set() if params.ignore_eos else self.eos_token_ids
-        best = sorted(group.completed_beams, reverse=True, key=lambda beam: beam_score(
-            *beam, self.eos_token_ids, params.length_penalty))[:params.beam_width]
-        sequences = []
-        for tokens, cum in best:
-            generated = tokens[prompt_len:-1] if tokens[-1] in eos else tokens[prompt_len:]
-            sequences.append(BeamSearchSequence(tokens, self.tokenizer.decode(generated), cum))
-        return BeamSearchOutput(group.request_id, sequences)
 
     # -- CUDA graphs ------------------------------------------------------------------
     def _uses_cuda_graphs(self) -> bool:
@@ -561,15 +493,6 @@ def streams(group: SequenceGroup) -> bool:
     """Whether ``group`` wants outputs before it finishes (beam search never does)."""
     return (not group.is_beam_search
             and group.params.output_kind is not RequestOutputKind.FINAL_ONLY)
-
-
-def beam_score(tokens: list[int], cum_logprob: float, eos_token_ids: set[int],
-               length_penalty: float) -> float:
-    """vLLM's ``get_beam_search_score``: the cumulative logprob over the length (prompt
-    included) to the ``length_penalty``; a final EOS is not counted, even with
-    ``ignore_eos``."""
-    length = len(tokens) - (tokens[-1] in eos_token_ids)
-    return cum_logprob / length ** length_penalty
 
 
 def available_memory() -> int:
