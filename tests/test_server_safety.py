@@ -381,6 +381,8 @@ def test_client_gone_before_a_non_streamed_answer_aborts_it(served, monkeypatch)
         ("completions", '{"prompt": "ab\\ud800c"}', "prompt"),
         ("completions", '{"prompt": ["ok", "\\udfff"]}', "prompt"),
         ("completions", '{"prompt": "a", "stop": ["\\ud83d"]}', "stop"),
+        ("completions", '{"prompt": "a", "model": "\\ud800"}', "model"),
+        ("completions", '{"prompt": "a", "\\ud800": 1}', None),  # pydantic's own 400
         (
             "chat/completions",
             '{"messages": [{"role": "user", "content": "\\ud800"}]}',

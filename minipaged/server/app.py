@@ -74,8 +74,9 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error_body(error), status_code=error.status)
+def error_response(error: APIError) -> Response:
+    # ASCII-escaped: a message may quote what the client sent, even half a surrogate pair.
+    return Response(json.dumps(error_body(error)), error.status, media_type="application/json")
 
 
 def server_error(error: Exception) -> APIError:
@@ -267,6 +268,10 @@ class OpenAIServing:
 
     # -- shared -----------------------------------------------------------------------
     def _check(self, body: SamplingRequest) -> None:
+        # First: no message below may quote a string that cannot be encoded.
+        if name := unencodable_field(body.model_dump()):
+            raise APIError(400, f"{name} holds a lone surrogate, which is not text "
+                                "(UTF-16 halves must come in pairs)", name)
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"The model `{body.model}` does not exist.", "model",
                            "model_not_found")
@@ -275,9 +280,6 @@ class OpenAIServing:
         if body.n > self.limits.max_n:
             raise APIError(400, f"n must be at most {self.limits.max_n} (--max-n), "
                                 f"got {body.n}", "n")
-        if name := unencodable_field(body.model_dump()):
-            raise APIError(400, f"{name} holds a lone surrogate, which is not text "
-                                "(UTF-16 halves must come in pairs)", name)
 
     def _check_logprobs(self, asked: int | None, param: str) -> None:
         if asked is not None and asked > self.limits.max_logprobs:
@@ -549,11 +551,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     """Every error in OpenAI's shape: ours, pydantic's, Starlette's and the library's."""
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, error: APIError) -> JSONResponse:
+    async def api_error(_: Request, error: APIError) -> Response:
         return error_response(error)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
+    async def invalid_body(_: Request, error: RequestValidationError) -> Response:
         first = error.errors()[0]
         where = [str(part) for part in first["loc"] if part != "body"]
         if first["type"] == "json_invalid":
@@ -562,15 +564,15 @@ def _add_error_handlers(app: FastAPI) -> None:
                                         where[0] if where else None))
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+    async def http_error(_: Request, error: HTTPException) -> Response:
         response = error_response(APIError(error.status_code, str(error.detail)))
         response.headers.update(error.headers or {})  # a 405's Allow, for one
         return response
 
     @app.exception_handler(ValueError)  # SamplingParams and the engine name the argument
-    async def bad_value(_: Request, error: ValueError) -> JSONResponse:
+    async def bad_value(_: Request, error: ValueError) -> Response:
         return error_response(APIError(400, str(error)))
 
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, error: EngineDeadError) -> JSONResponse:
+    async def engine_dead(_: Request, error: EngineDeadError) -> Response:
         return error_response(APIError(500, str(error)))
