@@ -50,6 +50,16 @@ def naive_presence_frequency(row, output, presence, frequency):
     return row
 
 
+def hf_generate(oracle, prompt: list[int], **kwargs) -> list[int]:
+    """The tokens HF ``generate`` adds to ``prompt``, greedily, with ``kwargs``."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = oracle.hf.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, **kwargs
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 @pytest.mark.parametrize("penalty", [0.5, 1.3, 2.0])
 def test_repetition_penalty_equals_transformers_processor(penalty):
     rows = histories(8)
@@ -180,16 +190,8 @@ def test_repetition_penalty_greedy_equals_hf_generate(tiny_llm):
         use_tqdm=False,
     )
     for prompt, out in zip(prompts, outputs):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            want = oracle.hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                repetition_penalty=1.8,
-                max_new_tokens=24,
-            )
-        assert out.outputs[0].token_ids == want[0, len(prompt) :].tolist()
+        want = hf_generate(oracle, prompt, repetition_penalty=1.8, max_new_tokens=24)
+        assert out.outputs[0].token_ids == want
     plain = llm.generate(
         {"prompt_token_ids": prompts[2]},
         SamplingParams(temperature=0, max_tokens=24),
@@ -228,16 +230,8 @@ def test_min_tokens_holds_eos_back_like_hf_min_new_tokens(tiny_llm):
         SamplingParams(temperature=0, min_tokens=minimum, max_tokens=40),
         use_tqdm=False,
     )
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        want = oracle.hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            min_new_tokens=minimum,
-            max_new_tokens=40,
-        )
-    assert out.outputs[0].token_ids == want[0, len(prompt) :].tolist()
+    want = hf_generate(oracle, prompt, min_new_tokens=minimum, max_new_tokens=40)
+    assert out.outputs[0].token_ids == want
     assert len(out.outputs[0].token_ids) > minimum
     assert_all_blocks_free(llm)
 
