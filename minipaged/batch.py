@@ -24,6 +24,7 @@ class ScheduledSeq:
     start: int
     num_new_tokens: int
     block_table: list[int]
+    slot_mapping: list[int]  # the cache slot of each new token, from the KV cache manager
     samples: bool  # does this step reach the sequence's end, so its last logits are used?
 
 

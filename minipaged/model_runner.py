@@ -44,7 +44,8 @@ class ModelRunner:
         starts = [s.start for s in seqs]
         counts = [s.num_new_tokens for s in seqs]
         attn = AttentionMetadata.build([s.block_table for s in seqs], starts, counts,
-                                       self.block_size, self.device)
+                                       self.block_size, self.device,
+                                       [slot for s in seqs for slot in s.slot_mapping])
         input_ids = int_tensor([t for s in seqs
                                 for t in s.seq.token_ids[s.start:s.start + s.num_new_tokens]],
                                self.device, torch.long)

@@ -214,7 +214,7 @@ class Scheduler:
                 self.trace.record("append", group.request_id, seq.seq_id, num_tokens=n,
                                   blocks=self.kv.block_table(seq.seq_id))
             self._record_copies(group, seq, allocation.copies, out)
-            self._run(group, seq, start, n, out)
+            self._run(group, seq, start, n, allocation.slot_mapping, out)
             used += n
         return used
 
@@ -229,15 +229,15 @@ class Scheduler:
             self.trace.record("allocate", group.request_id, seq.seq_id, num_tokens=n,
                               num_cached_tokens=cached, blocks=self.kv.block_table(seq.seq_id))
             self._record_copies(group, seq, allocation.copies, out)
-            self._run(group, seq, cached, n, out)
+            self._run(group, seq, cached, n, allocation.slot_mapping, out)
             used += n
         return used
 
-    def _run(self, group, seq, start, n, out) -> None:
+    def _run(self, group, seq, start, n, slots, out) -> None:
         seq.num_computed_tokens = start + n  # the step computes them before anyone reads
         samples = start + n == len(seq.token_ids)
         out.seqs.append(ScheduledSeq(seq, group, start, n, self.kv.block_table(seq.seq_id),
-                                     samples))
+                                     slots, samples))
 
     def _record_copies(self, group, seq, copies, out) -> None:
         out.copies += copies

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from minipaged.memory import BlockAllocator, BlockTable, NoFreeBlocksError
+from minipaged.memory.prefix_cache import PrefixCachingBlockAllocator
 
 
 def ceil_div(a, b):
@@ -189,3 +190,14 @@ def test_free_releases_tail_first():
     blocks = list(table.blocks)
     table.free()
     assert released == blocks[::-1]
+
+
+def test_blocks_filled_one_decode_token_at_a_time_become_findable_prefixes():
+    pool = PrefixCachingBlockAllocator(8, 4)
+    table = BlockTable(4, pool)
+    tokens = [5, 3, 8, 1, 9, 9, 2, 7, 4, 6]
+    for n, token in enumerate(tokens):
+        table.append_tokens([token])
+        full = (n + 1) // 4
+        found = pool.match_prefix(tokens)
+        assert [e.block for e in found] == table.blocks[:full], f"after {n + 1} tokens"

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from minipaged.models import (AttentionMetadata, MODELS, allocate_kv_caches, load_model,
                               make_tiny_model, token_positions)
+from minipaged.memory import KVCacheManager
 from minipaged.models.llama import rope_frequencies
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -269,6 +270,24 @@ def test_metadata_without_prefills_or_decodes_is_empty_on_that_side():
     only_prefill = AttentionMetadata.build([[0, 1]], [0], [5], block_size=4)
     assert only_prefill.num_prefill_tokens == 5 and only_prefill.max_decode_context_len == 0
     assert tuple(only_prefill.decode_block_tables.shape) == (0, 1)
+
+
+def test_metadata_takes_the_kv_cache_managers_slots_as_given():
+    manager = KVCacheManager(num_gpu_blocks=6, block_size=4)
+    prompt = manager.allocate("A", list(range(6)))
+    manager.allocate("B", [1])
+    decode = manager.append("B", [2])
+    tables = [manager.block_table("A"), manager.block_table("B")]
+    slots = prompt.slot_mapping + decode.slot_mapping
+    oracle = [tables[0][p // 4] * 4 + p % 4 for p in range(6)] + [tables[1][0] * 4 + 1]
+    assert slots == oracle
+    given = AttentionMetadata.build(tables, [0, 1], [6, 1], 4, slot_mapping=slots)
+    assert given.slot_mapping.tolist() == slots
+    derived = AttentionMetadata.build(tables, [0, 1], [6, 1], 4)
+    assert derived.slot_mapping.tolist() == oracle
+    with pytest.raises(ValueError, match="slot_mapping must have one slot per new token "
+                                         "\\(7\\), got 6"):
+        AttentionMetadata.build(tables, [0, 1], [6, 1], 4, slot_mapping=slots[:6])
 
 
 @pytest.mark.parametrize("args, message", [

@@ -38,8 +38,8 @@ __all__ = ["StepPlan", "StepTokens", "WorkerArgs", "rank_device", "rank_kv_confi
 class StepPlan:
     """What a worker needs of one `SchedulerOutput`: no requests, no sampling."""
 
-    # Per sequence: (start, the tokens to run, block table, samples).
-    seqs: list[tuple[int, list[int], list[int], bool]]
+    # Per sequence: (start, the tokens to run, block table, slot mapping, samples).
+    seqs: list[tuple[int, list[int], list[int], list[int], bool]]
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
     copies: list[tuple[int, int]]
@@ -47,14 +47,14 @@ class StepPlan:
     @classmethod
     def of(cls, batch: SchedulerOutput) -> StepPlan:
         seqs = [(s.start, s.seq.token_ids[s.start:s.start + s.num_new_tokens], s.block_table,
-                 s.samples) for s in batch.seqs]
+                 s.slot_mapping, s.samples) for s in batch.seqs]
         return cls(seqs, batch.swap_out, batch.swap_in, batch.copies)
 
     def batch(self) -> SchedulerOutput:
         """The plan as the `SchedulerOutput` the cache engine and model runner take."""
         seqs = [ScheduledSeq(Sequence("", StepTokens(start, tokens), 0), None, start,
-                             len(tokens), table, samples)
-                for start, tokens, table, samples in self.seqs]
+                             len(tokens), table, slots, samples)
+                for start, tokens, table, slots, samples in self.seqs]
         return SchedulerOutput(seqs, self.swap_out, self.swap_in, self.copies)
 
 

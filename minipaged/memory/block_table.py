@@ -26,6 +26,13 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def slot_mapping(blocks: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """The cache slots of positions ``[start, end)`` of a sequence whose block table is
+    ``blocks``: position ``p`` is at offset ``p % block_size`` of physical block
+    ``blocks[p // block_size]`` (§4.2).  The only place the translation is computed."""
+    return [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
 class BlockTable:
     """The logical -> physical block list of one sequence, and the token ids it holds."""
 
@@ -49,11 +56,11 @@ class BlockTable:
 
     def slot(self, position: int) -> int:
         """The cache slot of the token at ``position``."""
-        block, offset = divmod(position, self.block_size)
-        return self.blocks[block] * self.block_size + offset
+        return self.slot_mapping(position, position + 1)[0]
 
     def slot_mapping(self, start: int, end: int) -> list[int]:
-        return [self.slot(p) for p in range(start, end)]
+        """The cache slots of positions ``[start, end)``."""
+        return slot_mapping(self.blocks, self.block_size, start, end)
 
     def num_blocks_needed(self, num_new_tokens: int) -> int:
         """New physical blocks that appending ``num_new_tokens`` would take (CoW included)."""
@@ -74,6 +81,8 @@ class BlockTable:
         All or nothing: if the pool cannot supply the blocks, raises
         `NoFreeBlocksError` and changes nothing.
         """
+        if len(token_ids) == 1 and (slot := self._append_in_place(token_ids[0])) is not None:
+            return [slot], []
         shared = bool(token_ids) and self._last_block_is_shared()
         fresh = self._fresh_blocks_needed(len(token_ids))
         if fresh + shared > self.allocator.num_free_blocks:
@@ -88,6 +97,18 @@ class BlockTable:
             for full in range(start // self.block_size, len(self.token_ids) // self.block_size):
                 self._register_block(full)
         return self.slot_mapping(start, len(self.token_ids)), copies
+
+    def _append_in_place(self, token_id: int) -> int | None:
+        """A decode's common case, kept cheap because it runs for every sequence every
+        step: one token into a last block that has room and no other holder.  Returns
+        its slot, or None (and changes nothing) when a new block or a copy is needed."""
+        offset = len(self.token_ids) % self.block_size
+        if offset == 0 or self.allocator.ref_count(self.blocks[-1]) > 1:
+            return None
+        self.token_ids.append(token_id)
+        if offset == self.block_size - 1 and self._caching:
+            self._register_block(len(self.blocks) - 1)
+        return self.blocks[-1] * self.block_size + offset
 
     def _copy_on_write(self) -> BlockCopy:
         src = self.blocks[-1]

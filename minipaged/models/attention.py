@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from minipaged.memory.block_table import slot_mapping as block_slots
 from minipaged.ops import BACKENDS, get_backend
 
 __all__ = ["AttentionMetadata", "PagedAttention", "allocate_kv_caches", "check_backend",
@@ -47,24 +48,32 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, block_tables: list[list[int]], num_cached: list[int], num_new: list[int],
-              block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+              block_size: int, device: torch.device | str = "cpu",
+              slot_mapping: list[int] | None = None) -> AttentionMetadata:
         """The metadata of a step that runs ``num_new[i]`` tokens of sequence ``i``,
         the ``num_cached[i]`` before them being in the cache already.
 
-        Sequence ``i``'s position ``p`` lives in slot ``block_tables[i][p // block_size]
-        * block_size + p % block_size`` (paper §4.2).  The trailing run of sequences with
-        one new token is the decode part; every other sequence is a prefill, which
-        covers chunked prefill and prefix-cache hits (new tokens after a cached prefix).
-        Order the batch prefills first to send all decodes to the decode op.
+        ``slot_mapping`` is where the new tokens' keys and values go, packed in batch
+        order: the engine passes the slots the KV cache manager gave them; without it
+        they are translated from the block tables the same way (paper §4.2).  The
+        trailing run of sequences with one new token is the decode part; every other
+        sequence is a prefill, which covers chunked prefill and prefix-cache hits (new
+        tokens after a cached prefix).  Order the batch prefills first to send all
+        decodes to the decode op.
         """
         _check_sequences(block_tables, num_cached, num_new, block_size)
         split = len(num_new)
         while split > 0 and num_new[split - 1] == 1:
             split -= 1
         context_lens = [c + n for c, n in zip(num_cached, num_new)]
-        slots = [table[p // block_size] * block_size + p % block_size
-                 for table, c, n in zip(block_tables, num_cached, num_new)
-                 for p in range(c, c + n)]
+        if slot_mapping is None:
+            slots = [slot for table, c, n in zip(block_tables, num_cached, num_new)
+                     for slot in block_slots(table, block_size, c, c + n)]
+        elif len(slot_mapping) == sum(num_new):
+            slots = slot_mapping
+        else:
+            raise ValueError(f"slot_mapping must have one slot per new token ({sum(num_new)}),"
+                             f" got {len(slot_mapping)}")
         starts = [0, *itertools.accumulate(num_new[:split])]
         return cls(
             slot_mapping=int_tensor(slots, device, torch.long),
