@@ -40,7 +40,7 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 
-from minipaged.memory import KVCacheManager
+from minipaged.memory import Allocation, KVCacheManager
 from minipaged.memory.block_table import blocks_for
 from minipaged.batch import ScheduledSeq, SchedulerOutput
 from minipaged.config import MEMORY_MODES, PREEMPTION_MODES
@@ -133,11 +133,12 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         queue, self.running = self.running, []
+        roomy = self._roomy(queue, budget)
         i = 0
         while i < len(queue) and budget > 0:
             group = queue[i]
             plan = _plan(group, budget)
-            while not self._fits(plan):
+            while not roomy and not self._fits(plan):
                 victim = queue.pop()  # the most recent arrival goes first
                 self._preempt(victim, out)
                 if victim is group:
@@ -212,9 +213,8 @@ class Scheduler:
             allocation = self.kv.append(seq.seq_id, seq.token_ids[start:start + n])
             if self.trace.enabled:
                 self.trace.record("append", group.request_id, seq.seq_id, num_tokens=n,
-                                  blocks=self.kv.block_table(seq.seq_id))
-            self._record_copies(group, seq, allocation.copies, out)
-            self._run(group, seq, start, n, allocation.slot_mapping, out)
+                                  blocks=allocation.block_table)
+            self._run(group, seq, start, n, allocation, out)
             used += n
         return used
 
@@ -227,22 +227,21 @@ class Scheduler:
             n = min(len(seq.token_ids) - cached, budget - used - _later(seqs, k))
             allocation = self.kv.allocate(seq.seq_id, seq.token_ids, n)
             self.trace.record("allocate", group.request_id, seq.seq_id, num_tokens=n,
-                              num_cached_tokens=cached, blocks=self.kv.block_table(seq.seq_id))
-            self._record_copies(group, seq, allocation.copies, out)
-            self._run(group, seq, cached, n, allocation.slot_mapping, out)
+                              num_cached_tokens=cached, blocks=allocation.block_table)
+            self._run(group, seq, cached, n, allocation, out)
             used += n
         return used
 
-    def _run(self, group, seq, start, n, slots, out) -> None:
+    def _run(self, group, seq, start, n, allocation: Allocation, out) -> None:
+        """Put ``n`` tokens of ``seq`` from ``start`` on in this step's batch, with the
+        slots and copy-on-write copies the KV cache manager gave them."""
+        for src, dst in allocation.copies:
+            out.copies.append((src, dst))
+            self.trace.record("cow", group.request_id, seq.seq_id, src=src, dst=dst)
         seq.num_computed_tokens = start + n  # the step computes them before anyone reads
         samples = start + n == len(seq.token_ids)
-        out.seqs.append(ScheduledSeq(seq, group, start, n, self.kv.block_table(seq.seq_id),
-                                     slots, samples))
-
-    def _record_copies(self, group, seq, copies, out) -> None:
-        out.copies += copies
-        for src, dst in copies:
-            self.trace.record("cow", group.request_id, seq.seq_id, src=src, dst=dst)
+        out.seqs.append(ScheduledSeq(seq, group, start, n, allocation.block_table,
+                                     allocation.slot_mapping, samples))
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Evict a whole request (§4.5): swap it out if asked and the CPU pool has room,
@@ -268,12 +267,21 @@ class Scheduler:
             seq.num_computed_tokens = 0
             seq.finish_reason = finish_reason
 
+    def _roomy(self, queue: list[SequenceGroup], budget: int) -> bool:
+        """Can every running sequence take its next tokens, whatever they are?  Each
+        needs at most one block for its first token (see `_fits`) and one more block per
+        ``block_size`` tokens after it: at most two blocks a sequence plus the budget's
+        worth.  True on most steps, which then skip checking request by request."""
+        num_seqs = sum(len(group.seqs) for group in queue)
+        return 2 * num_seqs + blocks_for(budget, self.kv.block_size) <= self.kv.gpu.num_free_blocks
+
     def _fits(self, plan: list[tuple[Sequence, int]]) -> bool:
         """Can the GPU pool take every sequence's next tokens?"""
         free = self.kv.gpu.num_free_blocks
-        # A cheap upper bound settles most steps: n tokens take at most blocks_for(n)
-        # fresh blocks plus one copy-on-write of a shared last block.
-        if sum(blocks_for(n, self.kv.block_size) + 1 for _, n in plan) <= free:
+        # A cheap upper bound settles most steps: n tokens take at most one block for
+        # the first (a fresh one, or a copy of a shared last block) and blocks_for(n - 1)
+        # fresh blocks for the rest.
+        if len(plan) + sum(blocks_for(n - 1, self.kv.block_size) for _, n in plan) <= free:
             return True
         need = sum(self.kv.blocks_to_append(seq.seq_id, n) for seq, n in plan)
         # Each sharer of a partial last block counts a copy, but the last one to write

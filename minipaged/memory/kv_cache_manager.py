@@ -31,6 +31,7 @@ class Allocation:
     """What the cache engine and the model runner need to run a sequence's new tokens."""
 
     slot_mapping: list[int]
+    block_table: list[int]  # the sequence's physical blocks after this allocation
     copies: list[BlockCopy] = field(default_factory=list)
     num_cached_tokens: int = 0
 
@@ -108,7 +109,7 @@ class KVCacheManager:
         if self.prefix_caching:
             self.gpu.record_lookup(len(prompt_token_ids), cached)
         self.tables[seq_id] = table
-        return Allocation(slots, copies, cached)
+        return Allocation(slots, list(table.blocks), copies, cached)
 
     def _plan(self, prompt_token_ids: list[int], num_new_tokens: int | None):
         """The cached prefix a new sequence would reuse, and where its first chunk ends."""
@@ -150,7 +151,7 @@ class KVCacheManager:
         if table.allocator is not self.gpu:
             raise ValueError(f"seq_id {seq_id!r} is swapped out; swap it in first")
         slots, copies = table.append_tokens(token_ids)
-        return Allocation(slots, copies)
+        return Allocation(slots, list(table.blocks), copies)
 
     # -- sharing and freeing ----------------------------------------------------------
     def fork(self, parent_id: str, child_id: str) -> None:
