@@ -39,3 +39,25 @@ def smollm2():
         return resolve_model("smollm2")
     except ModelUnavailableError as error:
         pytest.skip(f"SmolLM2 unavailable: {error}")
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """``tiny(arch, **overrides) -> (checkpoint_dir, Oracle)``: each tiny checkpoint
+    written and loaded into transformers once per test session (shared by every engine
+    test file); ``overrides`` change its config, as in ``make_tiny_model``."""
+    from engine_helpers import Oracle
+
+    from minipaged.models import make_tiny_model
+
+    checkpoints = {}
+
+    def get(arch: str, **overrides):
+        key = (arch, *sorted(overrides.items()))
+        if key not in checkpoints:
+            path = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, seed=0,
+                                   **overrides)
+            checkpoints[key] = path, Oracle(path)
+        return checkpoints[key]
+
+    return get

@@ -19,7 +19,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minipaged import LLM
-from minipaged.models import make_tiny_model
 from minipaged.models.tiny import EOS_ID
 
 EOS = EOS_ID
@@ -84,26 +83,6 @@ class Oracle:
             if tokens[-1] == EOS and len(tokens) > min_before_eos:
                 return prompt
         raise AssertionError("no prompt whose greedy continuation hits EOS; widen the search")
-
-
-_CHECKPOINTS: dict[tuple, tuple] = {}
-
-
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
-    """``tiny(arch, **overrides) -> (checkpoint_dir, Oracle)``: each tiny checkpoint
-    written and loaded into transformers once per test session (shared by both engine
-    test files); ``overrides`` change its config, as in ``make_tiny_model``."""
-
-    def get(arch: str, **overrides):
-        key = (arch, *sorted(overrides.items()))
-        if key not in _CHECKPOINTS:
-            path = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, seed=0,
-                                   **overrides)
-            _CHECKPOINTS[key] = path, Oracle(path)
-        return _CHECKPOINTS[key]
-
-    return get
 
 
 def make_llm(path, **kwargs) -> LLM:

@@ -10,8 +10,7 @@ copy-on-write, and even when it preempts them.
 import dataclasses
 
 import pytest
-from engine_helpers import (EOS, as_inputs, assert_all_blocks_free, make_llm,  # noqa: F401
-                            random_prompt, tiny)
+from engine_helpers import EOS, as_inputs, assert_all_blocks_free, make_llm, random_prompt
 
 from minipaged import BeamSearchParams
 from minipaged.memory.block_table import blocks_for

@@ -17,8 +17,8 @@ import signal
 
 import pytest
 import torch
-from engine_helpers import (as_inputs, assert_all_blocks_free, assert_greedy_matches_hf,  # noqa: F401
-                            make_llm, random_prompt, tiny)
+from engine_helpers import (as_inputs, assert_all_blocks_free, assert_greedy_matches_hf,
+                            make_llm, random_prompt)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minipaged import LLM, SamplingParams

@@ -7,8 +7,8 @@ without side effects; stop conditions.  After every workload every block is free
 
 import pytest
 import torch
-from engine_helpers import (EOS, FP32, as_inputs, assert_all_blocks_free,  # noqa: F401
-                            assert_greedy_matches_hf, make_llm, random_prompt, tiny)
+from engine_helpers import (EOS, FP32, as_inputs, assert_all_blocks_free,
+                            assert_greedy_matches_hf, make_llm, random_prompt)
 
 from minipaged import LLM, BeamSearchParams, SamplingParams
 from minipaged.sampling_params import RequestOutputKind

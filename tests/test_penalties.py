@@ -12,7 +12,7 @@ Oracles, independent of the code under test:
 
 import pytest
 import torch
-from engine_helpers import EOS, assert_all_blocks_free, make_llm, random_prompt, tiny  # noqa: F401
+from engine_helpers import EOS, assert_all_blocks_free, make_llm, random_prompt
 from transformers import (
     MinNewTokensLengthLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
@@ -176,7 +176,7 @@ def hf_greedy(
 
 
 @pytest.fixture(scope="module")
-def tiny_llm(tiny):  # noqa: F811
+def tiny_llm(tiny):
     path, oracle = tiny("llama")
     return make_llm(path), oracle
 

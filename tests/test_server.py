@@ -19,7 +19,7 @@ pytest.importorskip("fastapi")  # the server extra; the GPU machine has none
 import httpx  # noqa: E402
 import openai  # noqa: E402
 from cli_helpers import run_main  # noqa: E402
-from engine_helpers import make_llm, random_prompt, tiny  # noqa: E402,F401
+from engine_helpers import make_llm, random_prompt  # noqa: E402
 from server_helpers import (ENGINE, MAX_MODEL_LEN, MODEL, in_process, metrics,  # noqa: E402
                             subprocess_server, wait_idle)
 

@@ -29,7 +29,6 @@ from engine_helpers import (
     assert_all_blocks_free,
     make_llm,
     random_prompt,
-    tiny,  # noqa: F401  (a fixture)
 )
 from server_helpers import (
     ENGINE,

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("fastapi")  # the server extra; the GPU machine has none
 
 import httpx
-from engine_helpers import make_llm, random_prompt, tiny  # noqa: F401
+from engine_helpers import make_llm, random_prompt
 from server_helpers import ENGINE, MODEL, in_process, wait_idle
 
 from minipaged import SamplingParams

@@ -73,7 +73,7 @@ from matplotlib.patches import Rectangle  # noqa: E402
 
 from minipaged.trace import Event  # noqa: E402
 from minipaged.viz import (STATES, draw_batch_timeline, draw_request_journey,  # noqa: E402
-                           draw_step_tokens, draw_system_map, request_blocks,
+                           draw_step_tokens, request_blocks,
                            timeline_from_trace)
 
 
