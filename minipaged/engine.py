@@ -28,16 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer
 
 from minipaged.batch import ScheduledSeq
 from minipaged.beam_search import BeamSearch
-from minipaged.cache_engine import GIB, CacheEngine, block_bytes
+from minipaged.cache_engine import CacheEngine, block_bytes, pool_sizes
 from minipaged.config import EngineConfig
 from minipaged.detokenizer import IncrementalDetokenizer
 from minipaged.distributed.executor import (Executor, TensorParallelExecutor, WorkerGroup,
@@ -51,7 +50,9 @@ from minipaged.models.attention import head_dim
 from minipaged.models.hub import resolve_model
 from minipaged.models.llama import check_tensor_parallel, sliding_window
 from minipaged.models.loader import load_model, read_config
-from minipaged.ops import BackendUnavailableError, check_supported, get_backend
+from minipaged.models.resolve import (eos_token_ids, resolve_backend, resolve_device,
+                                      resolve_max_model_len)
+from minipaged.ops import check_supported
 from minipaged.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
 from minipaged.sampler import make_generator, sample
 from minipaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -60,9 +61,6 @@ from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.trace import Trace
 
 Params = SamplingParams | BeamSearchParams
-# The share of the host's available memory the KV pools in it (the CPU device's pool, the
-# swap pool) may take: the rest is for activations, the tokenizer and everyone else.
-HOST_KV_SHARE = 0.5
 Output = RequestOutput | BeamSearchOutput
 
 
@@ -97,8 +95,9 @@ class LLMEngine:
         check_supported(self.attention_backend, dtype, head_dim(self.model.config),
                         config.block_size)
         kv_config = rank_kv_config(self.model.config, tp.size)  # this rank's KV heads
-        num_gpu_blocks, num_cpu_blocks = self._pool_sizes(
-            block_bytes(kv_config, config.block_size, dtype))
+        num_gpu_blocks, num_cpu_blocks = pool_sizes(
+            config, self.max_model_len, self.device, block_bytes(kv_config, config.block_size,
+                                                                 dtype), self._kv_memory_budget)
         self.cache_engine = CacheEngine(kv_config, num_gpu_blocks, num_cpu_blocks,
                                         config.block_size, dtype, self.device)
         self.executor = (TensorParallelExecutor(self.runner, self.cache_engine, self.workers)
@@ -407,36 +406,12 @@ class LLMEngine:
         seed = getattr(params, "seed", None)
         return None if seed is None else make_generator(seed + index, self.device)
 
-    def _pool_sizes(self, per_block: int) -> tuple[int, int]:
-        """The GPU pool's and the CPU swap pool's blocks (§4.5): what was asked for, but
-        never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens could use,
-        nor (for pools in host memory) more than half the memory available now."""
-        config = self.config
-        config = self.config
-        most = config.max_num_seqs * blocks_for(self.max_model_len, config.block_size)
-        host = int(HOST_KV_SHARE * available_memory() // per_block)
-        if config.num_gpu_blocks:
-            num_gpu_blocks = config.num_gpu_blocks
-        elif self.device.type == "cuda":
-            num_gpu_blocks = min(self._cuda_num_gpu_blocks(per_block), most)
-        else:
-            num_gpu_blocks = max(1, min(int(config.cpu_kv_space * GIB // per_block), most, host))
-        if self.device.type == "cpu":  # both pools share the host's memory
-            host = max(0, host - num_gpu_blocks)
-        return num_gpu_blocks, min(int(config.swap_space * GIB // per_block), most, host)
-
-    def _cuda_num_gpu_blocks(self, per_block: int) -> int:
-        config = self.config
+    def _kv_memory_budget(self) -> int:
         # Every rank profiles its own GPU; the tightest sets the blocks of all.
-        budget = min(on_all_ranks(self.workers, self.runner, "kv_memory_budget",
-                                  config.gpu_memory_utilization,
-                                  config.max_num_batched_tokens, self.max_model_len))
-        num_blocks = int(budget // per_block)
-        if num_blocks < 1:
-            raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} "
-                             "leaves no GPU memory for the KV cache after the weights "
-                             "and a full step's activations")
-        return num_blocks
+        config = self.config
+        return min(on_all_ranks(self.workers, self.runner, "kv_memory_budget",
+                                config.gpu_memory_utilization, config.max_num_batched_tokens,
+                                self.max_model_len))
 
     def stats(self) -> dict[str, float]:
         """The pools, the queues and the counters (vLLM's names where it has them),
@@ -493,68 +468,3 @@ def streams(group: SequenceGroup) -> bool:
     """Whether ``group`` wants outputs before it finishes (beam search never does)."""
     return (not group.is_beam_search
             and group.params.output_kind is not RequestOutputKind.FINAL_ONLY)
-
-
-def available_memory() -> int:
-    """Bytes of host memory available now: free plus reclaimable (``MemAvailable``),
-    else the free pages ``sysconf`` counts."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but torch sees no CUDA device")
-    return torch.device(device)
-
-
-def resolve_backend(name: str, device: torch.device) -> str:
-    """``"auto"``: the fastest backend that runs on ``device`` (Triton on a GPU, the
-    torch reference on a CPU, where Triton would only be interpreted)."""
-    if name != "auto":
-        return name
-    candidates = ("triton", "cuda", "torch") if device.type == "cuda" else ("torch",)
-    for candidate in candidates:
-        try:
-            get_backend(candidate, device)
-        except BackendUnavailableError:
-            continue
-        return candidate
-    return "torch"
-
-
-def resolve_max_model_len(max_model_len: int | None, config) -> int:
-    """The longest sequence: the model's positions, or its sliding window (which
-    minipaged does not implement), or less if asked."""
-    limit = config.max_position_embeddings
-    window = sliding_window(config)
-    limit = min(limit, window) if window else limit
-    if max_model_len is None:
-        return limit
-    if max_model_len > limit:
-        raise ValueError(f"max_model_len={max_model_len} is more than the model's "
-                         f"{limit} positions")
-    return max_model_len
-
-
-def eos_token_ids(path: Path, config, tokenizer) -> set[int]:
-    """The ids that end a sequence, where Hugging Face ``generate`` finds them:
-    ``generation_config.json``, else ``config.json``, else the tokenizer."""
-    eos = None
-    if (path / "generation_config.json").is_file():
-        eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
-    if eos is None:
-        eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, (list, tuple)) else {eos}
