@@ -11,17 +11,17 @@ One `LLMEngine.step()` is the whole serving loop, once:
   ``tensor_parallel_size`` > 1, on every rank of the group, §4.6);
 - **sample**: the sampler picks each finished sequence's next token (beam search ranks
   candidates instead);
-- **update**: new tokens are appended and detokenized, stop conditions checked,
-  finished sequences' blocks freed, and sequences forked where a request branches:
-  ``n`` > 1 completions after their shared prompt, beams that keep more than one
-  child (§4.4).
+- **update**: new tokens are appended, sequences forked where a request branches
+  (``n`` > 1 completions after their shared prompt, beams that keep more than one
+  child, §4.4); the `OutputProcessor` detokenizes, checks stop conditions, frees
+  finished sequences' blocks and builds the outputs.
 
 `step()` returns each finished request's output, and, for requests that asked to
 stream (``SamplingParams.output_kind``), what each step added.
 
 Everything about memory is the scheduler's (and, under it, the KV cache manager's); the
-engine only ever asks it to fork or free a sequence, so the event trace sees every
-block operation.
+engine only ever asks it to fork, append to or free a sequence, so the event trace,
+which the scheduler records, sees every block operation.
 """
 
 from __future__ import annotations
@@ -53,15 +53,15 @@ from minipaged.models.loader import load_model, read_config
 from minipaged.models.resolve import (eos_token_ids, resolve_backend, resolve_device,
                                       resolve_max_model_len)
 from minipaged.ops import check_supported
-from minipaged.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
+from minipaged.output_processor import OutputProcessor
+from minipaged.outputs import Output
 from minipaged.sampler import make_generator, sample
-from minipaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from minipaged.sampling_params import BeamSearchParams, SamplingParams
 from minipaged.scheduler import Scheduler
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.trace import Trace
 
 Params = SamplingParams | BeamSearchParams
-Output = RequestOutput | BeamSearchOutput
 
 
 class LLMEngine:
@@ -112,8 +112,11 @@ class LLMEngine:
                                    self.max_model_len)
         self.beam_search = BeamSearch(self.scheduler, self.eos_token_ids, self.max_model_len,
                                       self.tokenizer)
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, SequenceGroup] = {}
+        self.output_processor = OutputProcessor(self.scheduler, self.beam_search,
+                                                self.eos_token_ids, self.max_model_len,
+                                                self.requests)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.num_prompt_tokens = 0  # of every request added
@@ -205,14 +208,9 @@ class LLMEngine:
             self._update_failing_alone(sampling, logits)
         elif sampling:
             self._update(sampling, logits)
-        outputs = []
-        for group in dict.fromkeys(s.group for s in batch.seqs):
-            if group.request_id in self.failed:
-                continue
-            if group.is_finished:
-                outputs.append(self._finish(group))
-            elif streams(group) and (output := self.request_output(group)):
-                outputs.append(output)
+        groups = dict.fromkeys(s.group for s in batch.seqs)
+        outputs = self.output_processor.outputs(
+            [g for g in groups if g.request_id not in self.failed])
         self.num_steps += 1
         self.trace.step = self.num_steps  # arrivals and aborts from now on belong to it
         return outputs
@@ -266,15 +264,12 @@ class LLMEngine:
                      self.generator, [s.token_ids for s in seqs], [s.prompt_len for s in seqs],
                      self.eos_token_ids)
         self.num_generated_tokens += len(seqs)
-        record = self.trace.enabled
         for group, seq, token, logprob, top in zip(groups, seqs, out.token_ids, out.logprobs,
                                                    out.top_logprobs):
-            seq.append_token(token, logprob)
-            if record:
-                self.trace.record("sample", group.request_id, seq.seq_id, token_id=token)
+            self.scheduler.append_token(group, seq, token, logprob)
             if seq.logprobs is not None:
                 seq.logprobs.append(top)
-            self._check_stop(group, seq)
+            self.output_processor.check_stop(group, seq)
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         child = self.scheduler.fork(group, parent)
@@ -282,84 +277,6 @@ class LLMEngine:
         child.output_text = parent.output_text
         child.detokenizer = dataclasses.replace(parent.detokenizer)
         return child
-
-    def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
-        """Decide whether ``seq`` is done after its new token, detokenizing as it goes
-        where text is needed before the end (stop strings, streaming)."""
-        params, token = group.params, seq.token_ids[-1]
-        eos = not params.ignore_eos and token in self.eos_token_ids
-        if eos or token in params.stop_token_ids:
-            # The stop token stays in the token ids but not in the text (vLLM).
-            self._end(group, seq, "stop", None if eos else token, seq.output_token_ids[:-1])
-            return
-        if params.stop or params.output_kind is not RequestOutputKind.FINAL_ONLY:
-            new_text = seq.detokenizer.update(seq.output_token_ids)
-            seq.output_text += new_text
-            # vLLM: no stop string counts before min_tokens (stop tokens are masked).
-            if (seq.num_output_tokens >= params.min_tokens
-                    and (hit := self._stop_string(seq, params.stop, len(new_text)))):
-                self._end(group, seq, "stop", hit)
-                return
-        if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            self._end(group, seq, "length", None, seq.output_token_ids)
-
-    def _stop_string(self, seq: Sequence, stops: list[str], num_new: int) -> str | None:
-        """The first of ``stops`` that the last ``num_new`` characters completed (it may
-        begin in older text); the text is cut where it begins."""
-        if not num_new:
-            return None
-        text = seq.output_text
-        for stop in stops:
-            index = text.find(stop, max(0, len(text) - num_new - len(stop) + 1))
-            if index != -1:
-                seq.output_text = text[:index]
-                return stop
-        return None
-
-    def _end(self, group: SequenceGroup, seq: Sequence, reason: str,
-             stop_reason: int | str | None, text_token_ids: list[int] | None = None) -> None:
-        """Finish ``seq``; ``text_token_ids``: the tokens whose text it ends with, decoded
-        now if not yet (a request that neither streams nor stops on strings is decoded
-        only here, once, which gives the same text as decoding it step by step)."""
-        if text_token_ids is not None:
-            seq.output_text += seq.detokenizer.update(text_token_ids, final=True)
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
-        self.scheduler.free_seq(group, seq)
-
-    # -- outputs ----------------------------------------------------------------------
-    def _finish(self, group: SequenceGroup) -> Output:
-        del self.requests[group.request_id]
-        self.scheduler.retire(group)
-        self.trace.record("finish", group.request_id)
-        if group.is_beam_search:
-            return self.beam_search.output(group)
-        return self.request_output(group)
-
-    def request_output(self, group: SequenceGroup) -> RequestOutput | None:
-        """The request's completions so far; for ``DELTA``, only what is new since the
-        last output, and None if nothing is."""
-        delta = group.params.output_kind is RequestOutputKind.DELTA
-        seqs = sorted(group.seqs, key=lambda s: s.index)
-        completions = [self._completion(s, group.params, delta) for s in seqs
-                       if not delta or s.num_output_tokens > s.num_reported_tokens]
-        if not completions:
-            return None
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
-                             group.is_finished)
-
-    def _completion(self, seq: Sequence, params: SamplingParams, delta: bool) -> CompletionOutput:
-        tokens, text, logprobs = seq.output_token_ids, seq.output_text, seq.logprobs
-        if not seq.is_finished and params.stop:
-            # The text's tail may be the start of a stop string, to be cut if completed.
-            text = text[:max(0, len(text) - max(map(len, params.stop)) + 1)]
-        if delta:
-            start = seq.num_reported_tokens
-            tokens = tokens[start:]
-            logprobs = None if logprobs is None else logprobs[start:]
-            seq.num_reported_tokens += len(tokens)
-            text, seq.num_reported_chars = text[seq.num_reported_chars:], len(text)
-        return CompletionOutput(seq.index, text, list(tokens), seq.cumulative_logprob,
-                                logprobs, seq.finish_reason, seq.stop_reason)
 
     # -- CUDA graphs ------------------------------------------------------------------
     def _uses_cuda_graphs(self) -> bool:
@@ -463,8 +380,3 @@ class _UpdateState:
         self.engine.num_generated_tokens = self.num_generated_tokens
         return True
 
-
-def streams(group: SequenceGroup) -> bool:
-    """Whether ``group`` wants outputs before it finishes (beam search never does)."""
-    return (not group.is_beam_search
-            and group.params.output_kind is not RequestOutputKind.FINAL_ONLY)

@@ -93,6 +93,14 @@ class Scheduler:
         """Take a finished request off the running queue (its blocks are already free)."""
         self.running.remove(group)
         self._unreserve(group)
+        self.trace.record("finish", group.request_id)
+
+    def append_token(self, group: SequenceGroup, seq: Sequence, token_id: int,
+                     logprob: float) -> None:
+        """Give ``seq`` the token sampled for it; the next step computes its KV."""
+        seq.append_token(token_id, logprob)
+        if self.trace.enabled:
+            self.trace.record("sample", group.request_id, seq.seq_id, token_id=token_id)
 
     def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         """A new sequence sharing all of ``parent``'s blocks, copy-on-write (§4.4)."""
