@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ from minipaged.beam_search import BeamSearch
 from minipaged.cache_engine import CacheEngine, block_bytes, pool_sizes
 from minipaged.config import EngineConfig
 from minipaged.detokenizer import IncrementalDetokenizer
+from minipaged.fail_alone import update_failing_alone
 from minipaged.distributed.executor import (Executor, TensorParallelExecutor, WorkerGroup,
                                             on_all_ranks)
 from minipaged.distributed.parallel_state import SINGLE
@@ -205,7 +205,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         sampling, logits = self.executor.execute(batch)
         if sampling and fail_alone:
-            self._update_failing_alone(sampling, logits)
+            self.failed = update_failing_alone(self, sampling, logits)
         elif sampling:
             self._update(sampling, logits)
         groups = dict.fromkeys(s.group for s in batch.seqs)
@@ -214,28 +214,6 @@ class LLMEngine:
         self.num_steps += 1
         self.trace.step = self.num_steps  # arrivals and aborts from now on belong to it
         return outputs
-
-    def _update_failing_alone(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> None:
-        """`_update` over the whole batch (the fast path); if it raises, undo what it
-        began (forks, random draws) and update each request on its own, so that only
-        the requests that raise fail.  An error after tokens were appended cannot be
-        undone and propagates."""
-        saved = _UpdateState(self, sampling)
-        try:
-            self._update(sampling, logits)
-            return
-        except Exception:
-            if not saved.restore():
-                raise
-        rows: dict[SequenceGroup, list[int]] = defaultdict(list)
-        for i, scheduled in enumerate(sampling):
-            rows[scheduled.group].append(i)
-        for group, group_rows in rows.items():
-            try:
-                self._update([sampling[i] for i in group_rows], logits[group_rows])
-            except Exception as error:  # noqa: BLE001  any error; the abort frees its blocks
-                self.failed[group.request_id] = error
-                self.abort_request(group.request_id)
 
     def _update(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> None:
         """Each row of ``logits`` is a sequence that reached its end: sample its next
@@ -348,35 +326,3 @@ class LLMEngine:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
         }
-
-
-class _UpdateState:
-    """What `LLMEngine._update` changes before it appends a token, saved so a batch
-    that raised can be replayed request by request: each request's sequences (a prompt
-    with ``n`` > 1 forks) and the random generators' states (draws already made)."""
-
-    def __init__(self, engine: LLMEngine, sampling: list[ScheduledSeq]) -> None:
-        self.engine = engine
-        self.groups = {s.group: list(s.group.seqs) for s in sampling}
-        seqs = [seq for group_seqs in self.groups.values() for seq in group_seqs]
-        self.lengths = [len(seq.token_ids) for seq in seqs]
-        self.generators = [(seq.generator, seq.generator.get_state()) for seq in seqs
-                           if seq.generator is not None]
-        self.generators.append((engine.generator, engine.generator.get_state()))
-        self.num_generated_tokens = engine.num_generated_tokens
-
-    def restore(self) -> bool:
-        """Put everything back; False (changing nothing) if a token was appended."""
-        seqs = [seq for group_seqs in self.groups.values() for seq in group_seqs]
-        if [len(seq.token_ids) for seq in seqs] != self.lengths or any(
-                group.seqs[:len(kept)] != kept for group, kept in self.groups.items()):
-            return False
-        for group, kept in self.groups.items():
-            for child in group.seqs[len(kept):]:  # forked by the failed attempt
-                self.engine.scheduler.free_seq(group, child)
-            del group.seqs[len(kept):]
-        for generator, state in self.generators:
-            generator.set_state(state)
-        self.engine.num_generated_tokens = self.num_generated_tokens
-        return True
-
