@@ -37,6 +37,7 @@ from minipaged.batch import ScheduledSeq
 from minipaged.beam_search import BeamSearch
 from minipaged.cache_engine import CacheEngine, block_bytes, pool_sizes
 from minipaged.config import EngineConfig
+from minipaged.contiguous_scheduler import make_scheduler
 from minipaged.detokenizer import IncrementalDetokenizer
 from minipaged.fail_alone import update_failing_alone
 from minipaged.distributed.executor import (Executor, TensorParallelExecutor, WorkerGroup,
@@ -44,7 +45,6 @@ from minipaged.distributed.executor import (Executor, TensorParallelExecutor, Wo
 from minipaged.distributed.parallel_state import SINGLE
 from minipaged.distributed.worker import rank_kv_config
 from minipaged.memory import KVCacheManager
-from minipaged.memory.block_table import blocks_for
 from minipaged.model_runner import ModelRunner
 from minipaged.models.attention import head_dim
 from minipaged.models.hub import resolve_model
@@ -57,7 +57,6 @@ from minipaged.output_processor import OutputProcessor
 from minipaged.outputs import Output
 from minipaged.sampler import make_generator, sample
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
-from minipaged.scheduler import Scheduler
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.trace import Trace
 
@@ -107,9 +106,9 @@ class LLMEngine:
         if self._uses_cuda_graphs():
             self._capture_cuda_graphs()
         self.trace = Trace(config.trace)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.preemption_mode, self.trace, config.memory_mode,
-                                   self.max_model_len)
+        self.scheduler = make_scheduler(self.kv, config.max_num_seqs,
+                                        config.max_num_batched_tokens, config.preemption_mode,
+                                        self.trace, config.memory_mode, self.max_model_len)
         self.beam_search = BeamSearch(self.scheduler, self.eos_token_ids, self.max_model_len,
                                       self.tokenizer)
         self.requests: dict[str, SequenceGroup] = {}
@@ -157,31 +156,7 @@ class LLMEngine:
         if len(prompt_token_ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens, more than "
                              f"max_model_len={self.max_model_len}")
-        name = "beam_width" if isinstance(params, BeamSearchParams) else "n"
-        width = getattr(params, name)
-        if width > self.config.max_num_seqs:
-            raise ValueError(f"{name}={width} is more than max_num_seqs="
-                             f"{self.config.max_num_seqs} can ever run at once")
-        self._check_fits_pool(len(prompt_token_ids), params, name, width)
-
-    def _check_fits_pool(self, prompt_len: int, params: Params, name: str, width: int) -> None:
-        """Refuse a request that could never run alone in the GPU pool."""
-        # All-or-nothing preemption must be able to make room for any one request alone.
-        longest = min(prompt_len + params.max_tokens, self.max_model_len)
-        needed = width * blocks_for(longest, self.config.block_size)
-        if needed > self.kv.gpu.num_blocks:
-            raise ValueError(f"max_tokens={params.max_tokens} with {name}={width} may need "
-                             f"{needed} KV blocks, more than the pool's {self.kv.gpu.num_blocks}"
-                             " (num_gpu_blocks)")
-        # A contiguous mode's range must fit the empty pool (§6.1), or the request waits
-        # forever.
-        slots = self.scheduler.reservation_slots(prompt_len, params.max_tokens, width)
-        pool = self.kv.gpu.num_blocks * self.config.block_size
-        if slots is not None and slots > pool:
-            raise ValueError(f"memory_mode={self.config.memory_mode!r} reserves {slots} KV "
-                             f"slots for a {prompt_len}-token prompt with max_tokens="
-                             f"{params.max_tokens} and {name}={width}, more than the pool's "
-                             f"{pool} (num_gpu_blocks * block_size)")
+        self.scheduler.check_fits(len(prompt_token_ids), params)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks (between steps)."""
