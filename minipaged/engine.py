@@ -27,7 +27,6 @@ which the scheduler records, sees every block operation.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from pathlib import Path
 
 import torch
@@ -38,29 +37,26 @@ from minipaged.beam_search import BeamSearch
 from minipaged.cache_engine import CacheEngine, block_bytes, pool_sizes
 from minipaged.config import EngineConfig
 from minipaged.contiguous_scheduler import make_scheduler
-from minipaged.detokenizer import IncrementalDetokenizer
-from minipaged.fail_alone import update_failing_alone
-from minipaged.distributed.executor import (Executor, TensorParallelExecutor, WorkerGroup,
-                                            on_all_ranks)
+from minipaged.cuda_graphs import capture_decode_graphs, uses_decode_graphs
+from minipaged.distributed.executor import (Executor, TensorParallelExecutor, on_all_ranks,
+                                            start_workers)
 from minipaged.distributed.parallel_state import SINGLE
 from minipaged.distributed.worker import rank_kv_config
+from minipaged.fail_alone import update_failing_alone
+from minipaged.input_processor import InputProcessor, Params
 from minipaged.memory import KVCacheManager
 from minipaged.model_runner import ModelRunner
 from minipaged.models.attention import head_dim
 from minipaged.models.hub import resolve_model
-from minipaged.models.llama import check_tensor_parallel, sliding_window
-from minipaged.models.loader import load_model, read_config
+from minipaged.models.loader import load_model
 from minipaged.models.resolve import (eos_token_ids, resolve_backend, resolve_device,
                                       resolve_max_model_len)
 from minipaged.ops import check_supported
 from minipaged.output_processor import OutputProcessor
 from minipaged.outputs import Output
-from minipaged.sampler import make_generator, sample
-from minipaged.sampling_params import BeamSearchParams, SamplingParams
+from minipaged.sampler import sample, seq_generator
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.trace import Trace
-
-Params = SamplingParams | BeamSearchParams
 
 
 class LLMEngine:
@@ -71,7 +67,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         path = resolve_model(config.model)
         self.attention_backend = resolve_backend(config.attention_backend, self.device)
-        self.workers = self._start_workers(path)
+        self.workers = start_workers(config, path, self.device, self.attention_backend)
         try:
             self._build(path)
         except BaseException:
@@ -103,8 +99,9 @@ class LLMEngine:
                          if self.workers else Executor(self.runner, self.cache_engine))
         self.kv = KVCacheManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
                                  config.enable_prefix_caching)
-        if self._uses_cuda_graphs():
-            self._capture_cuda_graphs()
+        if uses_decode_graphs(config, self.device, self.attention_backend, self.model.config):
+            capture_decode_graphs(self.runner, self.cache_engine.gpu_cache, config.max_num_seqs,
+                                  self.max_model_len)
         self.trace = Trace(config.trace)
         self.scheduler = make_scheduler(self.kv, config.max_num_seqs,
                                         config.max_num_batched_tokens, config.preemption_mode,
@@ -112,51 +109,38 @@ class LLMEngine:
         self.beam_search = BeamSearch(self.scheduler, self.eos_token_ids, self.max_model_len,
                                       self.tokenizer)
         self.requests: dict[str, SequenceGroup] = {}
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size,
+                                              self.max_model_len, self.scheduler, self.requests,
+                                              self.device)
         self.output_processor = OutputProcessor(self.scheduler, self.beam_search,
                                                 self.eos_token_ids, self.max_model_len,
                                                 self.requests)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self._arrivals = itertools.count()
         self.num_steps = 0
         self.num_prompt_tokens = 0  # of every request added
         self.num_generated_tokens = 0  # sampled, by every sequence and beam
         self.failed: dict[str, Exception] = {}  # the last step's, with fail_alone
+
+    def _kv_memory_budget(self) -> int:
+        # Every rank profiles its own GPU; the tightest sets the blocks of all.
+        config = self.config
+        return min(on_all_ranks(self.workers, self.runner, "kv_memory_budget",
+                                config.gpu_memory_utilization, config.max_num_batched_tokens,
+                                self.max_model_len))
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Params,
                     prompt: str | None = None) -> None:
         """Queue a request.  Raises ``ValueError`` (changing nothing) if it is malformed
         or could never fit the KV pool."""
-        self.check_request(request_id, prompt_token_ids, params)
-        group = SequenceGroup(request_id, prompt, list(prompt_token_ids), params,
-                              next(self._arrivals))
-        wants_logprobs = getattr(params, "logprobs", None) is not None
-        detokenizer = None if group.is_beam_search else IncrementalDetokenizer(self.tokenizer)
-        group.seqs.append(Sequence(f"{request_id}.0", list(prompt_token_ids),
-                                   len(prompt_token_ids), logprobs=[] if wants_logprobs else None,
-                                   generator=self._generator(params, 0),
-                                   detokenizer=detokenizer))
+        group = self.input_processor.process(request_id, prompt_token_ids, params, prompt)
         self.requests[request_id] = group
         self.scheduler.add(group)
         self.num_prompt_tokens += len(prompt_token_ids)
 
     def check_request(self, request_id: str, prompt_token_ids: list[int], params: Params) -> None:
-        if not isinstance(params, (SamplingParams, BeamSearchParams)):
-            raise ValueError(f"params must be SamplingParams or BeamSearchParams, "
-                             f"got {type(params).__name__}")
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already running")
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty (it has no tokens)")
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int)
-                    or not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids must be ints in [0, {self.vocab_size}), "
-                             f"got {bad!r}")
-        if len(prompt_token_ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens, more than "
-                             f"max_model_len={self.max_model_len}")
-        self.scheduler.check_fits(len(prompt_token_ids), params)
+        """Raise ``ValueError`` if `add_request` would refuse the request."""
+        self.input_processor.check(request_id, prompt_token_ids, params)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks (between steps)."""
@@ -226,62 +210,16 @@ class LLMEngine:
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         child = self.scheduler.fork(group, parent)
-        child.generator = self._generator(group.params, child.index)
+        child.generator = seq_generator(group.params, child.index, self.device)
         child.output_text = parent.output_text
         child.detokenizer = dataclasses.replace(parent.detokenizer)
         return child
-
-    # -- CUDA graphs ------------------------------------------------------------------
-    def _uses_cuda_graphs(self) -> bool:
-        """On CUDA, unless ``enforce_eager``: with the kernel backends (the torch
-        reference's data-dependent shapes cannot be captured) and without a sliding
-        window (its check reads the positions on the host)."""
-        return (self.device.type == "cuda" and not self.config.enforce_eager
-                and self.config.tensor_parallel_size == 1  # collectives are not captured
-                and self.attention_backend in ("triton", "cuda")
-                and sliding_window(self.model.config) is None)
-
-    def _capture_cuda_graphs(self) -> None:
-        try:
-            self.runner.capture_decode_graphs(self.cache_engine.gpu_cache,
-                                              self.config.max_num_seqs, self.max_model_len)
-        except RuntimeError as error:
-            raise RuntimeError(f"capturing the decode CUDA graphs failed ({error}); "
-                               "enforce_eager=True (--enforce-eager) runs without them"
-                               ) from error
-
-    # -- tensor parallelism (§4.6) -----------------------------------------------------
-    def _start_workers(self, path: Path) -> WorkerGroup | None:
-        """With ``tensor_parallel_size`` N > 1, ranks 1..N-1 (this process is rank 0),
-        once the model is known to split N ways."""
-        size = self.config.tensor_parallel_size
-        if size == 1:
-            return None
-        check_tensor_parallel(read_config(path), size)
-        if self.device.type == "cuda" and size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, torch sees "
-                             f"{torch.cuda.device_count()}")
-        return WorkerGroup.start(size, path, self.config.dtype, self.device,
-                                 self.attention_backend, self.config.block_size)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the engine is
         garbage collected); the engine cannot step afterwards."""
         if self.workers:
             self.workers.shutdown()
-
-    # -- memory -----------------------------------------------------------------------
-    def _generator(self, params: Params, index: int) -> torch.Generator | None:
-        """Completion ``index`` of a seeded request draws from ``seed + index`` (vLLM)."""
-        seed = getattr(params, "seed", None)
-        return None if seed is None else make_generator(seed + index, self.device)
-
-    def _kv_memory_budget(self) -> int:
-        # Every rank profiles its own GPU; the tightest sets the blocks of all.
-        config = self.config
-        return min(on_all_ranks(self.workers, self.runner, "kv_memory_budget",
-                                config.gpu_memory_utilization, config.max_num_batched_tokens,
-                                self.max_model_len))
 
     def stats(self) -> dict[str, float]:
         """The pools, the queues and the counters (vLLM's names where it has them),
