@@ -1,23 +1,22 @@
 """The engine: requests in, one step at a time, finished requests out (paper §4, §4.5).
 
-One `LLMEngine.step()` is the whole serving loop, once:
+`add_request` checks a request and queues it (`InputProcessor`); then one
+`LLMEngine.step()` is the whole serving loop, once:
 
     schedule -> execute -> sample -> update
 
 - **schedule**: the `Scheduler` picks this step's tokens and the block operations they
   need (swap out, swap in, copy-on-write), preempting if the pool is short;
-- **execute**: the `CacheEngine` runs those block operations, then the `ModelRunner`
-  runs one forward pass over the batch (the `Executor` does both; with
-  ``tensor_parallel_size`` > 1, on every rank of the group, §4.6);
-- **sample**: the sampler picks each finished sequence's next token (beam search ranks
-  candidates instead);
-- **update**: new tokens are appended, sequences forked where a request branches
-  (``n`` > 1 completions after their shared prompt, beams that keep more than one
-  child, §4.4); the `OutputProcessor` detokenizes, checks stop conditions, frees
-  finished sequences' blocks and builds the outputs.
-
-`step()` returns each finished request's output, and, for requests that asked to
-stream (``SamplingParams.output_kind``), what each step added.
+- **execute**: the `Executor` runs those block operations on the `CacheEngine`, then
+  the `ModelRunner`'s forward pass over the batch (with ``tensor_parallel_size`` > 1,
+  on every rank of the group, §4.6);
+- **sample**: the sampler picks each finished sequence's next token, after a prompt
+  with ``n`` > 1 forked into its ``n`` sequences (`BeamSearch` ranks candidates
+  instead, forking and freeing beams, §4.4);
+- **update**: after each new token the `OutputProcessor` detokenizes and checks the
+  stop conditions, freeing a finished sequence's blocks; then it builds the step's
+  outputs: each finished request's, and what the step added to requests that stream
+  (``SamplingParams.output_kind``).
 
 Everything about memory is the scheduler's (and, under it, the KV cache manager's); the
 engine only ever asks it to fork, append to or free a sequence, so the event trace,
@@ -38,8 +37,8 @@ from minipaged.cache_engine import CacheEngine, block_bytes, pool_sizes
 from minipaged.config import EngineConfig
 from minipaged.contiguous_scheduler import make_scheduler
 from minipaged.cuda_graphs import capture_decode_graphs, uses_decode_graphs
-from minipaged.distributed.executor import (Executor, TensorParallelExecutor, on_all_ranks,
-                                            start_workers)
+from minipaged.distributed.executor import (Executor, TensorParallelExecutor,
+                                            kv_memory_budget, start_workers)
 from minipaged.distributed.parallel_state import SINGLE
 from minipaged.distributed.worker import rank_kv_config
 from minipaged.fail_alone import update_failing_alone
@@ -92,7 +91,8 @@ class LLMEngine:
         kv_config = rank_kv_config(self.model.config, tp.size)  # this rank's KV heads
         num_gpu_blocks, num_cpu_blocks = pool_sizes(
             config, self.max_model_len, self.device, block_bytes(kv_config, config.block_size,
-                                                                 dtype), self._kv_memory_budget)
+                                                                 dtype),
+            lambda: kv_memory_budget(self.workers, self.runner, config, self.max_model_len))
         self.cache_engine = CacheEngine(kv_config, num_gpu_blocks, num_cpu_blocks,
                                         config.block_size, dtype, self.device)
         self.executor = (TensorParallelExecutor(self.runner, self.cache_engine, self.workers)
@@ -120,13 +120,6 @@ class LLMEngine:
         self.num_prompt_tokens = 0  # of every request added
         self.num_generated_tokens = 0  # sampled, by every sequence and beam
         self.failed: dict[str, Exception] = {}  # the last step's, with fail_alone
-
-    def _kv_memory_budget(self) -> int:
-        # Every rank profiles its own GPU; the tightest sets the blocks of all.
-        config = self.config
-        return min(on_all_ranks(self.workers, self.runner, "kv_memory_budget",
-                                config.gpu_memory_utilization, config.max_num_batched_tokens,
-                                self.max_model_len))
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Params,

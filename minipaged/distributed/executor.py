@@ -32,7 +32,8 @@ from minipaged.models.llama import check_tensor_parallel
 from minipaged.models.loader import read_config
 from minipaged.batch import ScheduledSeq, SchedulerOutput
 
-__all__ = ["Executor", "TensorParallelExecutor", "WorkerGroup", "on_all_ranks", "start_workers"]
+__all__ = ["Executor", "TensorParallelExecutor", "WorkerGroup", "on_all_ranks", "start_workers",
+           "kv_memory_budget"]
 
 # Seconds a worker gets to answer at start-up (loading a shard, profiling memory), to
 # leave after the driver's goodbye, and to die after SIGTERM.
@@ -95,6 +96,14 @@ def start_workers(config: EngineConfig, path, device: torch.device,
                          f"{torch.cuda.device_count()}")
     return WorkerGroup.start(size, path, config.dtype, device, attention_backend,
                              config.block_size)
+
+
+def kv_memory_budget(workers: WorkerGroup | None, runner: ModelRunner, config: EngineConfig,
+                     max_model_len: int) -> int:
+    """Bytes of GPU memory for KV blocks (`ModelRunner.kv_memory_budget`): every rank
+    profiles its own GPU, and the tightest sets the blocks of all."""
+    return min(on_all_ranks(workers, runner, "kv_memory_budget", config.gpu_memory_utilization,
+                            config.max_num_batched_tokens, max_model_len))
 
 
 def on_all_ranks(workers: WorkerGroup | None, runner: ModelRunner, method: str, *args) -> list:
