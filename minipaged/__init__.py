@@ -9,10 +9,13 @@ Large Language Model Serving with PagedAttention" (SOSP 2023).  The layers, bott
 - ``minipaged.models`` - model code and the tiny seeded checkpoints tests use;
 - ``minipaged.sampling_params`` and ``minipaged.sampler`` - what a request asks for, and
   how the next token is drawn from the logits;
-- ``minipaged.sequence``, ``minipaged.scheduler`` - requests and which of their tokens
-  run each step (standard library only);
-- ``minipaged.cache_engine``, ``minipaged.model_runner``, ``minipaged.engine`` and
-  ``minipaged.llm`` - the KV tensors, the forward pass, the step loop and the ``LLM`` API;
+- ``minipaged.sequence``, ``minipaged.scheduler`` (and ``minipaged.contiguous_scheduler``,
+  the paper's baseline) - requests and which of their tokens run each step (standard
+  library only);
+- ``minipaged.cache_engine``, ``minipaged.model_runner``, ``minipaged.input_processor``,
+  ``minipaged.output_processor``, ``minipaged.engine`` and ``minipaged.llm`` - the KV
+  tensors, the forward pass, requests in and outputs out, the step loop and the ``LLM``
+  API;
 - ``minipaged.distributed`` - tensor parallelism (§4.6): the parallel layers the models
   are built from, and the executor that runs a step over a group of processes;
 - ``minipaged.viz`` and ``minipaged.workloads`` - pictures and synthetic requests for the

@@ -7,23 +7,75 @@ writes, and a CPU pool that swapped-out blocks wait in.  The memory layer hands 
 ids; this is where a block id becomes bytes.  Each step it runs the step's operations in
 the order the KV cache manager's contract gives (swap out, swap in, copy-on-write), each
 as one batched gather/scatter per layer rather than one copy per block.
+
+How many blocks each pool gets is decided once, at start-up (`pool_sizes`).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+
 import torch
 
-from minipaged.models.attention import allocate_kv_caches, head_dim
 from minipaged.batch import SchedulerOutput
+from minipaged.config import EngineConfig
+from minipaged.memory.block_table import blocks_for
+from minipaged.models.attention import allocate_kv_caches, head_dim
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 GIB = 1 << 30
+# The share of the host's available memory the KV pools in it (the CPU device's pool, the
+# swap pool) may take: the rest is for activations, the tokenizer and everyone else.
+HOST_KV_SHARE = 0.5
 
 
 def block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes over all layers: keys and values of ``block_size`` tokens."""
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config)
     return per_token * block_size * dtype.itemsize
+
+
+def pool_sizes(config: EngineConfig, max_model_len: int, device: torch.device, per_block: int,
+               kv_memory_budget: Callable[[], int]) -> tuple[int, int]:
+    """The GPU pool's and the CPU swap pool's blocks (§4.5): what was asked for, but
+    never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens could use,
+    nor (for pools in host memory) more than half the memory available now.  On CUDA,
+    without ``num_gpu_blocks``, ``kv_memory_budget()`` is the bytes the GPU has left
+    for KV blocks (a profiling step of the model)."""
+    most = config.max_num_seqs * blocks_for(max_model_len, config.block_size)
+    host = int(HOST_KV_SHARE * available_memory() // per_block)
+    if config.num_gpu_blocks:
+        num_gpu_blocks = config.num_gpu_blocks
+    elif device.type == "cuda":
+        num_gpu_blocks = min(_cuda_num_gpu_blocks(config, kv_memory_budget(), per_block), most)
+    else:
+        num_gpu_blocks = max(1, min(int(config.cpu_kv_space * GIB // per_block), most, host))
+    if device.type == "cpu":  # both pools share the host's memory
+        host = max(0, host - num_gpu_blocks)
+    return num_gpu_blocks, min(int(config.swap_space * GIB // per_block), most, host)
+
+
+def _cuda_num_gpu_blocks(config: EngineConfig, budget: int, per_block: int) -> int:
+    num_blocks = int(budget // per_block)
+    if num_blocks < 1:
+        raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} "
+                         "leaves no GPU memory for the KV cache after the weights "
+                         "and a full step's activations")
+    return num_blocks
+
+
+def available_memory() -> int:
+    """Bytes of host memory available now: free plus reclaimable (``MemAvailable``),
+    else the free pages ``sysconf`` counts."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class CacheEngine:

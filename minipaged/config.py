@@ -3,7 +3,8 @@
 ``EngineConfig`` validates what it can on its own (types and ranges) and raises
 ``ValueError`` naming the argument; settings that depend on the model or the machine
 (``max_model_len`` against the checkpoint, ``"auto"`` device, dtype and backend) are
-resolved by the engine when it loads the model.
+resolved when the engine loads the model (`minipaged.models.resolve`,
+`minipaged.models.loader.resolve_dtype`).
 
 Standard library only.
 """

@@ -19,6 +19,7 @@ sizes, so everything a step varies must live in fixed buffers and fixed shapes:
   kernels read each sequence's real length from ``decode_context_lens``.
 
 Prefill steps, and mixed steps, run eagerly: their token counts vary too much to pad.
+The engine captures the graphs at start-up where they can run (`uses_decode_graphs`).
 """
 
 from __future__ import annotations
@@ -28,10 +29,33 @@ import math
 
 import torch
 
+from minipaged.config import EngineConfig
 from minipaged.models.attention import AttentionMetadata
+from minipaged.models.llama import sliding_window
 
 SMALL_BATCHES = (1, 2, 4, 8)
 BATCH_STEP = 16
+
+
+def uses_decode_graphs(config: EngineConfig, device: torch.device, attention_backend: str,
+                       model_config) -> bool:
+    """On CUDA, unless ``enforce_eager``: with the kernel backends (the torch
+    reference's data-dependent shapes cannot be captured) and without a sliding
+    window (its check reads the positions on the host)."""
+    return (device.type == "cuda" and not config.enforce_eager
+            and config.tensor_parallel_size == 1  # collectives are not captured
+            and attention_backend in ("triton", "cuda")
+            and sliding_window(model_config) is None)
+
+
+def capture_decode_graphs(runner, kv_caches, max_num_seqs: int, max_model_len: int) -> None:
+    """``runner.capture_decode_graphs``, whose failure says how to run without them."""
+    try:
+        runner.capture_decode_graphs(kv_caches, max_num_seqs, max_model_len)
+    except RuntimeError as error:
+        raise RuntimeError(f"capturing the decode CUDA graphs failed ({error}); "
+                           "enforce_eager=True (--enforce-eager) runs without them"
+                           ) from error
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

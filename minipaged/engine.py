@@ -1,69 +1,61 @@
 """The engine: requests in, one step at a time, finished requests out (paper §4, §4.5).
 
-One `LLMEngine.step()` is the whole serving loop, once:
+`add_request` checks a request and queues it (`InputProcessor`); then one
+`LLMEngine.step()` is the whole serving loop, once:
 
     schedule -> execute -> sample -> update
 
 - **schedule**: the `Scheduler` picks this step's tokens and the block operations they
   need (swap out, swap in, copy-on-write), preempting if the pool is short;
-- **execute**: the `CacheEngine` runs those block operations, then the `ModelRunner`
-  runs one forward pass over the batch (the `Executor` does both; with
-  ``tensor_parallel_size`` > 1, on every rank of the group, §4.6);
-- **sample**: the sampler picks each finished sequence's next token (beam search ranks
-  candidates instead);
-- **update**: new tokens are appended and detokenized, stop conditions checked,
-  finished sequences' blocks freed, and sequences forked where a request branches:
-  ``n`` > 1 completions after their shared prompt, beams that keep more than one
-  child (§4.4).
-
-`step()` returns each finished request's output, and, for requests that asked to
-stream (``SamplingParams.output_kind``), what each step added.
+- **execute**: the `Executor` runs those block operations on the `CacheEngine`, then
+  the `ModelRunner`'s forward pass over the batch (with ``tensor_parallel_size`` > 1,
+  on every rank of the group, §4.6);
+- **sample**: the sampler picks each finished sequence's next token, after a prompt
+  with ``n`` > 1 forked into its ``n`` sequences (`BeamSearch` ranks candidates
+  instead, forking and freeing beams, §4.4);
+- **update**: after each new token the `OutputProcessor` detokenizes and checks the
+  stop conditions, freeing a finished sequence's blocks; then it builds the step's
+  outputs: each finished request's, and what the step added to requests that stream
+  (``SamplingParams.output_kind``).
 
 Everything about memory is the scheduler's (and, under it, the KV cache manager's); the
-engine only ever asks it to fork or free a sequence, so the event trace sees every
-block operation.
+engine only ever asks it to fork, append to or free a sequence, so the event trace,
+which the scheduler records, sees every block operation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import os
-from collections import defaultdict
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer
 
 from minipaged.batch import ScheduledSeq
 from minipaged.beam_search import BeamSearch
-from minipaged.cache_engine import GIB, CacheEngine, block_bytes
+from minipaged.cache_engine import CacheEngine, block_bytes, pool_sizes
 from minipaged.config import EngineConfig
-from minipaged.detokenizer import IncrementalDetokenizer
-from minipaged.distributed.executor import (Executor, TensorParallelExecutor, WorkerGroup,
-                                            on_all_ranks)
+from minipaged.contiguous_scheduler import make_scheduler
+from minipaged.cuda_graphs import capture_decode_graphs, uses_decode_graphs
+from minipaged.distributed.executor import (Executor, TensorParallelExecutor,
+                                            kv_memory_budget, start_workers)
 from minipaged.distributed.parallel_state import SINGLE
 from minipaged.distributed.worker import rank_kv_config
+from minipaged.fail_alone import update_failing_alone
+from minipaged.input_processor import InputProcessor, Params
 from minipaged.memory import KVCacheManager
-from minipaged.memory.block_table import blocks_for
 from minipaged.model_runner import ModelRunner
 from minipaged.models.attention import head_dim
 from minipaged.models.hub import resolve_model
-from minipaged.models.llama import check_tensor_parallel, sliding_window
-from minipaged.models.loader import load_model, read_config
-from minipaged.ops import BackendUnavailableError, check_supported, get_backend
-from minipaged.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
-from minipaged.sampler import make_generator, sample
-from minipaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from minipaged.scheduler import Scheduler
+from minipaged.models.loader import load_model
+from minipaged.models.resolve import (eos_token_ids, resolve_backend, resolve_device,
+                                      resolve_max_model_len)
+from minipaged.ops import check_supported
+from minipaged.output_processor import OutputProcessor
+from minipaged.outputs import Output
+from minipaged.sampler import sample, seq_generator
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.trace import Trace
-
-Params = SamplingParams | BeamSearchParams
-# The share of the host's available memory the KV pools in it (the CPU device's pool, the
-# swap pool) may take: the rest is for activations, the tokenizer and everyone else.
-HOST_KV_SHARE = 0.5
-Output = RequestOutput | BeamSearchOutput
 
 
 class LLMEngine:
@@ -74,7 +66,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         path = resolve_model(config.model)
         self.attention_backend = resolve_backend(config.attention_backend, self.device)
-        self.workers = self._start_workers(path)
+        self.workers = start_workers(config, path, self.device, self.attention_backend)
         try:
             self._build(path)
         except BaseException:
@@ -97,25 +89,33 @@ class LLMEngine:
         check_supported(self.attention_backend, dtype, head_dim(self.model.config),
                         config.block_size)
         kv_config = rank_kv_config(self.model.config, tp.size)  # this rank's KV heads
-        num_gpu_blocks, num_cpu_blocks = self._pool_sizes(
-            block_bytes(kv_config, config.block_size, dtype))
+        num_gpu_blocks, num_cpu_blocks = pool_sizes(
+            config, self.max_model_len, self.device, block_bytes(kv_config, config.block_size,
+                                                                 dtype),
+            lambda: kv_memory_budget(self.workers, self.runner, config, self.max_model_len))
         self.cache_engine = CacheEngine(kv_config, num_gpu_blocks, num_cpu_blocks,
                                         config.block_size, dtype, self.device)
         self.executor = (TensorParallelExecutor(self.runner, self.cache_engine, self.workers)
                          if self.workers else Executor(self.runner, self.cache_engine))
         self.kv = KVCacheManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
                                  config.enable_prefix_caching)
-        if self._uses_cuda_graphs():
-            self._capture_cuda_graphs()
+        if uses_decode_graphs(config, self.device, self.attention_backend, self.model.config):
+            capture_decode_graphs(self.runner, self.cache_engine.gpu_cache, config.max_num_seqs,
+                                  self.max_model_len)
         self.trace = Trace(config.trace)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.preemption_mode, self.trace, config.memory_mode,
-                                   self.max_model_len)
+        self.scheduler = make_scheduler(self.kv, config.max_num_seqs,
+                                        config.max_num_batched_tokens, config.preemption_mode,
+                                        self.trace, config.memory_mode, self.max_model_len)
         self.beam_search = BeamSearch(self.scheduler, self.eos_token_ids, self.max_model_len,
                                       self.tokenizer)
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, SequenceGroup] = {}
-        self._arrivals = itertools.count()
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size,
+                                              self.max_model_len, self.scheduler, self.requests,
+                                              self.device)
+        self.output_processor = OutputProcessor(self.scheduler, self.beam_search,
+                                                self.eos_token_ids, self.max_model_len,
+                                                self.requests)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.num_steps = 0
         self.num_prompt_tokens = 0  # of every request added
         self.num_generated_tokens = 0  # sampled, by every sequence and beam
@@ -126,60 +126,14 @@ class LLMEngine:
                     prompt: str | None = None) -> None:
         """Queue a request.  Raises ``ValueError`` (changing nothing) if it is malformed
         or could never fit the KV pool."""
-        self.check_request(request_id, prompt_token_ids, params)
-        group = SequenceGroup(request_id, prompt, list(prompt_token_ids), params,
-                              next(self._arrivals))
-        wants_logprobs = getattr(params, "logprobs", None) is not None
-        detokenizer = None if group.is_beam_search else IncrementalDetokenizer(self.tokenizer)
-        group.seqs.append(Sequence(f"{request_id}.0", list(prompt_token_ids),
-                                   len(prompt_token_ids), logprobs=[] if wants_logprobs else None,
-                                   generator=self._generator(params, 0),
-                                   detokenizer=detokenizer))
+        group = self.input_processor.process(request_id, prompt_token_ids, params, prompt)
         self.requests[request_id] = group
         self.scheduler.add(group)
         self.num_prompt_tokens += len(prompt_token_ids)
 
     def check_request(self, request_id: str, prompt_token_ids: list[int], params: Params) -> None:
-        if not isinstance(params, (SamplingParams, BeamSearchParams)):
-            raise ValueError(f"params must be SamplingParams or BeamSearchParams, "
-                             f"got {type(params).__name__}")
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already running")
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty (it has no tokens)")
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int)
-                    or not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids must be ints in [0, {self.vocab_size}), "
-                             f"got {bad!r}")
-        if len(prompt_token_ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens, more than "
-                             f"max_model_len={self.max_model_len}")
-        name = "beam_width" if isinstance(params, BeamSearchParams) else "n"
-        width = getattr(params, name)
-        if width > self.config.max_num_seqs:
-            raise ValueError(f"{name}={width} is more than max_num_seqs="
-                             f"{self.config.max_num_seqs} can ever run at once")
-        self._check_fits_pool(len(prompt_token_ids), params, name, width)
-
-    def _check_fits_pool(self, prompt_len: int, params: Params, name: str, width: int) -> None:
-        """Refuse a request that could never run alone in the GPU pool."""
-        # All-or-nothing preemption must be able to make room for any one request alone.
-        longest = min(prompt_len + params.max_tokens, self.max_model_len)
-        needed = width * blocks_for(longest, self.config.block_size)
-        if needed > self.kv.gpu.num_blocks:
-            raise ValueError(f"max_tokens={params.max_tokens} with {name}={width} may need "
-                             f"{needed} KV blocks, more than the pool's {self.kv.gpu.num_blocks}"
-                             " (num_gpu_blocks)")
-        # A contiguous mode's range must fit the empty pool (§6.1), or the request waits
-        # forever.
-        slots = self.scheduler.reservation_slots(prompt_len, params.max_tokens, width)
-        pool = self.kv.gpu.num_blocks * self.config.block_size
-        if slots is not None and slots > pool:
-            raise ValueError(f"memory_mode={self.config.memory_mode!r} reserves {slots} KV "
-                             f"slots for a {prompt_len}-token prompt with max_tokens="
-                             f"{params.max_tokens} and {name}={width}, more than the pool's "
-                             f"{pool} (num_gpu_blocks * block_size)")
+        """Raise ``ValueError`` if `add_request` would refuse the request."""
+        self.input_processor.check(request_id, prompt_token_ids, params)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks (between steps)."""
@@ -203,42 +157,15 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         sampling, logits = self.executor.execute(batch)
         if sampling and fail_alone:
-            self._update_failing_alone(sampling, logits)
+            self.failed = update_failing_alone(self, sampling, logits)
         elif sampling:
             self._update(sampling, logits)
-        outputs = []
-        for group in dict.fromkeys(s.group for s in batch.seqs):
-            if group.request_id in self.failed:
-                continue
-            if group.is_finished:
-                outputs.append(self._finish(group))
-            elif streams(group) and (output := self.request_output(group)):
-                outputs.append(output)
+        groups = dict.fromkeys(s.group for s in batch.seqs)
+        outputs = self.output_processor.outputs(
+            [g for g in groups if g.request_id not in self.failed])
         self.num_steps += 1
         self.trace.step = self.num_steps  # arrivals and aborts from now on belong to it
         return outputs
-
-    def _update_failing_alone(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> None:
-        """`_update` over the whole batch (the fast path); if it raises, undo what it
-        began (forks, random draws) and update each request on its own, so that only
-        the requests that raise fail.  An error after tokens were appended cannot be
-        undone and propagates."""
-        saved = _UpdateState(self, sampling)
-        try:
-            self._update(sampling, logits)
-            return
-        except Exception:
-            if not saved.restore():
-                raise
-        rows: dict[SequenceGroup, list[int]] = defaultdict(list)
-        for i, scheduled in enumerate(sampling):
-            rows[scheduled.group].append(i)
-        for group, group_rows in rows.items():
-            try:
-                self._update([sampling[i] for i in group_rows], logits[group_rows])
-            except Exception as error:  # noqa: BLE001  any error; the abort frees its blocks
-                self.failed[group.request_id] = error
-                self.abort_request(group.request_id)
 
     def _update(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> None:
         """Each row of ``logits`` is a sequence that reached its end: sample its next
@@ -267,176 +194,25 @@ class LLMEngine:
                      self.generator, [s.token_ids for s in seqs], [s.prompt_len for s in seqs],
                      self.eos_token_ids)
         self.num_generated_tokens += len(seqs)
-        record = self.trace.enabled
         for group, seq, token, logprob, top in zip(groups, seqs, out.token_ids, out.logprobs,
                                                    out.top_logprobs):
-            seq.append_token(token, logprob)
-            if record:
-                self.trace.record("sample", group.request_id, seq.seq_id, token_id=token)
+            self.scheduler.append_token(group, seq, token, logprob)
             if seq.logprobs is not None:
                 seq.logprobs.append(top)
-            self._check_stop(group, seq)
+            self.output_processor.check_stop(group, seq)
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         child = self.scheduler.fork(group, parent)
-        child.generator = self._generator(group.params, child.index)
+        child.generator = seq_generator(group.params, child.index, self.device)
         child.output_text = parent.output_text
         child.detokenizer = dataclasses.replace(parent.detokenizer)
         return child
-
-    def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
-        """Decide whether ``seq`` is done after its new token, detokenizing as it goes
-        where text is needed before the end (stop strings, streaming)."""
-        params, token = group.params, seq.token_ids[-1]
-        eos = not params.ignore_eos and token in self.eos_token_ids
-        if eos or token in params.stop_token_ids:
-            # The stop token stays in the token ids but not in the text (vLLM).
-            self._end(group, seq, "stop", None if eos else token, seq.output_token_ids[:-1])
-            return
-        if params.stop or params.output_kind is not RequestOutputKind.FINAL_ONLY:
-            new_text = seq.detokenizer.update(seq.output_token_ids)
-            seq.output_text += new_text
-            # vLLM: no stop string counts before min_tokens (stop tokens are masked).
-            if (seq.num_output_tokens >= params.min_tokens
-                    and (hit := self._stop_string(seq, params.stop, len(new_text)))):
-                self._end(group, seq, "stop", hit)
-                return
-        if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            self._end(group, seq, "length", None, seq.output_token_ids)
-
-    def _stop_string(self, seq: Sequence, stops: list[str], num_new: int) -> str | None:
-        """The first of ``stops`` that the last ``num_new`` characters completed (it may
-        begin in older text); the text is cut where it begins."""
-        if not num_new:
-            return None
-        text = seq.output_text
-        for stop in stops:
-            index = text.find(stop, max(0, len(text) - num_new - len(stop) + 1))
-            if index != -1:
-                seq.output_text = text[:index]
-                return stop
-        return None
-
-    def _end(self, group: SequenceGroup, seq: Sequence, reason: str,
-             stop_reason: int | str | None, text_token_ids: list[int] | None = None) -> None:
-        """Finish ``seq``; ``text_token_ids``: the tokens whose text it ends with, decoded
-        now if not yet (a request that neither streams nor stops on strings is decoded
-        only here, once, which gives the same text as decoding it step by step)."""
-        if text_token_ids is not None:
-            seq.output_text += seq.detokenizer.update(text_token_ids, final=True)
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
-        self.scheduler.free_seq(group, seq)
-
-    # -- outputs ----------------------------------------------------------------------
-    def _finish(self, group: SequenceGroup) -> Output:
-        del self.requests[group.request_id]
-        self.scheduler.retire(group)
-        self.trace.record("finish", group.request_id)
-        if group.is_beam_search:
-            return self.beam_search.output(group)
-        return self.request_output(group)
-
-    def request_output(self, group: SequenceGroup) -> RequestOutput | None:
-        """The request's completions so far; for ``DELTA``, only what is new since the
-        last output, and None if nothing is."""
-        delta = group.params.output_kind is RequestOutputKind.DELTA
-        seqs = sorted(group.seqs, key=lambda s: s.index)
-        completions = [self._completion(s, group.params, delta) for s in seqs
-                       if not delta or s.num_output_tokens > s.num_reported_tokens]
-        if not completions:
-            return None
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
-                             group.is_finished)
-
-    def _completion(self, seq: Sequence, params: SamplingParams, delta: bool) -> CompletionOutput:
-        tokens, text, logprobs = seq.output_token_ids, seq.output_text, seq.logprobs
-        if not seq.is_finished and params.stop:
-            # The text's tail may be the start of a stop string, to be cut if completed.
-            text = text[:max(0, len(text) - max(map(len, params.stop)) + 1)]
-        if delta:
-            start = seq.num_reported_tokens
-            tokens = tokens[start:]
-            logprobs = None if logprobs is None else logprobs[start:]
-            seq.num_reported_tokens += len(tokens)
-            text, seq.num_reported_chars = text[seq.num_reported_chars:], len(text)
-        return CompletionOutput(seq.index, text, list(tokens), seq.cumulative_logprob,
-                                logprobs, seq.finish_reason, seq.stop_reason)
-
-    # -- CUDA graphs ------------------------------------------------------------------
-    def _uses_cuda_graphs(self) -> bool:
-        """On CUDA, unless ``enforce_eager``: with the kernel backends (the torch
-        reference's data-dependent shapes cannot be captured) and without a sliding
-        window (its check reads the positions on the host)."""
-        return (self.device.type == "cuda" and not self.config.enforce_eager
-                and self.config.tensor_parallel_size == 1  # collectives are not captured
-                and self.attention_backend in ("triton", "cuda")
-                and sliding_window(self.model.config) is None)
-
-    def _capture_cuda_graphs(self) -> None:
-        try:
-            self.runner.capture_decode_graphs(self.cache_engine.gpu_cache,
-                                              self.config.max_num_seqs, self.max_model_len)
-        except RuntimeError as error:
-            raise RuntimeError(f"capturing the decode CUDA graphs failed ({error}); "
-                               "enforce_eager=True (--enforce-eager) runs without them"
-                               ) from error
-
-    # -- tensor parallelism (§4.6) -----------------------------------------------------
-    def _start_workers(self, path: Path) -> WorkerGroup | None:
-        """With ``tensor_parallel_size`` N > 1, ranks 1..N-1 (this process is rank 0),
-        once the model is known to split N ways."""
-        size = self.config.tensor_parallel_size
-        if size == 1:
-            return None
-        check_tensor_parallel(read_config(path), size)
-        if self.device.type == "cuda" and size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, torch sees "
-                             f"{torch.cuda.device_count()}")
-        return WorkerGroup.start(size, path, self.config.dtype, self.device,
-                                 self.attention_backend, self.config.block_size)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the engine is
         garbage collected); the engine cannot step afterwards."""
         if self.workers:
             self.workers.shutdown()
-
-    # -- memory -----------------------------------------------------------------------
-    def _generator(self, params: Params, index: int) -> torch.Generator | None:
-        """Completion ``index`` of a seeded request draws from ``seed + index`` (vLLM)."""
-        seed = getattr(params, "seed", None)
-        return None if seed is None else make_generator(seed + index, self.device)
-
-    def _pool_sizes(self, per_block: int) -> tuple[int, int]:
-        """The GPU pool's and the CPU swap pool's blocks (§4.5): what was asked for, but
-        never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens could use,
-        nor (for pools in host memory) more than half the memory available now."""
-        config = self.config
-        config = self.config
-        most = config.max_num_seqs * blocks_for(self.max_model_len, config.block_size)
-        host = int(HOST_KV_SHARE * available_memory() // per_block)
-        if config.num_gpu_blocks:
-            num_gpu_blocks = config.num_gpu_blocks
-        elif self.device.type == "cuda":
-            num_gpu_blocks = min(self._cuda_num_gpu_blocks(per_block), most)
-        else:
-            num_gpu_blocks = max(1, min(int(config.cpu_kv_space * GIB // per_block), most, host))
-        if self.device.type == "cpu":  # both pools share the host's memory
-            host = max(0, host - num_gpu_blocks)
-        return num_gpu_blocks, min(int(config.swap_space * GIB // per_block), most, host)
-
-    def _cuda_num_gpu_blocks(self, per_block: int) -> int:
-        config = self.config
-        # Every rank profiles its own GPU; the tightest sets the blocks of all.
-        budget = min(on_all_ranks(self.workers, self.runner, "kv_memory_budget",
-                                  config.gpu_memory_utilization,
-                                  config.max_num_batched_tokens, self.max_model_len))
-        num_blocks = int(budget // per_block)
-        if num_blocks < 1:
-            raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} "
-                             "leaves no GPU memory for the KV cache after the weights "
-                             "and a full step's activations")
-        return num_blocks
 
     def stats(self) -> dict[str, float]:
         """The pools, the queues and the counters (vLLM's names where it has them),
@@ -456,105 +232,3 @@ class LLMEngine:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
         }
-
-
-class _UpdateState:
-    """What `LLMEngine._update` changes before it appends a token, saved so a batch
-    that raised can be replayed request by request: each request's sequences (a prompt
-    with ``n`` > 1 forks) and the random generators' states (draws already made)."""
-
-    def __init__(self, engine: LLMEngine, sampling: list[ScheduledSeq]) -> None:
-        self.engine = engine
-        self.groups = {s.group: list(s.group.seqs) for s in sampling}
-        seqs = [seq for group_seqs in self.groups.values() for seq in group_seqs]
-        self.lengths = [len(seq.token_ids) for seq in seqs]
-        self.generators = [(seq.generator, seq.generator.get_state()) for seq in seqs
-                           if seq.generator is not None]
-        self.generators.append((engine.generator, engine.generator.get_state()))
-        self.num_generated_tokens = engine.num_generated_tokens
-
-    def restore(self) -> bool:
-        """Put everything back; False (changing nothing) if a token was appended."""
-        seqs = [seq for group_seqs in self.groups.values() for seq in group_seqs]
-        if [len(seq.token_ids) for seq in seqs] != self.lengths or any(
-                group.seqs[:len(kept)] != kept for group, kept in self.groups.items()):
-            return False
-        for group, kept in self.groups.items():
-            for child in group.seqs[len(kept):]:  # forked by the failed attempt
-                self.engine.scheduler.free_seq(group, child)
-            del group.seqs[len(kept):]
-        for generator, state in self.generators:
-            generator.set_state(state)
-        self.engine.num_generated_tokens = self.num_generated_tokens
-        return True
-
-
-def streams(group: SequenceGroup) -> bool:
-    """Whether ``group`` wants outputs before it finishes (beam search never does)."""
-    return (not group.is_beam_search
-            and group.params.output_kind is not RequestOutputKind.FINAL_ONLY)
-
-
-def available_memory() -> int:
-    """Bytes of host memory available now: free plus reclaimable (``MemAvailable``),
-    else the free pages ``sysconf`` counts."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but torch sees no CUDA device")
-    return torch.device(device)
-
-
-def resolve_backend(name: str, device: torch.device) -> str:
-    """``"auto"``: the fastest backend that runs on ``device`` (Triton on a GPU, the
-    torch reference on a CPU, where Triton would only be interpreted)."""
-    if name != "auto":
-        return name
-    candidates = ("triton", "cuda", "torch") if device.type == "cuda" else ("torch",)
-    for candidate in candidates:
-        try:
-            get_backend(candidate, device)
-        except BackendUnavailableError:
-            continue
-        return candidate
-    return "torch"
-
-
-def resolve_max_model_len(max_model_len: int | None, config) -> int:
-    """The longest sequence: the model's positions, or its sliding window (which
-    minipaged does not implement), or less if asked."""
-    limit = config.max_position_embeddings
-    window = sliding_window(config)
-    limit = min(limit, window) if window else limit
-    if max_model_len is None:
-        return limit
-    if max_model_len > limit:
-        raise ValueError(f"max_model_len={max_model_len} is more than the model's "
-                         f"{limit} positions")
-    return max_model_len
-
-
-def eos_token_ids(path: Path, config, tokenizer) -> set[int]:
-    """The ids that end a sequence, where Hugging Face ``generate`` finds them:
-    ``generation_config.json``, else ``config.json``, else the tokenizer."""
-    eos = None
-    if (path / "generation_config.json").is_file():
-        eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
-    if eos is None:
-        eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, (list, tuple)) else {eos}

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from minipaged.config import EngineConfig
-from minipaged.engine import LLMEngine, Output
-from minipaged.outputs import BeamSearchOutput, RequestOutput
+from minipaged.engine import LLMEngine
+from minipaged.outputs import BeamSearchOutput, Output, RequestOutput
 from minipaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Prompt = str | dict

@@ -57,3 +57,7 @@ class BeamSearchOutput:
     request_id: str
     sequences: list[BeamSearchSequence]
     finished: bool = True
+
+
+# What one engine step hands back per request.
+Output = RequestOutput | BeamSearchOutput

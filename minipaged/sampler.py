@@ -47,8 +47,8 @@ import torch
 
 from minipaged.sampling_params import SamplingParams
 
-__all__ = ["SamplerOutput", "BeamCandidates", "make_generator", "sample", "apply_penalties",
-           "apply_min_tokens", "filter_logits", "beam_candidates"]
+__all__ = ["SamplerOutput", "BeamCandidates", "make_generator", "seq_generator", "sample",
+           "apply_penalties", "apply_min_tokens", "filter_logits", "beam_candidates"]
 
 
 @dataclass
@@ -84,6 +84,13 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     completion ``i`` of a request with ``seed + i``, so the ``n`` completions differ.
     """
     return torch.Generator(device=device).manual_seed(seed)
+
+
+def seq_generator(params, index: int, device: torch.device | str) -> torch.Generator | None:
+    """Completion ``index`` of a request with a seed draws from ``seed + index`` (vLLM);
+    None, without one: it draws from the engine's shared stream."""
+    seed = getattr(params, "seed", None)
+    return None if seed is None else make_generator(seed + index, device)
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],

@@ -21,12 +21,9 @@ prefill*).  One `schedule()` call, first come first served:
    chunk can be had (with prefix caching, cached full blocks of the prompt are reused
    and only the rest is computed, §4.4).
 
-``memory_mode`` other than ``"paged"`` turns the scheduler into the paper's baseline,
-Orca with contiguous reservations (§6.1: ``"contiguous-max"``, ``"-pow2"``,
-``"-oracle"``): a waiting request is admitted only if, besides the above, a
-contiguous range of slots for its whole final length can be placed first-fit
-(`ContiguousReservations`); the range is held until it finishes or is aborted.  The
-ranges cover every token their requests can write, so nothing is ever preempted.
+The paper's baseline, Orca's contiguous reservations (``memory_mode`` other than
+``"paged"``), is a subclass with one more admission rule
+(`minipaged.contiguous_scheduler`).
 
 The scheduler decides; it does not touch tensors.  Its output lists the sequences to run
 and the block operations the cache engine must execute first (swap out, swap in,
@@ -43,22 +40,25 @@ from collections import Counter
 from minipaged.memory import Allocation, KVCacheManager
 from minipaged.memory.block_table import blocks_for
 from minipaged.batch import ScheduledSeq, SchedulerOutput
-from minipaged.config import MEMORY_MODES, PREEMPTION_MODES
-from minipaged.memory.contiguous import ContiguousReservations
+from minipaged.config import PREEMPTION_MODES
+from minipaged.sampling_params import BeamSearchParams, SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.trace import Trace
 
 class Scheduler:
-    """Queues of requests over a `KVCacheManager`; `schedule()` once per engine step."""
+    """Queues of requests over a `KVCacheManager`; `schedule()` once per engine step.
+
+    ``max_model_len``: the longest sequence, where the engine stops it (None: no limit).
+    """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  preemption_mode: str = "recompute", trace: Trace | None = None,
-                 memory_mode: str = "paged", max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None) -> None:
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {preemption_mode!r}")
         self.kv = kv
-        self.reservations = _reservations(memory_mode, kv, max_model_len)
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
@@ -84,7 +84,6 @@ class Scheduler:
                 if group.request_id == request_id:
                     queue.remove(group)
                     self._release(group, "abort")
-                    self._unreserve(group)
                     self.trace.record("abort", request_id)
                     return group
         return None
@@ -92,7 +91,14 @@ class Scheduler:
     def retire(self, group: SequenceGroup) -> None:
         """Take a finished request off the running queue (its blocks are already free)."""
         self.running.remove(group)
-        self._unreserve(group)
+        self.trace.record("finish", group.request_id)
+
+    def append_token(self, group: SequenceGroup, seq: Sequence, token_id: int,
+                     logprob: float) -> None:
+        """Give ``seq`` the token sampled for it; the next step computes its KV."""
+        seq.append_token(token_id, logprob)
+        if self.trace.enabled:
+            self.trace.record("sample", group.request_id, seq.seq_id, token_id=token_id)
 
     def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         """A new sequence sharing all of ``parent``'s blocks, copy-on-write (§4.4)."""
@@ -112,6 +118,23 @@ class Scheduler:
             self.trace.record("free", group.request_id, seq.seq_id,
                               blocks=self.kv.block_table(seq.seq_id))
         self.kv.free(seq.seq_id)
+
+    def check_fits(self, prompt_len: int, params: SamplingParams | BeamSearchParams) -> None:
+        """Refuse (``ValueError``) a request that could never run: more sequences than a
+        step takes, or more blocks than the whole GPU pool (all-or-nothing preemption
+        must be able to make room for any one request alone)."""
+        name, width = width_of(params)
+        if width > self.max_num_seqs:
+            raise ValueError(f"{name}={width} is more than max_num_seqs="
+                             f"{self.max_num_seqs} can ever run at once")
+        longest = prompt_len + params.max_tokens
+        if self.max_model_len is not None:
+            longest = min(longest, self.max_model_len)
+        needed = width * blocks_for(longest, self.kv.block_size)
+        if needed > self.kv.gpu.num_blocks:
+            raise ValueError(f"max_tokens={params.max_tokens} with {name}={width} may need "
+                             f"{needed} KV blocks, more than the pool's {self.kv.gpu.num_blocks}"
+                             " (num_gpu_blocks)")
 
     def num_running_seqs(self) -> int:
         """Seats taken: a request about to fork into ``n`` holds ``n`` already."""
@@ -173,36 +196,12 @@ class Scheduler:
         seats = self.max_num_seqs - self.num_running_seqs()
         while self.waiting and budget > 0:
             group = self.waiting[0]
-            seqs = group.unfinished_seqs
-            if group.num_seats > seats:
-                return
-            plan = self._admission_plan(seqs, budget)
-            if plan is None or self._blocks_to_allocate(plan) > self.kv.gpu.num_free_blocks:
-                return
-            if not self._reserve(group):
+            if group.num_seats > seats or not self._can_admit(group, budget):
                 return
             self.waiting.pop(0)
             budget -= self._allocate(group, out, budget)
             _insert(self.running, group, SequenceStatus.RUNNING)
             seats -= group.num_seats
-
-    # -- contiguous reservations (memory_mode other than "paged") -----------------------
-    def reservation_slots(self, prompt_len: int, max_tokens: int, width: int) -> int | None:
-        """The slots a request would reserve in this memory mode; None when paged."""
-        if self.reservations is None:
-            return None
-        return self.reservations.num_slots(prompt_len, max_tokens, width)
-
-    def _reserve(self, group: SequenceGroup) -> bool:
-        """Place the request's contiguous range, if this mode has them: last of the
-        admission checks, as it is the only one that changes anything."""
-        slots = self.reservation_slots(len(group.prompt_token_ids), group.params.max_tokens,
-                                       group.width)
-        return slots is None or self.reservations.reserve(group.request_id, slots)
-
-    def _unreserve(self, group: SequenceGroup) -> None:
-        if self.reservations is not None:
-            self.reservations.release(group.request_id)
 
     # -- block operations -------------------------------------------------------------
     def _append(self, group: SequenceGroup, plan: list[tuple[Sequence, int]],
@@ -291,6 +290,12 @@ class Scheduler:
         need -= sum(k > 1 and self.kv.gpu.ref_count(b) == k for b, k in lasts.items())
         return need <= free
 
+    def _can_admit(self, group: SequenceGroup, budget: int) -> bool:
+        """Can every sequence of a waiting request get its first chunk's tokens and
+        blocks now?"""
+        plan = self._admission_plan(group.unfinished_seqs, budget)
+        return plan is not None and self._blocks_to_allocate(plan) <= self.kv.gpu.num_free_blocks
+
     def _blocks_to_allocate(self, plan: list[tuple[Sequence, int]]) -> int:
         return sum(self.kv.blocks_to_allocate(seq.token_ids, n) for seq, n in plan)
 
@@ -311,21 +316,6 @@ class Scheduler:
         return {s: self.kv.block_table(s) for s in seq_ids}
 
 
-def _reservations(memory_mode: str, kv: KVCacheManager,
-                  max_model_len: int | None) -> ContiguousReservations | None:
-    """The contiguous ranges a ``"contiguous-<policy>"`` mode admits by, over the GPU
-    pool's slots; None for ``"paged"``."""
-    if memory_mode not in MEMORY_MODES:
-        raise ValueError(f"memory_mode must be one of {MEMORY_MODES}, got {memory_mode!r}")
-    if memory_mode == "paged":
-        return None
-    if max_model_len is None:
-        raise ValueError(f"memory_mode={memory_mode!r} needs max_model_len (what "
-                         "reservations are cut at, and what Max reserves), got None")
-    return ContiguousReservations(memory_mode.removeprefix("contiguous-"), kv.gpu.num_blocks,
-                                  kv.block_size, max_model_len)
-
-
 def _plan(group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
     """A running request's tokens this step: each sequence's uncomputed tokens (one for
     a decode, a chunk of a prompt), as far as the token budget goes."""
@@ -336,6 +326,12 @@ def _plan(group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
             plan.append((seq, n))
             budget -= n
     return plan
+
+
+def width_of(params: SamplingParams | BeamSearchParams) -> tuple[str, int]:
+    """The parameter that sets how many sequences a request runs at once, and its value."""
+    name = "beam_width" if isinstance(params, BeamSearchParams) else "n"
+    return name, getattr(params, name)
 
 
 def _later(seqs: list[Sequence], k: int) -> int:

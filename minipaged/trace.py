@@ -1,8 +1,9 @@
 """The event trace: what the engine did to each request's memory, step by step.
 
-Switched on with ``LLM(..., trace=True)``, the scheduler and the engine record one `Event`
-per memory operation (allocate, append, free, fork, CoW copy, swap out, swap in, preempt)
-and per lifecycle moment (arrive, schedule, sample, finish).  Lessons draw a request's
+Switched on with ``LLM(..., trace=True)``, the scheduler records one `Event` per memory
+operation (allocate, append, free, fork, CoW copy, swap out, swap in, preempt) and per
+lifecycle moment (arrive, schedule, sample, finish, abort): every one of them goes
+through it, so the trace is recorded in one place.  Lessons draw a request's
 journey from it (`minipaged.viz.draw_request_journey`); tests read it to check the order
 of things.  Off, recording costs one attribute test.
 

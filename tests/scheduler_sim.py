@@ -228,7 +228,6 @@ class SchedulerSim:
             if group.is_finished:
                 self.scheduler.retire(group)
                 group.status = SequenceStatus.FINISHED
-                self.trace.record("finish", group.request_id)
                 self.finished.append(group)
                 del self.groups[group.request_id]
 

@@ -10,7 +10,7 @@ import torch
 from engine_helpers import assert_all_blocks_free, make_llm
 
 from minipaged import LLM, SamplingParams
-from minipaged import engine as engine_module
+from minipaged import cache_engine
 from minipaged.cache_engine import GIB, block_bytes
 from minipaged.config import EngineConfig
 from minipaged.models.loader import read_config
@@ -195,7 +195,7 @@ def test_pools_follow_the_gib_asked_for_when_they_are_smaller(llama):
 
 def test_pools_fit_half_the_memory_available(llama, monkeypatch):
     per_block = block_bytes(read_config(llama), 16, torch.float32)
-    monkeypatch.setattr(engine_module, "available_memory", lambda: 2 * 30 * per_block)
+    monkeypatch.setattr(cache_engine, "available_memory", lambda: 2 * 30 * per_block)
     llm = LLM(
         llama, device="cpu"
     )  # 1 GiB and 4 GiB asked for; 30 blocks' worth allowed
@@ -212,4 +212,4 @@ def test_available_memory_is_the_kernels_memavailable():
         fields = dict(line.split(":", 1) for line in meminfo)
     expected = int(fields["MemAvailable"].split()[0]) * 1024
     # Other processes allocate meanwhile: within 5% of a reading taken just before.
-    assert engine_module.available_memory() == pytest.approx(expected, rel=0.05)
+    assert cache_engine.available_memory() == pytest.approx(expected, rel=0.05)

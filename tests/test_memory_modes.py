@@ -26,6 +26,7 @@ from minipaged.memory import KVCacheManager
 from minipaged.memory.contiguous import ContiguousReservations
 from minipaged.memory.simulate import SYSTEMS
 from minipaged.config import MEMORY_MODES
+from minipaged.contiguous_scheduler import make_scheduler
 from minipaged.scheduler import Scheduler
 
 CONTIGUOUS = [m for m in MEMORY_MODES if m != "paged"]
@@ -36,8 +37,9 @@ def contiguous_sim(mode: str, num_blocks: int, block_size: int, max_model_len: i
                    **kwargs) -> SchedulerSim:
     """test_scheduler.py's simulator, with its scheduler in ``mode``."""
     sim = SchedulerSim(num_blocks, block_size, **kwargs)
-    sim.scheduler = Scheduler(sim.kv, sim.max_num_seqs, sim.max_num_batched_tokens,
-                              trace=sim.trace, memory_mode=mode, max_model_len=max_model_len)
+    sim.scheduler = make_scheduler(sim.kv, sim.max_num_seqs, sim.max_num_batched_tokens,
+                                   trace=sim.trace, memory_mode=mode,
+                                   max_model_len=max_model_len)
     return sim
 
 
@@ -70,16 +72,15 @@ def test_memory_modes_are_the_simulations_systems():
 
 
 def test_paged_mode_reserves_nothing():
-    scheduler = Scheduler(KVCacheManager(4, 4), 4, 16)
-    assert scheduler.reservations is None
-    assert scheduler.reservation_slots(3, 5, 1) is None
+    scheduler = make_scheduler(KVCacheManager(4, 4), 4, 16)
+    assert type(scheduler) is Scheduler and not hasattr(scheduler, "reservations")
 
 
 def test_bad_memory_mode_arguments_are_refused():
     with pytest.raises(ValueError, match="memory_mode.*'contiguous'"):
-        Scheduler(KVCacheManager(4, 4), 4, 16, memory_mode="contiguous")
+        make_scheduler(KVCacheManager(4, 4), 4, 16, memory_mode="contiguous")
     with pytest.raises(ValueError, match="max_model_len.*None"):
-        Scheduler(KVCacheManager(4, 4), 4, 16, memory_mode="contiguous-max")
+        make_scheduler(KVCacheManager(4, 4), 4, 16, memory_mode="contiguous-max")
     with pytest.raises(ValueError, match="policy.*'best'"):
         ContiguousReservations("best", 4, 4, 16)
     with pytest.raises(ValueError, match="block_size.*0"):

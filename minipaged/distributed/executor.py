@@ -23,13 +23,17 @@ import weakref
 import torch
 
 from minipaged.cache_engine import CacheEngine
+from minipaged.config import EngineConfig
 from minipaged.distributed.parallel_state import (TensorParallelGroup, destroy_tensor_parallel,
                                                   free_port, init_tensor_parallel)
 from minipaged.distributed.worker import StepPlan, WorkerArgs, worker_main
 from minipaged.model_runner import ModelRunner
+from minipaged.models.llama import check_tensor_parallel
+from minipaged.models.loader import read_config
 from minipaged.batch import ScheduledSeq, SchedulerOutput
 
-__all__ = ["Executor", "TensorParallelExecutor", "WorkerGroup", "on_all_ranks"]
+__all__ = ["Executor", "TensorParallelExecutor", "WorkerGroup", "on_all_ranks", "start_workers",
+           "kv_memory_budget"]
 
 # Seconds a worker gets to answer at start-up (loading a shard, profiling memory), to
 # leave after the driver's goodbye, and to die after SIGTERM.
@@ -77,6 +81,29 @@ class TensorParallelExecutor(Executor):
             raise
         finally:
             self.workers.in_step.clear()
+
+
+def start_workers(config: EngineConfig, path, device: torch.device,
+                  attention_backend: str) -> WorkerGroup | None:
+    """With ``tensor_parallel_size`` N > 1, ranks 1..N-1 (this process is rank 0),
+    once the model is known to split N ways; None for one rank."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return None
+    check_tensor_parallel(read_config(path), size)
+    if device.type == "cuda" and size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, torch sees "
+                         f"{torch.cuda.device_count()}")
+    return WorkerGroup.start(size, path, config.dtype, device, attention_backend,
+                             config.block_size)
+
+
+def kv_memory_budget(workers: WorkerGroup | None, runner: ModelRunner, config: EngineConfig,
+                     max_model_len: int) -> int:
+    """Bytes of GPU memory for KV blocks (`ModelRunner.kv_memory_budget`): every rank
+    profiles its own GPU, and the tightest sets the blocks of all."""
+    return min(on_all_ranks(workers, runner, "kv_memory_budget", config.gpu_memory_utilization,
+                            config.max_num_batched_tokens, max_model_len))
 
 
 def on_all_ranks(workers: WorkerGroup | None, runner: ModelRunner, method: str, *args) -> list:

@@ -13,8 +13,9 @@ Ranges are placed first-fit in one pool of slots.  Three kinds of waste follow: 
 will never write) and *external fragmentation* (free gaps too small for anyone).
 
 `ContiguousReservations` puts the same rule in front of the real engine
-(``LLM(memory_mode="contiguous-max")`` and so on): its scheduler admits a request only
-once its range can be placed, which is what costs those systems their batch size.
+(``LLM(memory_mode="contiguous-max")`` and so on): its scheduler
+(`minipaged.contiguous_scheduler`) admits a request only once its range can be placed,
+which is what costs those systems their batch size.
 """
 
 from __future__ import annotations

@@ -1,0 +1,74 @@
+"""The input processor: a request checked, then made the sequence group the scheduler
+queues (paper §4.4, §4.5).
+
+`LLMEngine.add_request` hands it a prompt's token ids and the request's parameters.  A
+request that is malformed or could never run is refused with ``ValueError`` before
+anything changes: an unknown kind of parameters, a request id already running, an empty
+prompt, token ids outside the vocabulary, a prompt longer than ``max_model_len``, or more
+sequences or blocks than the scheduler could ever give it (`Scheduler.check_fits`).
+
+A request starts as one sequence, its prompt: with its own random generator if it has a
+seed, a detokenizer unless it is a beam search (whose text is decoded once, at the end),
+and room for logprobs if it asked for them.  It branches later, by forks (§4.4).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from minipaged.detokenizer import IncrementalDetokenizer
+from minipaged.sampler import seq_generator
+from minipaged.sampling_params import BeamSearchParams, SamplingParams
+from minipaged.scheduler import Scheduler
+from minipaged.sequence import Sequence, SequenceGroup
+
+Params = SamplingParams | BeamSearchParams
+
+
+class InputProcessor:
+    """Checks requests against the model and the scheduler, and builds their groups;
+    ``requests``: the engine's, by id (a new id must not be one of them)."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, scheduler: Scheduler,
+                 requests: dict[str, SequenceGroup], device: torch.device) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.scheduler = scheduler
+        self.requests = requests
+        self.device = device
+        self._arrivals = itertools.count()
+
+    def process(self, request_id: str, prompt_token_ids: list[int], params: Params,
+                prompt: str | None = None) -> SequenceGroup:
+        """The checked request as a group of one sequence, numbered in arrival order."""
+        self.check(request_id, prompt_token_ids, params)
+        group = SequenceGroup(request_id, prompt, list(prompt_token_ids), params,
+                              next(self._arrivals))
+        wants_logprobs = getattr(params, "logprobs", None) is not None
+        detokenizer = None if group.is_beam_search else IncrementalDetokenizer(self.tokenizer)
+        group.seqs.append(Sequence(f"{request_id}.0", list(prompt_token_ids),
+                                   len(prompt_token_ids), logprobs=[] if wants_logprobs else None,
+                                   generator=seq_generator(params, 0, self.device),
+                                   detokenizer=detokenizer))
+        return group
+
+    def check(self, request_id: str, prompt_token_ids: list[int], params: Params) -> None:
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise ValueError(f"params must be SamplingParams or BeamSearchParams, "
+                             f"got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty (it has no tokens)")
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int)
+                    or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids must be ints in [0, {self.vocab_size}), "
+                             f"got {bad!r}")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens, more than "
+                             f"max_model_len={self.max_model_len}")
+        self.scheduler.check_fits(len(prompt_token_ids), params)
