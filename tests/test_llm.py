@@ -4,7 +4,6 @@ and KV pools sized to what can be used and what the machine has."""
 
 import dataclasses
 
-import engine_helpers
 import pytest
 import torch
 from engine_helpers import assert_all_blocks_free, make_llm
@@ -15,7 +14,6 @@ from minipaged.cache_engine import GIB, block_bytes
 from minipaged.config import EngineConfig
 from minipaged.models.loader import read_config
 
-tiny = engine_helpers.tiny
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
 

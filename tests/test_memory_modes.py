@@ -13,7 +13,6 @@ pool; the KV stays paged underneath.  Oracles, none of them ``minipaged.schedule
   never what is computed, so greedy outputs are HF's in every mode.
 """
 
-import engine_helpers
 import pytest
 from engine_helpers import (as_inputs, assert_all_blocks_free, assert_greedy_matches_hf,
                             make_llm, random_prompt)
@@ -30,7 +29,6 @@ from minipaged.contiguous_scheduler import make_scheduler
 from minipaged.scheduler import Scheduler
 
 CONTIGUOUS = [m for m in MEMORY_MODES if m != "paged"]
-tiny = engine_helpers.tiny  # the fixture: checkpoints and their HF oracle, once a session
 
 
 def contiguous_sim(mode: str, num_blocks: int, block_size: int, max_model_len: int,
