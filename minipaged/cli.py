@@ -278,7 +278,12 @@ class _BenchParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         if self.module:
-            bench = importlib.import_module(f"minipaged.bench.{self.module}")
+            try:
+                bench = importlib.import_module(f"minipaged.bench.{self.module}")
+            except ModuleNotFoundError as error:
+                if error.name != "httpx":
+                    raise
+                self.error("needs httpx, of the server extra: pip install 'minipaged[server]'")
             bench.add_arguments(self)
             # Errors then read "minipaged bench NAME: error: ...".
             self.set_defaults(run=bench.main, command=f"bench {bench.NAME}")
