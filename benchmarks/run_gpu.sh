@@ -11,9 +11,9 @@
 #   bash benchmarks/run_gpu.sh latency      bench latency, gpu preset (Fig. 12; may need
 #                                           splitting with --modes to fit 10 minutes)
 #
-# Results land in benchmarks/results/<device>/ (JSON + PNG): copy them back and commit.
-# SMOKE=1 runs the same commands at tiny scale on a CPU, into a temporary directory, to
-# check the script before spending GPU time on it.
+# Results land in benchmarks/results/<device>/ (JSON + PNG, --update-committed): copy them
+# back and commit.  SMOKE=1 runs the same commands at tiny scale on a CPU, into a temporary
+# directory, to check the script before spending GPU time on it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -24,11 +24,11 @@ if [[ "${SMOKE:-0}" == 1 ]]; then
     out="$(mktemp -d)"
     gpu=(--preset cpu)
     qwen=(--preset cpu --num-requests 4 --length-scale 0.1 --overhead-steps 2)
-    json() { echo --json "$out/$1.json"; }
+    where=(--out "$out")
 else
     gpu=(--preset gpu)
     qwen=(--preset qwen2.5-0.5b)
-    json() { :; }  # the default: benchmarks/results/<device>/<name>.json
+    where=(--update-committed)  # benchmarks/results/<device>/<name>.json
 fi
 bench() { python3 -m minipaged bench "$@"; }
 
@@ -40,9 +40,9 @@ case "$stage" in
             python3 -m pytest -q -m gpu tests
         fi ;;
     throughput)
-        bench throughput "${qwen[@]}" $(json throughput) "$@" ;;
+        bench throughput "${qwen[@]}" "${where[@]}" "$@" ;;
     attention | block-size | preemption | latency)  # extra arguments go to the bench
-        bench "$stage" "${gpu[@]}" $(json "$stage") "$@" ;;
+        bench "$stage" "${gpu[@]}" "${where[@]}" "$@" ;;
     *)
         echo "unknown stage $stage: tests, attention, throughput, block-size, preemption" \
              "or latency" >&2

@@ -12,7 +12,7 @@ import torch
 from cli_helpers import run_main
 
 from minipaged.bench import attention as bench
-from minipaged.bench.results import default_path, device_slug
+from minipaged.bench.results import COMMITTED_DIR, committed_path, device_slug
 from minipaged.cli import main
 from minipaged.ops import paged_attention_decode, prefill_oracle
 from minipaged.ops.testing import assert_close
@@ -135,7 +135,7 @@ def test_device_slug_is_the_first_two_words_of_the_gpu_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
     assert device_slug("cuda") == "nvidia-h100"
     assert device_slug("cpu") == "cpu"
-    assert str(default_path("attention", "cuda")) == "benchmarks/results/nvidia-h100/attention.json"
+    assert committed_path("attention", "cuda") == COMMITTED_DIR / "nvidia-h100" / "attention.json"
 
 
 @pytest.mark.parametrize("argv, message", [

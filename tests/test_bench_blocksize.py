@@ -102,7 +102,7 @@ def test_bench_rows_have_the_declared_keys(tiny):
     for workload in ("alpaca", "sharegpt"):
         assert max(r["normalized_throughput"] for r in rows if r["workload"] == workload) == 1
     assert [r["num_requests"] for r in rows] == [3, 3, 2, 2]
-    assert len(bench.format_table(rows).splitlines()) == 1 + len(rows)
+    assert len(bench.format_table(rows).splitlines()) == 2 + len(rows)  # header, rule, rows
     assert isinstance(bench.plot_block_size(rows, "cpu"), Figure)
 
 

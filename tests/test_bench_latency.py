@@ -218,7 +218,7 @@ def test_bench_end_to_end(tiny, tmp_path):
     assert doc["results"] == rows
     assert path.with_suffix(".png").stat().st_size > 0
     table = bench.format_table(rows)
-    assert len(table.splitlines()) == 1 + len(rows) and "contiguous-max" in table
+    assert len(table.splitlines()) == 2 + len(rows) and "contiguous-max" in table
 
 
 def test_modes_are_the_engines():

@@ -4,10 +4,12 @@ requests), and the reproduction keeps the paper's shape.  The simulation's accou
 itself is checked by hand in test_contiguous.py."""
 
 import json
+from pathlib import Path
 
 import pytest
 from cli_helpers import run_main
 
+from minipaged.bench import results
 from minipaged.bench.memory import bench_memory
 from minipaged.memory.simulate import SYSTEMS, simulate_memory
 from minipaged.workloads import synthetic_requests
@@ -48,3 +50,59 @@ def test_the_paper_shape_on_sharegpt():
 def test_bad_arguments_are_refused_by_name(argv, name, capsys):
     assert run_main(["bench", "memory", *argv, "--json", "/dev/null/x.json"]) == 2
     assert name in capsys.readouterr().err
+
+
+# -- where the results go -----------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["bench", "memory", "--workload", "alpaca", "--num-requests", "20"]
+
+
+def committed_files() -> dict[Path, tuple[int, int]]:
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in (ROOT / "benchmarks" / "results").rglob("*") if p.is_file()}
+
+
+def test_a_run_writes_into_the_working_directory_not_the_committed_results(
+        tmp_path, monkeypatch, capsys):
+    before = committed_files()
+    monkeypatch.chdir(tmp_path)
+    assert run_main(SMALL) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["memory-alpaca.json",
+                                                          "memory-alpaca.png"]
+    assert "wrote memory-alpaca.json and memory-alpaca.png" in capsys.readouterr().out
+    assert run_main([*SMALL, "--out", "elsewhere"]) == 0
+    assert (tmp_path / "elsewhere" / "memory-alpaca.json").is_file()
+    assert (tmp_path / "elsewhere" / "memory-alpaca.png").is_file()
+    assert committed_files() == before
+
+
+def test_update_committed_writes_over_the_committed_results(tmp_path, monkeypatch):
+    assert results.COMMITTED_DIR == ROOT / "benchmarks" / "results"
+    assert results.committed_path("memory-alpaca", "cpu") == \
+        ROOT / "benchmarks" / "results" / "cpu" / "memory-alpaca.json"
+    # A copy stands in for the checkout's committed results.
+    (tmp_path / "committed").mkdir()
+    monkeypatch.setattr(results, "COMMITTED_DIR", tmp_path / "committed")
+    monkeypatch.chdir(tmp_path)
+    assert run_main([*SMALL, "--update-committed"]) == 0
+    written = json.loads((tmp_path / "committed" / "cpu" / "memory-alpaca.json").read_text())
+    assert written["num_requests"] == 20
+    assert (tmp_path / "committed" / "cpu" / "memory-alpaca.png").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["committed"]
+
+
+def test_update_committed_needs_a_checkout(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(results, "COMMITTED_DIR", tmp_path / "no-checkout")
+    monkeypatch.chdir(tmp_path)
+    assert run_main([*SMALL, "--update-committed"]) == 2
+    assert "--update-committed: no committed results at" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("flags", [["--json", "x.json", "--out", "d"],
+                                   ["--out", "d", "--update-committed"]])
+def test_one_place_for_the_results(flags, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert run_main([*SMALL, *flags]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

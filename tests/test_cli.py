@@ -58,6 +58,40 @@ def test_bad_arguments_fail_with_a_clear_message(argv, message, tmp_path, monkey
     assert not (tmp_path / "DIR").exists()
 
 
+def test_every_bench_is_listed_with_its_help_and_has_its_own(capsys):
+    import importlib
+
+    from minipaged.cli import BENCHES
+
+    assert run_main(["bench", "--help"]) == 0
+    listing = capsys.readouterr().out
+    for name in BENCHES:
+        bench = importlib.import_module(f"minipaged.bench.{name}")
+        words = [re.escape(word) for word in (bench.NAME, *bench.HELP.split()[:3])]
+        assert re.search(r"^    " + r"\s+".join(words), listing, re.MULTILINE), bench.NAME
+        assert run_main(["bench", bench.NAME, "--help"]) == 0
+        assert capsys.readouterr().out.startswith(f"usage: minipaged bench {bench.NAME} ")
+
+
+def test_a_bench_that_needs_the_server_extra_says_so(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "httpx", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "minipaged.bench.serve", raising=False)
+    assert run_main(["bench", "serve", "--help"]) == 2
+    err = capsys.readouterr().err
+    assert "minipaged bench serve: error: needs httpx" in err and "minipaged[server]" in err
+
+
+def test_a_command_imports_no_benchmark_it_does_not_run():
+    """Benchmarks load torch: `minipaged generate` and `--help` start without them."""
+    code = ("import sys; from minipaged.cli import build_parser; "
+            "build_parser().parse_args(['generate', 'hi']); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or "
+            "m.startswith('minipaged.bench.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["['minipaged.bench.args']"]
+
+
 def test_demo_rejects_a_bad_request_count(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--num-requests", "-1"])

@@ -115,7 +115,9 @@ def _common_prefix(a, b) -> int:
 
 
 def test_demo_still_reports_paged_and_contiguous_waste(out):
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
+    cells = [[cell.strip() for cell in line.strip("|").split("|")]
+             for line in out.splitlines() if line.startswith("|")]
+    rows = {row[0]: row for row in cells}
     token_share = {s: float(rows[s][1].rstrip("%")) for s in
                    ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")}
     assert token_share["paged"] > max(v for s, v in token_share.items() if s != "paged")

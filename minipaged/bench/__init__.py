@@ -1,8 +1,12 @@
 """Benchmarks behind ``minipaged bench ...``.
 
-Each benchmark is one module that measures, prints a table, and saves its rows with
-`results.write_results`: JSON plus a PNG under ``benchmarks/results/<device>/``, so
-every figure in the docs can be traced to the run, machine and versions that made it.
+Each benchmark is one module that measures, prints a table (`common.format_table`), and
+saves its rows with `results.write_results`: JSON plus a PNG, so every figure in the docs
+can be traced to the run, machine and versions that made it.  Each module also declares
+its command, ``minipaged bench NAME`` (``NAME``, ``HELP``, ``add_arguments`` and
+``main``), with the flags of `args`.  A run writes into the working directory; the
+committed results under ``benchmarks/results/<device>/`` are written over only with
+``--update-committed``.
 
 * `memory` - where the KV cache goes, paged vs contiguous reservations (paper §3,
   Fig. 2 and 13): counts from a simulation, no model.

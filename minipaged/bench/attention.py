@@ -38,11 +38,19 @@ import torch.nn.functional as F
 from torch.utils import benchmark
 from tqdm.auto import tqdm
 
+from minipaged.bench import common
+from minipaged.bench.args import add_output_flags, write
+from minipaged.bench.common import Column
 from minipaged.ops import (BackendUnavailableError, get_backend, paged_attention_decode,
                            paged_attention_prefill)
 from minipaged.ops import cuda_ops
 from minipaged.ops.testing import assert_close
 
+NAME = "attention"
+HELP = "attention ops per backend vs the GPU's read bandwidth"
+DESCRIPTION = ("Time paged decode and prefill for each backend, the same kernel over "
+               "a contiguous cache, and torch's scaled_dot_product_attention, and "
+               "report each as a fraction of the measured streaming-read bandwidth.")
 OPS = ("decode", "prefill")
 BACKENDS = ("torch", "triton", "triton-contiguous", "cuda-v0", "cuda-v1", "cuda-v2",
             "sdpa-contiguous")
@@ -382,29 +390,28 @@ def _label(fields: dict) -> str:
 
 def format_table(bench: AttentionBench) -> str:
     """The rows as a table, then, per decode shape, the price of paging."""
-    lines = [f"streaming read bandwidth: {bench.read_bandwidth_gbs:.1f} GB/s",
-             f"{'op':<8}{'shape':<24}{'backend':<19}{'time us':>10}{'GB/s':>9}"
-             f"{'of read':>9}"]
-    for row in bench.rows:
-        lines.append(f"{row['op']:<8}{_label(row):<24}{row['backend']:<19}"
-                     f"{row['time_us']:>10.1f}{row['bandwidth_gbs']:>9.1f}"
-                     f"{row['fraction_of_read_bw']:>9.1%}")
-    # Paging overhead: the same kernel on the same bytes, through shuffled blocks or not.
+    rows = common.format_table(bench.rows, [
+        Column("op", "op"), Column("shape", _label), Column("backend", "backend"),
+        Column("time us", "time_us", "{:.1f}"), Column("GB/s", "bandwidth_gbs", "{:.1f}"),
+        Column("of read", "fraction_of_read_bw", "{:.1%}")])
+    # Paging overhead: the same kernel on the same bytes, through shuffled blocks or not,
     # and each paged kernel's share of the read bandwidth, side by side.
     kernels = ("triton", "cuda-v0", "cuda-v1", "cuda-v2")
-    lines += ["", f"{'decode':<8}{'shape':<24}{'triton / triton-contiguous':>28}"
-              + "".join(f"{k + ' of read':>17}" for k in kernels)]
     decode = [row for row in bench.rows if row["op"] == "decode"]
+    paging = []
     for label in dict.fromkeys(map(_label, decode)):
         by_backend = {row["backend"]: row for row in decode if _label(row) == label}
         paged, contiguous = by_backend.get("triton"), by_backend.get("triton-contiguous")
-        overhead = (f"{paged['time_us'] / contiguous['time_us']:.3f}x"
-                    if paged and contiguous else "n/a")
-        fractions = [f"{by_backend[k]['fraction_of_read_bw']:.1%}" if k in by_backend
-                     else "n/a" for k in kernels]
-        lines.append(f"{'':<8}{label:<24}{overhead:>28}"
-                     + "".join(f"{f:>17}" for f in fractions))
-    return "\n".join(lines)
+        paging.append({"shape": label, "overhead": paged["time_us"] / contiguous["time_us"]
+                       if paged and contiguous else None,
+                       **{k: by_backend[k]["fraction_of_read_bw"] if k in by_backend else None
+                          for k in kernels}})
+    overheads = common.format_table(paging, [
+        Column("decode shape", "shape"),
+        Column("triton / triton-contiguous", "overhead", "{:.3f}x"),
+        *(Column(f"{k} of read", k, "{:.1%}") for k in kernels)])
+    return "\n".join([f"streaming read bandwidth: {bench.read_bandwidth_gbs:.1f} GB/s", "",
+                      rows, "", overheads])
 
 
 def plot_fractions(rows: list[dict]):
@@ -436,3 +443,33 @@ def plot_fractions(rows: list[dict]):
         ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2),
                   ncols=3, frameon=False)
     return fig
+
+
+# -- the command ----------------------------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=default_preset(),
+                        help="gpu: the goal shapes on CUDA; cpu: tiny shapes on the CPU "
+                             "(default: gpu if CUDA is available)")
+    parser.add_argument("--ops", nargs="+", choices=OPS, metavar="OP", default=list(OPS),
+                        help=f"any of {', '.join(OPS)} (default: all)")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, metavar="BACKEND",
+                        default=list(BACKENDS),
+                        help=f"any of {', '.join(BACKENDS)} (default: all)")
+    for flag in ("--batch", "--context-len", "--num-heads", "--num-kv-heads", "--head-dim",
+                 "--block-size"):
+        parser.add_argument(flag, type=int, metavar="N",
+                            help="override it in every shape of the preset")
+    parser.add_argument("--dtype", choices=list(DTYPES),
+                        help="override it in every shape of the preset")
+    add_output_flags(parser, NAME)
+
+
+def main(args) -> None:
+    shapes = make_shapes(args.preset, args.ops, batch=args.batch, context_len=args.context_len,
+                         num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+                         head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype)
+    device = preset_device(args.preset)
+    bench = bench_attention(shapes, args.backends, device)
+    print(format_table(bench))
+    write(args, NAME, device, bench.rows, plot_fractions(bench.rows), preset=args.preset,
+          read_bandwidth_gbs=bench.read_bandwidth_gbs, notes=bench.notes)

@@ -34,21 +34,30 @@ preset shrinks ShareGPT's; Alpaca's already fit) and cut to the model's context.
 
 from __future__ import annotations
 
-import gc
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
-from minipaged.bench.throughput import GPU_MODEL, PAPER_CONTEXT, make_prompts
-from minipaged.bench.common import one_cpu_thread
+from minipaged.bench import common
+from minipaged.bench.args import (SYNTHETIC_MODEL_HELP, add_engine_flags, add_model_flag,
+                                  add_output_flags, bench_model, engine_kwargs, model_record,
+                                  write)
+from minipaged.bench.common import Column, free_memory, one_cpu_thread, timed
+from minipaged.bench.results import device_name
+from minipaged.bench.throughput import (GPU_MODEL, PAPER_CONTEXT, default_preset, make_prompts,
+                                        preset_device)
 from minipaged.memory.simulate import OPT13B_A100_SLOTS, MemoryReport, simulate_memory
 from minipaged.workloads import WORKLOADS, RequestSpec, synthetic_requests
 
+NAME = "block-size"
+HELP = "block size: internal fragmentation vs throughput (Fig. 18b)"
+DESCRIPTION = ("Serve the same ShareGPT- and Alpaca-like requests on one KV pool in "
+               "blocks of 1 to 256 tokens: the pool's internal fragmentation and mean "
+               "batch (simulated, counts) and the engine's throughput (ignore_eos), "
+               "normalized to the best block size of the workload.")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 ROW_KEYS = ("workload", "block_size", "num_requests", "kv_slots", "num_gpu_blocks",
             "token_share", "internal_share", "free_share", "mean_batch",
@@ -168,12 +177,8 @@ def run_engine(llm, requests: Sequence[RequestSpec], prompts: Sequence[list[int]
     before = llm.stats()
     params = [SamplingParams(temperature=1.0, max_tokens=r.output_len, ignore_eos=True)
               for r in requests]
-    sync(engine.device)
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                           use_tqdm=progress)
-    sync(engine.device)
-    elapsed = time.perf_counter() - start
+    outputs, elapsed = timed(lambda: llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                  params, use_tqdm=progress), engine.device)
     after = llm.stats()
     generated = [len(o.outputs[0].token_ids) for o in outputs]
     if generated != [r.output_len for r in requests]:  # ignore_eos: anything else is a bug
@@ -193,19 +198,6 @@ def check_all_free(llm) -> None:
         free, total = stats[f"num_free_{pool}_blocks"], stats[f"num_{pool}_blocks"]
         if free != total:
             raise RuntimeError(f"{total - free} of {total} {pool} blocks are still held")
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the GPU, so that a clock read after it counts the work launched before."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def free_memory(device: torch.device) -> None:
-    """Give the last engine's memory back before the next one allocates its pools."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # -- the whole benchmark --------------------------------------------------------------
@@ -267,14 +259,12 @@ def rows(requests: dict[str, list[RequestSpec]], kv_slots: int,
 
 # -- output ---------------------------------------------------------------------------
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'workload':<10}{'block':>6}{'tokens':>8}{'internal':>10}{'batch':>7}"
-             f"{'steps':>7}{'preempt':>9}{'tok/s':>9}{'vs best':>9}"]
-    for r in rows:
-        lines.append(f"{r['workload']:<10}{r['block_size']:>6}{r['token_share']:>8.1%}"
-                     f"{r['internal_share']:>10.1%}{r['mean_batch']:>7.1f}{r['num_steps']:>7}"
-                     f"{r['num_preemptions']:>9}{r['output_tokens_per_s']:>9.0f}"
-                     f"{r['normalized_throughput']:>9.2f}")
-    return "\n".join(lines)
+    return common.format_table(rows, [
+        Column("workload", "workload"), Column("block", "block_size"),
+        Column("tokens", "token_share", "{:.1%}"), Column("internal", "internal_share", "{:.1%}"),
+        Column("batch", "mean_batch", "{:.1f}"), Column("steps", "num_steps"),
+        Column("preempt", "num_preemptions"), Column("tok/s", "output_tokens_per_s", "{:.0f}"),
+        Column("vs best", "normalized_throughput", "{:.2f}")])
 
 
 def plot_block_size(rows: list[dict], device: str = "") -> Figure:
@@ -301,3 +291,43 @@ def plot_block_size(rows: list[dict], device: str = "") -> Figure:
     fig.suptitle(f"block size{f' on {device}' if device else ''}: {counts}-like requests, "
                  f"{rows[0]['kv_slots']} KV slots (cf. Fig. 18b)")
     return fig
+
+
+# -- the command ----------------------------------------------------------------------
+def add_arguments(parser) -> None:
+    add_model_flag(parser, SYNTHETIC_MODEL_HELP)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=default_preset(),
+                        help="cpu: the tiny checkpoint, short requests, about 30 s; gpu: a "
+                             "Llama-3.2-1B-shaped random model, full-length requests on the "
+                             "paper's KV pool (default: gpu if CUDA is available)")
+    parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS),
+                        default=["sharegpt", "alpaca"], metavar="WORKLOAD",
+                        help="request lengths like these datasets' (default: sharegpt alpaca)")
+    parser.add_argument("--block-sizes", type=int, nargs="+", metavar="N",
+                        default=list(BLOCK_SIZES), help="(default: 1 2 4 ... 256)")
+    parser.add_argument("--num-requests", type=int, metavar="N",
+                        help="requests of every workload (default: the preset's)")
+    parser.add_argument("--kv-slots", type=int, metavar="N",
+                        help="tokens the KV pool holds at every block size (default: the "
+                             "preset's)")
+    add_output_flags(parser, NAME)
+    # The block size, the pool and the swap space are what the sweep sets itself.
+    add_engine_flags(parser, exclude=SWEPT)
+
+
+def main(args) -> None:
+    preset = PRESETS[args.preset]
+    device = preset_device(args.preset, args.device, PRESETS)
+    num_requests = {w: preset.num_requests[w] if args.num_requests is None
+                    else args.num_requests for w in args.workloads}
+    kv_slots = preset.kv_slots if args.kv_slots is None else args.kv_slots
+    model = bench_model(args, PRESETS)
+    engine = {**engine_kwargs(args), "device": device.type}
+    rows = bench_block_size(model, args.workloads, args.block_sizes, num_requests, kv_slots,
+                            preset.length_scales, engine, args.seed)
+    print(format_table(rows))
+    write(args, NAME, device, rows, plot_block_size(rows, device_name(device)),
+          **model_record(args, model, device), engine=engine,
+          workloads={w: {"num_requests": num_requests[w],
+                         "length_scale": preset.length_scales[w]} for w in args.workloads},
+          kv_slots=kv_slots, block_sizes=sorted(set(args.block_sizes)), seed=args.seed)

@@ -45,13 +45,24 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from minipaged.bench import blocksize
-from minipaged.bench.throughput import GPU_MODEL, PAPER_CONTEXT, make_prompts
-from minipaged.bench.common import one_cpu_thread
+from minipaged.bench import blocksize, common
+from minipaged.bench.args import (SYNTHETIC_MODEL_HELP, add_engine_flags, add_model_flag,
+                                  add_output_flags, bench_model, engine_kwargs, model_record,
+                                  write)
+from minipaged.bench.common import Column, free_memory, one_cpu_thread
+from minipaged.bench.results import device_name
+from minipaged.bench.throughput import (GPU_MODEL, PAPER_CONTEXT, default_preset, make_prompts,
+                                        preset_device)
 from minipaged.memory.simulate import OPT13B_A100_SLOTS
 from minipaged.config import MEMORY_MODES
 from minipaged.workloads import WORKLOADS, RequestSpec, arrival_times
 
+NAME = "latency"
+HELP = "normalized latency against request rate: paged vs contiguous (Fig. 12)"
+DESCRIPTION = ("Serve synthetic requests arriving as a Poisson process at each rate "
+               "with the engine in each memory mode (paged, and Orca's contiguous Max, "
+               "Pow2 and Oracle reservations); report the mean normalized latency "
+               "(end-to-end latency / output tokens), throughput and mean batch.")
 COLORS = {"paged": "tab:red", "contiguous-oracle": "tab:blue", "contiguous-pow2": "tab:green",
           "contiguous-max": "tab:gray"}
 
@@ -291,20 +302,20 @@ def bench_latency(path, modes: Sequence[str], rates: Sequence[float],
         for mode in modes:
             bar.set_postfix_str(mode)
             rows += run_mode(path, mode, requests, prompts, rates, engine_kwargs, seed, bar)
-            blocksize.free_memory(device)  # the last mode's engine, before the next loads
+            free_memory(device)  # the last mode's engine, before the next loads
     return rows
 
 
 # -- output ---------------------------------------------------------------------------
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'mode':<19}{'rate/s':>8}{'s/token':>10}{'latency s':>11}{'mean batch':>12}"
-             f"{'req/s':>8}{'out tok/s':>11}{'preempt':>9}"]
-    for r in rows:
-        lines.append(f"{r['mode']:<19}{r['rate']:>8g}{r['normalized_latency_s_per_token']:>10.4f}"
-                     f"{r['mean_latency_s']:>11.3f}{r['mean_batch']:>12.1f}"
-                     f"{r['requests_per_s']:>8.1f}{r['output_tokens_per_s']:>11.0f}"
-                     f"{r['num_preemptions']:>9}")
-    return "\n".join(lines)
+    return common.format_table(rows, [
+        Column("mode", "mode"), Column("rate/s", "rate", "{:g}"),
+        Column("s/token", "normalized_latency_s_per_token", "{:.4f}"),
+        Column("latency s", "mean_latency_s", "{:.3f}"),
+        Column("mean batch", "mean_batch", "{:.1f}"),
+        Column("req/s", "requests_per_s", "{:.1f}"),
+        Column("out tok/s", "output_tokens_per_s", "{:.0f}"),
+        Column("preempt", "num_preemptions")])
 
 
 def plot_latency(rows: list[dict], title: str = ""):
@@ -338,3 +349,58 @@ def plot_latency(rows: list[dict], title: str = ""):
     if title:
         fig.suptitle(title)
     return fig
+
+
+# -- the command ----------------------------------------------------------------------
+def add_arguments(parser) -> None:
+    add_model_flag(parser, SYNTHETIC_MODEL_HELP)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=default_preset(),
+                        help="cpu: the tiny checkpoint on a small KV pool, about 45 s; gpu: "
+                             "a Llama-3.2-1B-shaped random model on half the paper's pool at "
+                             "half the lengths (default: gpu if CUDA is available)")
+    parser.add_argument("--modes", nargs="+", choices=MEMORY_MODES, metavar="MODE",
+                        default=list(MEMORY_MODES),
+                        help=f"any of {', '.join(MEMORY_MODES)} (default: all)")
+    parser.add_argument("--rates", type=float, nargs="+", metavar="R",
+                        help="request rates, per second (default: the preset's)")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS),
+                        help="request lengths like this dataset's (default: the preset's)")
+    parser.add_argument("--length-scale", type=float, metavar="X",
+                        help="multiply the lengths (already scaled to --max-model-len) by X "
+                             "(default: the preset's)")
+    for flag, help_ in [("--num-requests", "requests served at each rate"),
+                        ("--block-size", "token slots per KV block"),
+                        ("--num-gpu-blocks", "the KV pool's size in blocks"),
+                        ("--max-model-len", "the longest sequence: what Max reserves")]:
+        parser.add_argument(flag, type=int, metavar="N", help=f"{help_} (default: the preset's)")
+    add_output_flags(parser, "latency-<workload>")
+    # The memory mode is what is compared; the pool's shape is the preset's.
+    add_engine_flags(parser, exclude=("memory_mode", "block_size", "num_gpu_blocks",
+                                      "max_model_len"))
+
+
+def main(args) -> None:
+    # A flag left out takes the preset's value.
+    setting = resolve_setting(
+        args.preset, workload=args.workload, num_requests=args.num_requests, rates=args.rates,
+        max_model_len=args.max_model_len, block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks, length_scale=args.length_scale)
+    check_setting(args.modes, setting["rates"], setting["num_requests"],
+                  setting["length_scale"])
+    device = preset_device(args.preset, args.device, PRESETS)
+    model = bench_model(args, PRESETS)
+    work = make_workload(model, setting["workload"], setting["num_requests"],
+                         setting["max_model_len"], setting["length_scale"], args.seed)
+    engine = {**engine_kwargs(args), "device": device.type, "block_size": setting["block_size"],
+              "num_gpu_blocks": setting["num_gpu_blocks"], "max_model_len": work.max_model_len}
+    rows = bench_latency(model, args.modes, setting["rates"], work.requests, work.prompts,
+                         engine, seed=args.seed)
+    print(format_table(rows))
+    slots = setting["num_gpu_blocks"] * setting["block_size"]
+    title = (f"{len(work.requests)} {work.workload}-like requests, {slots} KV slots, "
+             f"max_model_len {work.max_model_len}, {device_name(device)}")
+    write(args, f"latency-{work.workload}", device, rows, plot_latency(rows, title),
+          **model_record(args, model, device), engine=engine, modes=args.modes,
+          workload={**setting, "seed": args.seed, "max_model_len": work.max_model_len,
+                    "prompt_lens": [r.prompt_len for r in work.requests],
+                    "output_lens": [r.output_len for r in work.requests]})

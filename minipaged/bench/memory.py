@@ -18,10 +18,19 @@ from __future__ import annotations
 
 from matplotlib.figure import Figure
 
+from minipaged.bench import common
+from minipaged.bench.args import add_output_flags, write
+from minipaged.bench.common import Column
 from minipaged.memory.simulate import OPT13B_A100_SLOTS, SYSTEMS, MemoryReport, simulate_memory
 from minipaged.viz import draw_memory_shares
-from minipaged.workloads import synthetic_requests
+from minipaged.workloads import WORKLOADS, synthetic_requests
 
+NAME = "memory"
+HELP = "KV memory waste and batch size: paged vs contiguous (Fig. 2, 13)"
+DESCRIPTION = ("Serve one synthetic workload on one KV pool with paged blocks and with "
+               "Orca's contiguous Max, Pow2 and Oracle reservations; report the pool's "
+               "shares (token states, reserved, internal and external fragmentation) "
+               "and the mean number of requests resident.  Counts, not times.")
 SHARES = ("token_share", "reserved_share", "internal_share", "external_share")
 
 
@@ -50,13 +59,13 @@ def rows(reports: list[MemoryReport], workload: str) -> list[dict]:
 def format_table(reports: list[MemoryReport]) -> str:
     """Shares of the pool per state, the mean batch, and the batch relative to paged."""
     paged = next(r.max_batch for r in reports if r.system == "paged")
-    lines = [f"{'system':<20}{'tokens':>8}{'reserved':>10}{'internal':>10}{'external':>10}"
-             f"{'free':>8}{'batch':>8}{'paged/this':>12}"]
-    for r in reports:
-        lines.append(f"{r.system:<20}{r.token_share:>8.1%}{r.reserved_share:>10.1%}"
-                     f"{r.internal_share:>10.1%}{r.external_share:>10.1%}{r.free_share:>8.1%}"
-                     f"{r.max_batch:>8.1f}{paged / r.max_batch:>11.1f}x")
-    return "\n".join(lines)
+    return common.format_table(rows(reports, workload=None), [
+        Column("system", "system"), Column("tokens", "token_share", "{:.1%}"),
+        Column("reserved", "reserved_share", "{:.1%}"),
+        Column("internal", "internal_share", "{:.1%}"),
+        Column("external", "external_share", "{:.1%}"), Column("free", "free_share", "{:.1%}"),
+        Column("batch", "max_batch", "{:.1f}"),
+        Column("paged/this", lambda r: paged / r["max_batch"], "{:.1f}x")])
 
 
 def plot_memory(reports: list[MemoryReport], title: str) -> Figure:
@@ -72,3 +81,34 @@ def plot_memory(reports: list[MemoryReport], title: str) -> Figure:
     batch.tick_params(axis="x", labelrotation=20)
     fig.suptitle(title)
     return fig
+
+
+# -- the command ----------------------------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="sharegpt",
+                        help="request lengths like this dataset's (default: %(default)s)")
+    parser.add_argument("--num-requests", type=int, default=1000, metavar="N",
+                        help="(default: %(default)s)")
+    parser.add_argument("--kv-slots", type=int, default=OPT13B_A100_SLOTS,
+                        metavar="N", help="tokens the KV pool holds (default: %(default)s, "
+                        "OPT-13B on an A100-40GB as in the paper)")
+    parser.add_argument("--block-size", type=int, default=16, metavar="N",
+                        help="the paged system's (default: %(default)s)")
+    parser.add_argument("--max-len", type=int, default=2048, metavar="N",
+                        help="the model's context: what Orca Max reserves (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    add_output_flags(parser, "memory-<workload>")
+
+
+def main(args) -> None:
+    reports = bench_memory(args.workload, args.num_requests, args.kv_slots, args.block_size,
+                           args.max_len, args.seed)
+    print(f"{args.num_requests} {args.workload}-like requests on {args.kv_slots} KV slots")
+    print(format_table(reports))
+    title = (f"{args.num_requests} {args.workload}-like requests, {args.kv_slots} KV slots, "
+             f"blocks of {args.block_size}")
+    # Counts, not times: the same on any machine, so always under cpu/.
+    write(args, f"memory-{args.workload}", "cpu", rows(reports, args.workload),
+          plot_memory(reports, title), workload=args.workload, systems=systems(reports),
+          kv_slots=args.kv_slots, block_size=args.block_size, max_len=args.max_len,
+          num_requests=args.num_requests, seed=args.seed)

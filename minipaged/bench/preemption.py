@@ -37,8 +37,7 @@ PCIe bandwidth against GPU compute.  The ``gpu`` preset measures that balance.
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,18 +45,29 @@ import torch
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
-from minipaged.bench.blocksize import (check_all_free, check_block_sizes,
-                                       check_engine_kwargs, free_memory, make_requests,
-                                       run_engine, sync)
-from minipaged.bench.throughput import GPU_MODEL, make_prompts
+from minipaged.bench import common
+from minipaged.bench.args import (SYNTHETIC_MODEL_HELP, add_engine_flags, add_model_flag,
+                                  add_output_flags, bench_model, engine_kwargs, model_record,
+                                  write)
+from minipaged.bench.blocksize import (BLOCK_SIZES, check_all_free, check_block_sizes,
+                                       check_engine_kwargs, make_requests, run_engine)
+from minipaged.bench.common import Column, free_memory, one_cpu_thread, timed
+from minipaged.bench.results import device_name
+from minipaged.bench.throughput import GPU_MODEL, default_preset, make_prompts, preset_device
 from minipaged.cache_engine import GIB, KVCaches, block_bytes
-from minipaged.bench.common import one_cpu_thread
 from minipaged.memory.block_table import blocks_for
 from minipaged.memory.simulate import OPT13B_A100_SLOTS
 from minipaged.batch import SchedulerOutput
 from minipaged.config import PREEMPTION_MODES
 from minipaged.workloads import RequestSpec
 
+NAME = "preemption"
+HELP = "preempted requests: swap vs recompute per block size (Fig. 19)"
+DESCRIPTION = ("Time swapping one request's KV out to the CPU pool and back in "
+               "(batched, as the cache engine does, and one copy per block, as vLLM "
+               "did) against recomputing it with one prefill, for block sizes 1 to "
+               "256; then serve ShareGPT-like requests on a too-small KV pool with "
+               "each preemption mode.")
 SWAP_METHODS = ("batched", "per-block")
 MICRO_KEYS = ("experiment", "block_size", "op", "method", "num_tokens", "num_blocks",
               "num_copies", "bytes", "time_ms", "us_per_token", "bandwidth_gbs")
@@ -131,14 +141,6 @@ def copy_per_block(src: KVCaches, dst: KVCaches, pairs: list[tuple[int, int]]) -
                 dst_cache[d].copy_(src_cache[s], non_blocking=True)
 
 
-def _timed(fn: Callable[[], object], device: torch.device) -> float:
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - start
-
-
 def swap(engine, seq_id: str, direction: str, method: str) -> float:
     """Swap ``seq_id`` out to the CPU pool or back in, as the scheduler orders it
     (`KVCacheManager.swap_out` / ``swap_in``: the block mapping), copied by ``method``;
@@ -155,8 +157,8 @@ def swap(engine, seq_id: str, direction: str, method: str) -> float:
         pairs = engine.kv.swap_in([seq_id])
         src, dst, step = cache.cpu_cache, cache.gpu_cache, SchedulerOutput(swap_in=pairs)
     if method == "batched":
-        return _timed(lambda: cache.execute(step), engine.device)
-    return _timed(lambda: copy_per_block(src, dst, pairs), engine.device)
+        return timed(lambda: cache.execute(step), engine.device)[1]
+    return timed(lambda: copy_per_block(src, dst, pairs), engine.device)[1]
 
 
 def time_swaps(engine, num_tokens: int, method: str, repeats: int,
@@ -183,8 +185,8 @@ def time_recompute(llm, prompt: list[int], repeats: int, warmup: int) -> float:
     from minipaged.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=1, ignore_eos=True)
-    times = [_timed(lambda: llm.generate([{"prompt_token_ids": prompt}], params,
-                                         use_tqdm=False), llm.engine.device)
+    times = [timed(lambda: llm.generate([{"prompt_token_ids": prompt}], params,
+                                        use_tqdm=False), llm.engine.device)[1]
              for _ in range(warmup + repeats)]
     return statistics.median(times[warmup:])
 
@@ -290,29 +292,30 @@ def _micro(rows: list[dict], op: str, method: str) -> list[dict]:
 def format_table(rows: list[dict]) -> str:
     """Microseconds per token by block size (swap out + in, each method; recompute),
     then the end-to-end runs."""
-    sizes = sorted({r["block_size"] for r in rows})
     micro = {(r["op"], r["method"], r["block_size"]): r["us_per_token"] for r in rows
              if r["experiment"] == "microbenchmark"}
     num_tokens = next(r["num_tokens"] for r in rows if r["experiment"] == "microbenchmark")
-    lines = [f"microbenchmark: one request of {num_tokens} tokens, us per token",
-             f"{'block':>6}{'out':>9}{'in':>9}{'out+in':>9}{'out/blk':>9}{'in/blk':>9}"
-             f"{'out+in/blk':>11}{'recompute':>11}"]
-    for s in sizes:
-        batched = [micro["swap-out", "batched", s], micro["swap-in", "batched", s]]
-        per_block = [micro["swap-out", "per-block", s], micro["swap-in", "per-block", s]]
-        lines.append(f"{s:>6}" + "".join(f"{v:>9.2f}" for v in (*batched, sum(batched),
-                                                                *per_block))
-                     + f"{sum(per_block):>11.2f}{micro['recompute', 'prefill', s]:>11.2f}")
-    lines += ["", "end to end: ShareGPT-like requests on a pool too small for them",
-              f"{'block':>6}{'mode':>11}{'tok/s':>9}{'vs best':>9}{'preempt':>9}"
-              f"{'swapped blk':>13}{'steps':>7}"]
-    for r in rows:
-        if r["experiment"] == "end-to-end":
-            lines.append(f"{r['block_size']:>6}{r['preemption_mode']:>11}"
-                         f"{r['output_tokens_per_s']:>9.0f}{r['normalized_throughput']:>9.2f}"
-                         f"{r['num_preemptions']:>9}{r['num_swapped_out_blocks']:>13}"
-                         f"{r['num_steps']:>7}")
-    return "\n".join(lines)
+    by_size = []
+    for size in sorted({r["block_size"] for r in rows}):
+        row = {"block_size": size}
+        for method, suffix in (("batched", ""), ("per-block", "/blk")):
+            out, back = micro["swap-out", method, size], micro["swap-in", method, size]
+            row |= {f"out{suffix}": out, f"in{suffix}": back, f"out+in{suffix}": out + back}
+        by_size.append(row | {"recompute": micro["recompute", "prefill", size]})
+    swaps = [f"{op}{suffix}" for suffix in ("", "/blk") for op in ("out", "in", "out+in")]
+    end_to_end = [r for r in rows if r["experiment"] == "end-to-end"]
+    return "\n".join([
+        f"microbenchmark: one request of {num_tokens} tokens, us per token", "",
+        common.format_table(by_size, [Column("block", "block_size"),
+                                      *(Column(k, k, "{:.2f}") for k in swaps),
+                                      Column("recompute", "recompute", "{:.2f}")]),
+        "", "end to end: ShareGPT-like requests on a pool too small for them", "",
+        common.format_table(end_to_end, [
+            Column("block", "block_size"), Column("mode", "preemption_mode"),
+            Column("tok/s", "output_tokens_per_s", "{:.0f}"),
+            Column("vs best", "normalized_throughput", "{:.2f}"),
+            Column("preempt", "num_preemptions"),
+            Column("swapped blk", "num_swapped_out_blocks"), Column("steps", "num_steps")])])
 
 
 def plot_preemption(rows: list[dict], device: str = "") -> Figure:
@@ -354,3 +357,43 @@ def plot_preemption(rows: list[dict], device: str = "") -> Figure:
         ax.set_xlabel("block size (tokens)")
     fig.suptitle(f"swap vs recompute{f' on {device}' if device else ''} (cf. Fig. 19)")
     return fig
+
+
+# -- the command ----------------------------------------------------------------------
+def add_arguments(parser) -> None:
+    add_model_flag(parser, SYNTHETIC_MODEL_HELP)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=default_preset(),
+                        help="cpu: the tiny checkpoint, about 30 s; gpu: a Llama-3.2-1B-"
+                             "shaped random model on the paper's KV pool (default: gpu if "
+                             "CUDA is available)")
+    parser.add_argument("--block-sizes", type=int, nargs="+", metavar="N",
+                        default=list(BLOCK_SIZES), help="(default: 1 2 4 ... 256)")
+    for flag, help_ in [
+            ("--num-tokens", "tokens of the request swapped and recomputed"),
+            ("--repeats", "timings per operation, of which the median is reported"),
+            ("--warmup", "untimed runs of each operation first"),
+            ("--num-requests", "requests of the end-to-end workload"),
+            ("--kv-slots", "tokens the end-to-end KV pool holds (the CPU pool holds as "
+                           "many)")]:
+        parser.add_argument(flag, type=int, metavar="N", help=f"{help_} (default: the preset's)")
+    parser.add_argument("--length-scale", type=float, metavar="X",
+                        help="multiply the ShareGPT lengths by X (default: the preset's)")
+    add_output_flags(parser, NAME)
+    add_engine_flags(parser, exclude=SWEPT)
+
+
+def main(args) -> None:
+    preset = PRESETS[args.preset]
+    device = preset_device(args.preset, args.device, PRESETS)
+    # A flag left out takes the preset's value.
+    setting = {name: getattr(preset, name) if getattr(args, name) is None else getattr(args, name)
+               for name in ("num_tokens", "repeats", "warmup", "num_requests", "kv_slots",
+                            "length_scale")}
+    model = bench_model(args, PRESETS)
+    engine = {**engine_kwargs(args), "device": device.type}
+    rows = bench_preemption(model, args.block_sizes, **setting, engine_kwargs=engine,
+                            seed=args.seed)
+    print(format_table(rows))
+    write(args, NAME, device, rows, plot_preemption(rows, device_name(device)),
+          **model_record(args, model, device), engine=engine,
+          block_sizes=sorted(set(args.block_sizes)), seed=args.seed, **setting)

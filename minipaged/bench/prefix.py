@@ -24,14 +24,22 @@ from dataclasses import dataclass
 
 from matplotlib.figure import Figure
 
+from minipaged.bench import common
+from minipaged.bench.args import add_output_flags, write
+from minipaged.bench.common import Column, one_cpu_thread
 from minipaged.bench.throughput import make_prompts
-from minipaged.bench.common import one_cpu_thread
 from minipaged.models.tiny import cached_checkpoint
 from minipaged.llm import LLM
 from minipaged.memory.simulate import OPT13B_A100_SLOTS
 from minipaged.sampling_params import SamplingParams
 from minipaged.workloads import synthetic_requests
 
+NAME = "prefix"
+HELP = "a shared few-shot prefix with prefix caching off and on (§6.4)"
+DESCRIPTION = ("Every request is one shared prefix (the paper's 1-shot 80 tokens or "
+               "5-shot 341 tokens) plus its own Alpaca-like suffix; run them with prefix "
+               "caching off and on; report the hit rate, prefill tokens computed and "
+               "throughput.")
 PREFIXES = {"1-shot": 80, "5-shot": 341}  # the paper's prefix lengths, in tokens
 
 
@@ -114,13 +122,12 @@ def _off(runs: list[PrefixRun], prefix: str) -> PrefixRun:
 
 
 def format_table(runs: list[PrefixRun]) -> str:
-    lines = [f"{'prefix':<8}{'caching':>8}{'hit rate':>10}{'prefill tokens':>16}"
-             f"{'tokens/s':>10}{'speed-up':>10}"]
-    for row in rows(runs):
-        lines.append(f"{row['prefix']:<8}{'on' if row['caching'] else 'off':>8}"
-                     f"{row['hit_rate']:>10.1%}{row['computed_prompt_tokens']:>16}"
-                     f"{row['output_tokens_per_s']:>10.0f}{row['speedup']:>9.2f}x")
-    return "\n".join(lines)
+    return common.format_table(rows(runs), [
+        Column("prefix", "prefix"), Column("caching", lambda r: "on" if r["caching"] else "off"),
+        Column("hit rate", "hit_rate", "{:.1%}"),
+        Column("prefill tokens", "computed_prompt_tokens"),
+        Column("tokens/s", "output_tokens_per_s", "{:.0f}"),
+        Column("speed-up", "speedup", "{:.2f}x")])
 
 
 def plot_prefix(runs: list[PrefixRun], title: str) -> Figure:
@@ -143,3 +150,23 @@ def plot_prefix(runs: list[PrefixRun], title: str) -> Figure:
         ax.legend(fontsize=8)
     fig.suptitle(title)
     return fig
+
+
+# -- the command ----------------------------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--num-requests", type=int, default=100, metavar="N",
+                        help="(default: %(default)s)")
+    parser.add_argument("--prefixes", nargs="+", default=["1-shot", "5-shot"],
+                        metavar="PREFIX", help="1-shot and/or 5-shot (default: both)")
+    parser.add_argument("--kv-slots", type=int, default=OPT13B_A100_SLOTS,
+                        metavar="N", help="tokens the KV pool holds (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    add_output_flags(parser, NAME)
+
+
+def main(args) -> None:
+    runs = bench_prefix(args.num_requests, args.prefixes, args.kv_slots, seed=args.seed)
+    print(format_table(runs))
+    title = f"{args.num_requests} requests sharing a few-shot prefix, tiny model on a CPU"
+    write(args, NAME, "cpu", rows(runs), plot_prefix(runs, title),
+          num_requests=args.num_requests, kv_slots=args.kv_slots, seed=args.seed)

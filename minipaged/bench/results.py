@@ -1,7 +1,10 @@
 """Where benchmark results go and what every results file holds: the results contract.
 
-A run of ``minipaged bench NAME`` writes ``benchmarks/results/<device-slug>/NAME.json``
-and ``NAME.png`` beside it.  The JSON records what produced the numbers (device, torch
+A run of ``minipaged bench NAME`` writes ``NAME.json`` and ``NAME.png`` beside it, into
+the working directory unless told otherwise (`minipaged.bench.args.add_output_flags`);
+the results committed with the code, which the docs show, are
+``benchmarks/results/<device-slug>/NAME.json``, written over only on request.  The JSON
+records what produced the numbers (device, torch
 and triton versions, date, the command line) next to the rows, because a benchmark
 number without its machine and versions cannot be compared with anything.
 """
@@ -15,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-RESULTS_DIR = Path("benchmarks/results")
+# The committed results of this checkout (with the package imported from it).
+COMMITTED_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 def device_name(device: torch.device | str) -> str:
@@ -38,9 +42,13 @@ def device_slug(device: torch.device | str) -> str:
     return "-".join(device_name(device).lower().split()[:2])
 
 
-def default_path(name: str, device: torch.device | str) -> Path:
-    """``benchmarks/results/<device-slug>/<name>.json``, relative to the working directory."""
-    return RESULTS_DIR / device_slug(device) / f"{name}.json"
+def committed_path(name: str, device: torch.device | str) -> Path:
+    """``benchmarks/results/<device-slug>/<name>.json`` of this checkout; ``ValueError``
+    where the package is not imported from a checkout (an installed wheel has none)."""
+    if not COMMITTED_DIR.is_dir():
+        raise ValueError(f"--update-committed: no committed results at {COMMITTED_DIR} "
+                         "(minipaged is not imported from a source checkout)")
+    return COMMITTED_DIR / device_slug(device) / f"{name}.json"
 
 
 def write_results(path: str | Path, results: list[dict], device: torch.device | str,

@@ -31,6 +31,7 @@ import concurrent.futures
 import itertools
 import json
 import math
+import os
 import random
 import time
 from collections import Counter
@@ -41,9 +42,16 @@ import httpx
 import numpy as np
 from tqdm.auto import tqdm
 
+from minipaged.bench.args import add_output_flags, results_path
 from minipaged.bench.results import write_results
 from minipaged.workloads import WORKLOADS, arrival_times, synthetic_requests
 
+NAME = "serve"
+HELP = "online serving: latency and throughput against a running server"
+DESCRIPTION = ("Send synthetic requests to an OpenAI-compatible server (minipaged serve, "
+               "or any other) as a Poisson process; report TTFT, TPOT, ITL and "
+               "end-to-end latency (mean, median, p99) and throughput, as vLLM's "
+               "benchmark_serving does.")
 PROMPT_VOCAB = 256  # prompt ids are drawn from [0, PROMPT_VOCAB): bytes in any tokenizer
 DEFAULT_MAX_MODEL_LEN = 2048  # when the server does not say (the paper's OPT context)
 # Between two chunks of one stream; a request queued behind a long batch hears nothing
@@ -380,3 +388,39 @@ def save_results(path: str | Path, summary: dict, records: list[RequestRecord],
              f"{summary['completed']} completed")
     return write_results(path, [summary], device, command,
                          figure=plot_latencies(records, title), requests=requests)
+
+
+# -- the command ----------------------------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    parser.add_argument("--request-rate", type=float, default=math.inf, metavar="R",
+                        help="requests per second, Poisson arrivals (default: inf, all at once)")
+    parser.add_argument("--num-requests", type=int, default=100, metavar="N",
+                        help="(default: %(default)s)")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="sharegpt",
+                        help="request lengths like this dataset's (default: %(default)s)")
+    parser.add_argument("--model", help="the served model's name (default: the first listed)")
+    parser.add_argument("--max-concurrency", type=int, metavar="N",
+                        help="at most N requests in flight (default: no limit)")
+    parser.add_argument("--api-key", default=os.environ.get("MINIPAGED_API_KEY"),
+                        help="sent as 'Authorization: Bearer KEY' (default: $MINIPAGED_API_KEY)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds lengths, prompts, arrivals")
+    parser.add_argument("--device", default=None,
+                        help="the server's device, which the results record and "
+                             "--update-committed's directory is named after (default: cuda "
+                             "if this machine has one, else cpu)")
+    add_output_flags(parser, NAME)
+
+
+def main(args) -> None:
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    summary, records = run(args.base_url, request_rate=args.request_rate,
+                           num_requests=args.num_requests, workload=args.workload,
+                           model=args.model, max_concurrency=args.max_concurrency,
+                           api_key=args.api_key, seed=args.seed)
+    print_summary(summary)
+    path = save_results(results_path(args, NAME, device), summary, records, args.command_line,
+                        device=device)
+    print(f"wrote {path} and {path.with_suffix('.png')}")

@@ -24,13 +24,21 @@ from dataclasses import dataclass
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
+from minipaged.bench import common
+from minipaged.bench.args import add_output_flags, write
+from minipaged.bench.common import Column
 from minipaged.bench.throughput import make_prompts
 from minipaged.models.tiny import cached_checkpoint
 from minipaged.llm import LLM
 from minipaged.memory.simulate import OPT13B_A100_SLOTS
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
-from minipaged.workloads import synthetic_requests
+from minipaged.workloads import WORKLOADS, synthetic_requests
 
+NAME = "sharing"
+HELP = "KV memory saved by sharing blocks: parallel sampling, beam search (Fig. 15)"
+DESCRIPTION = ("Serve synthetic requests with the engine on the tiny checkpoint and the "
+               "paper's KV pool, with n completions or beams each; count blocks in use "
+               "against the blocks the same sequences would hold without sharing.")
 MODES = ("parallel", "beam")
 WIDTHS = (2, 4, 6)
 
@@ -99,9 +107,9 @@ def rows(runs: list[SharingRun], workload: str) -> list[dict]:
 
 
 def format_table(runs: list[SharingRun]) -> str:
-    lines = [f"{'mode':<10}{'width':>6}{'saved':>9}{'steps':>8}"]
-    lines += [f"{r.mode:<10}{r.width:>6}{r.saving:>9.1%}{r.num_steps:>8}" for r in runs]
-    return "\n".join(lines)
+    return common.format_table(rows(runs, workload=None), [
+        Column("mode", "mode"), Column("width", "width"), Column("saved", "saving", "{:.1%}"),
+        Column("steps", "num_steps")])
 
 
 def plot_sharing(runs: list[SharingRun], title: str) -> Figure:
@@ -117,3 +125,30 @@ def plot_sharing(runs: list[SharingRun], title: str) -> Figure:
     axes[0].set_ylabel("KV memory saved by sharing (%)")
     fig.suptitle(title)
     return fig
+
+
+# -- the command ----------------------------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="alpaca",
+                        help="request lengths like this dataset's (default: %(default)s)")
+    parser.add_argument("--num-requests", type=int, default=40, metavar="N",
+                        help="(default: %(default)s)")
+    parser.add_argument("--widths", type=int, nargs="+", default=[2, 4, 6], metavar="N",
+                        help="n for parallel sampling, beam width for beam search "
+                             "(default: 2 4 6)")
+    parser.add_argument("--kv-slots", type=int, default=OPT13B_A100_SLOTS,
+                        metavar="N", help="tokens the KV pool holds (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    add_output_flags(parser, "sharing-<workload>")
+
+
+def main(args) -> None:
+    runs = bench_sharing(args.workload, args.num_requests, widths=args.widths,
+                         kv_slots=args.kv_slots, seed=args.seed)
+    print(f"{args.num_requests} {args.workload}-like requests on {args.kv_slots} KV slots")
+    print(format_table(runs))
+    title = f"{args.num_requests} {args.workload}-like requests, {args.kv_slots} KV slots"
+    # Counts, not times: the same on any machine, so always under cpu/.
+    write(args, f"sharing-{args.workload}", "cpu", rows(runs, args.workload),
+          plot_sharing(runs, title), workload=args.workload, kv_slots=args.kv_slots,
+          num_requests=args.num_requests, seed=args.seed)

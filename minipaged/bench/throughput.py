@@ -40,7 +40,6 @@ is reported beside the total.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import random
 import time
@@ -53,11 +52,22 @@ from unittest import mock
 import torch
 from tqdm.auto import tqdm
 
-from minipaged.bench.common import one_cpu_thread
+from minipaged.bench import common
+from minipaged.bench.args import (SYNTHETIC_MODEL_HELP, add_engine_flags, add_model_flag,
+                                  add_output_flags, bench_model, engine_kwargs, model_record,
+                                  write)
+from minipaged.bench.common import Column, free_memory, one_cpu_thread, sync, timed
+from minipaged.bench.results import device_name
 from minipaged.models.tiny import cached_checkpoint
 from minipaged.ops import BackendUnavailableError, get_backend
 from minipaged.workloads import RequestSpec, synthetic_requests
 
+NAME = "throughput"
+HELP = "offline throughput: minipaged vs Hugging Face generate"
+DESCRIPTION = ("Complete the same synthetic ShareGPT-like requests (ignore_eos) with "
+               "minipaged on each attention backend, transformers' generate one "
+               "request at a time and in padded batches; report requests/s and output "
+               "tokens/s, and the engine's own CPU time per step with the model stubbed.")
 SYSTEMS = ("minipaged-torch", "minipaged-triton", "minipaged-cuda", "hf-generate",
            "hf-generate-batch", "hf-continuous-batching")
 # hf-generate-batch is generate() on static, left-padded batches (the paper's "HF"
@@ -237,27 +247,6 @@ def make_prompts(requests: Sequence[RequestSpec], tokenizer, vocab_size: int,
     return [rng.choices(usable, k=r.prompt_len) for r in requests]
 
 
-# -- timing ---------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn: Callable[[], object], device: torch.device) -> tuple[object, float]:
-    _sync(device)
-    start = time.perf_counter()
-    result = fn()
-    _sync(device)
-    return result, time.perf_counter() - start
-
-
-def _free_memory(device: torch.device) -> None:
-    """Give the previous system's memory back before the next one sizes its KV pool."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 @dataclass
 class SystemRun:
     """One system's result row, and how many tokens it made for each request it ran:
@@ -300,7 +289,7 @@ def run_minipaged(path, backend: str, requests: Sequence[RequestSpec],
         before, comm_before = llm.stats(), dict(COMM.seconds)
         params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len,
                                  ignore_eos=True) for r in requests]
-        outputs, elapsed = _timed(lambda: llm.generate(
+        outputs, elapsed = timed(lambda: llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress), device)
         after = llm.stats()
         steps = after["num_steps"] - before["num_steps"]
@@ -309,7 +298,7 @@ def run_minipaged(path, backend: str, requests: Sequence[RequestSpec],
                    for kind, s in COMM.seconds.items()}
     finally:
         del llm
-        _free_memory(device)
+        free_memory(device)
     generated = [len(o.outputs[0].token_ids) for o in outputs]
     _check_lengths(system, generated, requests)
     return SystemRun(_row(system, requests, generated, elapsed,
@@ -390,7 +379,7 @@ def run_hf(model, system: str, requests: Sequence[RequestSpec], prompts: Sequenc
 
     with _quiet_transformers():
         _hf_batch(model, [prompts[i] for i in batches[0]], 4, pad_id, device)  # warm-up
-        _, elapsed = _timed(run, device)
+        _, elapsed = timed(run, device)
     output = [r.output_len for r in requests]  # the wanted ones; the rest is padding work
     extra = {"batch_size": batch_size, "generated_tokens": sum(generated)}
     return SystemRun(_row(system, requests, output, elapsed, **extra), generated, output)
@@ -427,11 +416,11 @@ def run_hf_continuous(path, dtype: torch.dtype, device: torch.device,
         try:
             run(manager, range(min(8, len(requests))), [4] * len(requests))  # warm-up
             output = [r.output_len for r in requests]
-            _, elapsed = _timed(lambda: run(manager, range(len(requests)), output), device)
+            _, elapsed = timed(lambda: run(manager, range(len(requests)), output), device)
         finally:
             manager.stop(block=True)
             del model
-            _free_memory(device)
+            free_memory(device)
     _check_lengths("hf-continuous-batching", generated, requests)
     return SystemRun(_row("hf-continuous-batching", requests, output, elapsed), generated,
                      output)
@@ -501,7 +490,7 @@ def _run_systems(path, systems, requests, prompts, engine_kwargs, device, hf_num
                 notes.append(f"skipped {system}: out of GPU memory "
                              f"({str(error).splitlines()[0]}); try --gpu-memory-utilization 0.7")
                 tqdm.write(notes[-1])
-            _free_memory(device)  # here, not in the handler: its traceback holds the engine
+            free_memory(device)  # here, not in the handler: its traceback holds the engine
     if "hf-continuous-batching" in systems:
         runs["hf-continuous-batching"] = _run_hf_continuous(path, requests, prompts,
                                                             engine_kwargs, device, progress)
@@ -544,7 +533,7 @@ def _run_hf_systems(path, systems, requests, prompts, engine_kwargs, device, hf_
                                   pad_id, progress)
     finally:
         del model
-        _free_memory(device)
+        free_memory(device)
     return runs
 
 
@@ -576,12 +565,12 @@ class _PhaseTimer:
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        _sync(self.device)
+        sync(self.device)
         start, self._stack = time.perf_counter(), [*self._stack, name]
         try:
             yield
         finally:
-            _sync(self.device)
+            sync(self.device)
             elapsed = time.perf_counter() - start
             self._stack.pop()
             self.seconds[name] += elapsed
@@ -633,7 +622,7 @@ def measure_engine_overhead(path, device: torch.device | str = "cpu", num_seqs: 
             engine.step()
         _check_all_running(engine, num_seqs)
         with one_cpu_thread(engine.device):
-            _, bare = _timed(lambda: [engine.step() for _ in range(num_steps)], engine.device)
+            _, bare = timed(lambda: [engine.step() for _ in range(num_steps)], engine.device)
             breakdown = _phase_breakdown(engine, num_steps)
         _check_all_running(engine, num_seqs)  # still: every timed step ran them all
     finally:
@@ -680,12 +669,11 @@ def _phase_breakdown(engine, num_steps: int) -> dict[str, float]:
 
 # -- output ---------------------------------------------------------------------------
 def format_table(rows: list[dict], overhead: dict | None = None) -> str:
-    lines = [f"{'system':<20}{'requests':>9}{'output tok':>12}{'elapsed s':>11}"
-             f"{'req/s':>9}{'output tok/s':>14}"]
-    for r in rows:
-        lines.append(f"{r['system']:<20}{r['num_requests']:>9}{r['output_tokens']:>12}"
-                     f"{r['elapsed_s']:>11.2f}{r['requests_per_s']:>9.2f}"
-                     f"{r['output_tokens_per_s']:>14.1f}")
+    lines = [common.format_table(rows, [
+        Column("system", "system"), Column("requests", "num_requests"),
+        Column("output tok", "output_tokens"), Column("elapsed s", "elapsed_s", "{:.2f}"),
+        Column("req/s", "requests_per_s", "{:.2f}"),
+        Column("output tok/s", "output_tokens_per_s", "{:.1f}")])]
     lines += [f"{r['system']}: {sum(r['comm_ms_per_step'].values()):.2f} ms per step in "
               "communication (" + ", ".join(f"{k} {v:.2f}" for k, v in
                                            r["comm_ms_per_step"].items()) + ")"
@@ -740,3 +728,63 @@ def plot_throughput(rows: list[dict], overhead: dict | None = None, device: str 
         ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2),
                   ncols=3, frameon=False)
     return fig
+
+
+# -- the command ----------------------------------------------------------------------
+def add_arguments(parser) -> None:
+    add_model_flag(parser, SYNTHETIC_MODEL_HELP)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=default_preset(),
+                        help="cpu: the tiny checkpoint, short requests, seconds; gpu: a "
+                             "Llama-3.2-1B-shaped random model, 500 full-length requests "
+                             "(default: gpu if CUDA is available)")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, metavar="SYSTEM",
+                        help=f"any of {', '.join(SYSTEMS)} (default: minipaged on every "
+                        "backend this device runs, and both HF baselines)")
+    for flag, help_ in [
+            ("--num-requests", "requests of the workload"),
+            ("--hf-num-requests", "hf-generate runs the first N of them"),
+            ("--hf-batch-num-requests", "hf-generate-batch runs the first N of them"),
+            ("--hf-batch-size", "requests per hf-generate-batch call")]:
+        parser.add_argument(flag, type=int, metavar="N", help=f"{help_} (default: the preset's)")
+    parser.add_argument("--length-scale", type=float, metavar="X",
+                        help="multiply the ShareGPT lengths by X (default: the preset's)")
+    parser.add_argument("--overhead-steps", type=int, default=50, metavar="N",
+                        help="decode steps timed for the engine overhead; 0 skips it "
+                             "(default: %(default)s)")
+    add_output_flags(parser, NAME)
+    # Backends are systems here; the workload and sampling use --seed.
+    add_engine_flags(parser, exclude=("attention_backend",))
+
+
+def main(args) -> None:
+    preset = PRESETS[args.preset]
+    device = preset_device(args.preset, args.device)
+    # A flag left out takes the preset's value.
+    setting = {name: getattr(preset, name) if getattr(args, name) is None else getattr(args, name)
+               for name in ("num_requests", "length_scale", "hf_num_requests",
+                            "hf_batch_num_requests", "hf_batch_size")}
+    check_setting(**setting)
+    if args.overhead_steps < 0:
+        raise ValueError(f"overhead_steps must be >= 0, got {args.overhead_steps}")
+    model = bench_model(args)
+    work = make_workload(model, setting["num_requests"], setting["length_scale"],
+                         args.max_model_len, args.seed)
+    engine = {**engine_kwargs(args), "device": device.type}
+    bench = bench_throughput(model, args.systems or available_systems(device), work.requests,
+                             work.prompts, engine, setting["hf_num_requests"],
+                             setting["hf_batch_num_requests"], setting["hf_batch_size"])
+    overhead = None
+    if args.overhead_steps:
+        overhead = measure_engine_overhead(preset_model("cpu"), device,
+                                           num_steps=args.overhead_steps,
+                                           block_size=args.block_size, seed=args.seed)
+    print(format_table(bench.rows, overhead))
+    write(args, NAME, device, bench.rows, plot_throughput(bench.rows, overhead,
+                                                          device_name(device)),
+          **model_record(args, model, device), dtype=str(model_dtype(work.config, args.dtype)),
+          engine=engine, workload={"name": "sharegpt", "seed": args.seed, **setting,
+                                   "max_model_len": work.max_model_len, "scale": work.scale,
+                                   "prompt_lens": [r.prompt_len for r in work.requests],
+                                   "output_lens": [r.output_len for r in work.requests]},
+          engine_overhead_ms_per_step=overhead and overhead["ms_per_step"],
+          engine_overhead=overhead, notes=bench.notes)
