@@ -170,8 +170,9 @@ class LLMEngine:
     def _update(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> None:
         """Each row of ``logits`` is a sequence that reached its end: sample its next
         token, or for beam search rank its candidates."""
-        plain = [i for i, s in enumerate(sampling) if not s.group.is_beam_search]
-        beams = [i for i, s in enumerate(sampling) if s.group.is_beam_search]
+        plain, beams = [], []
+        for i, s in enumerate(sampling):
+            (beams if s.group.is_beam_search else plain).append(i)
         if plain:
             self._sample(sampling, logits, plain)
         if beams:

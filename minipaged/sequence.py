@@ -91,9 +91,11 @@ class SequenceGroup:
     completed_beams: list[tuple[list[int], float]] = field(default_factory=list)
     next_seq_index: int = 1
 
-    @property
-    def is_beam_search(self) -> bool:
-        return isinstance(self.params, BeamSearchParams)
+    # Set once: every step asks it of every running request.
+    is_beam_search: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.is_beam_search = isinstance(self.params, BeamSearchParams)
 
     @property
     def width(self) -> int:

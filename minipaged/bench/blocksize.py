@@ -208,7 +208,7 @@ def bench_block_size(path, workloads: Sequence[str], block_sizes: Sequence[int],
     """One row per (workload, block size): the simulation's counts and the engine's
     throughput on the same requests and pool.  Everything is checked (every request
     fits every pool, in the simulation) before the first engine starts."""
-    from minipaged.engine import resolve_device, resolve_max_model_len
+    from minipaged.models.resolve import resolve_device, resolve_max_model_len
     from minipaged.llm import LLM
     from minipaged.models.loader import read_config
 

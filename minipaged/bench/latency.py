@@ -160,7 +160,7 @@ def make_workload(path, workload: str, num_requests: int, max_model_len: int,
     """The requests and their random prompt token ids for the checkpoint at ``path``."""
     from transformers import AutoTokenizer
 
-    from minipaged.engine import resolve_max_model_len
+    from minipaged.models.resolve import resolve_max_model_len
     from minipaged.models.loader import read_config
 
     if workload not in WORKLOADS:
@@ -293,7 +293,7 @@ def bench_latency(path, modes: Sequence[str], rates: Sequence[float],
     if not requests or len(prompts) != len(requests):
         raise ValueError(f"requests and prompts must be non-empty and of one length, "
                          f"got {len(requests)} and {len(prompts)}")
-    from minipaged.engine import resolve_device
+    from minipaged.models.resolve import resolve_device
 
     device = resolve_device(engine_kwargs.get("device", "auto"))
     rows = []

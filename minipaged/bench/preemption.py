@@ -236,7 +236,7 @@ def bench_preemption(path, block_sizes: Sequence[int], num_tokens: int, repeats:
                      progress: bool = True) -> list[dict]:
     """Per block size: the microbenchmark (on the swap-mode engine, before its run) and
     both end-to-end runs.  End-to-end rows are normalized to the best of them all."""
-    from minipaged.engine import resolve_device, resolve_max_model_len
+    from minipaged.models.resolve import resolve_device, resolve_max_model_len
     from minipaged.llm import LLM
     from minipaged.models.loader import read_config, resolve_dtype
 

@@ -217,7 +217,7 @@ def make_workload(path, num_requests: int, length_scale: float = 1.0,
     directory, a ``.gguf`` file or a model name such as ``smollm2``: `resolve_model`)."""
     from transformers import AutoTokenizer
 
-    from minipaged.engine import resolve_max_model_len
+    from minipaged.models.resolve import resolve_max_model_len
     from minipaged.models.hub import resolve_model
     from minipaged.models.loader import read_config
 
@@ -447,7 +447,7 @@ def bench_throughput(path, systems: Sequence[str], requests: Sequence[RequestSpe
     bad = [s for s in systems if s not in SYSTEMS]
     if bad or not systems:
         raise ValueError(f"systems must be a non-empty subset of {SYSTEMS}, got {list(systems)}")
-    from minipaged.engine import resolve_device
+    from minipaged.models.resolve import resolve_device
     from minipaged.models.hub import resolve_model
 
     path = resolve_model(path)
