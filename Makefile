@@ -14,7 +14,7 @@ PIP_NOISE := Location 'file:[^']*' is ignored|Looking in (indexes|links)
 PIP    := $(PY) -m pip install --disable-pip-version-check
 
 .DEFAULT_GOAL := help
-.PHONY: help install models demo test kernels-check kernels-check-or-skip pytest docs \
+.PHONY: help install models demo test lint kernels-check kernels-check-or-skip pytest docs \
         docs-build gpu-test lessons clean
 
 help: ## list the targets
@@ -39,7 +39,11 @@ models: $(STAMP) ## fetch SmolLM2-135M-Instruct into the cache (the hub, else a 
 demo: $(STAMP) ## SmolLM2 answers, streamed; parallel sampling + a shared prefix, blocks saved
 	$(VENV)/bin/minipaged demo
 
-test: kernels-check-or-skip pytest docs-build ## nvcc compile check (if any), tests, lessons, docs
+test: lint kernels-check-or-skip pytest docs-build ## lint, nvcc compile check (if any), tests, lessons, docs
+
+lint: $(STAMP) ## ruff check and ruff format --check (the config is in pyproject.toml)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # Every CUDA file in kernels/ must compile for A100 (sm_80) and H100 (sm_90), GPU or not.
 NVCC       ?= nvcc

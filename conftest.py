@@ -9,4 +9,5 @@ from scripts.execute_lessons import KERNEL_CONFIG
 # `make lessons` uses.
 _NotebookClient = nbmake.nb_run.NotebookClient
 nbmake.nb_run.NotebookClient = lambda nb, **kwargs: _NotebookClient(
-    nb, config=KERNEL_CONFIG, **kwargs)
+    nb, config=KERNEL_CONFIG, **kwargs
+)

@@ -34,6 +34,9 @@ __all__ = ["LLM", "BeamSearchParams", "SamplingParams"]
 def __getattr__(name):  # PEP 562: `from minipaged import LLM` loads the engine then
     if name == "LLM":
         from minipaged.llm import LLM
+
         return LLM
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __version__ = "0.1.0"

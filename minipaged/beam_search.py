@@ -24,20 +24,22 @@ from minipaged.scheduler import Scheduler
 from minipaged.sequence import SequenceGroup
 
 
-def beam_score(tokens: list[int], cum_logprob: float, eos_token_ids: set[int],
-               length_penalty: float) -> float:
+def beam_score(
+    tokens: list[int], cum_logprob: float, eos_token_ids: set[int], length_penalty: float
+) -> float:
     """vLLM's ``get_beam_search_score``: the cumulative logprob over the length (prompt
     included) to the ``length_penalty``; a final EOS is not counted, even with
     ``ignore_eos``."""
     length = len(tokens) - (tokens[-1] in eos_token_ids)
-    return cum_logprob / length ** length_penalty
+    return cum_logprob / length**length_penalty
 
 
 class BeamSearch:
     """Ranks beam search requests' candidates and builds their outputs."""
 
-    def __init__(self, scheduler: Scheduler, eos_token_ids: set[int], max_model_len: int,
-                 tokenizer) -> None:
+    def __init__(
+        self, scheduler: Scheduler, eos_token_ids: set[int], max_model_len: int, tokenizer
+    ) -> None:
         self.scheduler = scheduler
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -72,10 +74,15 @@ class BeamSearch:
                 else:
                     live.append((score, beam, token, logprob))
             beam.beam_candidates = None
-        live.sort(key=lambda c: -beam_score(c[1].token_ids + [c[2]], c[0], self.eos_token_ids,
-                                            params.length_penalty))
+        live.sort(
+            key=lambda c: (
+                -beam_score(
+                    c[1].token_ids + [c[2]], c[0], self.eos_token_ids, params.length_penalty
+                )
+            )
+        )
         children = defaultdict(list)
-        for _, beam, token, logprob in live[:params.beam_width]:
+        for _, beam, token, logprob in live[: params.beam_width]:
             children[beam].append((token, logprob))
         for beam in group.unfinished_seqs:
             if beam not in children:
@@ -93,8 +100,10 @@ class BeamSearch:
         """At ``max_tokens`` (or ``max_model_len``) the live beams join the finished
         candidates and give their blocks back."""
         beams = group.unfinished_seqs
-        if beams and (beams[0].num_output_tokens < group.params.max_tokens
-                      and len(beams[0].token_ids) < self.max_model_len):
+        if beams and (
+            beams[0].num_output_tokens < group.params.max_tokens
+            and len(beams[0].token_ids) < self.max_model_len
+        ):
             return
         for beam in beams:
             group.completed_beams.append((list(beam.token_ids), beam.cumulative_logprob))
@@ -105,8 +114,11 @@ class BeamSearch:
         """The request's best ``beam_width`` finished candidates, best first."""
         params, prompt_len = group.params, len(group.prompt_token_ids)
         eos = set() if params.ignore_eos else self.eos_token_ids
-        best = sorted(group.completed_beams, reverse=True, key=lambda beam: beam_score(
-            *beam, self.eos_token_ids, params.length_penalty))[:params.beam_width]
+        best = sorted(
+            group.completed_beams,
+            reverse=True,
+            key=lambda beam: beam_score(*beam, self.eos_token_ids, params.length_penalty),
+        )[: params.beam_width]
         sequences = []
         for tokens, cum in best:
             generated = tokens[prompt_len:-1] if tokens[-1] in eos else tokens[prompt_len:]

@@ -36,8 +36,13 @@ def block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
     return per_token * block_size * dtype.itemsize
 
 
-def pool_sizes(config: EngineConfig, max_model_len: int, device: torch.device, per_block: int,
-               kv_memory_budget: Callable[[], int]) -> tuple[int, int]:
+def pool_sizes(
+    config: EngineConfig,
+    max_model_len: int,
+    device: torch.device,
+    per_block: int,
+    kv_memory_budget: Callable[[], int],
+) -> tuple[int, int]:
     """The GPU pool's and the CPU swap pool's blocks (§4.5): what was asked for, but
     never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens could use,
     nor (for pools in host memory) more than half the memory available now.  On CUDA,
@@ -59,9 +64,11 @@ def pool_sizes(config: EngineConfig, max_model_len: int, device: torch.device, p
 def _cuda_num_gpu_blocks(config: EngineConfig, budget: int, per_block: int) -> int:
     num_blocks = int(budget // per_block)
     if num_blocks < 1:
-        raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} "
-                         "leaves no GPU memory for the KV cache after the weights "
-                         "and a full step's activations")
+        raise ValueError(
+            f"gpu_memory_utilization={config.gpu_memory_utilization} "
+            "leaves no GPU memory for the KV cache after the weights "
+            "and a full step's activations"
+        )
     return num_blocks
 
 
@@ -81,19 +88,30 @@ def available_memory() -> int:
 class CacheEngine:
     """The GPU and CPU KV pools of one model."""
 
-    def __init__(self, config, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        self.gpu_cache: KVCaches = allocate_kv_caches(config, num_gpu_blocks, block_size,
-                                                      dtype, device)
+    def __init__(
+        self,
+        config,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.gpu_cache: KVCaches = allocate_kv_caches(
+            config, num_gpu_blocks, block_size, dtype, device
+        )
         # Uninitialised: a CPU block is only ever read after a swap-out wrote it, and
         # untouched pages of a large pool cost no memory.  Pinned, so copies to and
         # from the GPU run at full bus speed.
         shape = (num_cpu_blocks, *self.gpu_cache[0][0].shape[1:])
         pin = device.type == "cuda"
         self.cpu_cache: KVCaches = [
-            (torch.empty(shape, dtype=dtype, pin_memory=pin),
-             torch.empty(shape, dtype=dtype, pin_memory=pin))
-            for _ in range(config.num_hidden_layers)]
+            (
+                torch.empty(shape, dtype=dtype, pin_memory=pin),
+                torch.empty(shape, dtype=dtype, pin_memory=pin),
+            )
+            for _ in range(config.num_hidden_layers)
+        ]
 
     def execute(self, out: SchedulerOutput) -> None:
         """Run a step's block operations, in the contract's order."""

@@ -106,10 +106,13 @@ class EngineConfig:
             self.max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Otherwise the running sequences' decodes alone could exceed a step's budget.
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
-                             f">= max_num_seqs ({self.max_num_seqs})")
-        _number("gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]",
-                lambda x: 0 < x <= 1)
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_num_seqs ({self.max_num_seqs})"
+            )
+        _number(
+            "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]", lambda x: 0 < x <= 1
+        )
         _number("swap_space", self.swap_space, ">= 0", lambda x: x >= 0)
         _number("cpu_kv_space", self.cpu_kv_space, "> 0", lambda x: x > 0)
         if isinstance(self.tokenizer, os.PathLike):
@@ -134,6 +137,10 @@ def _positive_int(name, value) -> None:
 
 
 def _number(name, value, rule, ok) -> None:
-    if (not isinstance(value, (int, float)) or isinstance(value, bool)
-            or not math.isfinite(value) or not ok(value)):
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or not ok(value)
+    ):
         raise ValueError(f"{name} must be a number {rule}, got {value!r}")

@@ -27,9 +27,15 @@ from minipaged.trace import Trace
 CONTIGUOUS_MODES = tuple(mode for mode in MEMORY_MODES if mode != "paged")
 
 
-def make_scheduler(kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                   preemption_mode: str = "recompute", trace: Trace | None = None,
-                   memory_mode: str = "paged", max_model_len: int | None = None) -> Scheduler:
+def make_scheduler(
+    kv: KVCacheManager,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    preemption_mode: str = "recompute",
+    trace: Trace | None = None,
+    memory_mode: str = "paged",
+    max_model_len: int | None = None,
+) -> Scheduler:
     """The scheduler of ``memory_mode``: vLLM's paged one, or Orca's contiguous baseline."""
     args = (kv, max_num_seqs, max_num_batched_tokens, preemption_mode, trace, max_model_len)
     if memory_mode == "paged":
@@ -41,21 +47,31 @@ class ContiguousScheduler(Scheduler):
     """A `Scheduler` that also admits by contiguous reservations (``reservations``)
     over the GPU pool's slots, cut at ``max_model_len``."""
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str = "recompute", trace: Trace | None = None,
-                 max_model_len: int | None = None, *, memory_mode: str) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        preemption_mode: str = "recompute",
+        trace: Trace | None = None,
+        max_model_len: int | None = None,
+        *,
+        memory_mode: str,
+    ) -> None:
         if memory_mode not in CONTIGUOUS_MODES:
-            raise ValueError(f"memory_mode must be one of {CONTIGUOUS_MODES}, "
-                             f"got {memory_mode!r}")
+            raise ValueError(f"memory_mode must be one of {CONTIGUOUS_MODES}, got {memory_mode!r}")
         if max_model_len is None:
-            raise ValueError(f"memory_mode={memory_mode!r} needs max_model_len (what "
-                             "reservations are cut at, and what Max reserves), got None")
-        super().__init__(kv, max_num_seqs, max_num_batched_tokens, preemption_mode, trace,
-                         max_model_len)
+            raise ValueError(
+                f"memory_mode={memory_mode!r} needs max_model_len (what "
+                "reservations are cut at, and what Max reserves), got None"
+            )
+        super().__init__(
+            kv, max_num_seqs, max_num_batched_tokens, preemption_mode, trace, max_model_len
+        )
         self.memory_mode = memory_mode
-        self.reservations = ContiguousReservations(memory_mode.removeprefix("contiguous-"),
-                                                   kv.gpu.num_blocks, kv.block_size,
-                                                   max_model_len)
+        self.reservations = ContiguousReservations(
+            memory_mode.removeprefix("contiguous-"), kv.gpu.num_blocks, kv.block_size, max_model_len
+        )
 
     def check_fits(self, prompt_len: int, params: SamplingParams | BeamSearchParams) -> None:
         """Also refuse a request whose range could never fit the empty pool (it would
@@ -65,10 +81,12 @@ class ContiguousScheduler(Scheduler):
         slots = self.reservations.num_slots(prompt_len, params.max_tokens, width)
         pool = self.kv.gpu.num_blocks * self.kv.block_size
         if slots > pool:
-            raise ValueError(f"memory_mode={self.memory_mode!r} reserves {slots} KV "
-                             f"slots for a {prompt_len}-token prompt with max_tokens="
-                             f"{params.max_tokens} and {name}={width}, more than the pool's "
-                             f"{pool} (num_gpu_blocks * block_size)")
+            raise ValueError(
+                f"memory_mode={self.memory_mode!r} reserves {slots} KV "
+                f"slots for a {prompt_len}-token prompt with max_tokens="
+                f"{params.max_tokens} and {name}={width}, more than the pool's "
+                f"{pool} (num_gpu_blocks * block_size)"
+            )
 
     def abort(self, request_id: str) -> SequenceGroup | None:
         group = super().abort(request_id)
@@ -83,5 +101,8 @@ class ContiguousScheduler(Scheduler):
         """The paged checks, then the range's placement: last, as the only check that
         changes anything."""
         return super()._can_admit(group, budget) and self.reservations.reserve(
-            group.request_id, self.reservations.num_slots(
-                len(group.prompt_token_ids), group.params.max_tokens, group.width))
+            group.request_id,
+            self.reservations.num_slots(
+                len(group.prompt_token_ids), group.params.max_tokens, group.width
+            ),
+        )

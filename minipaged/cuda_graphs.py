@@ -37,15 +37,19 @@ SMALL_BATCHES = (1, 2, 4, 8)
 BATCH_STEP = 16
 
 
-def uses_decode_graphs(config: EngineConfig, device: torch.device, attention_backend: str,
-                       model_config) -> bool:
+def uses_decode_graphs(
+    config: EngineConfig, device: torch.device, attention_backend: str, model_config
+) -> bool:
     """On CUDA, unless ``enforce_eager``: with the kernel backends (the torch
     reference's data-dependent shapes cannot be captured) and without a sliding
     window (its check reads the positions on the host)."""
-    return (device.type == "cuda" and not config.enforce_eager
-            and config.tensor_parallel_size == 1  # collectives are not captured
-            and attention_backend in ("triton", "cuda")
-            and sliding_window(model_config) is None)
+    return (
+        device.type == "cuda"
+        and not config.enforce_eager
+        and config.tensor_parallel_size == 1  # collectives are not captured
+        and attention_backend in ("triton", "cuda")
+        and sliding_window(model_config) is None
+    )
 
 
 def capture_decode_graphs(runner, kv_caches, max_num_seqs: int, max_model_len: int) -> None:
@@ -53,9 +57,10 @@ def capture_decode_graphs(runner, kv_caches, max_num_seqs: int, max_model_len: i
     try:
         runner.capture_decode_graphs(kv_caches, max_num_seqs, max_model_len)
     except RuntimeError as error:
-        raise RuntimeError(f"capturing the decode CUDA graphs failed ({error}); "
-                           "enforce_eager=True (--enforce-eager) runs without them"
-                           ) from error
+        raise RuntimeError(
+            f"capturing the decode CUDA graphs failed ({error}); "
+            "enforce_eager=True (--enforce-eager) runs without them"
+        ) from error
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -75,8 +80,15 @@ def padded_batch_size(num_seqs: int, sizes: list[int]) -> int | None:
 class DecodeGraphs:
     """One CUDA graph of the model's decode forward per batch size, over static buffers."""
 
-    def __init__(self, model, kv_caches, block_size: int, max_num_seqs: int,
-                 max_model_len: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
         self.sizes = graph_batch_sizes(max_num_seqs)
         rows, width = self.sizes[-1], math.ceil(max_model_len / block_size)
         self.max_context_len = width * block_size
@@ -93,8 +105,7 @@ class DecodeGraphs:
         # Largest first: the smaller graphs then fit in the memory pool it leaves.
         pool = None
         for size in reversed(self.sizes):
-            args = (self.input_ids[:size], self.positions[:size], kv_caches,
-                    self._metadata(size))
+            args = (self.input_ids[:size], self.positions[:size], kv_caches, self._metadata(size))
             model(*args)  # compiles every kernel, outside the capture
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
@@ -107,15 +118,20 @@ class DecodeGraphs:
     def _metadata(self, size: int) -> AttentionMetadata:
         none = self.context_lens[:0]
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size], num_prefill_tokens=0,
-            prefill_block_tables=self.block_tables[:0], prefill_query_start_loc=none,
-            prefill_context_lens=none, max_prefill_query_len=0,
+            slot_mapping=self.slot_mapping[:size],
+            num_prefill_tokens=0,
+            prefill_block_tables=self.block_tables[:0],
+            prefill_query_start_loc=none,
+            prefill_context_lens=none,
+            max_prefill_query_len=0,
             decode_block_tables=self.block_tables[:size],
             decode_context_lens=self.context_lens[:size],
-            max_decode_context_len=self.max_context_len)
+            max_decode_context_len=self.max_context_len,
+        )
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            attn: AttentionMetadata) -> torch.Tensor | None:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
+    ) -> torch.Tensor | None:
         """The hidden states of a decode-only step, by replay; None if its batch is
         larger than every graph (the caller then runs it eagerly)."""
         n = input_ids.shape[0]

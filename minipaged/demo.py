@@ -28,10 +28,14 @@ from .memory.simulate import OPT13B_A100_SLOTS
 from .sampling_params import RequestOutputKind, SamplingParams
 
 DEMO_MODEL = "smollm2"
-SYSTEM_PROMPT = ("You are a helpful assistant. Answer in one or two short sentences.")
+SYSTEM_PROMPT = "You are a helpful assistant. Answer in one or two short sentences."
 STREAMED_QUESTION = "What is a cache, in computing?"
-QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
-             "What is 12 times 12?", "Give me a tip for writing clear code."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 12 times 12?",
+    "Give me a tip for writing clear code.",
+]
 DEMO_BLOCKS = 256  # a small fixed pool: the same block numbers on every machine
 
 
@@ -85,15 +89,17 @@ def memory_report(engine, peak: PeakUsage) -> str:
         f"{stats['num_preemptions']} preemptions, {stats['num_swapped_out_blocks']} blocks "
         f"swapped out, prefix cache hit rate {stats['prefix_cache_hit_rate']:.0%}, "
         f"{stats['num_steps']} engine steps; now {stats['num_free_gpu_blocks']} of "
-        f"{stats['num_gpu_blocks']} blocks are free again.")
+        f"{stats['num_gpu_blocks']} blocks are free again."
+    )
 
 
 # -- the real model ---------------------------------------------------------------------
 def chat_prompt(tokenizer, question: str, system: str | None = SYSTEM_PROMPT) -> dict:
     """``question`` in the model's chat template, as ``LLM.generate`` takes it: the
     template adds the special tokens itself, so the text is encoded without more."""
-    messages = ([{"role": "system", "content": system}] if system else []) + \
-        [{"role": "user", "content": question}]
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": question}
+    ]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
@@ -105,9 +111,11 @@ def stream_answer(llm, question: str, max_tokens: int, out=None) -> tuple[str, i
     out = out or sys.stdout
     engine = llm.engine
     prompt = chat_prompt(engine.tokenizer, question)
-    engine.add_request("stream", prompt["prompt_token_ids"],
-                       SamplingParams(temperature=0, max_tokens=max_tokens,
-                                      output_kind=RequestOutputKind.DELTA))
+    engine.add_request(
+        "stream",
+        prompt["prompt_token_ids"],
+        SamplingParams(temperature=0, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA),
+    )
     text, num_tokens, start = [], 0, time.perf_counter()
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -140,34 +148,58 @@ def serve(llm, prompts: list, params: list[SamplingParams]) -> Served:
     start = time.perf_counter()
     with PeakUsage.watch(llm.engine) as peak:
         outputs = llm.generate(prompts, params, use_tqdm=False)
-    return Served([[c.token_ids for c in out.outputs] for out in outputs],
-                  [[c.text for c in out.outputs] for out in outputs], peak.stats,
-                  llm.stats(), sum(len(out.prompt_token_ids) for out in outputs),
-                  time.perf_counter() - start)
+    return Served(
+        [[c.token_ids for c in out.outputs] for out in outputs],
+        [[c.text for c in out.outputs] for out in outputs],
+        peak.stats,
+        llm.stats(),
+        sum(len(out.prompt_token_ids) for out in outputs),
+        time.perf_counter() - start,
+    )
 
 
 def demo_llm(model: str, enable_prefix_caching: bool, seed: int):
     from .llm import LLM
 
-    return LLM(model, num_gpu_blocks=DEMO_BLOCKS, swap_space=0,
-               enable_prefix_caching=enable_prefix_caching, seed=seed)
+    return LLM(
+        model,
+        num_gpu_blocks=DEMO_BLOCKS,
+        swap_space=0,
+        enable_prefix_caching=enable_prefix_caching,
+        seed=seed,
+    )
 
 
-def run(model: str = DEMO_MODEL, n: int = 2, max_tokens: int = 48, seed: int = 0,
-        num_requests: int = 300, out=None) -> None:
+def run(
+    model: str = DEMO_MODEL,
+    n: int = 2,
+    max_tokens: int = 48,
+    seed: int = 0,
+    num_requests: int = 300,
+    out=None,
+) -> None:
     """``make demo``: the three parts of the module docstring, printed to ``out``
     (default stdout)."""
     out = out or sys.stdout
     waste = waste_report(num_requests, seed)  # checks its flags before the model loads
     separate_llm = demo_llm(model, enable_prefix_caching=False, seed=seed)
     print(_model_line(separate_llm), file=out)
-    print(f"\n== 1. One question, streamed token by token ==\nuser: {STREAMED_QUESTION}\n"
-          "assistant: ", end="", file=out)
+    print(
+        f"\n== 1. One question, streamed token by token ==\nuser: {STREAMED_QUESTION}\nassistant: ",
+        end="",
+        file=out,
+    )
     _, num_tokens, seconds = stream_answer(separate_llm, STREAMED_QUESTION, 2 * max_tokens, out)
-    print(f"[{num_tokens} tokens in {seconds:.1f} s: {num_tokens / seconds:.1f} tokens/s, "
-          "one request]", file=out)
-    print(f"\n== 2. A batch: {len(QUESTIONS)} questions sharing a system prompt, n={n} "
-          f"answers each ==", file=out)
+    print(
+        f"[{num_tokens} tokens in {seconds:.1f} s: {num_tokens / seconds:.1f} tokens/s, "
+        "one request]",
+        file=out,
+    )
+    print(
+        f"\n== 2. A batch: {len(QUESTIONS)} questions sharing a system prompt, n={n} "
+        f"answers each ==",
+        file=out,
+    )
     print(batch_report(model, separate_llm, n, max_tokens, seed), file=out)
     print(f"\n== 3. Where KV memory goes, paged vs contiguous ==\n{waste}", file=out)
 
@@ -185,51 +217,70 @@ def batch_report(model: str, separate_llm, n: int, max_tokens: int, seed: int) -
         return SamplingParams(n=n_, temperature=0.7, top_p=0.9, max_tokens=max_tokens, seed=s)
 
     shared = serve(shared_llm, prompts, [params(n, s) for s in seeds])
-    separate = serve(separate_llm, [p for p in prompts for _ in range(n)],
-                     [params(1, s + j) for s in seeds for j in range(n)])
-    same = [c for req in shared.completions for c in req] == \
-        [req[0] for req in separate.completions]
+    separate = serve(
+        separate_llm,
+        [p for p in prompts for _ in range(n)],
+        [params(1, s + j) for s in seeds for j in range(n)],
+    )
+    same = [c for req in shared.completions for c in req] == [
+        req[0] for req in separate.completions
+    ]
     lines = [f"system: {SYSTEM_PROMPT}"]
     for question, texts in zip(QUESTIONS, shared.texts):
         lines.append(f"user: {question}")
         lines += [f"  [{j}] {' '.join(text.split())}" for j, text in enumerate(texts)]
-    lines += ["", *_sharing_table(shared, separate, n, len(prompts)),
-              f"same tokens either way: {'yes' if same else 'NO'}",
-              f"throughput: {shared.num_generated} tokens in {shared.seconds:.1f} s = "
-              f"{shared.num_generated / shared.seconds:.1f} tokens/s for the batch "
-              f"({len(prompts) * n} completions decoded together)"]
+    lines += [
+        "",
+        *_sharing_table(shared, separate, n, len(prompts)),
+        f"same tokens either way: {'yes' if same else 'NO'}",
+        f"throughput: {shared.num_generated} tokens in {shared.seconds:.1f} s = "
+        f"{shared.num_generated / shared.seconds:.1f} tokens/s for the batch "
+        f"({len(prompts) * n} completions decoded together)",
+    ]
     return "\n".join(lines)
 
 
 def _model_line(llm) -> str:
     engine, config = llm.engine, llm.engine.model.config
     dtype = engine.model.model.embed_tokens.weight.dtype
-    return (f"model: {engine.config.model} ({config.num_hidden_layers} layers, "
-            f"{config.num_attention_heads} query / {config.num_key_value_heads} KV heads), "
-            f"on {engine.device.type}, {str(dtype).removeprefix('torch.')}, attention "
-            f"backend {engine.attention_backend}, KV pool {DEMO_BLOCKS} blocks of "
-            f"{engine.config.block_size} slots")
+    return (
+        f"model: {engine.config.model} ({config.num_hidden_layers} layers, "
+        f"{config.num_attention_heads} query / {config.num_key_value_heads} KV heads), "
+        f"on {engine.device.type}, {str(dtype).removeprefix('torch.')}, attention "
+        f"backend {engine.attention_backend}, KV pool {DEMO_BLOCKS} blocks of "
+        f"{engine.config.block_size} slots"
+    )
 
 
 def _sharing_table(shared: Served, separate: Served, n: int, num_prompts: int) -> list[str]:
     hits = round(shared.final["prefix_cache_hit_rate"] * shared.prompt_tokens)
     saved = 1 - shared.peak["num_used_gpu_blocks"] / separate.peak["num_used_gpu_blocks"]
-    rows = [("shared", f"{num_prompts} requests, n={n}, prefix caching", shared.peak),
-            ("separate", f"{num_prompts * n} requests, n=1, no prefix caching", separate.peak)]
-    lines = [f"KV blocks at the busiest step (pool: {DEMO_BLOCKS} blocks):",
-             f"{'':<10}{'':<40}{'used':>6}{'shared':>8}{'empty slots':>13}"]
-    lines += [f"{name:<10}{what:<40}{p['num_used_gpu_blocks']:>6}"
-              f"{p['num_shared_gpu_blocks']:>8}{p['num_wasted_slots']:>13}"
-              for name, what, p in rows]
-    lines += [f"sharing saves {saved:.0%} of the blocks; the prefix cache served {hits} of "
-              f"{shared.prompt_tokens} prompt tokens (hit rate "
-              f"{shared.final['prefix_cache_hit_rate']:.0%})"]
+    rows = [
+        ("shared", f"{num_prompts} requests, n={n}, prefix caching", shared.peak),
+        ("separate", f"{num_prompts * n} requests, n=1, no prefix caching", separate.peak),
+    ]
+    lines = [
+        f"KV blocks at the busiest step (pool: {DEMO_BLOCKS} blocks):",
+        f"{'':<10}{'':<40}{'used':>6}{'shared':>8}{'empty slots':>13}",
+    ]
+    lines += [
+        f"{name:<10}{what:<40}{p['num_used_gpu_blocks']:>6}"
+        f"{p['num_shared_gpu_blocks']:>8}{p['num_wasted_slots']:>13}"
+        for name, what, p in rows
+    ]
+    lines += [
+        f"sharing saves {saved:.0%} of the blocks; the prefix cache served {hits} of "
+        f"{shared.prompt_tokens} prompt tokens (hit rate "
+        f"{shared.final['prefix_cache_hit_rate']:.0%})"
+    ]
     return lines
 
 
 # -- the memory layer alone -----------------------------------------------------------
 def waste_report(num_requests: int = 300, seed: int = 0) -> str:
     reports = bench_memory("sharegpt", num_requests, OPT13B_A100_SLOTS, seed=seed)
-    return (f"KV memory while serving {num_requests} ShareGPT-like requests on "
-            f"{OPT13B_A100_SLOTS} token slots, simulated (cf. paper Fig. 2)\n"
-            f"{format_table(reports)}")
+    return (
+        f"KV memory while serving {num_requests} ShareGPT-like requests on "
+        f"{OPT13B_A100_SLOTS} token slots, simulated (cf. paper Fig. 2)\n"
+        f"{format_table(reports)}"
+    )

@@ -34,12 +34,12 @@ class IncrementalDetokenizer:
         """The text that ``token_ids`` (the completion so far; earlier calls saw a
         prefix of it) adds.  ``final``: the completion has ended, so emit a trailing
         incomplete character too, as a full decode would."""
-        prefix = self._decode(token_ids[self.prefix_offset:self.read_offset])
-        window = self._decode(token_ids[self.prefix_offset:])
+        prefix = self._decode(token_ids[self.prefix_offset : self.read_offset])
+        window = self._decode(token_ids[self.prefix_offset :])
         if len(window) <= len(prefix) or (window.endswith(INCOMPLETE) and not final):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
-        return window[len(prefix):]
+        return window[len(prefix) :]
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if token_ids else ""

@@ -37,8 +37,12 @@ from minipaged.cache_engine import CacheEngine, block_bytes, pool_sizes
 from minipaged.config import EngineConfig
 from minipaged.contiguous_scheduler import make_scheduler
 from minipaged.cuda_graphs import capture_decode_graphs, uses_decode_graphs
-from minipaged.distributed.executor import (Executor, TensorParallelExecutor,
-                                            kv_memory_budget, start_workers)
+from minipaged.distributed.executor import (
+    Executor,
+    TensorParallelExecutor,
+    kv_memory_budget,
+    start_workers,
+)
 from minipaged.distributed.parallel_state import SINGLE
 from minipaged.distributed.worker import rank_kv_config
 from minipaged.fail_alone import update_failing_alone
@@ -48,8 +52,12 @@ from minipaged.model_runner import ModelRunner
 from minipaged.models.attention import head_dim
 from minipaged.models.hub import resolve_model
 from minipaged.models.loader import load_model
-from minipaged.models.resolve import (eos_token_ids, resolve_backend, resolve_device,
-                                      resolve_max_model_len)
+from minipaged.models.resolve import (
+    eos_token_ids,
+    resolve_backend,
+    resolve_device,
+    resolve_max_model_len,
+)
 from minipaged.ops import check_supported
 from minipaged.output_processor import OutputProcessor
 from minipaged.outputs import Output
@@ -80,41 +88,64 @@ class LLMEngine:
         if self.workers:
             self.workers.wait_loaded()
         self.tokenizer = AutoTokenizer.from_pretrained(
-            resolve_model(config.tokenizer) if config.tokenizer else path, local_files_only=True)
+            resolve_model(config.tokenizer) if config.tokenizer else path, local_files_only=True
+        )
         self.eos_token_ids = eos_token_ids(path, self.model.config, self.tokenizer)
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.model.config)
         self.vocab_size = self.model.config.vocab_size
         self.runner = ModelRunner(self.model, config.block_size, self.device)
         dtype = self.model.model.embed_tokens.weight.dtype
-        check_supported(self.attention_backend, dtype, head_dim(self.model.config),
-                        config.block_size)
+        check_supported(
+            self.attention_backend, dtype, head_dim(self.model.config), config.block_size
+        )
         kv_config = rank_kv_config(self.model.config, tp.size)  # this rank's KV heads
         num_gpu_blocks, num_cpu_blocks = pool_sizes(
-            config, self.max_model_len, self.device, block_bytes(kv_config, config.block_size,
-                                                                 dtype),
-            lambda: kv_memory_budget(self.workers, self.runner, config, self.max_model_len))
-        self.cache_engine = CacheEngine(kv_config, num_gpu_blocks, num_cpu_blocks,
-                                        config.block_size, dtype, self.device)
-        self.executor = (TensorParallelExecutor(self.runner, self.cache_engine, self.workers)
-                         if self.workers else Executor(self.runner, self.cache_engine))
-        self.kv = KVCacheManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
-                                 config.enable_prefix_caching)
+            config,
+            self.max_model_len,
+            self.device,
+            block_bytes(kv_config, config.block_size, dtype),
+            lambda: kv_memory_budget(self.workers, self.runner, config, self.max_model_len),
+        )
+        self.cache_engine = CacheEngine(
+            kv_config, num_gpu_blocks, num_cpu_blocks, config.block_size, dtype, self.device
+        )
+        self.executor = (
+            TensorParallelExecutor(self.runner, self.cache_engine, self.workers)
+            if self.workers
+            else Executor(self.runner, self.cache_engine)
+        )
+        self.kv = KVCacheManager(
+            num_gpu_blocks, config.block_size, num_cpu_blocks, config.enable_prefix_caching
+        )
         if uses_decode_graphs(config, self.device, self.attention_backend, self.model.config):
-            capture_decode_graphs(self.runner, self.cache_engine.gpu_cache, config.max_num_seqs,
-                                  self.max_model_len)
+            capture_decode_graphs(
+                self.runner, self.cache_engine.gpu_cache, config.max_num_seqs, self.max_model_len
+            )
         self.trace = Trace(config.trace)
-        self.scheduler = make_scheduler(self.kv, config.max_num_seqs,
-                                        config.max_num_batched_tokens, config.preemption_mode,
-                                        self.trace, config.memory_mode, self.max_model_len)
-        self.beam_search = BeamSearch(self.scheduler, self.eos_token_ids, self.max_model_len,
-                                      self.tokenizer)
+        self.scheduler = make_scheduler(
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.preemption_mode,
+            self.trace,
+            config.memory_mode,
+            self.max_model_len,
+        )
+        self.beam_search = BeamSearch(
+            self.scheduler, self.eos_token_ids, self.max_model_len, self.tokenizer
+        )
         self.requests: dict[str, SequenceGroup] = {}
-        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size,
-                                              self.max_model_len, self.scheduler, self.requests,
-                                              self.device)
-        self.output_processor = OutputProcessor(self.scheduler, self.beam_search,
-                                                self.eos_token_ids, self.max_model_len,
-                                                self.requests)
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            self.scheduler,
+            self.requests,
+            self.device,
+        )
+        self.output_processor = OutputProcessor(
+            self.scheduler, self.beam_search, self.eos_token_ids, self.max_model_len, self.requests
+        )
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.num_steps = 0
         self.num_prompt_tokens = 0  # of every request added
@@ -122,8 +153,13 @@ class LLMEngine:
         self.failed: dict[str, Exception] = {}  # the last step's, with fail_alone
 
     # -- requests ---------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Params,
-                    prompt: str | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: Params,
+        prompt: str | None = None,
+    ) -> None:
         """Queue a request.  Raises ``ValueError`` (changing nothing) if it is malformed
         or could never fit the KV pool."""
         group = self.input_processor.process(request_id, prompt_token_ids, params, prompt)
@@ -162,7 +198,8 @@ class LLMEngine:
             self._update(sampling, logits)
         groups = dict.fromkeys(s.group for s in batch.seqs)
         outputs = self.output_processor.outputs(
-            [g for g in groups if g.request_id not in self.failed])
+            [g for g in groups if g.request_id not in self.failed]
+        )
         self.num_steps += 1
         self.trace.step = self.num_steps  # arrivals and aborts from now on belong to it
         return outputs
@@ -178,8 +215,7 @@ class LLMEngine:
         if beams:
             self.num_generated_tokens += self.beam_search.rank(sampling, logits, beams)
 
-    def _sample(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
-                rows: list[int]) -> None:
+    def _sample(self, sampling: list[ScheduledSeq], logits: torch.Tensor, rows: list[int]) -> None:
         """Draw one token per sequence; a prompt with ``n`` > 1 first forks into ``n``
         sequences, all drawing from its one row of logits."""
         logit_rows, groups, seqs = [], [], []
@@ -191,12 +227,19 @@ class LLMEngine:
             logit_rows += [i] * len(branch)
             groups += [group] * len(branch)
             seqs += branch
-        out = sample(logits[logit_rows], [g.params for g in groups], [s.generator for s in seqs],
-                     self.generator, [s.token_ids for s in seqs], [s.prompt_len for s in seqs],
-                     self.eos_token_ids)
+        out = sample(
+            logits[logit_rows],
+            [g.params for g in groups],
+            [s.generator for s in seqs],
+            self.generator,
+            [s.token_ids for s in seqs],
+            [s.prompt_len for s in seqs],
+            self.eos_token_ids,
+        )
         self.num_generated_tokens += len(seqs)
-        for group, seq, token, logprob, top in zip(groups, seqs, out.token_ids, out.logprobs,
-                                                   out.top_logprobs):
+        for group, seq, token, logprob, top in zip(
+            groups, seqs, out.token_ids, out.logprobs, out.top_logprobs
+        ):
             self.scheduler.append_token(group, seq, token, logprob)
             if seq.logprobs is not None:
                 seq.logprobs.append(top)

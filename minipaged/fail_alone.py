@@ -18,8 +18,9 @@ from minipaged.batch import ScheduledSeq
 from minipaged.sequence import SequenceGroup
 
 
-def update_failing_alone(engine, sampling: list[ScheduledSeq],
-                         logits: torch.Tensor) -> dict[str, Exception]:
+def update_failing_alone(
+    engine, sampling: list[ScheduledSeq], logits: torch.Tensor
+) -> dict[str, Exception]:
     """``engine._update`` over the whole batch (the fast path); if it raises, undo what
     it began and update each request on its own.  Returns the requests that raised, by
     id, each aborted (its blocks freed).  An error after tokens were appended cannot be
@@ -54,8 +55,9 @@ class UpdateSnapshot:
         self.groups = {s.group: list(s.group.seqs) for s in sampling}
         seqs = [seq for group_seqs in self.groups.values() for seq in group_seqs]
         self.lengths = [len(seq.token_ids) for seq in seqs]
-        self.generators = [(seq.generator, seq.generator.get_state()) for seq in seqs
-                           if seq.generator is not None]
+        self.generators = [
+            (seq.generator, seq.generator.get_state()) for seq in seqs if seq.generator is not None
+        ]
         self.generators.append((engine.generator, engine.generator.get_state()))
         self.num_generated_tokens = engine.num_generated_tokens
 
@@ -63,12 +65,13 @@ class UpdateSnapshot:
         """Put everything back; False (changing nothing) if a token was appended."""
         seqs = [seq for group_seqs in self.groups.values() for seq in group_seqs]
         if [len(seq.token_ids) for seq in seqs] != self.lengths or any(
-                group.seqs[:len(kept)] != kept for group, kept in self.groups.items()):
+            group.seqs[: len(kept)] != kept for group, kept in self.groups.items()
+        ):
             return False
         for group, kept in self.groups.items():
-            for child in group.seqs[len(kept):]:  # forked by the failed attempt
+            for child in group.seqs[len(kept) :]:  # forked by the failed attempt
                 self.engine.scheduler.free_seq(group, child)
-            del group.seqs[len(kept):]
+            del group.seqs[len(kept) :]
         for generator, state in self.generators:
             generator.set_state(state)
         self.engine.num_generated_tokens = self.num_generated_tokens

@@ -31,8 +31,15 @@ class InputProcessor:
     """Checks requests against the model and the scheduler, and builds their groups;
     ``requests``: the engine's, by id (a new id must not be one of them)."""
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, scheduler: Scheduler,
-                 requests: dict[str, SequenceGroup], device: torch.device) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        scheduler: Scheduler,
+        requests: dict[str, SequenceGroup],
+        device: torch.device,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -41,34 +48,52 @@ class InputProcessor:
         self.device = device
         self._arrivals = itertools.count()
 
-    def process(self, request_id: str, prompt_token_ids: list[int], params: Params,
-                prompt: str | None = None) -> SequenceGroup:
+    def process(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: Params,
+        prompt: str | None = None,
+    ) -> SequenceGroup:
         """The checked request as a group of one sequence, numbered in arrival order."""
         self.check(request_id, prompt_token_ids, params)
-        group = SequenceGroup(request_id, prompt, list(prompt_token_ids), params,
-                              next(self._arrivals))
+        group = SequenceGroup(
+            request_id, prompt, list(prompt_token_ids), params, next(self._arrivals)
+        )
         wants_logprobs = getattr(params, "logprobs", None) is not None
         detokenizer = None if group.is_beam_search else IncrementalDetokenizer(self.tokenizer)
-        group.seqs.append(Sequence(f"{request_id}.0", list(prompt_token_ids),
-                                   len(prompt_token_ids), logprobs=[] if wants_logprobs else None,
-                                   generator=seq_generator(params, 0, self.device),
-                                   detokenizer=detokenizer))
+        group.seqs.append(
+            Sequence(
+                f"{request_id}.0",
+                list(prompt_token_ids),
+                len(prompt_token_ids),
+                logprobs=[] if wants_logprobs else None,
+                generator=seq_generator(params, 0, self.device),
+                detokenizer=detokenizer,
+            )
+        )
         return group
 
     def check(self, request_id: str, prompt_token_ids: list[int], params: Params) -> None:
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
-            raise ValueError(f"params must be SamplingParams or BeamSearchParams, "
-                             f"got {type(params).__name__}")
+            raise ValueError(
+                f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}"
+            )
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty (it has no tokens)")
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int)
-                    or not 0 <= t < self.vocab_size), None)
+        bad = next(
+            (t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size),
+            None,
+        )
         if bad is not None:
-            raise ValueError(f"prompt_token_ids must be ints in [0, {self.vocab_size}), "
-                             f"got {bad!r}")
+            raise ValueError(
+                f"prompt_token_ids must be ints in [0, {self.vocab_size}), got {bad!r}"
+            )
         if len(prompt_token_ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens, more than "
-                             f"max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens, more than "
+                f"max_model_len={self.max_model_len}"
+            )
         self.scheduler.check_fits(len(prompt_token_ids), params)

@@ -40,18 +40,24 @@ class LLM:
     def __init__(self, model: str | os.PathLike, **kwargs) -> None:
         supported = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
         if unknown := [name for name in kwargs if name not in supported]:
-            raise ValueError(f"{unknown[0]}={kwargs[unknown[0]]!r} is not supported by "
-                             f"minipaged; LLM(model, ...) takes {', '.join(supported)}")
+            raise ValueError(
+                f"{unknown[0]}={kwargs[unknown[0]]!r} is not supported by "
+                f"minipaged; LLM(model, ...) takes {', '.join(supported)}"
+            )
         self.engine = LLMEngine(EngineConfig(model=os.fspath(model), **kwargs))
         self._request_ids = itertools.count()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def chat(self, messages: Conversation | Sequence[Conversation],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         """Reply to one conversation (a list of ``{"role": ..., "content": ...}``) or to
         each of a list of them, as vLLM's ``LLM.chat``: each is rendered with the
         tokenizer's chat template (or ``chat_template``), then generated from."""
@@ -61,17 +67,27 @@ class LLM:
             raise ValueError("chat_template must be given: the tokenizer has none")
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, chat_template=chat_template,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 tokenize=False)
+            text = tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
             # The template writes the special tokens (BOS) itself.
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(
-                text, add_special_tokens=False)})
+            prompts.append(
+                {
+                    "prompt": text,
+                    "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),
+                }
+            )
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Complete every prompt; outputs in prompt order.
 
         ``prompts``: a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}``, or a
@@ -82,19 +98,25 @@ class LLM:
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = _per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
-        if kind := next((p.output_kind for p in params
-                         if p.output_kind is not RequestOutputKind.FINAL_ONLY), None):
-            raise ValueError(f"output_kind must be FINAL_ONLY for LLM.generate, which returns "
-                             f"finished requests; got {kind} (stream with LLMEngine.step)")
+        if kind := next(
+            (p.output_kind for p in params if p.output_kind is not RequestOutputKind.FINAL_ONLY),
+            None,
+        ):
+            raise ValueError(
+                f"output_kind must be FINAL_ONLY for LLM.generate, which returns "
+                f"finished requests; got {kind} (stream with LLMEngine.step)"
+            )
         return self._run(prompts, params, use_tqdm)
 
-    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
         """The ``beam_width`` most likely continuations of every prompt (§4.4): beams are
         forked sequences sharing their common prefix's blocks."""
         prompts = _as_list(prompts)
-        return self._run(prompts, _per_prompt(params, len(prompts), BeamSearchParams, "params"),
-                         use_tqdm)
+        return self._run(
+            prompts, _per_prompt(params, len(prompts), BeamSearchParams, "params"), use_tqdm
+        )
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (``tensor_parallel_size`` > 1) now,
@@ -106,8 +128,9 @@ class LLM:
         return self.engine.stats()
 
     def _run(self, prompts: list[Prompt], params: list, use_tqdm: bool) -> list[Output]:
-        requests = [(str(next(self._request_ids)), *self._tokenize(p), sp)
-                    for p, sp in zip(prompts, params)]
+        requests = [
+            (str(next(self._request_ids)), *self._tokenize(p), sp) for p, sp in zip(prompts, params)
+        ]
         for request_id, token_ids, _, sp in requests:  # all checked before any is queued
             self.engine.check_request(request_id, token_ids, sp)
         for request_id, token_ids, text, sp in requests:
@@ -115,8 +138,12 @@ class LLM:
         ours = {request_id for request_id, *_ in requests}
         done: dict[str, Output] = {}
         try:
-            with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm,
-                      dynamic_ncols=True) as bar:
+            with tqdm(
+                total=len(requests),
+                desc="Processed prompts",
+                disable=not use_tqdm,
+                dynamic_ncols=True,
+            ) as bar:
                 while len(done) < len(requests):
                     for output in self.engine.step():
                         if output.request_id in ours:
@@ -137,16 +164,19 @@ class LLM:
             return list(prompt["prompt_token_ids"]), prompt.get("prompt")
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
             return self._tokenize(prompt["prompt"])
-        raise ValueError(f"prompt must be a str, {{'prompt': str}} or "
-                         f"{{'prompt_token_ids': [...]}}, got {prompt!r:.80}")
+        raise ValueError(
+            f"prompt must be a str, {{'prompt': str}} or "
+            f"{{'prompt_token_ids': [...]}}, got {prompt!r:.80}"
+        )
 
 
 def _as_list(prompts) -> list[Prompt]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
-        raise ValueError(f"prompts must be a str, a dict or a list of them, "
-                         f"got {type(prompts).__name__}")
+        raise ValueError(
+            f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}"
+        )
     prompts = list(prompts)
     if not prompts:
         raise ValueError("prompts must not be empty")
@@ -156,18 +186,30 @@ def _as_list(prompts) -> list[Prompt]:
 def _conversations(messages) -> list[Conversation]:
     """``messages`` as a list of conversations, each checked to be a non-empty list of
     ``{"role": str, "content": ...}``."""
-    if isinstance(messages, (list, tuple)) and messages and all(
-            isinstance(m, dict) for m in messages):
+    if (
+        isinstance(messages, (list, tuple))
+        and messages
+        and all(isinstance(m, dict) for m in messages)
+    ):
         messages = [messages]
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError(f"messages must be a conversation (a list of dicts) or a non-empty "
-                         f"list of them, got {messages!r:.80}")
+        raise ValueError(
+            f"messages must be a conversation (a list of dicts) or a non-empty "
+            f"list of them, got {messages!r:.80}"
+        )
     for conversation in messages:
-        if (not isinstance(conversation, (list, tuple)) or not conversation
-                or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                           and "content" in m for m in conversation)):
-            raise ValueError(f"messages must hold conversations of {{'role': str, "
-                             f"'content': ...}} dicts, got {conversation!r:.80}")
+        if (
+            not isinstance(conversation, (list, tuple))
+            or not conversation
+            or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+                for m in conversation
+            )
+        ):
+            raise ValueError(
+                f"messages must hold conversations of {{'role': str, "
+                f"'content': ...}} dicts, got {conversation!r:.80}"
+            )
     return [list(conversation) for conversation in messages]
 
 
@@ -176,6 +218,8 @@ def _per_prompt(params, count: int, cls, name: str) -> list:
         return [params] * count
     params = list(params) if isinstance(params, (list, tuple)) else [params]
     if len(params) != count or not all(isinstance(p, cls) for p in params):
-        raise ValueError(f"{name} must be one {cls.__name__} or a list of {count} "
-                         f"(one per prompt), got {params!r:.80}")
+        raise ValueError(
+            f"{name} must be one {cls.__name__} or a list of {count} "
+            f"(one per prompt), got {params!r:.80}"
+        )
     return params

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from minipaged.cuda_graphs import DecodeGraphs
-from minipaged.models.attention import (AttentionMetadata, allocate_kv_caches, int_tensor,
-                                        token_positions)
 from minipaged.batch import ScheduledSeq
+from minipaged.cuda_graphs import DecodeGraphs
+from minipaged.models.attention import (
+    AttentionMetadata,
+    allocate_kv_caches,
+    int_tensor,
+    token_positions,
+)
 
 
 class ModelRunner:
@@ -30,12 +34,14 @@ class ModelRunner:
         """Record the decode forward as CUDA graphs over ``kv_caches`` (which must
         stay the tensors every later step passes)."""
         with torch.inference_mode():
-            self.graphs = DecodeGraphs(self.model, kv_caches, self.block_size, max_num_seqs,
-                                       max_model_len, self.device)
+            self.graphs = DecodeGraphs(
+                self.model, kv_caches, self.block_size, max_num_seqs, max_model_len, self.device
+            )
 
     @torch.inference_mode()
-    def execute(self, seqs: list[ScheduledSeq],
-                kv_caches) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
+    def execute(
+        self, seqs: list[ScheduledSeq], kv_caches
+    ) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
         """Run ``seqs``; returns those that sample, and their logits ``[N, vocab]``."""
         if not seqs:
             return [], None
@@ -43,12 +49,19 @@ class ModelRunner:
         seqs = sorted(seqs, key=lambda s: s.num_new_tokens == 1)
         starts = [s.start for s in seqs]
         counts = [s.num_new_tokens for s in seqs]
-        attn = AttentionMetadata.build([s.block_table for s in seqs], starts, counts,
-                                       self.block_size, self.device,
-                                       [slot for s in seqs for slot in s.slot_mapping])
-        input_ids = int_tensor([t for s in seqs
-                                for t in s.seq.token_ids[s.start:s.start + s.num_new_tokens]],
-                               self.device, torch.long)
+        attn = AttentionMetadata.build(
+            [s.block_table for s in seqs],
+            starts,
+            counts,
+            self.block_size,
+            self.device,
+            [slot for s in seqs for slot in s.slot_mapping],
+        )
+        input_ids = int_tensor(
+            [t for s in seqs for t in s.seq.token_ids[s.start : s.start + s.num_new_tokens]],
+            self.device,
+            torch.long,
+        )
         positions = token_positions(starts, counts, self.device)
         hidden = self.graphs.run(input_ids, positions, attn) if self.graphs else None
         if hidden is None:
@@ -65,8 +78,9 @@ class ModelRunner:
         return sampling, self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
-    def kv_memory_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
-                         max_model_len: int) -> int:
+    def kv_memory_budget(
+        self, gpu_memory_utilization: float, max_num_batched_tokens: int, max_model_len: int
+    ) -> int:
         """Bytes of GPU memory left for KV blocks (vLLM's memory profiling).
 
         Runs the biggest step the scheduler can form (``max_num_batched_tokens`` prompt
@@ -76,8 +90,10 @@ class ModelRunner:
         """
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        lengths = [min(max_model_len, max_num_batched_tokens - start)
-                   for start in range(0, max_num_batched_tokens, max_model_len)]
+        lengths = [
+            min(max_model_len, max_num_batched_tokens - start)
+            for start in range(0, max_num_batched_tokens, max_model_len)
+        ]
         tables, next_block = [], 0
         for length in lengths:
             num = -(-length // self.block_size)
@@ -87,12 +103,13 @@ class ModelRunner:
         dtype = self.model.model.embed_tokens.weight.dtype
         caches = allocate_kv_caches(config, next_block, self.block_size, dtype, self.device)
         cache_bytes = sum(k.nbytes + v.nbytes for k, v in caches)
-        attn = AttentionMetadata.build(tables, [0] * len(lengths), lengths, self.block_size,
-                                       self.device)
+        attn = AttentionMetadata.build(
+            tables, [0] * len(lengths), lengths, self.block_size, self.device
+        )
         input_ids = torch.zeros(sum(lengths), dtype=torch.long, device=self.device)
         positions = token_positions([0] * len(lengths), lengths, self.device)
         hidden = self.model(input_ids, positions, caches, attn)
-        self.model.compute_logits(hidden[-len(lengths):])
+        self.model.compute_logits(hidden[-len(lengths) :])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - cache_bytes
         del caches, hidden

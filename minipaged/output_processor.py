@@ -26,8 +26,14 @@ class OutputProcessor:
     """Stop checks and outputs for the requests in ``requests`` (the engine's, by id:
     a request leaves it when its output is final)."""
 
-    def __init__(self, scheduler: Scheduler, beam_search: BeamSearch, eos_token_ids: set[int],
-                 max_model_len: int, requests: dict[str, SequenceGroup]) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        beam_search: BeamSearch,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        requests: dict[str, SequenceGroup],
+    ) -> None:
         self.scheduler = scheduler
         self.beam_search = beam_search
         self.eos_token_ids = eos_token_ids
@@ -48,15 +54,22 @@ class OutputProcessor:
             new_text = seq.detokenizer.update(seq.output_token_ids)
             seq.output_text += new_text
             # vLLM: no stop string counts before min_tokens (stop tokens are masked).
-            if (seq.num_output_tokens >= params.min_tokens
-                    and (hit := stop_string(seq, params.stop, len(new_text)))):
+            if seq.num_output_tokens >= params.min_tokens and (
+                hit := stop_string(seq, params.stop, len(new_text))
+            ):
                 self._end(group, seq, "stop", hit)
                 return
         if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             self._end(group, seq, "length", None, seq.output_token_ids)
 
-    def _end(self, group: SequenceGroup, seq: Sequence, reason: str,
-             stop_reason: int | str | None, text_token_ids: list[int] | None = None) -> None:
+    def _end(
+        self,
+        group: SequenceGroup,
+        seq: Sequence,
+        reason: str,
+        stop_reason: int | str | None,
+        text_token_ids: list[int] | None = None,
+    ) -> None:
         """Finish ``seq``; ``text_token_ids``: the tokens whose text it ends with, decoded
         now if not yet (a request that neither streams nor stops on strings is decoded
         only here, once, which gives the same text as decoding it step by step)."""
@@ -89,12 +102,16 @@ class OutputProcessor:
         last output, and None if nothing is."""
         delta = group.params.output_kind is RequestOutputKind.DELTA
         seqs = sorted(group.seqs, key=lambda s: s.index)
-        completions = [completion(s, group.params, delta) for s in seqs
-                       if not delta or s.num_output_tokens > s.num_reported_tokens]
+        completions = [
+            completion(s, group.params, delta)
+            for s in seqs
+            if not delta or s.num_output_tokens > s.num_reported_tokens
+        ]
         if not completions:
             return None
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
-                             group.is_finished)
+        return RequestOutput(
+            group.request_id, group.prompt, group.prompt_token_ids, completions, group.is_finished
+        )
 
 
 def completion(seq: Sequence, params: SamplingParams, delta: bool) -> CompletionOutput:
@@ -103,15 +120,22 @@ def completion(seq: Sequence, params: SamplingParams, delta: bool) -> Completion
     tokens, text, logprobs = seq.output_token_ids, seq.output_text, seq.logprobs
     if not seq.is_finished and params.stop:
         # The text's tail may be the start of a stop string, to be cut if completed.
-        text = text[:max(0, len(text) - max(map(len, params.stop)) + 1)]
+        text = text[: max(0, len(text) - max(map(len, params.stop)) + 1)]
     if delta:
         start = seq.num_reported_tokens
         tokens = tokens[start:]
         logprobs = None if logprobs is None else logprobs[start:]
         seq.num_reported_tokens += len(tokens)
-        text, seq.num_reported_chars = text[seq.num_reported_chars:], len(text)
-    return CompletionOutput(seq.index, text, list(tokens), seq.cumulative_logprob,
-                            logprobs, seq.finish_reason, seq.stop_reason)
+        text, seq.num_reported_chars = text[seq.num_reported_chars :], len(text)
+    return CompletionOutput(
+        seq.index,
+        text,
+        list(tokens),
+        seq.cumulative_logprob,
+        logprobs,
+        seq.finish_reason,
+        seq.stop_reason,
+    )
 
 
 def stop_string(seq: Sequence, stops: list[str], num_new: int) -> str | None:
@@ -130,5 +154,4 @@ def stop_string(seq: Sequence, stops: list[str], num_new: int) -> str | None:
 
 def streams(group: SequenceGroup) -> bool:
     """Whether ``group`` wants outputs before it finishes (beam search never does)."""
-    return (not group.is_beam_search
-            and group.params.output_kind is not RequestOutputKind.FINAL_ONLY)
+    return not group.is_beam_search and group.params.output_kind is not RequestOutputKind.FINAL_ONLY

@@ -47,8 +47,17 @@ import torch
 
 from minipaged.sampling_params import SamplingParams
 
-__all__ = ["SamplerOutput", "BeamCandidates", "make_generator", "seq_generator", "sample",
-           "apply_penalties", "apply_min_tokens", "filter_logits", "beam_candidates"]
+__all__ = [
+    "SamplerOutput",
+    "BeamCandidates",
+    "make_generator",
+    "seq_generator",
+    "sample",
+    "apply_penalties",
+    "apply_min_tokens",
+    "filter_logits",
+    "beam_candidates",
+]
 
 
 @dataclass
@@ -93,11 +102,15 @@ def seq_generator(params, index: int, device: torch.device | str) -> torch.Gener
     return None if seed is None else make_generator(seed + index, device)
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None] | None = None,
-           generator: torch.Generator | None = None,
-           token_ids: Sequence[list[int]] | None = None, prompt_lens: Sequence[int] | None = None,
-           eos_token_ids: Collection[int] = ()) -> SamplerOutput:
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None] | None = None,
+    generator: torch.Generator | None = None,
+    token_ids: Sequence[list[int]] | None = None,
+    prompt_lens: Sequence[int] | None = None,
+    eos_token_ids: Collection[int] = (),
+) -> SamplerOutput:
     """Choose the next token of every row of ``logits [N, vocab]``.
 
     Args:
@@ -114,12 +127,20 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     """
     _check_inputs(logits, params, generators)
     raw = logits.float()
-    logits = apply_min_tokens(apply_penalties(raw, params, token_ids, prompt_lens), params,
-                              token_ids, prompt_lens, eos_token_ids)
+    logits = apply_min_tokens(
+        apply_penalties(raw, params, token_ids, prompt_lens),
+        params,
+        token_ids,
+        prompt_lens,
+        eos_token_ids,
+    )
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if len(rows) == len(params):  # no greedy row: no argmax, no copy of the rows
-        next_ids = _draw(_sampling_probs(logits, list(params)),
-                         list(generators or [None] * len(params)), generator)
+        next_ids = _draw(
+            _sampling_probs(logits, list(params)),
+            list(generators or [None] * len(params)),
+            generator,
+        )
     else:
         next_ids = logits.argmax(dim=-1)  # greedy rows keep this
         if rows:
@@ -132,9 +153,12 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     return SamplerOutput(next_ids, chosen, _top_logprobs(raw, lse, next_ids, chosen, params))
 
 
-def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
-                    token_ids: Sequence[list[int]] | None,
-                    prompt_lens: Sequence[int] | None) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    token_ids: Sequence[list[int]] | None,
+    prompt_lens: Sequence[int] | None,
+) -> torch.Tensor:
     """``logits [N, vocab]`` with each row's penalties applied (a new tensor if any).
 
     Repetition (Hugging Face's ``RepetitionPenaltyLogitsProcessor``, vLLM): a token seen
@@ -147,10 +171,20 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
         return logits
     _check_history(token_ids, prompt_lens, logits)
     vocab, device = logits.shape[1], logits.device
-    output = _token_counts([token_ids[i] for i in rows], [prompt_lens[i] for i in rows],
-                           None, vocab, device)
-    seen = output + _token_counts([token_ids[i] for i in rows], [0] * len(rows),
-                                  [prompt_lens[i] for i in rows], vocab, device) > 0
+    output = _token_counts(
+        [token_ids[i] for i in rows], [prompt_lens[i] for i in rows], None, vocab, device
+    )
+    seen = (
+        output
+        + _token_counts(
+            [token_ids[i] for i in rows],
+            [0] * len(rows),
+            [prompt_lens[i] for i in rows],
+            vocab,
+            device,
+        )
+        > 0
+    )
 
     def column(name):
         return torch.tensor([getattr(params[i], name) for i in rows], device=device)[:, None]
@@ -164,9 +198,13 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     return logits
 
 
-def apply_min_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
-                     token_ids: Sequence[list[int]] | None, prompt_lens: Sequence[int] | None,
-                     eos_token_ids: Collection[int] = ()) -> torch.Tensor:
+def apply_min_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    token_ids: Sequence[list[int]] | None,
+    prompt_lens: Sequence[int] | None,
+    eos_token_ids: Collection[int] = (),
+) -> torch.Tensor:
     """``logits`` with the stop tokens of rows short of ``min_tokens`` set to -inf.
 
     A row's stop tokens are its ``stop_token_ids`` and, unless ``ignore_eos``,
@@ -177,25 +215,30 @@ def apply_min_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     if short:
         _check_history(token_ids, prompt_lens, logits)
         short = [i for i in short if len(token_ids[i]) - prompt_lens[i] < params[i].min_tokens]
-    cells = [(i, t) for i in short
-             for t in {*params[i].stop_token_ids, *(() if params[i].ignore_eos else eos_token_ids)}
-             if t < logits.shape[1]]
+    cells = [
+        (i, t)
+        for i in short
+        for t in {*params[i].stop_token_ids, *(() if params[i].ignore_eos else eos_token_ids)}
+        if t < logits.shape[1]
+    ]
     if not cells:
         return logits
     rows, cols = torch.tensor(cells, device=logits.device).T
     return logits.index_put((rows, cols), torch.tensor(-torch.inf, device=logits.device))
 
 
-def filter_logits(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float],
-                  min_p: Sequence[float]) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
+) -> torch.Tensor:
     """``logits [N, vocab]`` with the tokens each row's filters drop set to -inf.
 
     Per row, in the module's order: top-k keeps tokens whose logit is at least the k-th
     largest (ties at the boundary stay, so a few more than k may remain; ``top_k`` <= 0
     is off); top-p then keeps a token if the probability of the tokens above it,
     renormalised over what top-k kept, is below ``top_p`` (the smallest nucleus reaching
-    ``top_p``, never empty, the most likely token always kept; 1 is off); min-p then drops tokens less likely than ``min_p``
-    times the most likely one (0 is off).  A step no row uses is skipped.
+    ``top_p``, never empty, the most likely token always kept; 1 is off); min-p then
+    drops tokens less likely than ``min_p`` times the most likely one (0 is off).  A
+    step no row uses is skipped.
     """
     _check_logits(logits)
     for name, values in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
@@ -206,8 +249,9 @@ def filter_logits(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[fl
     if use_k or use_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         if use_k:
-            k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k],
-                             device=logits.device)
+            k = torch.tensor(
+                [min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device
+            )
             kth = sorted_logits.gather(1, (k - 1)[:, None])
             sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, -torch.inf)
         if use_p:
@@ -247,13 +291,18 @@ def beam_candidates(logits: torch.Tensor, beam_width: int) -> BeamCandidates:
 
 def _sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-    logits = filter_logits(logits / temperature[:, None], [p.top_k for p in params],
-                           [p.top_p for p in params], [p.min_p for p in params])
+    logits = filter_logits(
+        logits / temperature[:, None],
+        [p.top_k for p in params],
+        [p.top_p for p in params],
+        [p.min_p for p in params],
+    )
     return logits.softmax(dim=-1)
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator | None],
-          shared: torch.Generator | None) -> torch.Tensor:
+def _draw(
+    probs: torch.Tensor, generators: list[torch.Generator | None], shared: torch.Generator | None
+) -> torch.Tensor:
     """One token per row of ``probs``, which it may overwrite."""
     token_ids = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     # One call per seeded row: its draw then depends on its generator and nothing else.
@@ -298,17 +347,25 @@ def _top_logprobs(logits, lse, token_ids, chosen, params) -> list[dict[int, floa
 
 
 def _check_logits(logits) -> None:
-    if not (isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.shape[1] > 0
-            and logits.is_floating_point()):
-        got = (f"{tuple(logits.shape)} {logits.dtype}" if isinstance(logits, torch.Tensor)
-               else type(logits).__name__)
+    if not (
+        isinstance(logits, torch.Tensor)
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and logits.is_floating_point()
+    ):
+        got = (
+            f"{tuple(logits.shape)} {logits.dtype}"
+            if isinstance(logits, torch.Tensor)
+            else type(logits).__name__
+        )
         raise ValueError(f"logits must be a 2-D float tensor [N, vocab], got {got}")
 
 
 def _check_rows(name, values, logits) -> None:
     if len(values) != logits.shape[0]:
-        raise ValueError(f"{name} must have one entry per row of logits "
-                         f"({logits.shape[0]}), got {len(values)}")
+        raise ValueError(
+            f"{name} must have one entry per row of logits ({logits.shape[0]}), got {len(values)}"
+        )
 
 
 def _check_inputs(logits, params, generators) -> None:
@@ -320,19 +377,25 @@ def _check_inputs(logits, params, generators) -> None:
 
 def _check_history(token_ids, prompt_lens, logits) -> None:
     if token_ids is None or prompt_lens is None:
-        raise ValueError("token_ids and prompt_lens must be given when a row has a penalty "
-                         "or min_tokens")
+        raise ValueError(
+            "token_ids and prompt_lens must be given when a row has a penalty or min_tokens"
+        )
     _check_rows("token_ids", token_ids, logits)
     _check_rows("prompt_lens", prompt_lens, logits)
 
 
-def _token_counts(token_ids: list[list[int]], starts: list[int], ends: list[int] | None,
-                  vocab: int, device) -> torch.Tensor:
+def _token_counts(
+    token_ids: list[list[int]], starts: list[int], ends: list[int] | None, vocab: int, device
+) -> torch.Tensor:
     """``[R, vocab]``: how often each token occurs in ``token_ids[r][starts[r]:ends[r]]``
     (to the end if ``ends`` is None), counted in one scatter."""
     ends = ends or [len(t) for t in token_ids]
-    flat = array.array("q", itertools.chain.from_iterable(
-        itertools.islice(t, a, b) for t, a, b in zip(token_ids, starts, ends)))
+    flat = array.array(
+        "q",
+        itertools.chain.from_iterable(
+            itertools.islice(t, a, b) for t, a, b in zip(token_ids, starts, ends)
+        ),
+    )
     lengths = torch.tensor([b - a for a, b in zip(starts, ends)], device=device)
     rows = torch.repeat_interleave(torch.arange(len(token_ids), device=device), lengths)
     counts = torch.zeros(len(token_ids), vocab, device=device)

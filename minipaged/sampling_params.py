@@ -90,19 +90,22 @@ class SamplingParams:
         if self.top_k not in (0, -1):
             _check_int("top_k", self.top_k, low=1, hint=" (or 0 or -1 for off)")
         _check_float("min_p", self.min_p, "a number in [0, 1]", lambda p: 0 <= p <= 1)
-        _check_float("repetition_penalty", self.repetition_penalty, "a finite number > 0",
-                     lambda r: r > 0)
+        _check_float(
+            "repetition_penalty", self.repetition_penalty, "a finite number > 0", lambda r: r > 0
+        )
         for name in ("presence_penalty", "frequency_penalty"):
-            _check_float(name, getattr(self, name), "a number in [-2, 2]",
-                         lambda x: -2 <= x <= 2)
+            _check_float(name, getattr(self, name), "a number in [-2, 2]", lambda x: -2 <= x <= 2)
         if self.seed is not None:
             _check_int("seed", self.seed, low=0, high=2**64 - 1, hint=" or None")
         _check_int("max_tokens", self.max_tokens, low=1)
-        _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens,
-                   hint=" (at most max_tokens)")
+        _check_int(
+            "min_tokens", self.min_tokens, low=0, high=self.max_tokens, hint=" (at most max_tokens)"
+        )
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of must be None or equal to n={self.n} (minipaged does "
-                             f"not rank extra completions), got {self.best_of!r}")
+            raise ValueError(
+                f"best_of must be None or equal to n={self.n} (minipaged does "
+                f"not rank extra completions), got {self.best_of!r}"
+            )
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, hint=" or None")
         _check_bool("ignore_eos", self.ignore_eos)
@@ -119,8 +122,11 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         """Whether the logits depend on the tokens so far (any penalty is on)."""
-        return (self.repetition_penalty != 1 or self.presence_penalty != 0
-                or self.frequency_penalty != 0)
+        return (
+            self.repetition_penalty != 1
+            or self.presence_penalty != 0
+            or self.frequency_penalty != 0
+        )
 
 
 @dataclass
@@ -162,8 +168,12 @@ def _check_int(name, value, low, high=None, hint="") -> None:
 
 
 def _check_float(name, value, rule, ok=None) -> None:
-    if (not isinstance(value, (int, float)) or isinstance(value, bool)
-            or not math.isfinite(value) or (ok is not None and not ok(value))):
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or (ok is not None and not ok(value))
+    ):
         raise ValueError(f"{name} must be {rule}, got {value!r}")
 
 

@@ -37,13 +37,14 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 
-from minipaged.memory import Allocation, KVCacheManager
-from minipaged.memory.block_table import blocks_for
 from minipaged.batch import ScheduledSeq, SchedulerOutput
 from minipaged.config import PREEMPTION_MODES
+from minipaged.memory import Allocation, KVCacheManager
+from minipaged.memory.block_table import blocks_for
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.trace import Trace
+
 
 class Scheduler:
     """Queues of requests over a `KVCacheManager`; `schedule()` once per engine step.
@@ -51,12 +52,19 @@ class Scheduler:
     ``max_model_len``: the longest sequence, where the engine stops it (None: no limit).
     """
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str = "recompute", trace: Trace | None = None,
-                 max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        preemption_mode: str = "recompute",
+        trace: Trace | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
         if preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
-                             f"got {preemption_mode!r}")
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}"
+            )
         self.kv = kv
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -93,8 +101,9 @@ class Scheduler:
         self.running.remove(group)
         self.trace.record("finish", group.request_id)
 
-    def append_token(self, group: SequenceGroup, seq: Sequence, token_id: int,
-                     logprob: float) -> None:
+    def append_token(
+        self, group: SequenceGroup, seq: Sequence, token_id: int, logprob: float
+    ) -> None:
         """Give ``seq`` the token sampled for it; the next step computes its KV."""
         seq.append_token(token_id, logprob)
         if self.trace.enabled:
@@ -102,21 +111,32 @@ class Scheduler:
 
     def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         """A new sequence sharing all of ``parent``'s blocks, copy-on-write (§4.4)."""
-        child = Sequence(group.new_seq_id(), list(parent.token_ids), parent.prompt_len,
-                         index=len(group.seqs), num_computed_tokens=parent.num_computed_tokens,
-                         cumulative_logprob=parent.cumulative_logprob,
-                         logprobs=None if parent.logprobs is None else list(parent.logprobs))
+        child = Sequence(
+            group.new_seq_id(),
+            list(parent.token_ids),
+            parent.prompt_len,
+            index=len(group.seqs),
+            num_computed_tokens=parent.num_computed_tokens,
+            cumulative_logprob=parent.cumulative_logprob,
+            logprobs=None if parent.logprobs is None else list(parent.logprobs),
+        )
         self.kv.fork(parent.seq_id, child.seq_id)
         group.seqs.append(child)
-        self.trace.record("fork", group.request_id, child.seq_id, parent=parent.seq_id,
-                          blocks=self.kv.block_table(child.seq_id))
+        self.trace.record(
+            "fork",
+            group.request_id,
+            child.seq_id,
+            parent=parent.seq_id,
+            blocks=self.kv.block_table(child.seq_id),
+        )
         return child
 
     def free_seq(self, group: SequenceGroup, seq: Sequence) -> None:
         """Give back a finished or dropped sequence's blocks (shared ones stay with the rest)."""
         if self.trace.enabled:
-            self.trace.record("free", group.request_id, seq.seq_id,
-                              blocks=self.kv.block_table(seq.seq_id))
+            self.trace.record(
+                "free", group.request_id, seq.seq_id, blocks=self.kv.block_table(seq.seq_id)
+            )
         self.kv.free(seq.seq_id)
 
     def check_fits(self, prompt_len: int, params: SamplingParams | BeamSearchParams) -> None:
@@ -125,16 +145,19 @@ class Scheduler:
         must be able to make room for any one request alone)."""
         name, width = width_of(params)
         if width > self.max_num_seqs:
-            raise ValueError(f"{name}={width} is more than max_num_seqs="
-                             f"{self.max_num_seqs} can ever run at once")
+            raise ValueError(
+                f"{name}={width} is more than max_num_seqs={self.max_num_seqs} can ever run at once"
+            )
         longest = prompt_len + params.max_tokens
         if self.max_model_len is not None:
             longest = min(longest, self.max_model_len)
         needed = width * blocks_for(longest, self.kv.block_size)
         if needed > self.kv.gpu.num_blocks:
-            raise ValueError(f"max_tokens={params.max_tokens} with {name}={width} may need "
-                             f"{needed} KV blocks, more than the pool's {self.kv.gpu.num_blocks}"
-                             " (num_gpu_blocks)")
+            raise ValueError(
+                f"max_tokens={params.max_tokens} with {name}={width} may need "
+                f"{needed} KV blocks, more than the pool's {self.kv.gpu.num_blocks}"
+                " (num_gpu_blocks)"
+            )
 
     def num_running_seqs(self) -> int:
         """Seats taken: a request about to fork into ``n`` holds ``n`` already."""
@@ -150,8 +173,13 @@ class Scheduler:
                 self._admit_waiting(out, token_budget)
         if self.trace.enabled:
             for s in out.seqs:
-                self.trace.record("schedule", s.group.request_id, s.seq.seq_id, start=s.start,
-                                  num_tokens=s.num_new_tokens)
+                self.trace.record(
+                    "schedule",
+                    s.group.request_id,
+                    s.seq.seq_id,
+                    start=s.start,
+                    num_tokens=s.num_new_tokens,
+                )
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -204,15 +232,21 @@ class Scheduler:
             seats -= group.num_seats
 
     # -- block operations -------------------------------------------------------------
-    def _append(self, group: SequenceGroup, plan: list[tuple[Sequence, int]],
-                out: SchedulerOutput) -> int:
+    def _append(
+        self, group: SequenceGroup, plan: list[tuple[Sequence, int]], out: SchedulerOutput
+    ) -> int:
         used = 0
         for seq, n in plan:
             start = seq.num_computed_tokens
-            allocation = self.kv.append(seq.seq_id, seq.token_ids[start:start + n])
+            allocation = self.kv.append(seq.seq_id, seq.token_ids[start : start + n])
             if self.trace.enabled:
-                self.trace.record("append", group.request_id, seq.seq_id, num_tokens=n,
-                                  blocks=allocation.block_table)
+                self.trace.record(
+                    "append",
+                    group.request_id,
+                    seq.seq_id,
+                    num_tokens=n,
+                    blocks=allocation.block_table,
+                )
             self._run(group, seq, start, n, allocation, out)
             used += n
         return used
@@ -225,8 +259,14 @@ class Scheduler:
             cached = self.kv.num_cached_tokens(seq.token_ids)
             n = min(len(seq.token_ids) - cached, budget - used - _later(seqs, k))
             allocation = self.kv.allocate(seq.seq_id, seq.token_ids, n)
-            self.trace.record("allocate", group.request_id, seq.seq_id, num_tokens=n,
-                              num_cached_tokens=cached, blocks=allocation.block_table)
+            self.trace.record(
+                "allocate",
+                group.request_id,
+                seq.seq_id,
+                num_tokens=n,
+                num_cached_tokens=cached,
+                blocks=allocation.block_table,
+            )
             self._run(group, seq, cached, n, allocation, out)
             used += n
         return used
@@ -239,8 +279,11 @@ class Scheduler:
             self.trace.record("cow", group.request_id, seq.seq_id, src=src, dst=dst)
         seq.num_computed_tokens = start + n  # the step computes them before anyone reads
         samples = start + n == len(seq.token_ids)
-        out.seqs.append(ScheduledSeq(seq, group, start, n, allocation.block_table,
-                                     allocation.slot_mapping, samples))
+        out.seqs.append(
+            ScheduledSeq(
+                seq, group, start, n, allocation.block_table, allocation.slot_mapping, samples
+            )
+        )
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Evict a whole request (§4.5): swap it out if asked and the CPU pool has room,
@@ -285,8 +328,11 @@ class Scheduler:
         need = sum(self.kv.blocks_to_append(seq.seq_id, n) for seq, n in plan)
         # Each sharer of a partial last block counts a copy, but the last one to write
         # keeps the block: one copy fewer per block only this plan's sequences hold.
-        lasts = Counter(self.kv.block_table(seq.seq_id)[-1] for seq, _ in plan
-                        if self.kv.num_tokens(seq.seq_id) % self.kv.block_size)
+        lasts = Counter(
+            self.kv.block_table(seq.seq_id)[-1]
+            for seq, _ in plan
+            if self.kv.num_tokens(seq.seq_id) % self.kv.block_size
+        )
         need -= sum(k > 1 and self.kv.gpu.ref_count(b) == k for b, k in lasts.items())
         return need <= free
 
@@ -304,8 +350,10 @@ class Scheduler:
         budget cannot give each of them at least one token this step."""
         plan = []
         for k, seq in enumerate(seqs):
-            n = min(len(seq.token_ids) - self.kv.num_cached_tokens(seq.token_ids),
-                    budget - _later(seqs, k))
+            n = min(
+                len(seq.token_ids) - self.kv.num_cached_tokens(seq.token_ids),
+                budget - _later(seqs, k),
+            )
             if n < 1:
                 return None
             plan.append((seq, n))

@@ -14,8 +14,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-EVENT_KINDS = ("arrive", "schedule", "allocate", "append", "cow", "fork", "sample",
-               "preempt", "swap_out", "swap_in", "free", "finish", "abort")
+EVENT_KINDS = (
+    "arrive",
+    "schedule",
+    "allocate",
+    "append",
+    "cow",
+    "fork",
+    "sample",
+    "preempt",
+    "swap_out",
+    "swap_in",
+    "free",
+    "finish",
+    "abort",
+)
 
 
 @dataclass(frozen=True)

@@ -68,15 +68,31 @@ def _fill(kv: KVCacheManager) -> dict[int, int]:
 def _block(ax, x, y, colour, fraction, label, hatch=None, w=0.9, h=0.9):
     ax.add_patch(Rectangle((x, y), w, h, facecolor=_FREE, edgecolor=_EDGE, lw=0.8))
     if fraction > 0:
-        ax.add_patch(Rectangle((x, y), w * fraction, h, facecolor=colour, edgecolor="none",
-                               hatch=hatch, alpha=0.85))
+        ax.add_patch(
+            Rectangle(
+                (x, y), w * fraction, h, facecolor=colour, edgecolor="none", hatch=hatch, alpha=0.85
+            )
+        )
     ax.add_patch(Rectangle((x, y), w, h, facecolor="none", edgecolor=_EDGE, lw=0.8))
-    ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=7,
-            bbox=dict(boxstyle="round,pad=0.1", facecolor="white", edgecolor="none", alpha=0.7))
+    ax.text(
+        x + w / 2,
+        y + h / 2,
+        label,
+        ha="center",
+        va="center",
+        fontsize=7,
+        bbox=dict(boxstyle="round,pad=0.1", facecolor="white", edgecolor="none", alpha=0.7),
+    )
 
 
-def draw_block_pool(kv: KVCacheManager, device: str = "gpu", ax=None, ncols: int = 16,
-                    title: str | None = None, colours: dict | None = None):
+def draw_block_pool(
+    kv: KVCacheManager,
+    device: str = "gpu",
+    ax=None,
+    ncols: int = 16,
+    title: str | None = None,
+    colours: dict | None = None,
+):
     """Draw one pool's physical blocks; returns the matplotlib Axes."""
     pool = kv.gpu if device == "gpu" else kv.cpu
     holders, fill = _holders(kv, device), _fill(kv)
@@ -90,8 +106,15 @@ def draw_block_pool(kv: KVCacheManager, device: str = "gpu", ax=None, ncols: int
         if owners:
             shared = len(owners) > 1
             label = f"{block}\n×{len(owners)}" if shared else str(block)
-            _block(ax, x, y, colours[owners[0]], fill.get(block, 0) / kv.block_size, label,
-                   hatch="///" if shared else None)
+            _block(
+                ax,
+                x,
+                y,
+                colours[owners[0]],
+                fill.get(block, 0) / kv.block_size,
+                label,
+                hatch="///" if shared else None,
+            )
         elif isinstance(pool, PrefixCachingBlockAllocator) and pool.is_cached(block):
             _block(ax, x, y, _CACHED, 1.0, str(block))
         else:
@@ -99,8 +122,9 @@ def draw_block_pool(kv: KVCacheManager, device: str = "gpu", ax=None, ncols: int
     live = [s for s in colours if s in kv.tables]
     handles = [Rectangle((0, 0), 1, 1, color=colours[s]) for s in live]
     if handles:
-        ax.legend(handles, live, loc="upper left", bbox_to_anchor=(1.0, 1.0),
-                  fontsize=8, frameon=False)
+        ax.legend(
+            handles, live, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False
+        )
     ax.set_xlim(-0.1, ncols)
     ax.set_ylim(-0.1, nrows)
     ax.set_aspect("equal")
@@ -109,8 +133,13 @@ def draw_block_pool(kv: KVCacheManager, device: str = "gpu", ax=None, ncols: int
     return ax
 
 
-def draw_block_tables(kv: KVCacheManager, seq_ids: list[str] | None = None, ax=None,
-                      title: str | None = None, colours: dict | None = None):
+def draw_block_tables(
+    kv: KVCacheManager,
+    seq_ids: list[str] | None = None,
+    ax=None,
+    title: str | None = None,
+    colours: dict | None = None,
+):
     """Logical blocks of each sequence (rows) -> physical blocks of the GPU pool (bottom row)."""
     seq_ids = list(kv.tables) if seq_ids is None else seq_ids
     colours = _colours(kv, colours)
@@ -123,8 +152,15 @@ def draw_block_tables(kv: KVCacheManager, seq_ids: list[str] | None = None, ax=N
     for block in range(n_phys):
         owners = holders.get(block, [])
         colour = colours[owners[0]] if owners else _FREE
-        _block(ax, block, 0, colour, fill.get(block, 0) / kv.block_size, str(block),
-               hatch="///" if len(owners) > 1 else None)
+        _block(
+            ax,
+            block,
+            0,
+            colour,
+            fill.get(block, 0) / kv.block_size,
+            str(block),
+            hatch="///" if len(owners) > 1 else None,
+        )
     ax.text(-0.3, 0.45, "physical", ha="right", va="center", fontsize=8)
     for row, seq_id in enumerate(seq_ids):
         y = 2 * (len(seq_ids) - row) + 0.5
@@ -133,9 +169,12 @@ def draw_block_tables(kv: KVCacheManager, seq_ids: list[str] | None = None, ax=N
         for logical, block in enumerate(table.blocks):
             used = min(kv.block_size, table.num_tokens - logical * kv.block_size) / kv.block_size
             _block(ax, logical, y, colours[seq_id], used, str(logical))
-            ax.annotate("", xy=(block + 0.45, 0.9), xytext=(logical + 0.45, y),
-                        arrowprops=dict(arrowstyle="->", color=colours[seq_id], lw=0.8,
-                                        alpha=0.7))
+            ax.annotate(
+                "",
+                xy=(block + 0.45, 0.9),
+                xytext=(logical + 0.45, y),
+                arrowprops=dict(arrowstyle="->", color=colours[seq_id], lw=0.8, alpha=0.7),
+            )
     ax.set_xlim(-1.5, width + 0.5)
     ax.set_ylim(-0.3, height + 0.2)
     ax.axis("off")
@@ -143,10 +182,12 @@ def draw_block_tables(kv: KVCacheManager, seq_ids: list[str] | None = None, ax=N
     return ax
 
 
-_SHARES = [("token_share", "token states", "#4c9a2a"),
-           ("reserved_share", "reservation", "#f2c14e"),
-           ("internal_share", "internal fragmentation", "#e07a5f"),
-           ("external_share", "external fragmentation", "#8d5a97")]
+_SHARES = [
+    ("token_share", "token states", "#4c9a2a"),
+    ("reserved_share", "reservation", "#f2c14e"),
+    ("internal_share", "internal fragmentation", "#e07a5f"),
+    ("external_share", "external fragmentation", "#8d5a97"),
+]
 
 
 def draw_memory_shares(reports: list[MemoryReport], ax=None, title: str | None = None):
@@ -160,8 +201,16 @@ def draw_memory_shares(reports: list[MemoryReport], ax=None, title: str | None =
         ax.bar(names, values, bottom=bottom, label=label, color=colour)
         bottom = [b + v for b, v in zip(bottom, values)]
     for i, r in enumerate(reports):
-        ax.text(i, 100 * r.token_share / 2, f"{100 * r.token_share:.1f}%", ha="center",
-                va="center", color="white", fontsize=9, fontweight="bold")
+        ax.text(
+            i,
+            100 * r.token_share / 2,
+            f"{100 * r.token_share:.1f}%",
+            ha="center",
+            va="center",
+            color="white",
+            fontsize=9,
+            fontweight="bold",
+        )
     ax.set_ylabel("% of KV cache memory")
     ax.set_ylim(0, 100)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
@@ -245,8 +294,12 @@ def timeline_from_trace(trace) -> dict[str, dict[int, tuple[str, int]]]:
     return timeline
 
 
-def draw_batch_timeline(timeline: dict[str, dict[int, tuple[str, int]]], ax=None,
-                        title: str | None = None, label_tokens: bool = True):
+def draw_batch_timeline(
+    timeline: dict[str, dict[int, tuple[str, int]]],
+    ax=None,
+    title: str | None = None,
+    label_tokens: bool = True,
+):
     """One row per request, one column per engine step, coloured by `STATES`.
 
     Prefill cells are labelled with the tokens they ran, and decode cells too when a
@@ -257,20 +310,38 @@ def draw_batch_timeline(timeline: dict[str, dict[int, tuple[str, int]]], ax=None
     steps = [s for cells in timeline.values() for s in cells]
     first, last = (min(steps), max(steps)) if steps else (0, 0)
     if ax is None:
-        _, ax = plt.subplots(figsize=(min(16, 2 + 0.28 * (last - first + 1)),
-                                      0.8 + 0.32 * len(rows)))
+        _, ax = plt.subplots(
+            figsize=(min(16, 2 + 0.28 * (last - first + 1)), 0.8 + 0.32 * len(rows))
+        )
     used = set()
     for row, r in enumerate(rows):
         y = len(rows) - 1 - row
         for step, (state, n) in timeline[r].items():
             colour, hatch, _ = STATES[state]
             used.add(state)
-            ax.add_patch(Rectangle((step, y + 0.05), 1, 0.9, facecolor=colour, hatch=hatch,
-                                   edgecolor="white" if hatch is None else "#999999", lw=0.5))
-            if label_tokens and (state in ("prefill", "recompute") or
-                                 (state == "decode" and n > 1)):
-                ax.text(step + 0.5, y + 0.5, str(n), ha="center", va="center", fontsize=6,
-                        color="white" if state != "decode" else "black")
+            ax.add_patch(
+                Rectangle(
+                    (step, y + 0.05),
+                    1,
+                    0.9,
+                    facecolor=colour,
+                    hatch=hatch,
+                    edgecolor="white" if hatch is None else "#999999",
+                    lw=0.5,
+                )
+            )
+            if label_tokens and (
+                state in ("prefill", "recompute") or (state == "decode" and n > 1)
+            ):
+                ax.text(
+                    step + 0.5,
+                    y + 0.5,
+                    str(n),
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                    color="white" if state != "decode" else "black",
+                )
     ax.set_yticks([len(rows) - 1 - i + 0.5 for i in range(len(rows))], rows, fontsize=8)
     ax.set_xlim(first, last + 1)
     ax.set_ylim(0, max(1, len(rows)))
@@ -279,17 +350,28 @@ def draw_batch_timeline(timeline: dict[str, dict[int, tuple[str, int]]], ax=None
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     order = [s for s in STATES if s in used]
-    ax.legend([Rectangle((0, 0), 1, 1, facecolor=STATES[s][0], hatch=STATES[s][1],
-                         edgecolor="#999999") for s in order],
-              [STATES[s][2] for s in order], loc="upper left", bbox_to_anchor=(1.0, 1.0),
-              fontsize=8, frameon=False)
+    ax.legend(
+        [
+            Rectangle((0, 0), 1, 1, facecolor=STATES[s][0], hatch=STATES[s][1], edgecolor="#999999")
+            for s in order
+        ],
+        [STATES[s][2] for s in order],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=8,
+        frameon=False,
+    )
     ax.set_title(title or "what each request did, step by step")
     return ax
 
 
-def draw_step_tokens(timeline: dict[str, dict[int, tuple[str, int]]], ax=None,
-                     max_num_batched_tokens: int | None = None, title: str | None = None,
-                     colours: dict | None = None):
+def draw_step_tokens(
+    timeline: dict[str, dict[int, tuple[str, int]]],
+    ax=None,
+    max_num_batched_tokens: int | None = None,
+    title: str | None = None,
+    colours: dict | None = None,
+):
     """Stacked bars: the tokens each request ran in each step (one colour per request),
     with the step's token budget as a dashed line when it is given.  Returns the Axes."""
     colours = colours or seq_colours(timeline)
@@ -301,13 +383,20 @@ def draw_step_tokens(timeline: dict[str, dict[int, tuple[str, int]]], ax=None,
         xs = [s for s in steps if cells.get(s, ("", 0))[1] > 0]
         heights = [cells[s][1] for s in xs]
         if xs:
-            ax.bar([s + 0.5 for s in xs], heights, width=0.9, bottom=[bottom[s] for s in xs],
-                   color=colours[r], label=r)
+            ax.bar(
+                [s + 0.5 for s in xs],
+                heights,
+                width=0.9,
+                bottom=[bottom[s] for s in xs],
+                color=colours[r],
+                label=r,
+            )
             for s, h in zip(xs, heights):
                 bottom[s] += h
     if max_num_batched_tokens is not None:
-        ax.axhline(max_num_batched_tokens, color="black", ls="--", lw=1,
-                   label="max_num_batched_tokens")
+        ax.axhline(
+            max_num_batched_tokens, color="black", ls="--", lw=1, label="max_num_batched_tokens"
+        )
     if steps:
         ax.set_xlim(steps[0], steps[-1] + 1)
     ax.set_xlabel("engine step")
@@ -367,8 +456,20 @@ def request_blocks(trace, request_id: str, block_size: int) -> dict[int, tuple[i
     return dict(sorted(result.items()))
 
 
-_JOURNEY_ROWS = ("arrive", "allocate", "prefill", "decode", "fork", "cow", "preempt",
-                 "swap_out", "swap_in", "free", "finish", "abort")
+_JOURNEY_ROWS = (
+    "arrive",
+    "allocate",
+    "prefill",
+    "decode",
+    "fork",
+    "cow",
+    "preempt",
+    "swap_out",
+    "swap_in",
+    "free",
+    "finish",
+    "abort",
+)
 
 
 def _journey_label(e) -> str:
@@ -387,8 +488,14 @@ def _journey_label(e) -> str:
     return ""
 
 
-def draw_request_journey(trace, request_id: str, block_size: int, axes=None,
-                         title: str | None = None, colours: dict | None = None):
+def draw_request_journey(
+    trace,
+    request_id: str,
+    block_size: int,
+    axes=None,
+    title: str | None = None,
+    colours: dict | None = None,
+):
     """One request's life from the event trace, left to right.
 
     Top: one row per kind of event (arrive, allocate, prefill, decode, fork, CoW,
@@ -415,9 +522,13 @@ def draw_request_journey(trace, request_id: str, block_size: int, axes=None,
     present = [r for r in _JOURNEY_ROWS if any(name == r for name, _ in rows)]
     if axes is None:
         steps = max(e.step for e in events) - min(e.step for e in events) + 1
-        _, axes = plt.subplots(2, 1, figsize=(min(16, 3 + 0.4 * steps),
-                                              1.2 + 0.35 * len(present) + 1.6),
-                               sharex=True, gridspec_kw={"height_ratios": [len(present), 3]})
+        _, axes = plt.subplots(
+            2,
+            1,
+            figsize=(min(16, 3 + 0.4 * steps), 1.2 + 0.35 * len(present) + 1.6),
+            sharex=True,
+            gridspec_kw={"height_ratios": [len(present), 3]},
+        )
     top, bottom = axes
     stacked: dict[tuple[str, int], int] = {}
     for name, e in rows:
@@ -427,16 +538,29 @@ def draw_request_journey(trace, request_id: str, block_size: int, axes=None,
         stacked[(name, e.step)] = k + 1
         offset = 0.25 * (k % 3)  # several sequences in one step: side by side
         top.plot(e.step + 0.25 + offset, y, "o", color=colour, ms=5)
-        label = (str(e.detail["num_tokens"]) if name == "prefill" else _journey_label(e))
+        label = str(e.detail["num_tokens"]) if name == "prefill" else _journey_label(e)
         if label and name != "decode":
-            top.text(e.step + 0.25 + offset, y + 0.15 + 0.25 * k, label, fontsize=6,
-                     color=colour, va="bottom")
+            top.text(
+                e.step + 0.25 + offset,
+                y + 0.15 + 0.25 * k,
+                label,
+                fontsize=6,
+                color=colour,
+                va="bottom",
+            )
     top.set_yticks(range(len(present)), list(reversed(present)), fontsize=8)
     top.set_ylim(-0.6, len(present) - 0.2)
     top.grid(axis="x", color="#eeeeee")
-    top.legend([plt.Line2D([], [], marker="o", ls="", color=colours[s]) for s in seq_ids],
-               seq_ids, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
-               frameon=False, title="sequence", title_fontsize=8)
+    top.legend(
+        [plt.Line2D([], [], marker="o", ls="", color=colours[s]) for s in seq_ids],
+        seq_ids,
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=8,
+        frameon=False,
+        title="sequence",
+        title_fontsize=8,
+    )
     top.set_title(title or f"the journey of request {request_id}")
     held = request_blocks(events, request_id, block_size)
     # The count after step s holds from the end of step s (x = s + 1) on.
@@ -444,8 +568,9 @@ def draw_request_journey(trace, request_id: str, block_size: int, axes=None,
     for i, (pool, colour) in enumerate((("gpu", "#4c72b0"), ("cpu", "#8172b3"))):
         ys = [0] + [counts[i] for counts in held.values()]
         if any(ys) or pool == "gpu":
-            bottom.step(xs, ys, where="post", color=colour, lw=1.5,
-                        label=f"{pool.upper()} blocks held")
+            bottom.step(
+                xs, ys, where="post", color=colour, lw=1.5, label=f"{pool.upper()} blocks held"
+            )
     bottom.set_ylabel("blocks")
     bottom.set_xlabel("engine step")
     bottom.set_ylim(bottom=0)
@@ -466,9 +591,16 @@ _SYSTEM = {
     "ops": (2, 0, "ops/", "PagedAttention kernels"),
 }
 _BOX_CHARS = 36  # characters of 7.5-point text that fit across a box of the system map
-_CALLS = [("LLM", "LLMEngine"), ("LLMEngine", "Scheduler"), ("LLMEngine", "CacheEngine"),
-          ("LLMEngine", "ModelRunner"), ("LLMEngine", "sampler"), ("Scheduler", "KVCacheManager"),
-          ("ModelRunner", "model"), ("model", "ops")]
+_CALLS = [
+    ("LLM", "LLMEngine"),
+    ("LLMEngine", "Scheduler"),
+    ("LLMEngine", "CacheEngine"),
+    ("LLMEngine", "ModelRunner"),
+    ("LLMEngine", "sampler"),
+    ("Scheduler", "KVCacheManager"),
+    ("ModelRunner", "model"),
+    ("model", "ops"),
+]
 
 
 def draw_system_map(notes: dict[str, str] | None = None, ax=None, title: str | None = None):
@@ -486,23 +618,35 @@ def draw_system_map(notes: dict[str, str] | None = None, ax=None, title: str | N
         _, ax = plt.subplots(figsize=(12, 6.5))
     w, h = 0.9, 0.7
     for name, (x, y, module, job) in _SYSTEM.items():
-        ax.add_patch(Rectangle((x * 1.2, y), w * 1.2, h, facecolor="#eef3fa" if name in notes
-                               else "#f7f7f7", edgecolor=_EDGE, lw=1))
+        ax.add_patch(
+            Rectangle(
+                (x * 1.2, y),
+                w * 1.2,
+                h,
+                facecolor="#eef3fa" if name in notes else "#f7f7f7",
+                edgecolor=_EDGE,
+                lw=1,
+            )
+        )
         # Job and note are wrapped to the box's width: a note can be longer than a line.
         said = [job] + ([notes[name]] if name in notes else [])
         lines = [f"$\\bf{{{name}}}$  ({module})"] + [textwrap.fill(t, _BOX_CHARS) for t in said]
-        ax.text(x * 1.2 + 0.6 * w, y + h / 2, "\n".join(lines), ha="center", va="center",
-                fontsize=7.5)
+        ax.text(
+            x * 1.2 + 0.6 * w, y + h / 2, "\n".join(lines), ha="center", va="center", fontsize=7.5
+        )
     for src, dst in _CALLS:
         (x0, y0, *_), (x1, y1, *_) = _SYSTEM[src], _SYSTEM[dst]
         start = (x0 * 1.2 + 0.6 * w, y0)
         end = (x1 * 1.2 + 0.6 * w, y1 + h)
-        ax.annotate("", xy=end, xytext=start,
-                    arrowprops=dict(arrowstyle="->", color=_EDGE, lw=1))
+        ax.annotate("", xy=end, xytext=start, arrowprops=dict(arrowstyle="->", color=_EDGE, lw=1))
     # The scheduler's block operations reach the cache engine as data, through the engine.
     y = _SYSTEM["Scheduler"][1] + h / 2
-    ax.annotate("", xy=(1.2, y), xytext=(w * 1.2, y),
-                arrowprops=dict(arrowstyle="->", color=_EDGE, lw=1, ls="--"))
+    ax.annotate(
+        "",
+        xy=(1.2, y),
+        xytext=(w * 1.2, y),
+        arrowprops=dict(arrowstyle="->", color=_EDGE, lw=1, ls="--"),
+    )
     ax.set_xlim(-0.1, 4.8)
     ax.set_ylim(-0.2, 4.9)
     ax.axis("off")

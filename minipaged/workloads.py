@@ -54,8 +54,9 @@ def _lognormal_int(rng: random.Random, mean: float, sigma: float) -> int:
     return max(1, round(rng.lognormvariate(math.log(mean) - sigma**2 / 2, sigma)))
 
 
-def synthetic_requests(workload: str, num_requests: int, seed: int = 0,
-                       max_len: int = 2048) -> list[RequestSpec]:
+def synthetic_requests(
+    workload: str, num_requests: int, seed: int = 0, max_len: int = 2048
+) -> list[RequestSpec]:
     """``num_requests`` seeded requests shaped like ``workload`` ("sharegpt" or "alpaca")."""
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {workload!r}")

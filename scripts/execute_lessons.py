@@ -33,9 +33,14 @@ KERNEL_CONFIG = Config({"KernelManager": {"transport": "ipc", "ip": str(_SOCKETS
 
 def execute(path: Path) -> None:
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=600, kernel_name="python3", record_timing=False,
-                            resources={"metadata": {"path": str(path.parent)}},
-                            config=KERNEL_CONFIG)
+    client = NotebookClient(
+        nb,
+        timeout=600,
+        kernel_name="python3",
+        record_timing=False,
+        resources={"metadata": {"path": str(path.parent)}},
+        config=KERNEL_CONFIG,
+    )
     client.execute()
     drop_widgets(nb)
     nbformat.write(nb, path)
@@ -47,14 +52,18 @@ def drop_widgets(nb) -> None:
     nb.metadata.pop("widgets", None)
     for cell in nb.cells:
         if cell.cell_type == "code":
-            cell.outputs = [o for o in cell.outputs
-                            if "application/vnd.jupyter.widget-view+json" not in o.get("data", {})]
+            cell.outputs = [
+                o
+                for o in cell.outputs
+                if "application/vnd.jupyter.widget-view+json" not in o.get("data", {})
+            ]
 
 
 def main(paths: list[str]) -> None:
     # The kernel inherits our environment: put this checkout first on its path.
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
+    )
     lessons = [Path(p).resolve() for p in paths] or sorted((ROOT / "lessons").glob("*.ipynb"))
     for path in lessons:
         start = time.perf_counter()

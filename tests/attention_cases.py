@@ -26,8 +26,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from minipaged.ops import (decode_oracle, paged_attention_decode, paged_attention_prefill,
-                           prefill_oracle, write_kv)
+from minipaged.ops import (
+    decode_oracle,
+    paged_attention_decode,
+    paged_attention_prefill,
+    prefill_oracle,
+    write_kv,
+)
 from minipaged.ops.testing import assert_close
 
 NUM_HEADS = 8
@@ -58,8 +63,11 @@ class Case:
         parts = [f"bs{self.block_size}", "L" + ",".join(map(str, self.context_lens))]
         if self.new_lens is not None:
             parts.append("new" + ",".join(map(str, self.new_lens)))
-        parts += [f"gqa{NUM_HEADS // self.num_kv_heads}", f"d{self.head_dim}",
-                  str(self.dtype).removeprefix("torch.")]
+        parts += [
+            f"gqa{NUM_HEADS // self.num_kv_heads}",
+            f"d{self.head_dim}",
+            str(self.dtype).removeprefix("torch."),
+        ]
         if self.shared_blocks:
             parts.append(f"shared{self.shared_blocks}")
         if self.scale_mult != 1.0:
@@ -86,13 +94,11 @@ PREFILL_CASES = [
     Case((7, 33, 129), block_size=16, new_lens=(7, 33, 129)),
     Case((40, 129), block_size=8, num_kv_heads=4, head_dim=128, new_lens=(8, 33)),
     Case((1, 33, 129), block_size=16, num_kv_heads=2, dtype=f16, new_lens=(1, 1, 1)),
-    Case((5, 77, 129, 64, 9), block_size=32, num_kv_heads=1, dtype=f16,
-         new_lens=(5, 1, 60, 17, 0)),
+    Case((5, 77, 129, 64, 9), block_size=32, num_kv_heads=1, dtype=f16, new_lens=(5, 1, 60, 17, 0)),
     Case((7, 20), block_size=1, head_dim=128, new_lens=(7, 3)),
     Case((50, 60), block_size=16, num_kv_heads=2, shared_blocks=2, new_lens=(18, 28)),
     Case((129,), block_size=32, num_kv_heads=4, head_dim=128, dtype=f16, new_lens=(129,)),
-    Case((33, 70), block_size=8, num_kv_heads=2, dtype=f16, scale_mult=30.0,
-         new_lens=(33, 20)),
+    Case((33, 70), block_size=8, num_kv_heads=2, dtype=f16, scale_mult=30.0, new_lens=(33, 20)),
 ]
 
 
@@ -137,13 +143,16 @@ def make_paged_kv(case: Case, generator: torch.Generator, device: str) -> PagedK
     for table, k, v in zip(tables, keys, values):
         for i, block in enumerate(table):
             chunk = slice(i * bs, (i + 1) * bs)
-            key_cache[block, :len(k[chunk])] = k[chunk]
-            value_cache[block, :len(v[chunk])] = v[chunk]
+            key_cache[block, : len(k[chunk])] = k[chunk]
+            value_cache[block, : len(v[chunk])] = v[chunk]
     return PagedKV(
-        keys=[k.to(device) for k in keys], values=[v.to(device) for v in values],
-        key_cache=key_cache.to(device), value_cache=value_cache.to(device),
+        keys=[k.to(device) for k in keys],
+        values=[v.to(device) for v in values],
+        key_cache=key_cache.to(device),
+        value_cache=value_cache.to(device),
         block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-        context_lens=torch.tensor(case.context_lens, dtype=torch.int32, device=device))
+        context_lens=torch.tensor(case.context_lens, dtype=torch.int32, device=device),
+    )
 
 
 def slots_of(kv: PagedKV, block_size: int) -> torch.Tensor:
@@ -181,8 +190,7 @@ class AttentionSuite:
         g = torch.Generator().manual_seed(0)
         kv = make_paged_kv(case, g, self.device)
         query = self._randn(g, len(case.context_lens), case)
-        args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens,
-                case.scale)
+        args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, case.scale)
         if not self.decodes(case):
             with pytest.raises(ValueError, match="block_size|head_dim"):
                 paged_attention_decode(*args, backend=self.backend)
@@ -198,16 +206,25 @@ class AttentionSuite:
         query = self._randn(g, sum(case.new_lens), case)
         starts = torch.tensor([0, *case.new_lens], device=self.device).cumsum(0)
         starts = starts.to(torch.int32)
-        out = paged_attention_prefill(query, kv.key_cache, kv.value_cache, kv.block_tables,
-                                      starts, kv.context_lens, case.scale,
-                                      backend=self.backend)
+        out = paged_attention_prefill(
+            query,
+            kv.key_cache,
+            kv.value_cache,
+            kv.block_tables,
+            starts,
+            kv.context_lens,
+            case.scale,
+            backend=self.backend,
+        )
         assert out.dtype == query.dtype
         assert_close(out, prefill_oracle(query, starts, kv.keys, kv.values, case.scale))
 
-    @pytest.mark.parametrize("num_tokens, block_size, num_kv_heads, head_dim, dtype, skip",
-                             WRITE_CASES)
-    def test_write_kv_scatters_and_skips(self, num_tokens, block_size, num_kv_heads,
-                                         head_dim, dtype, skip):
+    @pytest.mark.parametrize(
+        "num_tokens, block_size, num_kv_heads, head_dim, dtype, skip", WRITE_CASES
+    )
+    def test_write_kv_scatters_and_skips(
+        self, num_tokens, block_size, num_kv_heads, head_dim, dtype, skip
+    ):
         g = torch.Generator().manual_seed(0)
         num_blocks = math.ceil(num_tokens / block_size) + 2
         cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -225,8 +242,14 @@ class AttentionSuite:
                 expected_v[s // block_size, s % block_size] = value[t]
         dev = self.device
         key_cache, value_cache = key_cache.to(dev), value_cache.to(dev)
-        write_kv(key.to(dev), value.to(dev), key_cache, value_cache,
-                 slots.to(torch.int32).to(dev), backend=self.backend)
+        write_kv(
+            key.to(dev),
+            value.to(dev),
+            key_cache,
+            value_cache,
+            slots.to(torch.int32).to(dev),
+            backend=self.backend,
+        )
         assert torch.equal(key_cache.cpu(), expected_k)
         assert torch.equal(value_cache.cpu(), expected_v)
 
@@ -236,19 +259,25 @@ class AttentionSuite:
         kv = make_paged_kv(case, torch.Generator().manual_seed(0), self.device)
         key_cache = torch.full_like(kv.key_cache, float("nan"))
         value_cache = torch.full_like(kv.value_cache, float("nan"))
-        write_kv(torch.cat(kv.keys), torch.cat(kv.values), key_cache, value_cache,
-                 slots_of(kv, case.block_size), backend=self.backend)
+        write_kv(
+            torch.cat(kv.keys),
+            torch.cat(kv.values),
+            key_cache,
+            value_cache,
+            slots_of(kv, case.block_size),
+            backend=self.backend,
+        )
         torch.testing.assert_close(key_cache, kv.key_cache, rtol=0, atol=0, equal_nan=True)
-        torch.testing.assert_close(value_cache, kv.value_cache, rtol=0, atol=0,
-                                   equal_nan=True)
+        torch.testing.assert_close(value_cache, kv.value_cache, rtol=0, atol=0, equal_nan=True)
 
     def _randn(self, g, num_tokens, case):
         q = torch.randn(num_tokens, NUM_HEADS, case.head_dim, generator=g)
         return q.to(case.dtype).to(self.device)
 
 
-def real_paged_kv(batch, context_len, dtype, num_heads=32, num_kv_heads=8, head_dim=128,
-                  block_size=16):
+def real_paged_kv(
+    batch, context_len, dtype, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16
+):
     """Real sizes on the GPU: a pool of shuffled blocks, a query per sequence, and each
     sequence's dense K/V read back through plain tensor indexing for the oracle."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -258,7 +287,7 @@ def real_paged_kv(batch, context_len, dtype, num_heads=32, num_kv_heads=8, head_
     key_cache = torch.randn(shape, generator=g, device="cuda").to(dtype)
     value_cache = torch.randn(shape, generator=g, device="cuda").to(dtype)
     perm = torch.randperm(num_blocks, generator=g, device="cuda")
-    tables = perm[:batch * blocks_per_seq].view(batch, blocks_per_seq).to(torch.int32)
+    tables = perm[: batch * blocks_per_seq].view(batch, blocks_per_seq).to(torch.int32)
     keys = [key_cache[t].flatten(0, 1)[:context_len] for t in tables.long()]
     values = [value_cache[t].flatten(0, 1)[:context_len] for t in tables.long()]
     lens = torch.full((batch,), context_len, dtype=torch.int32, device="cuda")
@@ -269,12 +298,15 @@ def real_paged_kv(batch, context_len, dtype, num_heads=32, num_kv_heads=8, head_
 def refusal_on_cpu(backend: str, without: str) -> str:
     """What ``get_backend(backend, cpu)`` raises in a fresh interpreter whose environment
     lacks the variable ``without`` (the switch that lets the backend run on a CPU)."""
-    code = ("import torch\n"
-            "from minipaged.ops import BackendUnavailableError, get_backend\n"
-            "try:\n"
-            f"    get_backend({backend!r}, torch.device('cpu'))\n"
-            "except BackendUnavailableError as e:\n"
-            "    print(e)\n")
+    code = (
+        "import torch\n"
+        "from minipaged.ops import BackendUnavailableError, get_backend\n"
+        "try:\n"
+        f"    get_backend({backend!r}, torch.device('cpu'))\n"
+        "except BackendUnavailableError as e:\n"
+        "    print(e)\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != without}
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, check=True).stdout
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout

@@ -19,23 +19,31 @@ from triton.compiler import ASTSource
 from minipaged.ops import triton_kernels as tk
 
 # (kernel, constexprs as a launch in triton_ops passes them): GQA 32/8 heads, head_dim 128.
-DECODE = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64,
-              DOT_PRECISION="tf32")
+DECODE = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, DOT_PRECISION="tf32")
 KERNELS = [
     (tk.write_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128)),
     (tk.decode_kernel, dict(DECODE, WRITE_LSE=False)),
     (tk.decode_kernel, dict(DECODE, WRITE_LSE=True)),
     (tk.merge_splits_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32)),
-    (tk.prefill_kernel, dict(GROUP=4, BLOCK_G=4, BLOCK_Q=16, HEAD_DIM=128, BLOCK_D=128,
-                             BLOCK_N=64, DOT_PRECISION="tf32")),
+    (
+        tk.prefill_kernel,
+        dict(
+            GROUP=4,
+            BLOCK_G=4,
+            BLOCK_Q=16,
+            HEAD_DIM=128,
+            BLOCK_D=128,
+            BLOCK_N=64,
+            DOT_PRECISION="tf32",
+        ),
+    ),
 ]
 TARGETS = [(80, "fp16"), (90, "bf16"), (90, "fp16")]
 # Split-KV partial results and their log-sum-exps are float32 whatever the cache holds.
 FLOAT32_POINTERS = {"partial_ptr", "lse_ptr"}
 
 
-INDEX_POINTERS = {"slot_mapping_ptr", "block_tables_ptr", "context_lens_ptr",
-                  "query_start_loc_ptr"}
+INDEX_POINTERS = {"slot_mapping_ptr", "block_tables_ptr", "context_lens_ptr", "query_start_loc_ptr"}
 
 
 def signature(kernel, constexprs: dict, dtype: str) -> tuple[dict, dict, dict]:
@@ -67,15 +75,16 @@ def main() -> int:
     for kernel, constexprs in KERNELS:
         for capability, dtype in TARGETS:
             types, constants, hints = signature(kernel, constexprs, dtype)
-            source = ASTSource(fn=kernel, signature=types, constexprs=constants,
-                               attrs=hints)
+            source = ASTSource(fn=kernel, signature=types, constexprs=constants, attrs=hints)
             compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32))
             assert compiled.asm["cubin"], kernel.__name__
             ptx = compiled.asm["ptx"]
             loads = "16-byte loads" if "ld.global.v4" in ptx else "narrow loads"
             pipelined = ", pipelined (cp.async)" if "cp.async" in ptx else ""
-            print(f"sm_{capability} {dtype:<5} {kernel.__name__:<20} "
-                  f"{compiled.metadata.shared:>6,} B shared, {loads}{pipelined}")
+            print(
+                f"sm_{capability} {dtype:<5} {kernel.__name__:<20} "
+                f"{compiled.metadata.shared:>6,} B shared, {loads}{pipelined}"
+            )
     return 0
 
 

@@ -47,7 +47,6 @@ def tiny(tmp_path_factory):
     written and loaded into transformers once per test session (shared by every engine
     test file); ``overrides`` change its config, as in ``make_tiny_model``."""
     from engine_helpers import Oracle
-
     from minipaged.models import make_tiny_model
 
     checkpoints = {}
@@ -55,8 +54,9 @@ def tiny(tmp_path_factory):
     def get(arch: str, **overrides):
         key = (arch, *sorted(overrides.items()))
         if key not in checkpoints:
-            path = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, seed=0,
-                                   **overrides)
+            path = make_tiny_model(
+                tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, seed=0, **overrides
+            )
             checkpoints[key] = path, Oracle(path)
         return checkpoints[key]
 

@@ -41,18 +41,24 @@ class Oracle:
 
     def __init__(self, path) -> None:
         self.path = path
-        self.hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
-                                                       dtype=torch.float32).eval()
+        self.hf = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=torch.float32
+        ).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
 
-    @functools.cache
+    @functools.cache  # noqa: B019 (one Oracle per checkpoint, kept for the whole session)
     def _generate(self, prompt: tuple[int, ...], max_tokens: int):
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                   max_new_tokens=max_tokens, output_logits=True,
-                                   return_dict_in_generate=True)
-        tokens = out.sequences[0, len(prompt):].tolist()  # HF stops at (and keeps) EOS
+            out = self.hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_tokens,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        tokens = out.sequences[0, len(prompt) :].tolist()  # HF stops at (and keeps) EOS
         logprobs = torch.stack([step[0].float() for step in out.logits]).log_softmax(-1)
         return tokens, logprobs
 
@@ -72,7 +78,7 @@ class Oracle:
         tokens = list(prompt)
         for _ in range(max_tokens):
             tokens.append(int(self.next_logprobs(tokens).argmax()))
-        return tokens[len(prompt):]
+        return tokens[len(prompt) :]
 
     def eos_prompt(self, max_tokens: int, min_before_eos: int = 2) -> list[int]:
         """A prompt whose greedy continuation ends with EOS after at least
@@ -103,8 +109,9 @@ def assert_all_blocks_free(llm: LLM) -> None:
     assert not llm.engine.kv.tables  # no sequence keeps a block table
 
 
-def assert_greedy_matches_hf(outputs, prompts: list[list[int]], oracle: Oracle,
-                             max_tokens: int, logprobs: int | None = None) -> None:
+def assert_greedy_matches_hf(
+    outputs, prompts: list[list[int]], oracle: Oracle, max_tokens: int, logprobs: int | None = None
+) -> None:
     """Each output is HF's greedy continuation token for token (EOS included, where HF
     stopped) with the right finish reason; with ``logprobs`` = k, each step's dict holds
     the chosen token and HF's top k, with HF's values."""
@@ -122,8 +129,11 @@ def assert_greedy_matches_hf(outputs, prompts: list[list[int]], oracle: Oracle,
             hf_top = hf_logprobs[step].topk(logprobs).indices.tolist()
             assert set(ours) == {token, *hf_top}, f"prompt {i} step {step}"
             ids = list(ours)
-            torch.testing.assert_close(torch.tensor([ours[t] for t in ids]),
-                                       hf_logprobs[step][ids], **FP32,
-                                       msg=lambda m: f"prompt {i} step {step}: {m}")
+            torch.testing.assert_close(
+                torch.tensor([ours[t] for t in ids]),
+                hf_logprobs[step][ids],
+                **FP32,
+                msg=lambda m, i=i, step=step: f"prompt {i} step {step}: {m}",
+            )
         hf_cumulative = float(hf_logprobs[torch.arange(len(expected)), expected].sum())
         assert completion.cumulative_logprob == pytest.approx(hf_cumulative, abs=1e-3)

@@ -27,8 +27,9 @@ def copy_blocks(pairs, src, dst, bs):
 
 def holders(mgr, on_cpu):
     """Per block of one pool, how many block tables hold it."""
-    return Counter(b for sid, t in mgr.tables.items() if mgr.is_swapped(sid) == on_cpu
-                   for b in t.blocks)
+    return Counter(
+        b for sid, t in mgr.tables.items() if mgr.is_swapped(sid) == on_cpu for b in t.blocks
+    )
 
 
 class Shadow:
@@ -56,7 +57,7 @@ class Shadow:
         assert len(alloc.slot_mapping) == len(all_tokens) - start
         for p, slot in enumerate(alloc.slot_mapping, start):
             assert self.mgr.gpu.ref_count(slot // bs) == 1  # never into a shared block
-            store[slot] = tuple(all_tokens[:p + 1])
+            store[slot] = tuple(all_tokens[: p + 1])
         self.tokens[sid] = list(all_tokens)
 
     def allocate(self, sid, prompt, num_new_tokens=None):
@@ -106,7 +107,7 @@ class Shadow:
             assert mgr.num_tokens(sid) == len(toks)
             assert len(blocks) == ceil_div(len(toks), bs)
             for p in range(len(toks)):
-                assert store.get(blocks[p // bs] * bs + p % bs) == tuple(toks[:p + 1]), (sid, p)
+                assert store.get(blocks[p // bs] * bs + p % bs) == tuple(toks[: p + 1]), (sid, p)
         for pool, on_cpu in ((mgr.gpu, False), (mgr.cpu, True)):
             held = holders(mgr, on_cpu)
             for block in range(pool.num_blocks):

@@ -29,9 +29,9 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 
+from minipaged.batch import SchedulerOutput
 from minipaged.memory import KVCacheManager
 from minipaged.sampling_params import SamplingParams
-from minipaged.batch import SchedulerOutput
 from minipaged.scheduler import Scheduler
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.trace import Trace
@@ -72,16 +72,24 @@ class Before:
 class SchedulerSim:
     """A scheduler over a KV cache manager, a shadow KV store and a deterministic model."""
 
-    def __init__(self, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 enable_prefix_caching: bool = False, max_num_seqs: int = 8,
-                 max_num_batched_tokens: int = 64, preemption_mode: str = "recompute",
-                 trace: bool = False, check: bool = True) -> None:
-        self.kv = KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks,
-                                 enable_prefix_caching)
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = False,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 64,
+        preemption_mode: str = "recompute",
+        trace: bool = False,
+        check: bool = True,
+    ) -> None:
+        self.kv = KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
         self.bs = block_size
         self.trace = Trace(enabled=trace)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens,
-                                   preemption_mode, self.trace)
+        self.scheduler = Scheduler(
+            self.kv, max_num_seqs, max_num_batched_tokens, preemption_mode, self.trace
+        )
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.check = check
@@ -96,11 +104,16 @@ class SchedulerSim:
         self._content: dict[tuple[int, int], int] = {}
 
     # -- requests ---------------------------------------------------------------------
-    def add(self, request_id: str, prompt: list[int], n: int = 1,
-            max_tokens: int = 4) -> SequenceGroup:
-        group = SequenceGroup(request_id, None, list(prompt),
-                              SamplingParams(n=n, max_tokens=max_tokens),
-                              next(self._arrivals))
+    def add(
+        self, request_id: str, prompt: list[int], n: int = 1, max_tokens: int = 4
+    ) -> SequenceGroup:
+        group = SequenceGroup(
+            request_id,
+            None,
+            list(prompt),
+            SamplingParams(n=n, max_tokens=max_tokens),
+            next(self._arrivals),
+        )
         group.seqs.append(Sequence(f"{request_id}.0", list(prompt), len(prompt)))
         self.groups[request_id] = group
         self.scheduler.add(group)
@@ -138,15 +151,15 @@ class SchedulerSim:
         while arrivals or self.scheduler.has_unfinished():
             if self.step_no >= max_steps:
                 q = self.scheduler
-                last = [(len(o.seqs), len(o.preempted), len(o.swap_in))
-                        for o in self.outputs[-4:]]
+                last = [(len(o.seqs), len(o.preempted), len(o.swap_in)) for o in self.outputs[-4:]]
                 raise AssertionError(
                     f"no completion after {max_steps} steps (livelock?): waiting="
                     f"{[g.request_id for g in q.waiting]} running="
                     f"{[g.request_id for g in q.running]} swapped="
                     f"{[g.request_id for g in q.swapped]}, free GPU blocks "
                     f"{self.kv.gpu.num_free_blocks}/{self.kv.gpu.num_blocks}, last outputs: "
-                    f"{last} (seqs, preempted, swap_in)")
+                    f"{last} (seqs, preempted, swap_in)"
+                )
             for spec in arrivals.pop(self.step_no, []):
                 self.add(*spec)
             self.step()
@@ -170,7 +183,7 @@ class SchedulerSim:
         self._copy(out.swap_in, cpu, gpu)
         self._copy(out.copies, gpu, gpu)
         for s in out.seqs:
-            ids = self._content_ids(s.seq.token_ids[:s.start + s.num_new_tokens])
+            ids = self._content_ids(s.seq.token_ids[: s.start + s.num_new_tokens])
             for p in range(s.start, s.start + s.num_new_tokens):
                 gpu[s.block_table[p // self.bs] * self.bs + p % self.bs] = ids[p]
 
@@ -201,11 +214,15 @@ class SchedulerSim:
                     blocks = self.kv.block_table(seq.seq_id)
                     n = seq.num_computed_tokens
                     ids = self._content_ids(seq.token_ids[:n])
-                    got = [self.store[pool].get(blocks[p // self.bs] * self.bs + p % self.bs)
-                           for p in range(n)]
-                    assert got == ids, (f"step {self.step_no}: {seq.seq_id} reads wrong KV "
-                                        f"on the {pool} pool at positions "
-                                        f"{[p for p in range(n) if got[p] != ids[p]]}")
+                    got = [
+                        self.store[pool].get(blocks[p // self.bs] * self.bs + p % self.bs)
+                        for p in range(n)
+                    ]
+                    assert got == ids, (
+                        f"step {self.step_no}: {seq.seq_id} reads wrong KV "
+                        f"on the {pool} pool at positions "
+                        f"{[p for p in range(n) if got[p] != ids[p]]}"
+                    )
 
     def update(self, out: SchedulerOutput) -> None:
         """Sample, fork, finish, free and retire, as an engine does after the forward pass."""
@@ -218,8 +235,7 @@ class SchedulerSim:
             if group.params.n > 1 and len(group.seqs) == 1:
                 seqs += [self.scheduler.fork(group, s.seq) for _ in range(group.params.n - 1)]
             for seq in seqs:
-                seq.append_token(model_token(group.request_id, seq.index, len(seq.token_ids)),
-                                 0.0)
+                seq.append_token(model_token(group.request_id, seq.index, len(seq.token_ids)), 0.0)
                 if seq.num_output_tokens >= group.params.max_tokens:
                     seq.finish_reason = "length"
                     self.scheduler.free_seq(group, seq)
@@ -234,8 +250,11 @@ class SchedulerSim:
     # -- checks -----------------------------------------------------------------------
     def _snapshot(self) -> Before:
         q, kv = self.scheduler, self.kv
-        computed = {s.seq_id: s.num_computed_tokens
-                    for g in q.waiting + q.running + q.swapped for s in g.seqs}
+        computed = {
+            s.seq_id: s.num_computed_tokens
+            for g in q.waiting + q.running + q.swapped
+            for s in g.seqs
+        }
         tables = {sid: (kv.block_table(sid), kv.is_swapped(sid)) for sid in kv.tables}
         return Before(list(q.waiting), list(q.running), list(q.swapped), computed, tables)
 
@@ -246,11 +265,12 @@ class SchedulerSim:
         # Budgets.
         assert len(out.seqs) <= self.max_num_seqs, f"{step}: {len(out.seqs)} seqs scheduled"
         assert out.num_batched_tokens <= self.max_num_batched_tokens, (
-            f"{step}: {out.num_batched_tokens} tokens scheduled")
+            f"{step}: {out.num_batched_tokens} tokens scheduled"
+        )
         assert len({id(s.seq) for s in out.seqs}) == len(out.seqs), f"{step}: a seq twice"
         # Preemption takes the most recently arrived running requests, newest first.
         by_age = sorted(before.running, key=lambda g: g.arrival, reverse=True)
-        assert out.preempted == by_age[:len(out.preempted)], f"{step}: wrong victims"
+        assert out.preempted == by_age[: len(out.preempted)], f"{step}: wrong victims"
         preempted = set(map(id, out.preempted))
         running_before = set(map(id, before.running))
         waiting_before = set(map(id, before.waiting))
@@ -259,11 +279,12 @@ class SchedulerSim:
         resumed = [g for g in q.running if id(g) in swapped_before]
         # FCFS admission, no overtaking; nothing admitted or resumed in a step that
         # preempted; swapped requests come back before any waiting one is admitted.
-        assert admitted == before.waiting[:len(admitted)], f"{step}: admission overtook"
-        assert resumed == before.swapped[:len(resumed)], f"{step}: resume overtook"
+        assert admitted == before.waiting[: len(admitted)], f"{step}: admission overtook"
+        assert resumed == before.swapped[: len(resumed)], f"{step}: resume overtook"
         if out.preempted:
             assert not admitted and not resumed and not out.swap_in, (
-                f"{step}: admitted or resumed in a step that preempted")
+                f"{step}: admitted or resumed in a step that preempted"
+            )
         if admitted:
             assert not q.swapped, f"{step}: admitted while a request is swapped out"
         # What runs: running or admitted requests, never a swapped or preempted one.
@@ -289,9 +310,13 @@ class SchedulerSim:
         self._check_swap(out.swap_in, resumed, before, on_cpu=False, step=step)
         # Copy-on-write: a scheduled sequence's last shared block is replaced by a copy.
         for src, dst in out.copies:
-            owners = [s for s in out.seqs if dst in s.block_table
-                      and s.seq.seq_id in before.tables
-                      and dst not in before.tables[s.seq.seq_id][0]]
+            owners = [
+                s
+                for s in out.seqs
+                if dst in s.block_table
+                and s.seq.seq_id in before.tables
+                and dst not in before.tables[s.seq.seq_id][0]
+            ]
             assert len(owners) == 1, f"{step}: copy {src}->{dst} has owners {owners}"
             old = before.tables[owners[0].seq.seq_id][0]
             i = owners[0].block_table.index(dst)
@@ -312,7 +337,7 @@ class SchedulerSim:
         for g in groups:
             old = {s.seq_id: before.tables[s.seq_id] for s in g.unfinished_seqs}
             distinct = set(b for blocks, _ in old.values() for b in blocks)
-            mine, pairs = pairs[:len(distinct)], pairs[len(distinct):]
+            mine, pairs = pairs[: len(distinct)], pairs[len(distinct) :]
             assert sorted(a for a, _ in mine) == sorted(distinct), f"{step}: swap sources"
             assert len({b for _, b in mine}) == len(mine), f"{step}: swap targets repeat"
             mapping = dict(mine)
@@ -326,9 +351,11 @@ class SchedulerSim:
         """Between steps: queues in arrival order and disjoint; where each sequence's KV is."""
         q, kv = self.scheduler, self.kv
         held = set()
-        for queue, status in ((q.waiting, SequenceStatus.WAITING),
-                              (q.running, SequenceStatus.RUNNING),
-                              (q.swapped, SequenceStatus.SWAPPED)):
+        for queue, status in (
+            (q.waiting, SequenceStatus.WAITING),
+            (q.running, SequenceStatus.RUNNING),
+            (q.swapped, SequenceStatus.SWAPPED),
+        ):
             arrivals = [g.arrival for g in queue]
             assert arrivals == sorted(arrivals), f"{status} queue out of arrival order"
             for g in queue:
@@ -347,4 +374,5 @@ class SchedulerSim:
         assert set(kv.tables) == held, "block tables of sequences no queue runs"
         running = sum(len(g.unfinished_seqs) for g in q.running)
         assert running <= self.max_num_seqs, (
-            f"{running} running sequences > max_num_seqs={self.max_num_seqs}")
+            f"{running} running sequences > max_num_seqs={self.max_num_seqs}"
+        )

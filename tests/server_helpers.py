@@ -71,8 +71,7 @@ def in_process_app(path, api_key: str | None = None, **app_kwargs):
     port = free_port()
     app = build_app(engine, MODEL, api_key, **app_kwargs)
     limits = app_kwargs.get("limits") or ServerLimits()
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, limits,
-                                           log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, limits, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base_url = f"http://127.0.0.1:{port}"
@@ -89,9 +88,20 @@ def subprocess_server(path):
     user's Ctrl-C), killed if it will not stop."""
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "minipaged", "serve", str(path), "--port", str(port),
-         "--served-model-name", MODEL, *FLAGS],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        [
+            sys.executable,
+            "-m",
+            "minipaged",
+            "serve",
+            str(path),
+            "--port",
+            str(port),
+            "--served-model-name",
+            MODEL,
+            *FLAGS,
+        ],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     base_url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base_url, lambda: process.poll() is None)
@@ -108,8 +118,9 @@ def subprocess_server(path):
 def metrics(base_url: str) -> dict[str, float]:
     """``/metrics``, parsed by prometheus_client's own parser: sample name -> value."""
     text = httpx.get(f"{base_url}/metrics").text
-    return {s.name: s.value for family in text_string_to_metric_families(text)
-            for s in family.samples}
+    return {
+        s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+    }
 
 
 def wait_idle(base_url: str, timeout_s: float = 20) -> dict[str, float]:
@@ -118,9 +129,14 @@ def wait_idle(base_url: str, timeout_s: float = 20) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
     while True:
         now = metrics(base_url)
-        idle = (now["minipaged:num_requests_running"] == now["minipaged:num_requests_waiting"]
-                == now["minipaged:num_requests_swapped"] == now["minipaged:kv_blocks_used"]
-                == now["minipaged:cpu_kv_blocks_used"] == 0)
+        idle = (
+            now["minipaged:num_requests_running"]
+            == now["minipaged:num_requests_waiting"]
+            == now["minipaged:num_requests_swapped"]
+            == now["minipaged:kv_blocks_used"]
+            == now["minipaged:cpu_kv_blocks_used"]
+            == 0
+        )
         if idle or time.monotonic() > deadline:
             assert idle, now
             return now

@@ -8,8 +8,12 @@ import random
 
 import pytest
 
-from minipaged.memory import (BlockAllocator, KVCacheManager, NoFreeBlocksError,
-                              PrefixCachingBlockAllocator)
+from minipaged.memory import (
+    BlockAllocator,
+    KVCacheManager,
+    NoFreeBlocksError,
+    PrefixCachingBlockAllocator,
+)
 
 # The plain pool and the prefix-caching pool must both honour the allocator contract
 # (a prefix-caching pool with nothing registered behaves exactly like a plain one).
@@ -26,8 +30,12 @@ def make_pool(request):
 
 def state(pool):
     """Everything an operation could change."""
-    return (pool.num_free_blocks, pool.num_used_blocks, list(pool._free),
-            [pool.ref_count(b) for b in range(pool.num_blocks)])
+    return (
+        pool.num_free_blocks,
+        pool.num_used_blocks,
+        list(pool._free),
+        [pool.ref_count(b) for b in range(pool.num_blocks)],
+    )
 
 
 def check_against_model(pool, refs):

@@ -10,8 +10,8 @@ copy-on-write, and even when it preempts them.
 import dataclasses
 
 import pytest
-from engine_helpers import EOS, as_inputs, assert_all_blocks_free, make_llm, random_prompt
 
+from engine_helpers import EOS, as_inputs, assert_all_blocks_free, make_llm, random_prompt
 from minipaged import BeamSearchParams
 from minipaged.memory.block_table import blocks_for
 
@@ -21,7 +21,7 @@ MAX_TOKENS = 8
 def beam_score(tokens, cum_logprob, length_penalty):
     """vLLM's ``get_beam_search_score``: a final EOS does not count towards the length."""
     length = len(tokens) - (tokens[-1] == EOS)
-    return cum_logprob / length ** length_penalty
+    return cum_logprob / length**length_penalty
 
 
 def reference_beam_search(oracle, prompt, params):
@@ -57,7 +57,7 @@ def assert_beams_equal(llm, outputs, prompts, expected, ignore_eos=False):
         assert [s.tokens for s in out.sequences] == [t for t, _ in best], f"prompt {i}"
         for seq, (tokens, cum) in zip(out.sequences, best):
             assert seq.cum_logprob == pytest.approx(cum, abs=1e-3)
-            generated = tokens[len(prompt):]
+            generated = tokens[len(prompt) :]
             if generated[-1] == EOS and not ignore_eos:
                 generated = generated[:-1]
             assert seq.text == tokenizer.decode(generated)
@@ -76,28 +76,36 @@ def prompts_where_the_penalty_matters(oracle, params, count=3):
     ``params.length_penalty`` differ from those under another penalty (which needs beams
     finished at EOS, of other lengths, competing with the live ones), so the test
     sees the length normalisation and not only the cumulative logprob."""
-    contrast = dataclasses.replace(params, length_penalty=1.0 if params.length_penalty == 0
-                                   else 0.0)
+    contrast = dataclasses.replace(
+        params, length_penalty=1.0 if params.length_penalty == 0 else 0.0
+    )
 
     def beams(p, prm):
         return [t for t, _ in reference_beam_search(oracle, p, prm)]
 
-    decisive = next(p for p in (random_prompt(1 + s % 12, seed=s) for s in range(60))
-                    if beams(p, params) != beams(p, contrast))
-    return [decisive] + [random_prompt(n, seed=200 + n) for n in (17, 30)][:count - 1]
+    decisive = next(
+        p
+        for p in (random_prompt(1 + s % 12, seed=s) for s in range(60))
+        if beams(p, params) != beams(p, contrast)
+    )
+    return [decisive] + [random_prompt(n, seed=200 + n) for n in (17, 30)][: count - 1]
 
 
-@pytest.mark.parametrize("arch, beam_width, length_penalty", [
-    ("llama", 2, 1.0),
-    ("llama", 4, 0.0),   # raw cumulative logprob: favours short, finished beams
-    ("llama", 3, 2.0),   # favours long beams
-    ("qwen3", 4, 1.0),
-])
+@pytest.mark.parametrize(
+    "arch, beam_width, length_penalty",
+    [
+        ("llama", 2, 1.0),
+        ("llama", 4, 0.0),  # raw cumulative logprob: favours short, finished beams
+        ("llama", 3, 2.0),  # favours long beams
+        ("qwen3", 4, 1.0),
+    ],
+)
 def test_beam_search_equals_naive_reference(tiny, arch, beam_width, length_penalty):
     """A batch of prompts searched together returns, per prompt, the reference's beams."""
     path, oracle = tiny(arch)
-    params = BeamSearchParams(beam_width=beam_width, max_tokens=MAX_TOKENS,
-                              length_penalty=length_penalty)
+    params = BeamSearchParams(
+        beam_width=beam_width, max_tokens=MAX_TOKENS, length_penalty=length_penalty
+    )
     prompts = prompts_where_the_penalty_matters(oracle, params)
     llm = make_llm(path, block_size=8)
     outputs = search_and_compare(llm, oracle, prompts, params)
@@ -115,7 +123,7 @@ def test_beam_search_under_preemption_equals_reference(tiny, mode):
     block_size = 4
     worst = max(params.beam_width * blocks_for(len(p) + MAX_TOKENS, block_size) for p in prompts)
     llm = make_llm(path, block_size=block_size, num_gpu_blocks=worst, preemption_mode=mode)
-    outputs = search_and_compare(llm, oracle, prompts, params)
+    search_and_compare(llm, oracle, prompts, params)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0
     assert (stats["num_swapped_out_blocks"] > 0) == (mode == "swap")
@@ -154,8 +162,11 @@ def test_ignore_eos_keeps_eos_beams_alive(tiny):
     (length_penalty 0, so vLLM's EOS length rule plays no part in the ranking)."""
     path, oracle = tiny("llama")
     params = BeamSearchParams(beam_width=4, max_tokens=4, length_penalty=0.0, ignore_eos=True)
-    prompt = next(p for p in (random_prompt(1 + s % 20, seed=s) for s in range(60))
-                  if any(EOS in t[len(p):] for t, _ in reference_beam_search(oracle, p, params)))
+    prompt = next(
+        p
+        for p in (random_prompt(1 + s % 20, seed=s) for s in range(60))
+        if any(EOS in t[len(p) :] for t, _ in reference_beam_search(oracle, p, params))
+    )
     llm = make_llm(path, block_size=8)
     outputs = search_and_compare(llm, oracle, [prompt], params)
     assert all(len(s.tokens) == len(prompt) + 4 for s in outputs[0].sequences)
@@ -170,6 +181,7 @@ def test_ignore_eos_ranks_eos_ending_beams_as_vllm_does(tiny):
     for seed in range(8):
         prompt = random_prompt(1 + seed % 20, seed=seed)
         for width in (2, 4):
-            params = BeamSearchParams(beam_width=width, max_tokens=2, length_penalty=1.0,
-                                      ignore_eos=True)
+            params = BeamSearchParams(
+                beam_width=width, max_tokens=2, length_penalty=1.0, ignore_eos=True
+            )
             search_and_compare(llm, oracle, [prompt], params)

@@ -10,18 +10,27 @@ import pytest
 import torch
 
 from cli_helpers import run_main
-
 from minipaged.bench import attention as bench
 from minipaged.bench.results import COMMITTED_DIR, committed_path, device_slug
 from minipaged.cli import main
 from minipaged.ops import paged_attention_decode, prefill_oracle
 from minipaged.ops.testing import assert_close
 
-ROW_FIELDS = {"backend", "op", "batch", "context_len", "num_heads", "num_kv_heads",
-              "head_dim", "block_size", "dtype", "time_us", "bandwidth_gbs",
-              "fraction_of_read_bw"}
-TOP_FIELDS = {"device", "torch", "triton", "date", "command", "results",
-              "read_bandwidth_gbs"}
+ROW_FIELDS = {
+    "backend",
+    "op",
+    "batch",
+    "context_len",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "block_size",
+    "dtype",
+    "time_us",
+    "bandwidth_gbs",
+    "fraction_of_read_bw",
+}
+TOP_FIELDS = {"device", "torch", "triton", "date", "command", "results", "read_bandwidth_gbs"}
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Small enough for a few seconds on a CPU; prefill keeps a chunk with a cached prefix.
 CPU_ARGV = ["bench", "attention", "--preset", "cpu", "--batch", "2", "--context-len", "64"]
@@ -41,14 +50,17 @@ def test_json_has_every_contract_field(cpu_run):
     doc, _, path = cpu_run
     assert TOP_FIELDS <= doc.keys()
     assert doc["device"] and doc["torch"] == torch.__version__
-    assert doc["command"] == "minipaged bench attention --preset cpu --batch 2 " \
-                             f"--context-len 64 --json {path}"
+    assert (
+        doc["command"] == "minipaged bench attention --preset cpu --batch 2 "
+        f"--context-len 64 --json {path}"
+    )
     assert doc["results"]
     for row in doc["results"]:
         assert ROW_FIELDS <= row.keys()
         assert ("num_new_tokens" in row) == (row["op"] == "prefill")
-    shapes = {(r["op"], r["batch"], r["context_len"], r.get("num_new_tokens"))
-              for r in doc["results"]}
+    shapes = {
+        (r["op"], r["batch"], r["context_len"], r.get("num_new_tokens")) for r in doc["results"]
+    }
     assert shapes == {("decode", 2, 64, None), ("prefill", 2, 64, 64), ("prefill", 2, 64, 32)}
 
 
@@ -56,12 +68,12 @@ def test_bandwidth_is_bytes_moved_over_time(cpu_run):
     doc, _, _ = cpu_run
     for row in doc["results"]:
         kv = row["batch"] * row["context_len"] * row["num_kv_heads"] * row["head_dim"] * 2
-        q_out = row["batch"] * row.get("num_new_tokens", 1) * row["num_heads"] \
-            * row["head_dim"] * 2
+        q_out = row["batch"] * row.get("num_new_tokens", 1) * row["num_heads"] * row["head_dim"] * 2
         nbytes = (kv + q_out) * ELEMENT_BYTES[row["dtype"]]
         assert row["bandwidth_gbs"] == pytest.approx(nbytes / (row["time_us"] * 1e-6) / 1e9)
         assert row["fraction_of_read_bw"] == pytest.approx(
-            row["bandwidth_gbs"] / doc["read_bandwidth_gbs"])
+            row["bandwidth_gbs"] / doc["read_bandwidth_gbs"]
+        )
 
 
 def test_cpu_times_torch_and_sdpa_and_notes_the_rest(cpu_run):
@@ -96,8 +108,9 @@ def test_sdpa_aligns_the_causal_mask_bottom_right(new, length):
     out = bench.sdpa_attention(q, k, v, scale=0.125)
     packed = q.transpose(1, 2).reshape(batch * new, heads, dim)
     starts = [0, new, 2 * new]
-    expected = prefill_oracle(packed, starts, list(k.transpose(1, 2)), list(v.transpose(1, 2)),
-                              scale=0.125)
+    expected = prefill_oracle(
+        packed, starts, list(k.transpose(1, 2)), list(v.transpose(1, 2)), scale=0.125
+    )
     assert_close(out.transpose(1, 2).reshape(batch * new, heads, dim), expected)
 
 
@@ -105,19 +118,24 @@ def test_identity_tables_read_the_same_kv_as_shuffled_ones():
     shape = bench.Shape("decode", 3, 40, 1, 4, 2, 64, 8, "float32")
     x = bench._make_inputs(shape, torch.device("cpu"))
     assert not torch.equal(x.block_tables, x.identity_tables)
-    shuffled = paged_attention_decode(x.query, x.key_cache, x.value_cache, x.block_tables,
-                                      x.context_lens, x.scale)
-    contiguous = paged_attention_decode(x.query, x.contiguous_key_cache,
-                                        x.contiguous_value_cache, x.identity_tables,
-                                        x.context_lens, x.scale)
+    shuffled = paged_attention_decode(
+        x.query, x.key_cache, x.value_cache, x.block_tables, x.context_lens, x.scale
+    )
+    contiguous = paged_attention_decode(
+        x.query,
+        x.contiguous_key_cache,
+        x.contiguous_value_cache,
+        x.identity_tables,
+        x.context_lens,
+        x.scale,
+    )
     assert torch.equal(shuffled, contiguous)
 
 
 def test_a_wrong_output_gets_a_note_not_a_number(monkeypatch):
     monkeypatch.setattr(bench, "sdpa_attention", lambda q, k, v, scale: torch.zeros_like(q))
     shape = bench.Shape("decode", 2, 32, 1, 4, 2, 64, 16, "float32")
-    result = bench.bench_attention([shape], ["torch", "sdpa-contiguous"], "cpu",
-                                   progress=False)
+    result = bench.bench_attention([shape], ["torch", "sdpa-contiguous"], "cpu", progress=False)
     assert [row["backend"] for row in result.rows] == ["torch"]
     assert "sdpa-contiguous decode B=2 L=32: output differs" in result.notes[0]
 
@@ -138,14 +156,17 @@ def test_device_slug_is_the_first_two_words_of_the_gpu_name(monkeypatch):
     assert committed_path("attention", "cuda") == COMMITTED_DIR / "nvidia-h100" / "attention.json"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
-    (["--batch", "0"], "minipaged bench attention: error: batch must be a positive int, got 0"),
-    (["--context-len", "-5"], "context_len must be a positive int, got -5"),
-    (["--num-kv-heads", "3"], "num_heads 8 must be a multiple of num_kv_heads 3"),
-    (["--backends", "tpu"], "argument --backends: invalid choice: 'tpu'"),
-    (["--ops", "train"], "argument --ops: invalid choice: 'train'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+        (["--batch", "0"], "minipaged bench attention: error: batch must be a positive int, got 0"),
+        (["--context-len", "-5"], "context_len must be a positive int, got -5"),
+        (["--num-kv-heads", "3"], "num_heads 8 must be a multiple of num_kv_heads 3"),
+        (["--backends", "tpu"], "argument --backends: invalid choice: 'tpu'"),
+        (["--ops", "train"], "argument --ops: invalid choice: 'train'"),
+    ],
+)
 def test_bad_flags_exit_2_naming_them(argv, message, tmp_path, capsys):
     out = tmp_path / "attention.json"
     assert run_main(["bench", "attention", "--preset", "cpu", *argv, "--json", str(out)]) == 2
@@ -156,10 +177,16 @@ def test_bad_flags_exit_2_naming_them(argv, message, tmp_path, capsys):
 
 def test_no_backend_that_can_run_is_an_error(tmp_path, capsys):
     out = tmp_path / "attention.json"
-    assert run_main([*CPU_ARGV, "--ops", "decode", "--backends", "cuda-v1", "triton",
-                     "--json", str(out)]) == 2
-    assert "backends ['cuda-v1', 'triton'] could not run here: skipped cuda-v1:" in \
-        capsys.readouterr().err
+    assert (
+        run_main(
+            [*CPU_ARGV, "--ops", "decode", "--backends", "cuda-v1", "triton", "--json", str(out)]
+        )
+        == 2
+    )
+    assert (
+        "backends ['cuda-v1', 'triton'] could not run here: skipped cuda-v1:"
+        in capsys.readouterr().err
+    )
     assert not out.exists()
 
 
@@ -177,8 +204,23 @@ def test_gpu_preset_without_cuda_says_so(capsys):
 @pytest.mark.gpu
 def test_gpu_run_times_every_backend(tmp_path):
     path = tmp_path / "attention.json"
-    assert main(["bench", "attention", "--preset", "gpu", "--batch", "2", "--context-len",
-                 "512", "--json", str(path)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "attention",
+                "--preset",
+                "gpu",
+                "--batch",
+                "2",
+                "--context-len",
+                "512",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(path.read_text())
     assert doc["device"] == torch.cuda.get_device_name()
     assert doc["read_bandwidth_gbs"] > 100

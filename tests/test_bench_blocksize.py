@@ -12,9 +12,9 @@ fragmentation.
 import json
 
 import pytest
-from cli_helpers import run_main
 from matplotlib.figure import Figure
 
+from cli_helpers import run_main
 from minipaged.bench import blocksize as bench
 from minipaged.bench.throughput import make_prompts, preset_device
 from minipaged.llm import LLM
@@ -79,8 +79,13 @@ def test_engine_run_counts_and_frees_everything(tiny, block_size):
     """Two requests that both fit: step 1 prefills both and samples each one token, then
     one decode step per further token, so max(output) = 3 steps, no preemption, and
     3 + 2 tokens out.  Afterwards every block is free."""
-    llm = LLM(str(tiny), device="cpu", block_size=block_size, num_gpu_blocks=256 // block_size,
-              swap_space=0)
+    llm = LLM(
+        str(tiny),
+        device="cpu",
+        block_size=block_size,
+        num_gpu_blocks=256 // block_size,
+        swap_space=0,
+    )
     requests = [RequestSpec(10, 3), RequestSpec(5, 2)]
     prompts = make_prompts(requests, llm.get_tokenizer(), llm.engine.vocab_size)
     run = bench.run_engine(llm, requests, prompts)
@@ -91,11 +96,22 @@ def test_engine_run_counts_and_frees_everything(tiny, block_size):
 
 
 def test_bench_rows_have_the_declared_keys(tiny):
-    rows = bench.bench_block_size(tiny, ["alpaca", "sharegpt"], [16, 1], {"alpaca": 3,
-                                  "sharegpt": 2}, 512, {"alpaca": 0.2, "sharegpt": 0.05},
-                                  {"device": "cpu"}, progress=False)
+    rows = bench.bench_block_size(
+        tiny,
+        ["alpaca", "sharegpt"],
+        [16, 1],
+        {"alpaca": 3, "sharegpt": 2},
+        512,
+        {"alpaca": 0.2, "sharegpt": 0.05},
+        {"device": "cpu"},
+        progress=False,
+    )
     assert [(r["workload"], r["block_size"]) for r in rows] == [
-        ("alpaca", 1), ("alpaca", 16), ("sharegpt", 1), ("sharegpt", 16)]
+        ("alpaca", 1),
+        ("alpaca", 16),
+        ("sharegpt", 1),
+        ("sharegpt", 16),
+    ]
     for r in rows:
         assert tuple(r) == bench.ROW_KEYS
         assert r["num_gpu_blocks"] == 512 // r["block_size"] and r["kv_slots"] == 512
@@ -107,16 +123,30 @@ def test_bench_rows_have_the_declared_keys(tiny):
 
 
 # -- bad arguments -----------------------------------------------------------------------
-@pytest.mark.parametrize("change, name", [
-    ({"block_sizes": [0]}, "block_sizes"), ({"block_sizes": []}, "block_sizes"),
-    ({"block_sizes": [4.0]}, "block_sizes"), ({"workloads": ["lmsys"]}, "workloads"),
-    ({"workloads": []}, "workloads"), ({"engine_kwargs": {"block_size": 8}}, "block_size"),
-    ({"kv_slots": 8}, "kv_slots"), ({"num_requests": {"alpaca": 0}}, "num_requests")])
+@pytest.mark.parametrize(
+    "change, name",
+    [
+        ({"block_sizes": [0]}, "block_sizes"),
+        ({"block_sizes": []}, "block_sizes"),
+        ({"block_sizes": [4.0]}, "block_sizes"),
+        ({"workloads": ["lmsys"]}, "workloads"),
+        ({"workloads": []}, "workloads"),
+        ({"engine_kwargs": {"block_size": 8}}, "block_size"),
+        ({"kv_slots": 8}, "kv_slots"),
+        ({"num_requests": {"alpaca": 0}}, "num_requests"),
+    ],
+)
 def test_bad_arguments_are_refused_by_name_before_any_engine(tiny, change, name, monkeypatch):
     monkeypatch.setattr(bench, "run_engine", None)  # reaching an engine would fail otherwise
-    kwargs = dict(workloads=["alpaca"], block_sizes=[1, 16], num_requests={"alpaca": 2},
-                  kv_slots=512, length_scales={"alpaca": 1.0}, engine_kwargs={"device": "cpu"},
-                  progress=False)
+    kwargs = dict(
+        workloads=["alpaca"],
+        block_sizes=[1, 16],
+        num_requests={"alpaca": 2},
+        kv_slots=512,
+        length_scales={"alpaca": 1.0},
+        engine_kwargs={"device": "cpu"},
+        progress=False,
+    )
     with pytest.raises(ValueError, match=name):
         bench.bench_block_size(tiny, **{**kwargs, **change})
 
@@ -130,9 +160,28 @@ def test_bad_preset_and_scale_are_refused_by_name():
 
 def test_command_line_writes_the_results_file(tmp_path):
     out = tmp_path / "block-size.json"
-    assert run_main(["bench", "block-size", "--preset", "cpu", "--workloads", "alpaca",
-                     "--block-sizes", "4", "16", "--num-requests", "6", "--kv-slots", "512",
-                     "--json", str(out)]) == 0
+    assert (
+        run_main(
+            [
+                "bench",
+                "block-size",
+                "--preset",
+                "cpu",
+                "--workloads",
+                "alpaca",
+                "--block-sizes",
+                "4",
+                "16",
+                "--num-requests",
+                "6",
+                "--kv-slots",
+                "512",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     document = json.loads(out.read_text())
     assert {"device", "torch", "triton", "date", "command", "results"} <= set(document)
     assert sorted(row["block_size"] for row in document["results"]) == [4, 16]

@@ -4,16 +4,25 @@ from minipaged.bench.common import Column, format_table
 
 
 def test_a_markdown_table_with_numbers_right_aligned():
-    rows = [{"system": "paged", "share": 0.973, "batch": 34.5},
-            {"system": "contiguous-max", "share": 0.2, "batch": None}]
-    table = format_table(rows, [Column("system", "system"), Column("tokens", "share", "{:.1%}"),
-                                Column("x2", lambda r: 2 * r["share"], "{:.2f}x"),
-                                Column("batch", "batch", "{:.1f}")])
+    rows = [
+        {"system": "paged", "share": 0.973, "batch": 34.5},
+        {"system": "contiguous-max", "share": 0.2, "batch": None},
+    ]
+    table = format_table(
+        rows,
+        [
+            Column("system", "system"),
+            Column("tokens", "share", "{:.1%}"),
+            Column("x2", lambda r: 2 * r["share"], "{:.2f}x"),
+            Column("batch", "batch", "{:.1f}"),
+        ],
+    )
     assert table.splitlines() == [
         "| system         | tokens |    x2 | batch |",
         "| :------------- | -----: | ----: | ----: |",
         "| paged          |  97.3% | 1.95x |  34.5 |",
-        "| contiguous-max |  20.0% | 0.40x |     - |"]
+        "| contiguous-max |  20.0% | 0.40x |     - |",
+    ]
 
 
 def test_a_column_of_words_numbers_or_bools_is_left_aligned():

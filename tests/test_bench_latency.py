@@ -12,20 +12,30 @@ import math
 from types import SimpleNamespace
 
 import pytest
-from cli_helpers import run_main
 
+from cli_helpers import run_main
 from minipaged import LLM
 from minipaged.bench import latency as bench
 from minipaged.bench.results import write_results
 from minipaged.bench.throughput import make_prompts
+from minipaged.config import MEMORY_MODES
 from minipaged.models import make_tiny_model
 from minipaged.sampling_params import SamplingParams
-from minipaged.config import MEMORY_MODES
 from minipaged.workloads import RequestSpec, arrival_times, synthetic_requests
 
-ROW_FIELDS = {"mode", "rate", "num_requests", "normalized_latency_s_per_token",
-              "mean_latency_s", "requests_per_s", "output_tokens_per_s", "mean_batch",
-              "num_steps", "num_preemptions", "duration_s"}
+ROW_FIELDS = {
+    "mode",
+    "rate",
+    "num_requests",
+    "normalized_latency_s_per_token",
+    "mean_latency_s",
+    "requests_per_s",
+    "output_tokens_per_s",
+    "mean_batch",
+    "num_steps",
+    "num_preemptions",
+    "duration_s",
+}
 
 
 @pytest.fixture(scope="module")
@@ -35,23 +45,28 @@ def tiny(tmp_path_factory):
 
 # -- the metric -----------------------------------------------------------------------
 
+
 def test_normalized_latency_by_hand():
     """(4 - 0) / 2 = 2, (4 - 1) / 3 = 1, (10 - 4) / 1 = 6: the mean is 3 s/token."""
     assert bench.normalized_latency([0, 1, 4], [4, 4, 10], [2, 3, 1]) == pytest.approx(3.0)
 
 
-@pytest.mark.parametrize("arrivals, finishes, output_lens, match", [
-    ([0, 1], [2], [1, 1], "arrivals, finishes and output_lens"),
-    ([], [], [], "non-empty"),
-    ([0], [1], [0], "output_lens must be >= 1, got 0"),
-    ([2], [1], [1], "finishes must not come before"),
-])
+@pytest.mark.parametrize(
+    "arrivals, finishes, output_lens, match",
+    [
+        ([0, 1], [2], [1, 1], "arrivals, finishes and output_lens"),
+        ([], [], [], "non-empty"),
+        ([0], [1], [0], "output_lens must be >= 1, got 0"),
+        ([2], [1], [1], "finishes must not come before"),
+    ],
+)
 def test_normalized_latency_refuses_bad_timings(arrivals, finishes, output_lens, match):
     with pytest.raises(ValueError, match=match):
         bench.normalized_latency(arrivals, finishes, output_lens)
 
 
 # -- the serving loop on a fake engine and a fake clock ---------------------------------
+
 
 class FakeClock:
     def __init__(self, now: float) -> None:
@@ -82,9 +97,13 @@ class FakeEngine:
             self.made[request_id] += 1
             if not self.left[request_id]:
                 del self.left[request_id]
-                outputs.append(SimpleNamespace(
-                    request_id=request_id, finished=True,
-                    outputs=[SimpleNamespace(token_ids=[0] * self.made[request_id])]))
+                outputs.append(
+                    SimpleNamespace(
+                        request_id=request_id,
+                        finished=True,
+                        outputs=[SimpleNamespace(token_ids=[0] * self.made[request_id])],
+                    )
+                )
         return outputs
 
 
@@ -98,20 +117,22 @@ def test_serve_by_hand():
     clock = FakeClock(100.0)
     engine = FakeEngine(clock)
     params = [SimpleNamespace(max_tokens=n) for n in (2, 1, 1)]
-    served = bench.serve(engine, [[1], [2], [3]], params, [0.0, 0.5, 5.0], clock=clock,
-                         tag="x")
+    served = bench.serve(engine, [[1], [2], [3]], params, [0.0, 0.5, 5.0], clock=clock, tag="x")
     assert served.finishes == [2.0, 2.0, 6.0]
     assert served.output_tokens == [2, 1, 1] and served.num_steps == 3
     assert engine.added == [("x0", 100.0), ("x1", 101.0), ("x2", 102.0)]  # 3 s skipped
-    assert bench.normalized_latency([0.0, 0.5, 5.0], served.finishes, [2, 1, 1]) == \
-        pytest.approx(3.5 / 3)
+    assert bench.normalized_latency([0.0, 0.5, 5.0], served.finishes, [2, 1, 1]) == pytest.approx(
+        3.5 / 3
+    )
 
 
 # -- the workload and the setting -----------------------------------------------------
 
+
 def test_requests_keep_the_drawn_lengths_at_full_context():
-    assert bench.make_requests("alpaca", 200, 2048, seed=5) == \
-        synthetic_requests("alpaca", 200, seed=5, max_len=2048)
+    assert bench.make_requests("alpaca", 200, 2048, seed=5) == synthetic_requests(
+        "alpaca", 200, seed=5, max_len=2048
+    )
 
 
 def test_requests_are_scaled_to_the_context():
@@ -133,22 +154,27 @@ def test_resolve_setting_takes_the_preset_unless_overridden():
     assert set(setting) == set(bench.SETTING)
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: bench.check_setting(["paged", "orca"], [1], 4, 1.0), "modes.*'orca'"),
-    (lambda: bench.check_setting([], [1], 4, 1.0), "modes"),
-    (lambda: bench.check_setting(["paged"], [], 4, 1.0), "rates"),
-    (lambda: bench.check_setting(["paged"], [1, 0], 4, 1.0), "rates.*0"),
-    (lambda: bench.check_setting(["paged"], [math.inf], 4, 1.0), "rates.*inf"),
-    (lambda: bench.check_setting(["paged"], ["fast"], 4, 1.0), "rates.*'fast'"),
-    (lambda: bench.check_setting(["paged"], [1], 0, 1.0), "num_requests.*0"),
-    (lambda: bench.check_setting(["paged"], [1], 4, 0.0), "length_scale.*0.0"),
-    (lambda: bench.make_requests("sharegpt", 4, 256, length_scale=-1), "length_scale"),
-    (lambda: bench.resolve_setting("tpu"), "preset.*'tpu'"),
-    (lambda: bench.resolve_setting("cpu", rate=3), "overrides.*'rate'"),
-    (lambda: bench.bench_latency("nowhere", ["paged"], [1], [], [], {}), "requests"),
-    (lambda: bench.bench_latency("nowhere", ["fifo"], [1], [RequestSpec(1, 1)], [[1]], {}),
-     "modes.*'fifo'"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: bench.check_setting(["paged", "orca"], [1], 4, 1.0), "modes.*'orca'"),
+        (lambda: bench.check_setting([], [1], 4, 1.0), "modes"),
+        (lambda: bench.check_setting(["paged"], [], 4, 1.0), "rates"),
+        (lambda: bench.check_setting(["paged"], [1, 0], 4, 1.0), "rates.*0"),
+        (lambda: bench.check_setting(["paged"], [math.inf], 4, 1.0), "rates.*inf"),
+        (lambda: bench.check_setting(["paged"], ["fast"], 4, 1.0), "rates.*'fast'"),
+        (lambda: bench.check_setting(["paged"], [1], 0, 1.0), "num_requests.*0"),
+        (lambda: bench.check_setting(["paged"], [1], 4, 0.0), "length_scale.*0.0"),
+        (lambda: bench.make_requests("sharegpt", 4, 256, length_scale=-1), "length_scale"),
+        (lambda: bench.resolve_setting("tpu"), "preset.*'tpu'"),
+        (lambda: bench.resolve_setting("cpu", rate=3), "overrides.*'rate'"),
+        (lambda: bench.bench_latency("nowhere", ["paged"], [1], [], [], {}), "requests"),
+        (
+            lambda: bench.bench_latency("nowhere", ["fifo"], [1], [RequestSpec(1, 1)], [[1]], {}),
+            "modes.*'fifo'",
+        ),
+    ],
+)
 def test_bad_arguments_are_refused_before_anything_runs(call, match):
     with pytest.raises(ValueError, match=match):
         call()
@@ -167,13 +193,21 @@ def test_presets_fit_their_pools():
 
 # -- end to end on the engine ---------------------------------------------------------
 
+
 @pytest.mark.parametrize("mode", ["paged", "contiguous-oracle"])
 def test_serve_on_the_engine(tiny, mode):
     """Eight Alpaca-like requests (scaled to 64 tokens: about 10 in, 29 out) at 200
     per second on 128 slots: each generates exactly its output length, finishes after
     it arrived, and every block and range is free afterwards."""
-    llm = LLM(str(tiny), device="cpu", block_size=4, num_gpu_blocks=32, max_model_len=64,
-              memory_mode=mode, swap_space=0)
+    llm = LLM(
+        str(tiny),
+        device="cpu",
+        block_size=4,
+        num_gpu_blocks=32,
+        max_model_len=64,
+        memory_mode=mode,
+        swap_space=0,
+    )
     requests = bench.make_requests("alpaca", 8, 64, length_scale=16, seed=1)
     prompts = make_prompts(requests, llm.get_tokenizer(), llm.engine.vocab_size, seed=1)
     params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in requests]
@@ -193,11 +227,11 @@ def test_bench_end_to_end(tiny, tmp_path):
     """Two modes at two rates, six requests: one row per (mode, rate) in that order,
     every count recounted from the workload, and the results file of the contract."""
     work = bench.make_workload(tiny, "alpaca", 6, max_model_len=64, length_scale=16, seed=0)
-    engine = dict(device="cpu", block_size=4, num_gpu_blocks=32, max_model_len=64,
-                  swap_space=0)
+    engine = dict(device="cpu", block_size=4, num_gpu_blocks=32, max_model_len=64, swap_space=0)
     modes, rates = ["paged", "contiguous-max"], [50.0, 400.0]
-    rows = bench.bench_latency(tiny, modes, rates, work.requests, work.prompts, engine,
-                               progress=False)
+    rows = bench.bench_latency(
+        tiny, modes, rates, work.requests, work.prompts, engine, progress=False
+    )
     assert [(r["mode"], r["rate"]) for r in rows] == [(m, r) for m in modes for r in rates]
     output_lens = [r.output_len for r in work.requests]
     for row in rows:
@@ -211,8 +245,14 @@ def test_bench_end_to_end(tiny, tmp_path):
         if row["mode"] == "contiguous-max":
             assert row["num_preemptions"] == 0
             assert row["mean_batch"] <= 2  # 128 slots / 64 reserved a request
-    path = write_results(tmp_path / "latency.json", rows, "cpu", "minipaged bench latency",
-                         bench.plot_latency(rows, "test"), modes=modes)
+    path = write_results(
+        tmp_path / "latency.json",
+        rows,
+        "cpu",
+        "minipaged bench latency",
+        bench.plot_latency(rows, "test"),
+        modes=modes,
+    )
     doc = json.loads(path.read_text())
     assert {"device", "torch", "triton", "date", "command", "results", "modes"} <= doc.keys()
     assert doc["results"] == rows
@@ -227,11 +267,30 @@ def test_modes_are_the_engines():
 
 def test_command_line_writes_the_results_file(tmp_path):
     out = tmp_path / "latency.json"
-    assert run_main(["bench", "latency", "--preset", "cpu", "--modes", "paged",
-                     "contiguous-max", "--rates", "50", "--num-requests", "6",
-                     "--json", str(out)]) == 0
+    assert (
+        run_main(
+            [
+                "bench",
+                "latency",
+                "--preset",
+                "cpu",
+                "--modes",
+                "paged",
+                "contiguous-max",
+                "--rates",
+                "50",
+                "--num-requests",
+                "6",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     document = json.loads(out.read_text())
     assert {"device", "torch", "triton", "date", "command", "results"} <= set(document)
-    assert [(r["mode"], r["rate"]) for r in document["results"]] == [("paged", 50),
-                                                                     ("contiguous-max", 50)]
+    assert [(r["mode"], r["rate"]) for r in document["results"]] == [
+        ("paged", 50),
+        ("contiguous-max", 50),
+    ]
     assert out.with_suffix(".png").stat().st_size > 0

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_helpers import run_main
 
+from cli_helpers import run_main
 from minipaged.bench import results
 from minipaged.bench.memory import bench_memory
 from minipaged.memory.simulate import SYSTEMS, simulate_memory
@@ -19,8 +19,23 @@ KEYS = {"token_share", "reserved_share", "internal_share", "external_share", "ma
 
 def test_results_file_holds_the_contract_and_the_simulation(tmp_path):
     out = tmp_path / "memory.json"
-    assert run_main(["bench", "memory", "--workload", "alpaca", "--num-requests", "200",
-                     "--kv-slots", "4000", "--json", str(out)]) == 0
+    assert (
+        run_main(
+            [
+                "bench",
+                "memory",
+                "--workload",
+                "alpaca",
+                "--num-requests",
+                "200",
+                "--kv-slots",
+                "4000",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     document = json.loads(out.read_text())
     assert {"device", "torch", "triton", "date", "command", "results"} <= set(document)
     assert document["workload"] == "alpaca" and set(document["systems"]) == set(SYSTEMS)
@@ -44,9 +59,14 @@ def test_the_paper_shape_on_sharegpt():
     assert reports["contiguous-oracle"].max_batch > reports["contiguous-max"].max_batch
 
 
-@pytest.mark.parametrize("argv, name", [
-    (["--num-requests", "0"], "num_requests"), (["--kv-slots", "100"], "num_slots"),
-    (["--workload", "lmsys"], "workload")])
+@pytest.mark.parametrize(
+    "argv, name",
+    [
+        (["--num-requests", "0"], "num_requests"),
+        (["--kv-slots", "100"], "num_slots"),
+        (["--workload", "lmsys"], "workload"),
+    ],
+)
 def test_bad_arguments_are_refused_by_name(argv, name, capsys):
     assert run_main(["bench", "memory", *argv, "--json", "/dev/null/x.json"]) == 2
     assert name in capsys.readouterr().err
@@ -58,17 +78,20 @@ SMALL = ["bench", "memory", "--workload", "alpaca", "--num-requests", "20"]
 
 
 def committed_files() -> dict[Path, tuple[int, int]]:
-    return {p: (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in (ROOT / "benchmarks" / "results").rglob("*") if p.is_file()}
+    return {
+        p: (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in (ROOT / "benchmarks" / "results").rglob("*")
+        if p.is_file()
+    }
 
 
 def test_a_run_writes_into_the_working_directory_not_the_committed_results(
-        tmp_path, monkeypatch, capsys):
+    tmp_path, monkeypatch, capsys
+):
     before = committed_files()
     monkeypatch.chdir(tmp_path)
     assert run_main(SMALL) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["memory-alpaca.json",
-                                                          "memory-alpaca.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["memory-alpaca.json", "memory-alpaca.png"]
     assert "wrote memory-alpaca.json and memory-alpaca.png" in capsys.readouterr().out
     assert run_main([*SMALL, "--out", "elsewhere"]) == 0
     assert (tmp_path / "elsewhere" / "memory-alpaca.json").is_file()
@@ -78,8 +101,10 @@ def test_a_run_writes_into_the_working_directory_not_the_committed_results(
 
 def test_update_committed_writes_over_the_committed_results(tmp_path, monkeypatch):
     assert results.COMMITTED_DIR == ROOT / "benchmarks" / "results"
-    assert results.committed_path("memory-alpaca", "cpu") == \
-        ROOT / "benchmarks" / "results" / "cpu" / "memory-alpaca.json"
+    assert (
+        results.committed_path("memory-alpaca", "cpu")
+        == ROOT / "benchmarks" / "results" / "cpu" / "memory-alpaca.json"
+    )
     # A copy stands in for the checkout's committed results.
     (tmp_path / "committed").mkdir()
     monkeypatch.setattr(results, "COMMITTED_DIR", tmp_path / "committed")
@@ -99,8 +124,9 @@ def test_update_committed_needs_a_checkout(tmp_path, monkeypatch, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("flags", [["--json", "x.json", "--out", "d"],
-                                   ["--out", "d", "--update-committed"]])
+@pytest.mark.parametrize(
+    "flags", [["--json", "x.json", "--out", "d"], ["--out", "d", "--update-committed"]]
+)
 def test_one_place_for_the_results(flags, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert run_main([*SMALL, *flags]) == 2

@@ -9,9 +9,9 @@ import math
 
 import pytest
 import torch
-from cli_helpers import run_main
 from matplotlib.figure import Figure
 
+from cli_helpers import run_main
 from minipaged.bench import preemption as bench
 from minipaged.bench.throughput import make_prompts
 from minipaged.cache_engine import GIB
@@ -21,8 +21,9 @@ from minipaged.models.tiny import BASE_CONFIG
 from minipaged.workloads import RequestSpec
 
 # The tiny model's KV per token and block slot: keys and values, every layer, its KV heads.
-LAYERS, KV_HEADS, HEAD_DIM = (BASE_CONFIG[k] for k in ("num_hidden_layers",
-                                                       "num_key_value_heads", "head_dim"))
+LAYERS, KV_HEADS, HEAD_DIM = (
+    BASE_CONFIG[k] for k in ("num_hidden_layers", "num_key_value_heads", "head_dim")
+)
 SLOT_BYTES = 2 * LAYERS * KV_HEADS * HEAD_DIM * 4  # float32
 
 
@@ -33,8 +34,14 @@ def tiny(tmp_path_factory):
 
 def engine(tiny, block_size=4, num_gpu_blocks=16, num_cpu_blocks=16, mode="swap"):
     swap_space = (num_cpu_blocks + 1) * block_size * SLOT_BYTES / GIB
-    return LLM(str(tiny), device="cpu", block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-               swap_space=swap_space, preemption_mode=mode)
+    return LLM(
+        str(tiny),
+        device="cpu",
+        block_size=block_size,
+        num_gpu_blocks=num_gpu_blocks,
+        swap_space=swap_space,
+        preemption_mode=mode,
+    )
 
 
 def gathered(pool, blocks):
@@ -79,8 +86,9 @@ def test_swap_round_trip_restores_the_exact_kv(tiny, method):
 
 
 def _equal(a, b):
-    return all(torch.equal(x, y) for la, lb in zip(a, b, strict=True)
-               for x, y in zip(la, lb, strict=True))
+    return all(
+        torch.equal(x, y) for la, lb in zip(a, b, strict=True) for x, y in zip(la, lb, strict=True)
+    )
 
 
 def test_copy_per_block_copies_exactly_the_pairs():
@@ -89,8 +97,10 @@ def test_copy_per_block_copies_exactly_the_pairs():
     gen = torch.Generator().manual_seed(1)
 
     def pool():
-        return [(torch.randn(5, 4, 2, 3, generator=gen), torch.randn(5, 4, 2, 3, generator=gen))
-                for _ in range(2)]
+        return [
+            (torch.randn(5, 4, 2, 3, generator=gen), torch.randn(5, 4, 2, 3, generator=gen))
+            for _ in range(2)
+        ]
 
     src, dst = pool(), pool()
     before = [[c.clone() for c in layer] for layer in dst]
@@ -107,17 +117,19 @@ def test_copy_per_block_copies_exactly_the_pairs():
 def test_micro_rows_by_hand(tiny, block_size):
     """A 10-token request in blocks of B: ceil(10 / B) blocks of B slots moved, 2 copies
     per layer batched (keys, values), 2 per layer per block one by one."""
-    llm = engine(tiny, block_size, num_gpu_blocks=64 // block_size,
-                 num_cpu_blocks=64 // block_size)
+    llm = engine(tiny, block_size, num_gpu_blocks=64 // block_size, num_cpu_blocks=64 // block_size)
     rows = bench.measure_micro(llm, 10, repeats=2, warmup=1)
     num_blocks = math.ceil(10 / block_size)
     assert [(r["op"], r["method"]) for r in rows] == [
-        ("swap-out", "batched"), ("swap-in", "batched"), ("swap-out", "per-block"),
-        ("swap-in", "per-block"), ("recompute", "prefill")]
+        ("swap-out", "batched"),
+        ("swap-in", "batched"),
+        ("swap-out", "per-block"),
+        ("swap-in", "per-block"),
+        ("recompute", "prefill"),
+    ]
     for r in rows:
         assert tuple(r) == bench.MICRO_KEYS and r["experiment"] == "microbenchmark"
-        assert (r["block_size"], r["num_tokens"], r["num_blocks"]) == (block_size, 10,
-                                                                      num_blocks)
+        assert (r["block_size"], r["num_tokens"], r["num_blocks"]) == (block_size, 10, num_blocks)
         assert r["time_ms"] > 0 and r["us_per_token"] == pytest.approx(r["time_ms"] * 100)
         if r["op"] == "recompute":
             assert r["bytes"] is r["num_copies"] is r["bandwidth_gbs"] is None
@@ -146,34 +158,65 @@ def test_one_preemption_worked_out(tiny, mode):
 
 
 def test_bench_rows_have_the_declared_keys(tiny):
-    rows = bench.bench_preemption(tiny, [16, 4], num_tokens=20, repeats=1, warmup=0,
-                                  num_requests=4, kv_slots=64, length_scale=0.05,
-                                  engine_kwargs={"device": "cpu"}, progress=False)
+    rows = bench.bench_preemption(
+        tiny,
+        [16, 4],
+        num_tokens=20,
+        repeats=1,
+        warmup=0,
+        num_requests=4,
+        kv_slots=64,
+        length_scale=0.05,
+        engine_kwargs={"device": "cpu"},
+        progress=False,
+    )
     micro = [r for r in rows if r["experiment"] == "microbenchmark"]
     end_to_end = [r for r in rows if r["experiment"] == "end-to-end"]
     assert [r["block_size"] for r in micro] == [4] * 5 + [16] * 5
     assert [(r["block_size"], r["preemption_mode"]) for r in end_to_end] == [
-        (4, "recompute"), (4, "swap"), (16, "recompute"), (16, "swap")]
+        (4, "recompute"),
+        (4, "swap"),
+        (16, "recompute"),
+        (16, "swap"),
+    ]
     assert all(tuple(r) == bench.END_TO_END_KEYS for r in end_to_end)
     assert max(r["normalized_throughput"] for r in end_to_end) == 1
-    assert all(r["num_swapped_out_blocks"] == 0 for r in end_to_end
-               if r["preemption_mode"] == "recompute")
+    assert all(
+        r["num_swapped_out_blocks"] == 0 for r in end_to_end if r["preemption_mode"] == "recompute"
+    )
     assert "recompute" in bench.format_table(rows)
     assert isinstance(bench.plot_preemption(rows, "cpu"), Figure)
 
 
 # -- bad arguments -----------------------------------------------------------------------
-GOOD = dict(num_tokens=20, repeats=1, warmup=0, num_requests=2, kv_slots=64,
-            length_scale=0.05, engine_kwargs={"device": "cpu"}, progress=False)
+GOOD = dict(
+    num_tokens=20,
+    repeats=1,
+    warmup=0,
+    num_requests=2,
+    kv_slots=64,
+    length_scale=0.05,
+    engine_kwargs={"device": "cpu"},
+    progress=False,
+)
 
 
-@pytest.mark.parametrize("change, name", [
-    ({"num_tokens": 0}, "num_tokens"), ({"repeats": 0}, "repeats"), ({"warmup": -1}, "warmup"),
-    ({"num_requests": 0}, "num_requests"), ({"kv_slots": 0}, "kv_slots"),
-    ({"num_tokens": 64}, "num_tokens"), ({"num_tokens": 1024, "kv_slots": 4096}, "num_tokens"),
-    ({"engine_kwargs": {"preemption_mode": "swap"}}, "preemption_mode"),
-    ({"engine_kwargs": {"enable_prefix_caching": True}}, "enable_prefix_caching"),
-    ({"length_scale": 0}, "scale"), ({"length_scale": 1.0, "kv_slots": 100}, "kv_slots")])
+@pytest.mark.parametrize(
+    "change, name",
+    [
+        ({"num_tokens": 0}, "num_tokens"),
+        ({"repeats": 0}, "repeats"),
+        ({"warmup": -1}, "warmup"),
+        ({"num_requests": 0}, "num_requests"),
+        ({"kv_slots": 0}, "kv_slots"),
+        ({"num_tokens": 64}, "num_tokens"),
+        ({"num_tokens": 1024, "kv_slots": 4096}, "num_tokens"),
+        ({"engine_kwargs": {"preemption_mode": "swap"}}, "preemption_mode"),
+        ({"engine_kwargs": {"enable_prefix_caching": True}}, "enable_prefix_caching"),
+        ({"length_scale": 0}, "scale"),
+        ({"length_scale": 1.0, "kv_slots": 100}, "kv_slots"),
+    ],
+)
 def test_bad_arguments_are_refused_by_name_before_any_engine(tiny, change, name, monkeypatch):
     monkeypatch.setattr(bench, "measure_micro", None)  # reaching an engine would fail
     monkeypatch.setattr(bench, "run_engine", None)
@@ -195,11 +238,32 @@ def test_bad_block_sizes_and_swap_arguments_are_refused_by_name(tiny):
 
 def test_command_line_writes_the_results_file(tmp_path):
     out = tmp_path / "preemption.json"
-    assert run_main(["bench", "preemption", "--preset", "cpu", "--block-sizes", "16",
-                     "--num-tokens", "64", "--repeats", "2", "--warmup", "1",
-                     "--num-requests", "4", "--kv-slots", "256", "--json", str(out)]) == 0
+    assert (
+        run_main(
+            [
+                "bench",
+                "preemption",
+                "--preset",
+                "cpu",
+                "--block-sizes",
+                "16",
+                "--num-tokens",
+                "64",
+                "--repeats",
+                "2",
+                "--warmup",
+                "1",
+                "--num-requests",
+                "4",
+                "--kv-slots",
+                "256",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     document = json.loads(out.read_text())
     assert {"device", "torch", "triton", "date", "command", "results"} <= set(document)
-    assert {row["experiment"] for row in document["results"]} == {"microbenchmark",
-                                                                  "end-to-end"}
+    assert {row["experiment"] for row in document["results"]} == {"microbenchmark", "end-to-end"}
     assert out.with_suffix(".png").stat().st_size > 0

@@ -7,8 +7,8 @@ of KV it need not compute.  Without caching every prompt token is computed."""
 import json
 
 import pytest
-from cli_helpers import run_main
 
+from cli_helpers import run_main
 from minipaged.bench.prefix import PREFIXES, bench_prefix
 
 N = 5
@@ -21,8 +21,9 @@ def runs():
 
 @pytest.mark.parametrize("prefix", list(PREFIXES))
 def test_hits_are_the_prefix_full_blocks_of_every_request_but_the_first(runs, prefix):
-    off, on = (next(r for r in runs if r.prefix == prefix and r.caching == c)
-               for c in (False, True))
+    off, on = (
+        next(r for r in runs if r.prefix == prefix and r.caching == c) for c in (False, True)
+    )
     full = PREFIXES[prefix] // 16 * 16  # 80 -> 80, 341 -> 336
     assert on.prompt_tokens == off.prompt_tokens
     assert on.prompt_tokens - on.computed_prompt_tokens == (N - 1) * full
@@ -33,19 +34,29 @@ def test_hits_are_the_prefix_full_blocks_of_every_request_but_the_first(runs, pr
 
 def test_results_file(tmp_path):
     out = tmp_path / "prefix.json"
-    assert run_main(["bench", "prefix", "--num-requests", "3", "--prefixes", "1-shot",
-                     "--json", str(out)]) == 0
+    assert (
+        run_main(
+            ["bench", "prefix", "--num-requests", "3", "--prefixes", "1-shot", "--json", str(out)]
+        )
+        == 0
+    )
     document = json.loads(out.read_text())
     assert {"device", "torch", "triton", "date", "command", "results"} <= set(document)
-    assert [(r["prefix"], r["caching"]) for r in document["results"]] == [("1-shot", False),
-                                                                          ("1-shot", True)]
+    assert [(r["prefix"], r["caching"]) for r in document["results"]] == [
+        ("1-shot", False),
+        ("1-shot", True),
+    ]
     assert document["results"][0]["speedup"] == 1
     assert out.with_suffix(".png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("kwargs, name", [({"num_requests": 0}, "num_requests"),
-                                          ({"num_requests": 2, "prefixes": ["9-shot"]},
-                                           "prefixes")])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"num_requests": 0}, "num_requests"),
+        ({"num_requests": 2, "prefixes": ["9-shot"]}, "prefixes"),
+    ],
+)
 def test_bad_arguments_are_refused_by_name(kwargs, name):
     with pytest.raises(ValueError, match=name):
         bench_prefix(**kwargs)

@@ -40,16 +40,25 @@ def test_summarize_matches_hand_computed_metrics():
     assert s["total_token_throughput"] == pytest.approx(41 / 4)
     # p99 interpolates linearly (numpy's default, as vLLM): of 3 sorted samples a, b, c
     # it is b + 0.98 (c - b); of 2, a + 0.99 (b - a).
-    expected = {"ttft": (700 / 3, 200, 396), "tpot": (250, 250, 299),
-                "itl": (200, 200, 298), "e2el": (1600 / 3, 500, 696)}
+    expected = {
+        "ttft": (700 / 3, 200, 396),
+        "tpot": (250, 250, 299),
+        "itl": (200, 200, 298),
+        "e2el": (1600 / 3, 500, 696),
+    }
     for name, (mean, median, p99) in expected.items():
         got = [s[f"{stat}_{name}_ms"] for stat in ("mean", "median", "p99")]
         assert got == pytest.approx([mean, median, p99]), name
 
 
 def test_summarize_with_nothing_measured_says_none_not_zero():
-    s = serve.summarize([RequestRecord(5, 1, chunk_times=[0.5], end=1.0, output_tokens=1),
-                         RequestRecord(5, 3, error="ReadTimeout: timed out")], duration_s=2.0)
+    s = serve.summarize(
+        [
+            RequestRecord(5, 1, chunk_times=[0.5], end=1.0, output_tokens=1),
+            RequestRecord(5, 3, error="ReadTimeout: timed out"),
+        ],
+        duration_s=2.0,
+    )
     assert s["completed"] == 1 and s["failed"] == 1
     assert s["mean_tpot_ms"] is s["p99_itl_ms"] is None
     assert s["median_ttft_ms"] == pytest.approx(500)
@@ -81,28 +90,35 @@ def test_short_model_cuts_sharegpt_requests():
     assert max(s.total_len for s in synthetic_requests("sharegpt", 200, seed=1)) > 64
 
 
-@pytest.mark.parametrize("kwargs, name", [({"num_requests": 0}, "num_requests"),
-                                          ({"workload": "lmsys"}, "workload")])
+@pytest.mark.parametrize(
+    "kwargs, name", [({"num_requests": 0}, "num_requests"), ({"workload": "lmsys"}, "workload")]
+)
 def test_make_requests_rejects_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):
-        serve.make_requests(**{"workload": "sharegpt", "num_requests": 4,
-                               "max_model_len": 128, **kwargs})
+        serve.make_requests(
+            **{"workload": "sharegpt", "num_requests": 4, "max_model_len": 128, **kwargs}
+        )
 
 
 # -- the protocol, on an in-memory transport ------------------------------------------
 def sse(*events) -> bytes:
-    return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode()
-                    for e in events)
+    return b"".join(
+        f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events
+    )
 
 
 def choice(text: str, finish: str | None = None) -> dict:
     return {"choices": [{"index": 0, "text": text, "finish_reason": finish}]}
 
 
-USAGE = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3,
-                                  "total_tokens": 6}}
-MODELS = {"object": "list", "data": [{"id": "tiny", "object": "model", "max_model_len": 1024},
-                                     {"id": "other", "object": "model"}]}
+USAGE = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}}
+MODELS = {
+    "object": "list",
+    "data": [
+        {"id": "tiny", "object": "model", "max_model_len": 1024},
+        {"id": "other", "object": "model"},
+    ],
+}
 
 
 def send(body: bytes, status: int = 200):
@@ -115,8 +131,9 @@ def send(body: bytes, status: int = 200):
         return httpx.Response(status, content=body)
 
     async def go():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler),
-                                     base_url="http://server") as client:
+        async with httpx.AsyncClient(
+            transport=httpx.MockTransport(handler), base_url="http://server"
+        ) as client:
             return await serve.send_request(client, "tiny", Request([1, 2, 3], 3))
 
     return asyncio.run(go()), seen
@@ -129,20 +146,41 @@ def test_a_stream_is_timed_chunk_by_chunk():
     assert record.start <= record.chunk_times[0] <= record.chunk_times[-1] <= record.end
     sent = json.loads(seen[0].content)
     assert seen[0].url.path == "/v1/completions"
-    assert sent == {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True,
-                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    assert sent == {
+        "model": "tiny",
+        "prompt": [1, 2, 3],
+        "max_tokens": 3,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
-@pytest.mark.parametrize("body, status, error", [
-    (json.dumps({"error": {"message": "prompt too long", "type": "BadRequestError",
-                           "param": "prompt", "code": 400}}).encode(), 400,
-     "HTTP 400: prompt too long"),
-    (b"Internal Server Error", 500, "HTTP 500: Internal Server Error"),
-    (sse(choice("a"), {"error": {"message": "engine died"}}), 200, "in stream: engine died"),
-    (sse(choice("a"), choice("b"), "[DONE]"), 200, "no usage chunk"),
-    (sse(USAGE, "[DONE]"), 200, "no tokens"),
-    (sse("{not json"), 200, "malformed event"),
-])
+@pytest.mark.parametrize(
+    "body, status, error",
+    [
+        (
+            json.dumps(
+                {
+                    "error": {
+                        "message": "prompt too long",
+                        "type": "BadRequestError",
+                        "param": "prompt",
+                        "code": 400,
+                    }
+                }
+            ).encode(),
+            400,
+            "HTTP 400: prompt too long",
+        ),
+        (b"Internal Server Error", 500, "HTTP 500: Internal Server Error"),
+        (sse(choice("a"), {"error": {"message": "engine died"}}), 200, "in stream: engine died"),
+        (sse(choice("a"), choice("b"), "[DONE]"), 200, "no usage chunk"),
+        (sse(USAGE, "[DONE]"), 200, "no tokens"),
+        (sse("{not json"), 200, "malformed event"),
+    ],
+)
 def test_a_failed_request_is_recorded_not_raised(body, status, error):
     record, _ = send(body, status)
     assert not record.success and error in record.error
@@ -164,22 +202,31 @@ def test_fetch_model_picks_the_named_model_or_the_first():
         fetch(MODELS, model="nope")
 
 
-@pytest.mark.parametrize("body, status, error", [
-    ({"error": {"message": "invalid API key"}}, 401, "HTTP 401: invalid API key"),
-    ({"object": "list", "data": []}, 200, "serves no model"),
-    ({"models": []}, 200, "not an OpenAI model list"),
-])
+@pytest.mark.parametrize(
+    "body, status, error",
+    [
+        ({"error": {"message": "invalid API key"}}, 401, "HTTP 401: invalid API key"),
+        ({"object": "list", "data": []}, 200, "serves no model"),
+        ({"models": []}, 200, "not an OpenAI model list"),
+    ],
+)
 def test_fetch_model_errors_name_the_cause(body, status, error):
     with pytest.raises(ServerError, match=error):
         fetch(body, status)
 
 
 # -- benchmark(): arguments and an absent server --------------------------------------
-@pytest.mark.parametrize("kwargs, name", [
-    ({"base_url": "localhost:8000"}, "base_url"), ({"request_rate": 0}, "request_rate"),
-    ({"request_rate": -2.0}, "request_rate"), ({"num_requests": 0}, "num_requests"),
-    ({"max_concurrency": 0}, "max_concurrency"), ({"workload": "lmsys"}, "workload"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"base_url": "localhost:8000"}, "base_url"),
+        ({"request_rate": 0}, "request_rate"),
+        ({"request_rate": -2.0}, "request_rate"),
+        ({"num_requests": 0}, "num_requests"),
+        ({"max_concurrency": 0}, "max_concurrency"),
+        ({"workload": "lmsys"}, "workload"),
+    ],
+)
 def test_bad_arguments_fail_before_any_request(kwargs, name):
     # port 9 (discard) is never asked: validation comes first
     with pytest.raises(ValueError, match=name):
@@ -198,9 +245,15 @@ def test_an_unreachable_server_is_a_clear_oserror():
 # -- output ---------------------------------------------------------------------------
 def test_table_and_results_file(tmp_path):
     records = hand_made_records()
-    summary = {"model": "tiny", "max_model_len": 1024, "workload": "alpaca",
-               "request_rate": "inf", "max_concurrency": None, "seed": 0,
-               **serve.summarize(records, 4.0)}
+    summary = {
+        "model": "tiny",
+        "max_model_len": 1024,
+        "workload": "alpaca",
+        "request_rate": "inf",
+        "max_concurrency": None,
+        "seed": 0,
+        **serve.summarize(records, 4.0),
+    }
     table = serve.format_summary(summary)
     assert "Successful requests:" in table and "Median TPOT (ms):" in table
     assert "error (1x): HTTP 400: too long" in table

@@ -12,11 +12,11 @@ import json
 import math
 
 import pytest
-from cli_helpers import run_main
 
+from cli_helpers import run_main
 from minipaged.bench.sharing import measure_sharing
-from minipaged.models.tiny import cached_checkpoint
 from minipaged.llm import LLM
+from minipaged.models.tiny import cached_checkpoint
 
 P, OUT = 8, 6  # P and O above
 
@@ -54,12 +54,26 @@ def test_beam_search_saves_between_nothing_and_all_but_one_copy(path, width):
 
 def test_results_file(tmp_path):
     out = tmp_path / "sharing.json"
-    assert run_main(["bench", "sharing", "--workload", "alpaca", "--num-requests", "3",
-                     "--widths", "2", "--json", str(out)]) == 0
+    assert (
+        run_main(
+            [
+                "bench",
+                "sharing",
+                "--workload",
+                "alpaca",
+                "--num-requests",
+                "3",
+                "--widths",
+                "2",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     document = json.loads(out.read_text())
     assert {"device", "torch", "triton", "date", "command", "results"} <= set(document)
-    assert [(r["mode"], r["width"]) for r in document["results"]] == [("parallel", 2),
-                                                                      ("beam", 2)]
+    assert [(r["mode"], r["width"]) for r in document["results"]] == [("parallel", 2), ("beam", 2)]
     assert all(0 < r["saving"] < 1 for r in document["results"])
     assert out.with_suffix(".png").stat().st_size > 0
 

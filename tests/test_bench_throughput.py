@@ -9,19 +9,47 @@ import pytest
 import torch
 
 from cli_helpers import run_main
-
 from minipaged.bench import throughput as bench
 from minipaged.cli import main
 from minipaged.models import make_tiny_model
 from minipaged.models.tiny import BOS_ID, EOS_ID, PAD_ID
 from minipaged.workloads import RequestSpec, synthetic_requests
 
-ROW_FIELDS = {"system", "num_requests", "output_tokens_per_s", "requests_per_s", "elapsed_s",
-              "output_tokens", "prompt_tokens"}
-TOP_FIELDS = {"device", "torch", "triton", "date", "command", "results", "preset", "workload",
-              "engine_overhead_ms_per_step", "engine_overhead"}
-CPU_ARGV = ["bench", "throughput", "--preset", "cpu", "--num-requests", "6", "--length-scale",
-            "0.25", "--hf-batch-size", "4", "--overhead-steps", "3"]
+ROW_FIELDS = {
+    "system",
+    "num_requests",
+    "output_tokens_per_s",
+    "requests_per_s",
+    "elapsed_s",
+    "output_tokens",
+    "prompt_tokens",
+}
+TOP_FIELDS = {
+    "device",
+    "torch",
+    "triton",
+    "date",
+    "command",
+    "results",
+    "preset",
+    "workload",
+    "engine_overhead_ms_per_step",
+    "engine_overhead",
+}
+CPU_ARGV = [
+    "bench",
+    "throughput",
+    "--preset",
+    "cpu",
+    "--num-requests",
+    "6",
+    "--length-scale",
+    "0.25",
+    "--hf-batch-size",
+    "4",
+    "--overhead-steps",
+    "3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +80,21 @@ def test_json_has_every_contract_field(cpu_run, tiny):
     assert TOP_FIELDS <= doc.keys()
     assert doc["device"] and doc["torch"] == torch.__version__
     assert doc["command"] == f"minipaged {' '.join(CPU_ARGV)} --model {tiny} --json {path}"
-    assert [r["system"] for r in doc["results"]] == ["minipaged-torch", "hf-generate",
-                                                     "hf-generate-batch",
-                                                     "hf-continuous-batching"]
+    assert [r["system"] for r in doc["results"]] == [
+        "minipaged-torch",
+        "hf-generate",
+        "hf-generate-batch",
+        "hf-continuous-batching",
+    ]
     for row in doc["results"]:
         assert ROW_FIELDS <= row.keys()
         assert row["num_requests"] == 6 and row["elapsed_s"] > 0
     assert doc["torch_threads"] == 1 and doc["model"] == str(tiny)
     # Nothing skipped; only the machine's load before and after, for the record.
     assert [n.split(":")[0] for n in doc["notes"]] == [
-        "load average (1, 5, 15 min) before the runs", "load average (1, 5, 15 min) after the runs"]
+        "load average (1, 5, 15 min) before the runs",
+        "load average (1, 5, 15 min) after the runs",
+    ]
 
 
 def test_rates_are_the_workloads_tokens_over_the_time(cpu_run):
@@ -77,7 +110,8 @@ def test_rates_are_the_workloads_tokens_over_the_time(cpu_run):
         assert row["output_tokens_per_s"] == pytest.approx(sum(outputs) / row["elapsed_s"])
         assert row["requests_per_s"] == pytest.approx(n / row["elapsed_s"])
         assert row["total_tokens_per_s"] == pytest.approx(
-            (sum(outputs) + sum(prompts)) / row["elapsed_s"])
+            (sum(outputs) + sum(prompts)) / row["elapsed_s"]
+        )
 
 
 def test_static_batches_generate_up_to_their_longest_request(cpu_run):
@@ -86,8 +120,10 @@ def test_static_batches_generate_up_to_their_longest_request(cpu_run):
     doc, _, _ = cpu_run
     rows = {r["system"]: r for r in doc["results"]}
     outputs, size = doc["workload"]["output_lens"], 4
-    padded = sum(len(outputs[i:i + size]) * max(outputs[i:i + size])
-                 for i in range(0, len(outputs), size))
+    padded = sum(
+        len(outputs[i : i + size]) * max(outputs[i : i + size])
+        for i in range(0, len(outputs), size)
+    )
     assert rows["hf-generate-batch"]["generated_tokens"] == padded
     assert rows["hf-generate"]["generated_tokens"] == sum(outputs)
     assert rows["minipaged-torch"]["num_preemptions"] == 0
@@ -100,8 +136,11 @@ def test_engine_overhead_is_reported_with_its_phases(cpu_run):
     assert overhead["num_seqs"] == 256 and overhead["num_steps"] == 3
     assert list(overhead["breakdown_ms"]) == [f"{p}_ms" for p in bench.PHASES]
     assert all(ms >= 0 for ms in overhead["breakdown_ms"].values())
-    kept = [overhead["breakdown_ms"][f"{p}_ms"] for p in bench.PHASES
-            if p not in ("model_stub", "logits", "sample")]
+    kept = [
+        overhead["breakdown_ms"][f"{p}_ms"]
+        for p in bench.PHASES
+        if p not in ("model_stub", "logits", "sample")
+    ]
     assert overhead["bookkeeping_ms_per_step"] == pytest.approx(sum(kept))
     assert f"{overhead['ms_per_step']:.2f} ms/step" in stdout
 
@@ -115,12 +154,23 @@ def test_png_is_saved_beside_the_json(cpu_run):
 
 
 def test_every_request_gets_exactly_its_wanted_tokens(tiny):
-    requests = [RequestSpec(5, 7), RequestSpec(1, 1), RequestSpec(12, 3), RequestSpec(3, 9),
-                RequestSpec(8, 2)]
+    requests = [
+        RequestSpec(5, 7),
+        RequestSpec(1, 1),
+        RequestSpec(12, 3),
+        RequestSpec(3, 9),
+        RequestSpec(8, 2),
+    ]
     prompts = [[(7 * i + j) % 256 for j in range(r.prompt_len)] for i, r in enumerate(requests)]
-    result = bench.bench_throughput(tiny, bench.SYSTEMS[:1] + bench.HF_SYSTEMS, requests,
-                                    prompts, {"device": "cpu"}, hf_batch_size=2,
-                                    progress=False)
+    result = bench.bench_throughput(
+        tiny,
+        bench.SYSTEMS[:1] + bench.HF_SYSTEMS,
+        requests,
+        prompts,
+        {"device": "cpu"},
+        hf_batch_size=2,
+        progress=False,
+    )
     wanted = [r.output_len for r in requests]
     for system in ("minipaged-torch", "hf-generate", "hf-continuous-batching"):
         assert result.runs[system].generated == wanted
@@ -148,28 +198,38 @@ def test_prompts_use_ordinary_tokens_only(tiny):
 
 
 def test_overhead_probe_runs_every_sequence_with_the_model_stubbed(tiny):
-    result = bench.measure_engine_overhead(tiny, "cpu", num_seqs=8, prompt_len=40,
-                                           num_steps=2, block_size=8)
+    result = bench.measure_engine_overhead(
+        tiny, "cpu", num_seqs=8, prompt_len=40, num_steps=2, block_size=8
+    )
     assert result["num_seqs"] == 8 and result["ms_per_step"] > 0
     assert set(result["breakdown_ms"]) == {f"{p}_ms" for p in bench.PHASES}
 
 
 def test_available_systems_on_a_cpu_skip_interpreted_triton():
     assert bench.available_systems(torch.device("cpu")) == [
-        "minipaged-torch", "hf-generate", "hf-generate-batch", "hf-continuous-batching"]
+        "minipaged-torch",
+        "hf-generate",
+        "hf-generate-batch",
+        "hf-continuous-batching",
+    ]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--systems", "vllm"], "argument --systems: invalid choice: 'vllm'"),
-    (["--num-requests", "0"], "num_requests must be an int >= 1, got 0"),
-    (["--hf-batch-size", "0"], "hf_batch_size must be an int >= 1, got 0"),
-    (["--length-scale", "0"], "length_scale must be > 0, got 0.0"),
-    (["--overhead-steps", "-1"], "overhead_steps must be >= 0, got -1"),
-    (["--block-size", "0"], "block_size must be an int >= 1, got 0"),
-    (["--preemption-mode", "drop"], "argument --preemption-mode: invalid choice: 'drop'"),
-    (["--systems", "minipaged-triton"],
-     "systems ['minipaged-triton'] could not run here: skipped minipaged-triton: on a CPU"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--systems", "vllm"], "argument --systems: invalid choice: 'vllm'"),
+        (["--num-requests", "0"], "num_requests must be an int >= 1, got 0"),
+        (["--hf-batch-size", "0"], "hf_batch_size must be an int >= 1, got 0"),
+        (["--length-scale", "0"], "length_scale must be > 0, got 0.0"),
+        (["--overhead-steps", "-1"], "overhead_steps must be >= 0, got -1"),
+        (["--block-size", "0"], "block_size must be an int >= 1, got 0"),
+        (["--preemption-mode", "drop"], "argument --preemption-mode: invalid choice: 'drop'"),
+        (
+            ["--systems", "minipaged-triton"],
+            "systems ['minipaged-triton'] could not run here: skipped minipaged-triton: on a CPU",
+        ),
+    ],
+)
 def test_bad_flags_exit_2_naming_them(argv, message, tiny, tmp_path, capsys):
     out = tmp_path / "throughput.json"
     assert run_main([*CPU_ARGV, "--model", str(tiny), *argv, "--json", str(out)]) == 2
@@ -195,15 +255,43 @@ def test_gpu_preset_without_cuda_says_so(capsys):
 @pytest.mark.gpu
 def test_gpu_run_times_every_backend_and_both_baselines(tiny, tmp_path):
     path = tmp_path / "throughput.json"
-    assert main(["bench", "throughput", "--preset", "gpu", "--model", str(tiny),
-                 "--num-requests", "16", "--length-scale", "0.1", "--hf-num-requests", "2",
-                 "--hf-batch-num-requests", "8", "--overhead-steps", "5",
-                 "--gpu-memory-utilization", "0.5", "--json", str(path)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "throughput",
+                "--preset",
+                "gpu",
+                "--model",
+                str(tiny),
+                "--num-requests",
+                "16",
+                "--length-scale",
+                "0.1",
+                "--hf-num-requests",
+                "2",
+                "--hf-batch-num-requests",
+                "8",
+                "--overhead-steps",
+                "5",
+                "--gpu-memory-utilization",
+                "0.5",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(path.read_text())
     assert doc["device"] == torch.cuda.get_device_name()
     systems = [r["system"] for r in doc["results"]]
-    assert {"minipaged-triton", "minipaged-torch", "hf-generate", "hf-generate-batch",
-            "hf-continuous-batching"} <= set(systems)
+    assert {
+        "minipaged-triton",
+        "minipaged-torch",
+        "hf-generate",
+        "hf-generate-batch",
+        "hf-continuous-batching",
+    } <= set(systems)
     rows = {r["system"]: r for r in doc["results"]}
     assert rows["hf-generate"]["num_requests"] == 2
     assert rows["hf-generate-batch"]["num_requests"] == 8

@@ -51,8 +51,10 @@ def test_one_token_at_a_time_takes_a_block_only_when_the_last_is_full(bs):
     assert table.token_ids == [100 + n for n in range(3 * bs + 2)]
 
 
-@pytest.mark.parametrize("bs,first,second", [(4, 0, 9), (4, 3, 1), (4, 4, 4), (4, 5, 11),
-                                             (1, 3, 3), (3, 2, 7), (16, 15, 2)])
+@pytest.mark.parametrize(
+    "bs,first,second",
+    [(4, 0, 9), (4, 3, 1), (4, 4, 4), (4, 5, 11), (1, 3, 3), (3, 2, 7), (16, 15, 2)],
+)
 def test_bulk_append_allocates_exactly_the_blocks_it_needs(bs, first, second):
     pool = BlockAllocator(20)
     table = BlockTable(bs, pool)
@@ -104,10 +106,14 @@ def test_interleaved_tables_get_scattered_blocks_and_distinct_slots():
         assert written[i] == expected_slots(table.blocks, bs, 0, table.num_tokens)
         assert all(s // bs in table.blocks for s in written[i])
     # Logical order is not physical order: some table's blocks are not consecutive.
-    assert any(t.blocks != list(range(t.blocks[0], t.blocks[0] + len(t.blocks)))
-               for t in tables if t.blocks)
+    assert any(
+        t.blocks != list(range(t.blocks[0], t.blocks[0] + len(t.blocks)))
+        for t in tables
+        if t.blocks
+    )
     assert sorted(b for t in tables for b in t.blocks) == sorted(
-        set(b for t in tables for b in t.blocks))
+        set(b for t in tables for b in t.blocks)
+    )
 
 
 def test_slot_mapping_follows_shuffled_physical_blocks():
@@ -122,14 +128,26 @@ def test_slot_mapping_follows_shuffled_physical_blocks():
     table = BlockTable(bs, pool)
     table.append_tokens(list(range(14)))
     assert table.blocks == order
-    assert table.slot_mapping(0, 14) == [7 * 3, 7 * 3 + 1, 7 * 3 + 2, 2 * 3, 2 * 3 + 1,
-                                         2 * 3 + 2, 11 * 3, 11 * 3 + 1, 11 * 3 + 2,
-                                         0, 1, 2, 5 * 3, 5 * 3 + 1]
+    assert table.slot_mapping(0, 14) == [
+        7 * 3,
+        7 * 3 + 1,
+        7 * 3 + 2,
+        2 * 3,
+        2 * 3 + 1,
+        2 * 3 + 2,
+        11 * 3,
+        11 * 3 + 1,
+        11 * 3 + 2,
+        0,
+        1,
+        2,
+        5 * 3,
+        5 * 3 + 1,
+    ]
     assert [table.slot(p) for p in range(14)] == table.slot_mapping(0, 14)
 
 
-@pytest.mark.parametrize("have,free,ask", [(0, 0, 1), (0, 1, 5), (4, 0, 1), (4, 1, 5),
-                                           (2, 1, 7)])
+@pytest.mark.parametrize("have,free,ask", [(0, 0, 1), (0, 1, 5), (4, 0, 1), (4, 1, 5), (2, 1, 7)])
 def test_append_that_does_not_fit_raises_and_changes_nothing(have, free, ask):
     bs = 4
     pool = BlockAllocator(ceil_div(have, bs) + free)

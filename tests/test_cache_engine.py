@@ -14,21 +14,27 @@ import random
 
 import pytest
 import torch
-from scheduler_sim import SchedulerSim, expected_tokens
 from transformers import AutoConfig, LlamaConfig
 
+from minipaged.batch import SchedulerOutput
 from minipaged.cache_engine import CacheEngine, block_bytes
 from minipaged.models.tiny import make_tiny_model
-from minipaged.batch import SchedulerOutput
+from scheduler_sim import SchedulerSim, expected_tokens
 
 CPU = torch.device("cpu")
 BS = 4
 
 
 def tiny_config(num_layers=3, kv_heads=2, head_dim=8):
-    return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
-                       num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=head_dim,
-                       vocab_size=64)
+    return LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=64,
+    )
 
 
 def filled_engine(num_gpu=8, num_cpu=6, dtype=torch.float32, seed=0):
@@ -66,6 +72,7 @@ def assert_pools_equal(actual, expected):
 
 # -- layout and sizes --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_block_bytes_is_what_a_block_takes_in_the_tensors(dtype):
     """block_bytes equals the real nbytes of one block over all layers, keys and values."""
@@ -102,6 +109,7 @@ def test_pools_have_the_contract_layout():
 
 
 # -- swaps and copies ----------------------------------------------------------------------------
+
 
 def test_swap_out_then_in_restores_every_layer_exactly():
     """Three GPU blocks go to the CPU pool, the GPU blocks are then overwritten (reused by
@@ -164,8 +172,9 @@ def test_a_batch_of_pairs_equals_copying_one_block_at_a_time(seed, dtype):
         return list(zip(src, rng.sample([d for d in dst_ids if d not in src], k)))
 
     swap_out = pairs(range(num_gpu), range(num_cpu), rng.randint(1, 4))
-    swap_in = pairs(list(set(range(num_cpu)) - {c for _, c in swap_out}), range(num_gpu),
-                    rng.randint(1, 3))
+    swap_in = pairs(
+        list(set(range(num_cpu)) - {c for _, c in swap_out}), range(num_gpu), rng.randint(1, 3)
+    )
     copies = pairs(range(num_gpu), range(num_gpu), rng.randint(1, 3))
     copies = [(s, d) for s, d in copies if d not in {g for _, g in swap_in}] or copies[:0]
     engine.execute(SchedulerOutput(swap_out=swap_out, swap_in=swap_in, copies=copies))
@@ -203,6 +212,7 @@ def test_execute_with_nothing_to_do_changes_nothing():
 
 # -- end to end: the scheduler's operations on real tensors ----------------------------------------
 
+
 class TensorSim(SchedulerSim):
     """The scheduler simulator with a real `CacheEngine`: each scheduled token's keys and
     values (a value standing for "this token after this prefix", distinct per layer and
@@ -211,8 +221,14 @@ class TensorSim(SchedulerSim):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.engine = CacheEngine(tiny_config(num_layers=2), self.kv.gpu.num_blocks,
-                                  self.kv.cpu.num_blocks, self.bs, torch.float32, CPU)
+        self.engine = CacheEngine(
+            tiny_config(num_layers=2),
+            self.kv.gpu.num_blocks,
+            self.kv.cpu.num_blocks,
+            self.bs,
+            torch.float32,
+            CPU,
+        )
         for pool in (self.engine.gpu_cache, self.engine.cpu_cache):
             for layer in pool:
                 for c in layer:
@@ -226,7 +242,7 @@ class TensorSim(SchedulerSim):
         super().execute(out)  # the shadow store
         self.engine.execute(out)
         for s in out.seqs:
-            ids = self._content_ids(s.seq.token_ids[:s.start + s.num_new_tokens])
+            ids = self._content_ids(s.seq.token_ids[: s.start + s.num_new_tokens])
             for p in range(s.start, s.start + s.num_new_tokens):
                 block, offset = s.block_table[p // self.bs], p % self.bs
                 for i, layer in enumerate(self.engine.gpu_cache):
@@ -240,13 +256,14 @@ class TensorSim(SchedulerSim):
             for group in queue:
                 for seq in group.unfinished_seqs:
                     blocks = self.kv.block_table(seq.seq_id)
-                    ids = self._content_ids(seq.token_ids[:seq.num_computed_tokens])
+                    ids = self._content_ids(seq.token_ids[: seq.num_computed_tokens])
                     for p, cid in enumerate(ids):
                         block, offset = blocks[p // self.bs], p % self.bs
                         for i, layer in enumerate(pool):
                             for kind, c in enumerate(layer):
                                 assert torch.all(c[block, offset] == self.value(cid, i, kind)), (
-                                    f"step {self.step_no}: {seq.seq_id} position {p} layer {i}")
+                                    f"step {self.step_no}: {seq.seq_id} position {p} layer {i}"
+                                )
 
 
 def test_a_block_swapped_out_and_reused_as_a_cow_destination_in_one_step():
@@ -270,8 +287,9 @@ def test_a_block_swapped_out_and_reused_as_a_cow_destination_in_one_step():
     assert sorted(g.request_id for g in sim.finished) == ["A", "B"]
     for group in sim.finished:
         for seq in group.seqs:
-            assert seq.token_ids == expected_tokens(group.request_id, group.prompt_token_ids,
-                                                    seq.index, group.params.max_tokens)
+            assert seq.token_ids == expected_tokens(
+                group.request_id, group.prompt_token_ids, seq.index, group.params.max_tokens
+            )
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
@@ -294,5 +312,6 @@ def test_a_busy_workload_reads_its_own_kv_from_the_real_tensors(mode):
     assert sorted(g.request_id for g in sim.finished) == sorted(s[0] for s in specs)
     for group in sim.finished:
         for seq in group.seqs:
-            assert seq.token_ids == expected_tokens(group.request_id, group.prompt_token_ids,
-                                                    seq.index, group.params.max_tokens)
+            assert seq.token_ids == expected_tokens(
+                group.request_id, group.prompt_token_ids, seq.index, group.params.max_tokens
+            )

@@ -11,19 +11,24 @@ import sys
 import pytest
 
 from cli_helpers import run_main
-
 from minipaged import BeamSearchParams, SamplingParams
 from minipaged.cli import build_parser, engine_kwargs, main
 from minipaged.config import EngineConfig
 from minipaged.models import make_tiny_model
 
-FILES = ["config.json", "generation_config.json", "model.safetensors",
-         "tokenizer.json", "tokenizer_config.json"]
+FILES = [
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+]
 
 
 def test_make_tiny_model_writes_the_same_checkpoint_as_the_api(tmp_path, capsys):
-    assert run_main(["make-tiny-model", str(tmp_path / "cli"), "--arch", "qwen2",
-                     "--seed", "3"]) == 0
+    assert (
+        run_main(["make-tiny-model", str(tmp_path / "cli"), "--arch", "qwen2", "--seed", "3"]) == 0
+    )
     out = capsys.readouterr().out
     assert f"wrote a tiny qwen2 checkpoint (seed 3) to {tmp_path / 'cli'}" in out
     assert all(name in out for name in FILES)
@@ -34,21 +39,30 @@ def test_make_tiny_model_writes_the_same_checkpoint_as_the_api(tmp_path, capsys)
 
 def test_make_tiny_model_as_a_process(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "minipaged.cli", "make-tiny-model",
-                           str(tmp_path / "m")], capture_output=True, text=True, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "minipaged.cli", "make-tiny-model", str(tmp_path / "m")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == FILES
     assert '"LlamaForCausalLM"' in (tmp_path / "m" / "config.json").read_text()  # the default
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["make-tiny-model", "DIR", "--arch", "gpt2"], "argument --arch: invalid choice: 'gpt2'"),
-    (["make-tiny-model", "DIR", "--seed", "x"], "argument --seed: invalid int value: 'x'"),
-    (["make-tiny-model", "DIR", "--seed", "-1"],
-     "minipaged make-tiny-model: error: seed must be a non-negative int, got -1"),
-    (["make-tiny-model", "FILE"], "minipaged make-tiny-model: error: [Errno 17] File exists"),
-    ([], "the following arguments are required: COMMAND"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["make-tiny-model", "DIR", "--arch", "gpt2"], "argument --arch: invalid choice: 'gpt2'"),
+        (["make-tiny-model", "DIR", "--seed", "x"], "argument --seed: invalid int value: 'x'"),
+        (
+            ["make-tiny-model", "DIR", "--seed", "-1"],
+            "minipaged make-tiny-model: error: seed must be a non-negative int, got -1",
+        ),
+        (["make-tiny-model", "FILE"], "minipaged make-tiny-model: error: [Errno 17] File exists"),
+        ([], "the following arguments are required: COMMAND"),
+    ],
+)
 def test_bad_arguments_fail_with_a_clear_message(argv, message, tmp_path, monkeypatch, capsys):
     (tmp_path / "FILE").touch()
     monkeypatch.chdir(tmp_path)
@@ -83,10 +97,12 @@ def test_a_bench_that_needs_the_server_extra_says_so(monkeypatch, capsys):
 
 def test_a_command_imports_no_benchmark_it_does_not_run():
     """Benchmarks load torch: `minipaged generate` and `--help` start without them."""
-    code = ("import sys; from minipaged.cli import build_parser; "
-            "build_parser().parse_args(['generate', 'hi']); "
-            "print(sorted(m for m in sys.modules if m == 'torch' or "
-            "m.startswith('minipaged.bench.')))")
+    code = (
+        "import sys; from minipaged.cli import build_parser; "
+        "build_parser().parse_args(['generate', 'hi']); "
+        "print(sorted(m for m in sys.modules if m == 'torch' or "
+        "m.startswith('minipaged.bench.')))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["['minipaged.bench.args']"]
@@ -109,12 +125,22 @@ def tiny(tmp_path_factory):
 def llm(tiny):
     from minipaged import LLM
 
-    return LLM(str(tiny), device="cpu", block_size=8, num_gpu_blocks=64,
-               enable_prefix_caching=True, seed=5)
+    return LLM(
+        str(tiny), device="cpu", block_size=8, num_gpu_blocks=64, enable_prefix_caching=True, seed=5
+    )
 
 
-ENGINE_ARGV = ["--device", "cpu", "--block-size", "8", "--num-gpu-blocks", "64",
-               "--enable-prefix-caching", "--seed", "5"]
+ENGINE_ARGV = [
+    "--device",
+    "cpu",
+    "--block-size",
+    "8",
+    "--num-gpu-blocks",
+    "64",
+    "--enable-prefix-caching",
+    "--seed",
+    "5",
+]
 
 
 def completions(out: str) -> dict[tuple[int, int], tuple[str, int]]:
@@ -130,24 +156,60 @@ def completions(out: str) -> dict[tuple[int, int], tuple[str, int]]:
 
 def test_engine_flags_default_to_engine_config():
     args = build_parser().parse_args(["generate", "--model", "M", "hi"])
-    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)
-                if f.name not in ("model", "trace")}
+    defaults = {
+        f.name: f.default
+        for f in dataclasses.fields(EngineConfig)
+        if f.name not in ("model", "trace")
+    }
     assert engine_kwargs(args) == defaults
 
 
 def test_engine_flags_reach_engine_config():
     args = build_parser().parse_args(
-        ["generate", "--model", "M", "--dtype", "bfloat16", "--num-gpu-blocks", "7",
-         "--gpu-memory-utilization", "0.5", "--swap-space", "0", "--preemption-mode", "swap",
-         "--enable-prefix-caching", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-         "--max-model-len", "100", "--attention-backend", "triton", "--seed", "3", "hi"])
+        [
+            "generate",
+            "--model",
+            "M",
+            "--dtype",
+            "bfloat16",
+            "--num-gpu-blocks",
+            "7",
+            "--gpu-memory-utilization",
+            "0.5",
+            "--swap-space",
+            "0",
+            "--preemption-mode",
+            "swap",
+            "--enable-prefix-caching",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "64",
+            "--max-model-len",
+            "100",
+            "--attention-backend",
+            "triton",
+            "--seed",
+            "3",
+            "hi",
+        ]
+    )
     config = EngineConfig(model="M", **engine_kwargs(args))
-    assert (config.dtype, config.num_gpu_blocks, config.gpu_memory_utilization) == \
-        ("bfloat16", 7, 0.5)
-    assert (config.swap_space, config.preemption_mode, config.enable_prefix_caching) == \
-        (0, "swap", True)
-    assert (config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len) == \
-        (4, 64, 100)
+    assert (config.dtype, config.num_gpu_blocks, config.gpu_memory_utilization) == (
+        "bfloat16",
+        7,
+        0.5,
+    )
+    assert (config.swap_space, config.preemption_mode, config.enable_prefix_caching) == (
+        0,
+        "swap",
+        True,
+    )
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len) == (
+        4,
+        64,
+        100,
+    )
     assert (config.attention_backend, config.seed) == ("triton", 3)
     # The request's seed is a sampling flag of its own.
     assert args.sampling_seed is None
@@ -155,14 +217,31 @@ def test_engine_flags_reach_engine_config():
 
 def test_generate_prints_what_llm_generate_returns(tiny, llm, capsys):
     prompts = ["Hello", "The capital of"]
-    argv = ["generate", "--model", str(tiny), *ENGINE_ARGV, "--n", "3", "--max-tokens", "6",
-            "--temperature", "0.8", "--top-k", "20", "--sampling-seed", "11", *prompts]
+    argv = [
+        "generate",
+        "--model",
+        str(tiny),
+        *ENGINE_ARGV,
+        "--n",
+        "3",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "20",
+        "--sampling-seed",
+        "11",
+        *prompts,
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     params = SamplingParams(n=3, max_tokens=6, temperature=0.8, top_k=20, seed=11)
-    expected = {(i, c.index): (c.text, len(c.token_ids))
-                for i, o in enumerate(llm.generate(prompts, params, use_tqdm=False))
-                for c in o.outputs}
+    expected = {
+        (i, c.index): (c.text, len(c.token_ids))
+        for i, o in enumerate(llm.generate(prompts, params, use_tqdm=False))
+        for c in o.outputs
+    }
     assert completions(out) == expected
     assert "prompt 1: 'The capital of'" in out
     assert "Memory: a KV pool of 64 blocks x 8 token slots on cpu" in out
@@ -170,11 +249,27 @@ def test_generate_prints_what_llm_generate_returns(tiny, llm, capsys):
 
 
 def test_generate_greedy_with_stops_and_logprobs(tiny, llm, capsys):
-    reference = llm.generate("abc", SamplingParams(temperature=0, max_tokens=8),
-                             use_tqdm=False)[0].outputs[0]
+    reference = llm.generate("abc", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[
+        0
+    ].outputs[0]
     stop = reference.text[2:4] or "x"
-    argv = ["generate", "--model", str(tiny), *ENGINE_ARGV, "--temperature", "0",
-            "--max-tokens", "8", "--stop", stop, "--stop", "never", "--logprobs", "2", "abc"]
+    argv = [
+        "generate",
+        "--model",
+        str(tiny),
+        *ENGINE_ARGV,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "8",
+        "--stop",
+        stop,
+        "--stop",
+        "never",
+        "--logprobs",
+        "2",
+        "abc",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     params = SamplingParams(temperature=0, max_tokens=8, stop=[stop, "never"], logprobs=2)
@@ -185,19 +280,50 @@ def test_generate_greedy_with_stops_and_logprobs(tiny, llm, capsys):
 
 
 def test_generate_penalty_and_min_tokens_flags_reach_sampling_params(tiny, llm, capsys):
-    argv = ["generate", "--model", str(tiny), *ENGINE_ARGV, "--temperature", "0",
-            "--max-tokens", "8", "--min-tokens", "3", "--repetition-penalty", "1.5",
-            "--presence-penalty", "0.5", "--frequency-penalty", "-0.5", "abc"]
+    argv = [
+        "generate",
+        "--model",
+        str(tiny),
+        *ENGINE_ARGV,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "8",
+        "--min-tokens",
+        "3",
+        "--repetition-penalty",
+        "1.5",
+        "--presence-penalty",
+        "0.5",
+        "--frequency-penalty",
+        "-0.5",
+        "abc",
+    ]
     assert main(argv) == 0
-    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=3, repetition_penalty=1.5,
-                            presence_penalty=0.5, frequency_penalty=-0.5)
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=8,
+        min_tokens=3,
+        repetition_penalty=1.5,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+    )
     c = llm.generate("abc", params, use_tqdm=False)[0].outputs[0]
     assert completions(capsys.readouterr().out) == {(0, 0): (c.text, len(c.token_ids))}
 
 
 def test_generate_beam_search_prints_llm_beam_search(tiny, llm, capsys):
-    argv = ["generate", "--model", str(tiny), *ENGINE_ARGV, "--beam-width", "3",
-            "--max-tokens", "5", "Hello"]
+    argv = [
+        "generate",
+        "--model",
+        str(tiny),
+        *ENGINE_ARGV,
+        "--beam-width",
+        "3",
+        "--max-tokens",
+        "5",
+        "Hello",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     beams = llm.beam_search(["Hello"], BeamSearchParams(beam_width=3, max_tokens=5))[0]
@@ -205,21 +331,29 @@ def test_generate_beam_search_prints_llm_beam_search(tiny, llm, capsys):
     assert printed == [s.text for s in beams.sequences]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--block-size", "0"], "minipaged generate: error: block_size must be an int >= 1, got 0"),
-    (["--preemption-mode", "drop"], "argument --preemption-mode: invalid choice: 'drop'"),
-    (["--num-gpu-blocks", "x"], "argument --num-gpu-blocks: invalid int value: 'x'"),
-    (["--temperature", "-1"], "temperature must be a finite number >= 0, got -1.0"),
-    (["--max-tokens", "0"], "max_tokens must be an int >= 1, got 0"),
-    (["--n", "0"], "n must be an int >= 1, got 0"),
-    (["--presence-penalty", "3"], "presence_penalty must be a number in [-2, 2], got 3.0"),
-    (["--min-tokens", "20"], "min_tokens must be an int in [0, 16] (at most max_tokens), got 20"),
-    (["--beam-width", "2", "--n", "2"], "beam_width=2 cannot be combined with --n"),
-    (["--beam-width", "2", "--sampling-seed", "1", "--stop", "x"],
-     "cannot be combined with --sampling-seed, --stop"),
-    (["--dtype", "fp8"], "dtype must be 'auto', one of"),
-    (["--max-model-len", "99999"], "max_model_len=99999 is more than the model's 1024"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--block-size", "0"], "minipaged generate: error: block_size must be an int >= 1, got 0"),
+        (["--preemption-mode", "drop"], "argument --preemption-mode: invalid choice: 'drop'"),
+        (["--num-gpu-blocks", "x"], "argument --num-gpu-blocks: invalid int value: 'x'"),
+        (["--temperature", "-1"], "temperature must be a finite number >= 0, got -1.0"),
+        (["--max-tokens", "0"], "max_tokens must be an int >= 1, got 0"),
+        (["--n", "0"], "n must be an int >= 1, got 0"),
+        (["--presence-penalty", "3"], "presence_penalty must be a number in [-2, 2], got 3.0"),
+        (
+            ["--min-tokens", "20"],
+            "min_tokens must be an int in [0, 16] (at most max_tokens), got 20",
+        ),
+        (["--beam-width", "2", "--n", "2"], "beam_width=2 cannot be combined with --n"),
+        (
+            ["--beam-width", "2", "--sampling-seed", "1", "--stop", "x"],
+            "cannot be combined with --sampling-seed, --stop",
+        ),
+        (["--dtype", "fp8"], "dtype must be 'auto', one of"),
+        (["--max-model-len", "99999"], "max_model_len=99999 is more than the model's 1024"),
+    ],
+)
 def test_generate_bad_flags_exit_2_naming_them(argv, message, tiny, capsys):
     assert run_main(["generate", "--model", str(tiny), *argv, "hi"]) == 2
     err = capsys.readouterr().err
@@ -233,13 +367,19 @@ def test_generate_needs_a_prompt_and_its_model_is_smollm2_unless_told(tiny, caps
 
 
 # -- one model convention (vLLM's): `serve MODEL`, `--model MODEL` elsewhere ------------
-MODEL_COMMANDS = [["generate", "hi"], ["bench", "throughput"], ["bench", "block-size"],
-                  ["bench", "preemption"], ["bench", "latency"]]
+MODEL_COMMANDS = [
+    ["generate", "hi"],
+    ["bench", "throughput"],
+    ["bench", "block-size"],
+    ["bench", "preemption"],
+    ["bench", "latency"],
+]
 
 
 @pytest.mark.parametrize("command", MODEL_COMMANDS, ids=lambda c: " ".join(c))
-@pytest.mark.parametrize("model", ["smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct",
-                                   "m.gguf", "some/dir"])
+@pytest.mark.parametrize(
+    "model", ["smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct", "m.gguf", "some/dir"]
+)
 def test_every_command_takes_the_model_the_same_way(command, model):
     assert build_parser().parse_args([*command, "--model", model]).model == model
     assert build_parser().parse_args(["serve", model]).model == model
@@ -278,21 +418,39 @@ def test_download_prints_where_the_checkpoint_is_and_its_files(fake_hub, tmp_pat
 
 
 def test_generate_and_bench_resolve_a_name_through_the_cache(fake_hub, tmp_path, capsys):
-    argv = ["--model", "org/tiny", "--device", "cpu", "--num-gpu-blocks", "16",
-            "--swap-space", "0"]
+    argv = ["--model", "org/tiny", "--device", "cpu", "--num-gpu-blocks", "16", "--swap-space", "0"]
     assert main(["generate", *argv, "--max-tokens", "3", "Hello"]) == 0
     assert "prompt 0: 'Hello'" in capsys.readouterr().out
     out = tmp_path / "latency.json"
-    assert main(["bench", "latency", "--model", "org/tiny", "--device", "cpu",
-                 "--preset", "cpu", "--modes", "paged", "--rates", "8",
-                 "--num-requests", "2", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "latency",
+                "--model",
+                "org/tiny",
+                "--device",
+                "cpu",
+                "--preset",
+                "cpu",
+                "--modes",
+                "paged",
+                "--rates",
+                "8",
+                "--num-requests",
+                "2",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert out.is_file()
     assert fake_hub == ["org/tiny"]  # fetched once, then found in the cache
 
 
 @pytest.mark.parametrize("command", MODEL_COMMANDS, ids=lambda c: " ".join(c))
-def test_a_model_that_cannot_be_had_is_a_one_line_error(command, tmp_path, monkeypatch,
-                                                        capsys):
+def test_a_model_that_cannot_be_had_is_a_one_line_error(command, tmp_path, monkeypatch, capsys):
     from minipaged.models import hub
 
     def unreachable(name, *args):
@@ -311,8 +469,20 @@ def test_a_model_that_cannot_be_had_is_a_one_line_error(command, tmp_path, monke
 
 
 def test_generate_reports_the_swap_pool_that_exists(tiny, capsys):
-    argv = ["generate", "--model", str(tiny), "--device", "cpu", "--max-num-seqs", "2",
-            "--max-model-len", "64", "--max-tokens", "2", "hi"]
+    argv = [
+        "generate",
+        "--model",
+        str(tiny),
+        "--device",
+        "cpu",
+        "--max-num-seqs",
+        "2",
+        "--max-model-len",
+        "64",
+        "--max-tokens",
+        "2",
+        "hi",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     # Two sequences of 64 tokens in blocks of 16: 8 blocks, whatever 1 and 4 GiB hold.

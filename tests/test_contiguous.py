@@ -10,10 +10,17 @@ from minipaged.memory.simulate import SYSTEMS, simulate_memory
 from minipaged.workloads import RequestSpec, synthetic_requests
 
 
-@pytest.mark.parametrize("policy, prompt, output, expected", [
-    ("max", 3, 4, 64), ("oracle", 3, 4, 7), ("pow2", 3, 4, 8), ("pow2", 4, 4, 8),
-    ("pow2", 4, 5, 16), ("pow2", 40, 30, 64),  # 128 capped at max_len
-])
+@pytest.mark.parametrize(
+    "policy, prompt, output, expected",
+    [
+        ("max", 3, 4, 64),
+        ("oracle", 3, 4, 7),
+        ("pow2", 3, 4, 8),
+        ("pow2", 4, 4, 8),
+        ("pow2", 4, 5, 16),
+        ("pow2", 40, 30, 64),  # 128 capped at max_len
+    ],
+)
 def test_reservation_size(policy, prompt, output, expected):
     assert reservation_size(policy, prompt, output, max_len=64) == expected
 
@@ -101,14 +108,22 @@ def test_paper_shape_on_a_sharegpt_like_workload():
         parts = r.token_share + r.reserved_share + r.internal_share + r.external_share
         assert 0 < parts <= 1 + 1e-9
     batch = {s: r.max_batch for s, r in reports.items()}
-    assert batch["paged"] > batch["contiguous-oracle"] > batch["contiguous-pow2"] > batch["contiguous-max"]
+    assert (
+        batch["paged"]
+        > batch["contiguous-oracle"]
+        > batch["contiguous-pow2"]
+        > batch["contiguous-max"]
+    )
 
 
-@pytest.mark.parametrize("system, kwargs, name", [
-    ("orca", {}, "system"),
-    ("contiguous-max", dict(max_len=4096), "num_slots"),
-    ("paged", dict(block_size=16), "num_slots"),
-])
+@pytest.mark.parametrize(
+    "system, kwargs, name",
+    [
+        ("orca", {}, "system"),
+        ("contiguous-max", dict(max_len=4096), "num_slots"),
+        ("paged", dict(block_size=16), "num_slots"),
+    ],
+)
 def test_simulation_rejects_impossible_setups(system, kwargs, name):
     requests = [RequestSpec(1000, 1000)]
     with pytest.raises(ValueError, match=name):

@@ -11,8 +11,8 @@ else's KV.
 import random
 
 import pytest
-from memory_shadow import Shadow, ceil_div
 
+from memory_shadow import Shadow, ceil_div
 from minipaged.memory import BlockAllocator, BlockTable, KVCacheManager, NoFreeBlocksError
 
 
@@ -29,6 +29,7 @@ def forked(num_blocks, num_tokens, bs=4):
 
 
 # -- block-table level ------------------------------------------------------------------
+
 
 def test_fork_shares_every_block_and_allocates_nothing():
     pool = BlockAllocator(8)
@@ -107,8 +108,12 @@ def test_cow_without_a_free_block_raises_and_changes_nothing():
     before = (list(parent.blocks), list(child.blocks), list(child.token_ids), pool_state(pool))
     with pytest.raises(NoFreeBlocksError):
         child.append_tokens([1])  # would fit in the partial block, but it is shared
-    assert (list(parent.blocks), list(child.blocks), list(child.token_ids),
-            pool_state(pool)) == before
+    assert (
+        list(parent.blocks),
+        list(child.blocks),
+        list(child.token_ids),
+        pool_state(pool),
+    ) == before
 
 
 def test_appending_nothing_to_a_shared_partial_block_copies_nothing():
@@ -153,8 +158,11 @@ def test_freeing_the_parent_leaves_the_child_intact():
 
 # -- parallel sampling and beam search through the manager --------------------------------
 
-@pytest.mark.parametrize("bs,prompt_len,n,steps", [(4, 10, 4, 6), (4, 8, 3, 5), (1, 5, 3, 4),
-                                                   (16, 20, 4, 30), (3, 7, 2, 9)])
+
+@pytest.mark.parametrize(
+    "bs,prompt_len,n,steps",
+    [(4, 10, 4, 6), (4, 8, 3, 5), (1, 5, 3, 4), (16, 20, 4, 30), (3, 7, 2, 9)],
+)
 def test_parallel_sampling_shares_the_prompt(bs, prompt_len, n, steps):
     mgr = KVCacheManager(num_gpu_blocks=64, block_size=bs)
     sh = Shadow(mgr)
@@ -205,8 +213,9 @@ def test_beam_search_like_forking_keeps_every_beam_correct(seed, bs):
     ancestry = {"b0": {}}  # beam -> {ancestor: its length when it forked}
     next_id = 1
     for _ in range(12):
-        candidates = [(rng.random(), beam, tok)
-                      for beam in beams for tok in rng.sample(range(50), 2)]
+        candidates = [
+            (rng.random(), beam, tok) for beam in beams for tok in rng.sample(range(50), 2)
+        ]
         winners = sorted(candidates, reverse=True)[:width]
         if rng.random() < 0.3:  # sometimes one beam takes every slot
             winners = [(0, beams[0], t) for t in rng.sample(range(50), width)]

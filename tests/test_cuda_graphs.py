@@ -11,15 +11,25 @@ from minipaged.cuda_graphs import graph_batch_sizes, padded_batch_size
 from minipaged.models import make_tiny_model
 
 
-@pytest.mark.parametrize("max_num_seqs, sizes", [
-    (1, [1]), (3, [1, 2, 3]), (8, [1, 2, 4, 8]), (16, [1, 2, 4, 8, 16]),
-    (40, [1, 2, 4, 8, 16, 32, 40]), (64, [1, 2, 4, 8, 16, 32, 48, 64])])
+@pytest.mark.parametrize(
+    "max_num_seqs, sizes",
+    [
+        (1, [1]),
+        (3, [1, 2, 3]),
+        (8, [1, 2, 4, 8]),
+        (16, [1, 2, 4, 8, 16]),
+        (40, [1, 2, 4, 8, 16, 32, 40]),
+        (64, [1, 2, 4, 8, 16, 32, 48, 64]),
+    ],
+)
 def test_captured_sizes(max_num_seqs, sizes):
     assert graph_batch_sizes(max_num_seqs) == sizes
 
 
-@pytest.mark.parametrize("num_seqs, padded", [(1, 1), (3, 4), (5, 8), (9, 16), (17, 32),
-                                              (33, 48), (48, 48), (63, 64), (64, 64)])
+@pytest.mark.parametrize(
+    "num_seqs, padded",
+    [(1, 1), (3, 4), (5, 8), (9, 16), (17, 32), (33, 48), (48, 48), (63, 64), (64, 64)],
+)
 def test_a_batch_pads_to_the_next_captured_size(num_seqs, padded):
     assert padded_batch_size(num_seqs, graph_batch_sizes(64)) == padded
 
@@ -45,9 +55,11 @@ def test_nothing_is_captured_on_a_cpu(checkpoint):
 
 
 def greedy(llm, prompts, max_tokens=16):
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                           use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+        use_tqdm=False,
+    )
     return [o.outputs[0].token_ids for o in outputs]
 
 
@@ -57,12 +69,20 @@ def greedy(llm, prompts, max_tokens=16):
 def test_graphs_give_the_eager_tokens(checkpoint, backend, num_prompts):
     """3 and 20 sequences pad to graphs of 4 and 32; fp32, so no near-tie can differ."""
     g = torch.Generator().manual_seed(num_prompts)
-    prompts = [torch.randint(0, 256, (1 + 7 * i % 50,), generator=g).tolist()
-               for i in range(num_prompts)]
+    prompts = [
+        torch.randint(0, 256, (1 + 7 * i % 50,), generator=g).tolist() for i in range(num_prompts)
+    ]
     outputs = {}
     for eager in (True, False):
-        llm = LLM(checkpoint, device="cuda", dtype="float32", attention_backend=backend,
-                  num_gpu_blocks=256, max_num_seqs=32, enforce_eager=eager)
+        llm = LLM(
+            checkpoint,
+            device="cuda",
+            dtype="float32",
+            attention_backend=backend,
+            num_gpu_blocks=256,
+            max_num_seqs=32,
+            enforce_eager=eager,
+        )
         outputs[eager] = greedy(llm, prompts)
         graphs = llm.engine.runner.graphs
         assert (graphs is None) == eager

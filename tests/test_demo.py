@@ -31,8 +31,22 @@ def out(smollm2):
     stdout = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(stdout):
         mp.setattr(demo, "STREAMED_QUESTION", QUESTION)
-        assert main(["demo", "--model", str(smollm2), "--n", str(N),
-                     "--max-tokens", str(MAX_TOKENS), "--num-requests", "100"]) == 0
+        assert (
+            main(
+                [
+                    "demo",
+                    "--model",
+                    str(smollm2),
+                    "--n",
+                    str(N),
+                    "--max-tokens",
+                    str(MAX_TOKENS),
+                    "--num-requests",
+                    "100",
+                ]
+            )
+            == 0
+        )
     return stdout.getvalue()
 
 
@@ -45,10 +59,15 @@ def tokenizer(smollm2):
 
 def prompt_ids(tokenizer) -> list[list[int]]:
     """The batch's prompts as the chat template makes them, tokenized here."""
-    return [tokenizer.apply_chat_template(
-        [{"role": "system", "content": demo.SYSTEM_PROMPT}, {"role": "user", "content": q}],
-        add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-        for q in demo.QUESTIONS]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "system", "content": demo.SYSTEM_PROMPT}, {"role": "user", "content": q}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
+        for q in demo.QUESTIONS
+    ]
 
 
 def table(out: str) -> dict[str, tuple[int, int, int]]:
@@ -64,9 +83,11 @@ def test_the_streamed_answer_is_real_english_and_the_greedy_one(out, smollm2):
     streamed = out.split("assistant: ", 1)[1].split("\n[", 1)[0]
     assert "Paris" in streamed
     llm = LLM(str(smollm2), num_gpu_blocks=64, swap_space=0)
-    [greedy] = llm.generate(demo.chat_prompt(llm.get_tokenizer(), QUESTION),
-                            SamplingParams(temperature=0, max_tokens=2 * MAX_TOKENS),
-                            use_tqdm=False)
+    [greedy] = llm.generate(
+        demo.chat_prompt(llm.get_tokenizer(), QUESTION),
+        SamplingParams(temperature=0, max_tokens=2 * MAX_TOKENS),
+        use_tqdm=False,
+    )
     assert streamed == greedy.outputs[0].text
 
 
@@ -115,11 +136,16 @@ def _common_prefix(a, b) -> int:
 
 
 def test_demo_still_reports_paged_and_contiguous_waste(out):
-    cells = [[cell.strip() for cell in line.strip("|").split("|")]
-             for line in out.splitlines() if line.startswith("|")]
+    cells = [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in out.splitlines()
+        if line.startswith("|")
+    ]
     rows = {row[0]: row for row in cells}
-    token_share = {s: float(rows[s][1].rstrip("%")) for s in
-                   ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")}
+    token_share = {
+        s: float(rows[s][1].rstrip("%"))
+        for s in ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
+    }
     assert token_share["paged"] > max(v for s, v in token_share.items() if s != "paged")
 
 
@@ -131,11 +157,11 @@ def test_the_checkpoint_is_written_once_to_the_cache(cache):
 
 
 def test_peak_usage_watch_leaves_the_engine_as_it_was(cache):
-    llm = LLM(str(cached_checkpoint("demo-llama")), device="cpu", num_gpu_blocks=32,
-              swap_space=0)
+    llm = LLM(str(cached_checkpoint("demo-llama")), device="cpu", num_gpu_blocks=32, swap_space=0)
     with demo.PeakUsage.watch(llm.engine) as peak:
-        llm.generate(["abcdefgh" * 3], SamplingParams(n=2, max_tokens=4, ignore_eos=True),
-                     use_tqdm=False)
+        llm.generate(
+            ["abcdefgh" * 3], SamplingParams(n=2, max_tokens=4, ignore_eos=True), use_tqdm=False
+        )
     assert "step" not in vars(llm.engine)
     # 25 prompt tokens: one full block shared by both completions, a tail block each.
     assert peak.stats["num_used_gpu_blocks"] == 3

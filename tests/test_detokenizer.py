@@ -18,8 +18,12 @@ from minipaged.detokenizer import IncrementalDetokenizer
 from minipaged.models import make_tiny_model
 from minipaged.models.tiny import BOS_ID, EOS_ID
 
-TEXTS = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine",
-         "naïve café, señor — déjà vu", "emoji 🙂 and CJK 漢字 too"]
+TEXTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a stitch in time saves nine",
+    "naïve café, señor — déjà vu",
+    "emoji 🙂 and CJK 漢字 too",
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +35,16 @@ def byte_tokenizer(tmp_path_factory):
 @pytest.fixture(scope="module")
 def metaspace_tokenizer():
     spm = SentencePieceBPETokenizer()
-    spm.train_from_iterator(TEXTS * 10, vocab_size=120, show_progress=False,
-                            special_tokens=["<s>", "</s>"])
+    spm.train_from_iterator(
+        TEXTS * 10, vocab_size=120, show_progress=False, special_tokens=["<s>", "</s>"]
+    )
     return PreTrainedTokenizerFast(tokenizer_object=spm, bos_token="<s>", eos_token="</s>")
 
 
 def stream(tokenizer, token_ids: list[int]) -> list[str]:
     """Feed ``token_ids`` one at a time, as the engine does, then end the completion."""
     detokenizer = IncrementalDetokenizer(tokenizer)
-    pieces = [detokenizer.update(token_ids[:i + 1]) for i in range(len(token_ids))]
+    pieces = [detokenizer.update(token_ids[: i + 1]) for i in range(len(token_ids))]
     return pieces + [detokenizer.update(token_ids, final=True)]
 
 
@@ -48,8 +53,7 @@ def full(tokenizer, token_ids: list[int]) -> str:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.one_of(st.integers(0, 255), st.sampled_from([BOS_ID, EOS_ID])),
-                max_size=40))
+@given(st.lists(st.one_of(st.integers(0, 255), st.sampled_from([BOS_ID, EOS_ID])), max_size=40))
 def test_byte_tokens_any_sequence_streams_to_the_full_decode(byte_tokenizer, token_ids):
     """Random bytes (invalid UTF-8 included) and special tokens: the pieces join to
     exactly what decoding everything at once gives."""

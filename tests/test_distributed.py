@@ -17,10 +17,15 @@ import signal
 
 import pytest
 import torch
-from engine_helpers import (as_inputs, assert_all_blocks_free, assert_greedy_matches_hf,
-                            make_llm, random_prompt)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine_helpers import (
+    as_inputs,
+    assert_all_blocks_free,
+    assert_greedy_matches_hf,
+    make_llm,
+    random_prompt,
+)
 from minipaged import LLM, SamplingParams
 from minipaged.memory.block_table import blocks_for
 from minipaged.sampling_params import BeamSearchParams
@@ -28,12 +33,17 @@ from minipaged.sampling_params import BeamSearchParams
 MAX_TOKENS = 10
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2)
-SEEDED = SamplingParams(n=2, temperature=0.9, top_p=0.9, max_tokens=MAX_TOKENS, seed=7,
-                        ignore_eos=True)
+SEEDED = SamplingParams(
+    n=2, temperature=0.9, top_p=0.9, max_tokens=MAX_TOKENS, seed=7, ignore_eos=True
+)
 PROMPTS = [random_prompt(length, seed) for seed, length in enumerate([3, 30, 17, 9])]
 # A pool that holds the largest request but not the batch: requests are swapped out.
-POOL = dict(block_size=BLOCK_SIZE, preemption_mode="swap", enable_prefix_caching=True,
-            num_gpu_blocks=max(blocks_for(len(p) + MAX_TOKENS, BLOCK_SIZE) for p in PROMPTS) + 1)
+POOL = dict(
+    block_size=BLOCK_SIZE,
+    preemption_mode="swap",
+    enable_prefix_caching=True,
+    num_gpu_blocks=max(blocks_for(len(p) + MAX_TOKENS, BLOCK_SIZE) for p in PROMPTS) + 1,
+)
 
 
 def generate(llm, prompts, params):
@@ -96,8 +106,9 @@ class TestTwoRanks:
         params = BeamSearchParams(beam_width=2, max_tokens=6)
         prompts = as_inputs([PROMPTS[0], PROMPTS[3]])
         ours, theirs = tp2.beam_search(prompts, params), tp1.beam_search(prompts, params)
-        assert [[b.tokens for b in o.sequences] for o in ours] == \
-               [[b.tokens for b in o.sequences] for o in theirs]
+        assert [[b.tokens for b in o.sequences] for o in ours] == [
+            [b.tokens for b in o.sequences] for o in theirs
+        ]
         assert_all_blocks_free(tp2)
 
     def test_shutdown_stops_every_worker(self, engines):
@@ -108,16 +119,20 @@ class TestTwoRanks:
             generate(tp2, PROMPTS[:1], GREEDY)
 
 
-@pytest.mark.parametrize(("arch", "overrides"), [
-    ("qwen2", {}),  # q/k/v biases, tied embeddings
-    ("qwen3", {}),  # q/k norms, head_dim 32 != hidden_size / num_heads
-    ("llama", {"attention_bias": True, "mlp_bias": True}),  # row-parallel biases, added once
-])
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        ("qwen2", {}),  # q/k/v biases, tied embeddings
+        ("qwen3", {}),  # q/k norms, head_dim 32 != hidden_size / num_heads
+        ("llama", {"attention_bias": True, "mlp_bias": True}),  # row-parallel biases, added once
+    ],
+)
 def test_variants_split_two_ways_equal_hf(tiny, arch, overrides):
     path, oracle = tiny(arch, **overrides)
     llm = make_llm(path, tensor_parallel_size=2, block_size=BLOCK_SIZE, num_gpu_blocks=64)
-    assert_greedy_matches_hf(generate(llm, PROMPTS, GREEDY), PROMPTS, oracle, MAX_TOKENS,
-                             logprobs=2)
+    assert_greedy_matches_hf(
+        generate(llm, PROMPTS, GREEDY), PROMPTS, oracle, MAX_TOKENS, logprobs=2
+    )
     assert_all_blocks_free(llm)
     llm.shutdown()
 
@@ -135,6 +150,7 @@ def test_four_ranks_replicate_kv_heads_and_survive_ctrl_c(tiny):
 
     def interrupted(*args):
         raise KeyboardInterrupt
+
     llm.engine.runner.execute = interrupted
     with pytest.raises(KeyboardInterrupt):
         generate(llm, PROMPTS[:1], GREEDY)
@@ -156,6 +172,7 @@ def test_killed_worker_fails_fast_naming_its_rank(tiny):
         os.kill(victim.pid, signal.SIGKILL)
         victim.join(10)
         return execute(*args)
+
     llm.engine.runner.execute = kill_then_execute
     with pytest.raises(RuntimeError, match=f"worker rank 1 \\(pid {victim.pid}\\) died"):
         generate(llm, PROMPTS[:1], GREEDY)
@@ -169,15 +186,17 @@ def test_smollm2_tp3_equals_hf_generate(smollm2):
     """The acceptance test: SmolLM2-135M (9 query heads, 3 KV heads, intermediate 1536,
     a tied 49152-row vocabulary) split over 3 ranks gives HF's greedy answer."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital "
-                                             "of France?"}], add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
+    )
     if not isinstance(prompt, list):  # transformers 5 returns a BatchEncoding
         prompt = prompt["input_ids"]
     hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                               max_new_tokens=12)[0, len(prompt):].tolist()
+        expected = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12
+        )[0, len(prompt) :].tolist()
     del hf
     llm = make_llm(smollm2, tensor_parallel_size=3, num_gpu_blocks=16, max_model_len=256)
     out = generate(llm, [prompt], SamplingParams(temperature=0, max_tokens=12))
@@ -218,14 +237,17 @@ def test_tensor_parallel_size_must_be_a_positive_int(size):
 def test_a_model_that_does_not_split_is_refused_before_any_process_starts(tiny):
     path, _ = tiny("llama")  # 4 query heads
     before = set(multiprocessing.active_children())
-    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's "
-                                         "num_attention_heads \\(4\\)"):
+    with pytest.raises(
+        ValueError,
+        match="tensor_parallel_size=3 must divide the model's num_attention_heads \\(4\\)",
+    ):
         make_llm(path, tensor_parallel_size=3)
     assert set(multiprocessing.active_children()) == before
 
 
-@pytest.mark.parametrize("command", [["generate", "--model", "M", "hi"], ["serve", "M"],
-                                     ["bench", "throughput"]])
+@pytest.mark.parametrize(
+    "command", [["generate", "--model", "M", "hi"], ["serve", "M"], ["bench", "throughput"]]
+)
 def test_tensor_parallel_size_flag(command):
     from minipaged.cli import build_parser, engine_kwargs
 

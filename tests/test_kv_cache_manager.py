@@ -7,28 +7,51 @@ before and after.
 """
 
 import pytest
-from memory_shadow import Shadow, ceil_div
 
-from minipaged.memory import (Allocation, KVCacheManager, NoFreeBlocksError,
-                              PrefixCachingBlockAllocator)
+from memory_shadow import Shadow, ceil_div
+from minipaged.memory import (
+    Allocation,
+    KVCacheManager,
+    NoFreeBlocksError,
+    PrefixCachingBlockAllocator,
+)
 
 
 def snapshot(mgr):
     """Everything a refused operation must leave as it was."""
+
     def pool(a):
         s = {"free": list(a._free), "refs": list(a._ref_counts)}
         if isinstance(a, PrefixCachingBlockAllocator):
-            s.update(evictable=list(a._evictable), by_hash=dict(a._by_hash),
-                     by_block=dict(a._by_block), lookups=(a.num_query_tokens, a.num_hit_tokens))
+            s.update(
+                evictable=list(a._evictable),
+                by_hash=dict(a._by_hash),
+                by_block=dict(a._by_block),
+                lookups=(a.num_query_tokens, a.num_hit_tokens),
+            )
         return s
-    tables = {sid: (id(t), list(t.blocks), list(t.token_ids), list(t.identities),
-                    "cpu" if t.allocator is mgr.cpu else "gpu" if t.allocator is mgr.gpu else "?")
-              for sid, t in mgr.tables.items()}
-    return {"stats": mgr.stats(), "gpu": pool(mgr.gpu), "cpu": pool(mgr.cpu), "tables": tables,
-            "swaps": (mgr.num_swapped_out_blocks, mgr.num_swapped_in_blocks)}
+
+    tables = {
+        sid: (
+            id(t),
+            list(t.blocks),
+            list(t.token_ids),
+            list(t.identities),
+            "cpu" if t.allocator is mgr.cpu else "gpu" if t.allocator is mgr.gpu else "?",
+        )
+        for sid, t in mgr.tables.items()
+    }
+    return {
+        "stats": mgr.stats(),
+        "gpu": pool(mgr.gpu),
+        "cpu": pool(mgr.cpu),
+        "tables": tables,
+        "swaps": (mgr.num_swapped_out_blocks, mgr.num_swapped_in_blocks),
+    }
 
 
 # -- construction and basics -------------------------------------------------------------
+
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, None])
 def test_block_size_is_validated(bad):
@@ -71,9 +94,17 @@ def test_block_table_returns_a_copy():
     assert mgr.block_table("s") == mgr.tables["s"].blocks and 99 not in mgr.block_table("s")
 
 
-@pytest.mark.parametrize("bs,prompt_len,chunks", [
-    (4, 10, [3, 3, 4]), (4, 10, [4, 6]), (4, 10, [1] * 10), (2, 7, [5, 2]), (16, 40, [16, 16, 8]),
-    (3, 9, [9])])
+@pytest.mark.parametrize(
+    "bs,prompt_len,chunks",
+    [
+        (4, 10, [3, 3, 4]),
+        (4, 10, [4, 6]),
+        (4, 10, [1] * 10),
+        (2, 7, [5, 2]),
+        (16, 40, [16, 16, 8]),
+        (3, 9, [9]),
+    ],
+)
 def test_chunked_prefill_then_decode(bs, prompt_len, chunks):
     mgr = KVCacheManager(num_gpu_blocks=32, block_size=bs)
     sh = Shadow(mgr)
@@ -85,7 +116,7 @@ def test_chunked_prefill_then_decode(bs, prompt_len, chunks):
     done = chunks[0]
     for c in chunks[1:]:
         assert mgr.can_append("s", c)
-        slots += sh.append("s", prompt[done:done + c]).slot_mapping
+        slots += sh.append("s", prompt[done : done + c]).slot_mapping
         done += c
         assert mgr.num_tokens("s") == done
     assert mgr.tables["s"].token_ids == prompt
@@ -99,11 +130,13 @@ def test_chunked_prefill_then_decode(bs, prompt_len, chunks):
 
 # -- refused operations change nothing ------------------------------------------------------
 
+
 @pytest.fixture(params=[False, True], ids=["plain", "prefix"])
 def busy(request):
     """A manager with some history: shared blocks, a swapped group, cached prefixes."""
-    mgr = KVCacheManager(num_gpu_blocks=9, block_size=4, num_cpu_blocks=4,
-                         enable_prefix_caching=request.param)
+    mgr = KVCacheManager(
+        num_gpu_blocks=9, block_size=4, num_cpu_blocks=4, enable_prefix_caching=request.param
+    )
     sh = Shadow(mgr)
     sh.allocate("a", list(range(10)))  # 3 blocks
     sh.fork("a", "a1")
@@ -228,7 +261,8 @@ def test_can_append_predicts_append_exactly():
         for sid in ("x", "y", "z"):
             n = len(sh.tokens[sid])
             last_shared = n % bs and mgr.block_table(sid)[-1] in [
-                b for other, t in mgr.tables.items() if other != sid for b in t.blocks]
+                b for other, t in mgr.tables.items() if other != sid for b in t.blocks
+            ]
             need = (n % bs == 0) + bool(last_shared)  # a fresh block, and/or a copy
             assert mgr.can_append(sid, 1) == (need <= mgr.gpu.num_free_blocks)
             if mgr.can_append(sid, 1):
@@ -245,6 +279,7 @@ def test_can_append_predicts_append_exactly():
 
 # -- swapping groups -------------------------------------------------------------------------
 
+
 def family(mgr, sh, bs):
     """A parent and three samples that share its prompt blocks, each with a private tail."""
     sh.allocate("p", list(range(2 * bs + 1)))
@@ -258,8 +293,9 @@ def family(mgr, sh, bs):
 @pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize("bs", [1, 2, 4])
 def test_swapping_a_group_keeps_its_sharing(bs, caching):
-    mgr = KVCacheManager(num_gpu_blocks=40, block_size=bs, num_cpu_blocks=40,
-                         enable_prefix_caching=caching)
+    mgr = KVCacheManager(
+        num_gpu_blocks=40, block_size=bs, num_cpu_blocks=40, enable_prefix_caching=caching
+    )
     sh = Shadow(mgr)
     group = family(mgr, sh, bs)
     old = {s: mgr.block_table(s) for s in group}
@@ -356,8 +392,9 @@ def test_forking_and_freeing_while_swapped_out():
 
 def test_prefix_cache_survives_a_swap_out():
     bs = 2
-    mgr = KVCacheManager(num_gpu_blocks=8, block_size=bs, num_cpu_blocks=8,
-                         enable_prefix_caching=True)
+    mgr = KVCacheManager(
+        num_gpu_blocks=8, block_size=bs, num_cpu_blocks=8, enable_prefix_caching=True
+    )
     sh = Shadow(mgr)
     prompt = [1, 2, 3, 4, 5]
     sh.allocate("a", prompt)

@@ -1,4 +1,5 @@
-"""Import arrows point down the layers of docs/architecture.md: the memory layer is standard library only."""
+"""Import arrows point down the layers of docs/architecture.md; the memory layer is
+standard library only."""
 
 import ast
 import re
@@ -8,15 +9,21 @@ from pathlib import Path
 
 
 def modules_loaded_by(*names: str) -> set[str]:
-    code = (f"import sys; {'; '.join(f'import {n}' for n in names)}; "
-            "print('\\n'.join(sorted(m.split('.')[0] for m in sys.modules)))")
+    code = (
+        f"import sys; {'; '.join(f'import {n}' for n in names)}; "
+        "print('\\n'.join(sorted(m.split('.')[0] for m in sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return set(out.stdout.split())
 
 
 def test_memory_layer_needs_nothing_but_the_standard_library():
-    loaded = modules_loaded_by("minipaged.memory", "minipaged.memory.simulate",
-                               "minipaged.memory.contiguous", "minipaged.workloads")
+    loaded = modules_loaded_by(
+        "minipaged.memory",
+        "minipaged.memory.simulate",
+        "minipaged.memory.contiguous",
+        "minipaged.workloads",
+    )
     at_start_up = modules_loaded_by("sys")  # the interpreter's and the venv's own
     third_party = loaded - at_start_up - set(sys.stdlib_module_names) - {"minipaged"}
     assert third_party == set(), f"the memory layer pulled in {sorted(third_party)}"
@@ -31,14 +38,21 @@ def documented_layers() -> list[list[str]]:
     text = (ROOT / "docs" / "architecture.md").read_text()
     section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
     items = re.split(r"\n(?=\d+\. \*\*)", section)
-    return [re.findall(r"`(minipaged\.[\w.]+)`", item.split("\n\n")[0]) for item in items
-            if re.match(r"\d+\. \*\*", item)]
+    return [
+        re.findall(r"`(minipaged\.[\w.]+)`", item.split("\n\n")[0])
+        for item in items
+        if re.match(r"\d+\. \*\*", item)
+    ]
 
 
 def layer_of(module: str, layers: list[list[str]]) -> int:
     """The layer (0 = top) of the longest documented name that ``module`` is or is in."""
-    matches = [(len(name), i) for i, names in enumerate(layers) for name in names
-               if module == name or module.startswith(name + ".")]
+    matches = [
+        (len(name), i)
+        for i, names in enumerate(layers)
+        for name in names
+        if module == name or module.startswith(name + ".")
+    ]
     assert matches, f"{module} is in no layer of docs/architecture.md"
     return max(matches)[1]
 
@@ -54,9 +68,12 @@ def package_imports() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 base = (module if package else module.rsplit(".", 1)[0]).split(".")
-                base = base[:len(base) - node.level + 1] if node.level else []
-                name = ".".join(base + [node.module] if node.module else base) \
-                    if node.level else node.module
+                base = base[: len(base) - node.level + 1] if node.level else []
+                name = (
+                    ".".join(base + [node.module] if node.module else base)
+                    if node.level
+                    else node.module
+                )
                 found.add(name)
             elif isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names)

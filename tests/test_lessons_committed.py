@@ -14,7 +14,12 @@ def test_lesson_is_committed_executed_without_errors(path):
     cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
     counts = [c["execution_count"] for c in cells]
     assert counts == list(range(1, len(cells) + 1)), (
-        f"{path.name} was not committed as one full run: execute it with `make lessons`")
-    errors = [f"cell {n}: {o['ename']}: {o['evalue']}" for n, c in enumerate(cells, 1)
-              for o in c["outputs"] if o["output_type"] == "error"]
+        f"{path.name} was not committed as one full run: execute it with `make lessons`"
+    )
+    errors = [
+        f"cell {n}: {o['ename']}: {o['evalue']}"
+        for n, c in enumerate(cells, 1)
+        for o in c["outputs"]
+        if o["output_type"] == "error"
+    ]
     assert not errors, f"{path.name} has error outputs: {errors}"

@@ -6,10 +6,9 @@ import dataclasses
 
 import pytest
 import torch
-from engine_helpers import assert_all_blocks_free, make_llm
 
-from minipaged import LLM, SamplingParams
-from minipaged import cache_engine
+from engine_helpers import assert_all_blocks_free, make_llm
+from minipaged import LLM, SamplingParams, cache_engine
 from minipaged.cache_engine import GIB, block_bytes
 from minipaged.config import EngineConfig
 from minipaged.models.loader import read_config
@@ -37,18 +36,14 @@ def llm(llama):
         ("block_sise", 16),
     ],
 )
-def test_a_keyword_minipaged_lacks_is_a_value_error_listing_the_supported(
-    llama, name, value
-):
+def test_a_keyword_minipaged_lacks_is_a_value_error_listing_the_supported(llama, name, value):
     with pytest.raises(ValueError) as error:
         LLM(llama, **{name: value})
     message = str(error.value)
     assert message.startswith(f"{name}={value!r} is not supported by minipaged")
     supported = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
     assert message.endswith("LLM(model, ...) takes " + ", ".join(supported))
-    assert {"block_size", "gpu_memory_utilization", "tokenizer", "dtype"} <= set(
-        supported
-    )
+    assert {"block_size", "gpu_memory_utilization", "tokenizer", "dtype"} <= set(supported)
 
 
 def test_vllm_keywords_a_script_passes_are_accepted(llama, llm):
@@ -110,39 +105,25 @@ def test_chat_is_generate_on_the_rendered_template(llm):
     # The template writes BOS itself: exactly one, as the tokenizer's own rendering has
     # (generate(texts) would add a second).
     ids = [
-        tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=True)[
-            "input_ids"
-        ]
+        tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=True)["input_ids"]
         for c in CONVERSATIONS
     ]
     assert all(i.count(tokenizer.bos_token_id) == 1 for i in ids)
-    expected = llm.generate(
-        [{"prompt_token_ids": i} for i in ids], GREEDY, use_tqdm=False
-    )
+    expected = llm.generate([{"prompt_token_ids": i} for i in ids], GREEDY, use_tqdm=False)
     replies = llm.chat(CONVERSATIONS, GREEDY, use_tqdm=False)
     assert [r.prompt_token_ids for r in replies] == ids
     assert [r.prompt for r in replies] == texts
-    assert [r.outputs[0].token_ids for r in replies] == [
-        e.outputs[0].token_ids for e in expected
-    ]
+    assert [r.outputs[0].token_ids for r in replies] == [e.outputs[0].token_ids for e in expected]
     one = llm.chat(CONVERSATIONS[0], GREEDY, use_tqdm=False)
-    assert (
-        len(one) == 1 and one[0].outputs[0].token_ids == replies[0].outputs[0].token_ids
-    )
+    assert len(one) == 1 and one[0].outputs[0].token_ids == replies[0].outputs[0].token_ids
     assert_all_blocks_free(llm)
 
 
 def test_chat_template_and_generation_prompt_are_honoured(llm):
-    template = (
-        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-    )
-    reply = llm.chat(CONVERSATIONS[0], GREEDY, use_tqdm=False, chat_template=template)[
-        0
-    ]
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    reply = llm.chat(CONVERSATIONS[0], GREEDY, use_tqdm=False, chat_template=template)[0]
     assert reply.prompt == "[user] Hi there\n"
-    bare = llm.chat(
-        CONVERSATIONS[0], GREEDY, use_tqdm=False, add_generation_prompt=False
-    )[0]
+    bare = llm.chat(CONVERSATIONS[0], GREEDY, use_tqdm=False, add_generation_prompt=False)[0]
     assert not bare.prompt.endswith("<|assistant|>\n")
 
 
@@ -194,9 +175,7 @@ def test_pools_follow_the_gib_asked_for_when_they_are_smaller(llama):
 def test_pools_fit_half_the_memory_available(llama, monkeypatch):
     per_block = block_bytes(read_config(llama), 16, torch.float32)
     monkeypatch.setattr(cache_engine, "available_memory", lambda: 2 * 30 * per_block)
-    llm = LLM(
-        llama, device="cpu"
-    )  # 1 GiB and 4 GiB asked for; 30 blocks' worth allowed
+    llm = LLM(llama, device="cpu")  # 1 GiB and 4 GiB asked for; 30 blocks' worth allowed
     assert pools(llm) == (30, 0)  # the CPU device's pool takes it all; no swap is left
     llm = LLM(llama, device="cpu", num_gpu_blocks=12)
     assert pools(llm) == (12, 18)

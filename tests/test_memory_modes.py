@@ -14,30 +14,41 @@ pool; the KV stays paged underneath.  Oracles, none of them ``minipaged.schedule
 """
 
 import pytest
-from engine_helpers import (as_inputs, assert_all_blocks_free, assert_greedy_matches_hf,
-                            make_llm, random_prompt)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from scheduler_sim import SchedulerSim, ceil_div
 
+from engine_helpers import (
+    as_inputs,
+    assert_all_blocks_free,
+    assert_greedy_matches_hf,
+    make_llm,
+    random_prompt,
+)
 from minipaged import BeamSearchParams, SamplingParams
+from minipaged.config import MEMORY_MODES
+from minipaged.contiguous_scheduler import make_scheduler
 from minipaged.memory import KVCacheManager
 from minipaged.memory.contiguous import ContiguousReservations
 from minipaged.memory.simulate import SYSTEMS
-from minipaged.config import MEMORY_MODES
-from minipaged.contiguous_scheduler import make_scheduler
 from minipaged.scheduler import Scheduler
+from scheduler_sim import SchedulerSim, ceil_div
 
 CONTIGUOUS = [m for m in MEMORY_MODES if m != "paged"]
 
 
-def contiguous_sim(mode: str, num_blocks: int, block_size: int, max_model_len: int,
-                   **kwargs) -> SchedulerSim:
+def contiguous_sim(
+    mode: str, num_blocks: int, block_size: int, max_model_len: int, **kwargs
+) -> SchedulerSim:
     """test_scheduler.py's simulator, with its scheduler in ``mode``."""
     sim = SchedulerSim(num_blocks, block_size, **kwargs)
-    sim.scheduler = make_scheduler(sim.kv, sim.max_num_seqs, sim.max_num_batched_tokens,
-                                   trace=sim.trace, memory_mode=mode,
-                                   max_model_len=max_model_len)
+    sim.scheduler = make_scheduler(
+        sim.kv,
+        sim.max_num_seqs,
+        sim.max_num_batched_tokens,
+        trace=sim.trace,
+        memory_mode=mode,
+        max_model_len=max_model_len,
+    )
     return sim
 
 
@@ -64,9 +75,13 @@ def assert_nothing_held(sim: SchedulerSim) -> None:
 
 # -- the modes and their arguments ----------------------------------------------------
 
+
 def test_memory_modes_are_the_simulations_systems():
-    assert MEMORY_MODES == SYSTEMS == ("paged", "contiguous-max", "contiguous-pow2",
-                                       "contiguous-oracle")
+    assert (
+        MEMORY_MODES
+        == SYSTEMS
+        == ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
+    )
 
 
 def test_paged_mode_reserves_nothing():
@@ -85,19 +100,22 @@ def test_bad_memory_mode_arguments_are_refused():
         ContiguousReservations("max", 4, 0, 16)
 
 
-@pytest.mark.parametrize("policy, prompt, max_tokens, width, expected", [
-    # block_size 4, max_len 40.  Oracle: the final length in whole blocks.
-    ("oracle", 5, 6, 1, 12),    # 11 tokens -> 3 blocks
-    ("oracle", 5, 7, 1, 12),    # 12 tokens -> 3 blocks exactly
-    ("oracle", 5, 8, 1, 16),    # 13 tokens -> 4 blocks
-    ("oracle", 30, 100, 1, 40),  # cut at max_len: the engine stops it at 40 tokens
-    ("pow2", 5, 6, 1, 16),      # 11 -> 16
-    ("pow2", 20, 5, 1, 32),     # 25 -> 32
-    ("pow2", 20, 20, 1, 40),    # 40 -> 64, capped at max_len 40
-    ("max", 1, 1, 1, 40),
-    ("oracle", 3, 2, 2, 16),    # n=2: two sequences of 5 tokens, 2 blocks each
-    ("max", 1, 1, 3, 120),      # beam_width=3: three full-length ranges side by side
-])
+@pytest.mark.parametrize(
+    "policy, prompt, max_tokens, width, expected",
+    [
+        # block_size 4, max_len 40.  Oracle: the final length in whole blocks.
+        ("oracle", 5, 6, 1, 12),  # 11 tokens -> 3 blocks
+        ("oracle", 5, 7, 1, 12),  # 12 tokens -> 3 blocks exactly
+        ("oracle", 5, 8, 1, 16),  # 13 tokens -> 4 blocks
+        ("oracle", 30, 100, 1, 40),  # cut at max_len: the engine stops it at 40 tokens
+        ("pow2", 5, 6, 1, 16),  # 11 -> 16
+        ("pow2", 20, 5, 1, 32),  # 25 -> 32
+        ("pow2", 20, 20, 1, 40),  # 40 -> 64, capped at max_len 40
+        ("max", 1, 1, 1, 40),
+        ("oracle", 3, 2, 2, 16),  # n=2: two sequences of 5 tokens, 2 blocks each
+        ("max", 1, 1, 3, 120),  # beam_width=3: three full-length ranges side by side
+    ],
+)
 def test_reservation_sizes_by_hand(policy, prompt, max_tokens, width, expected):
     reservations = ContiguousReservations(policy, num_blocks=64, block_size=4, max_len=40)
     assert reservations.num_slots(prompt, max_tokens, width) == expected
@@ -130,20 +148,22 @@ def test_whole_blocks_keep_the_blocks_within_the_pool():
 A, B, C = ("A", [0] * 10, 1, 10), ("B", [1] * 4, 1, 20), ("C", [2] * 8, 1, 12)
 
 
-@pytest.mark.parametrize("mode, admitted, starts", [
-    # Final lengths 20, 24, 20.  Oracle: 20 + 24 + 20 = 64 slots, all at step 0,
-    # at 0, 20 and 44.
-    ("contiguous-oracle", {"A": 0, "B": 0, "C": 0}, {"A": 0, "B": 20, "C": 44}),
-    # Pow2: 32 each.  A at 0, B at 32, the pool is full; A finishes at the end of
-    # step 9, C takes its range at step 10.
-    ("contiguous-pow2", {"A": 0, "B": 0, "C": 10}, {"A": 0, "B": 32, "C": 0}),
-    # Max: 40 each.  A at 0; B does not fit the 24 slots left, and C waits behind it
-    # (first come, first served).  B runs at 10 (A done), C at 10 + 20 = 30.
-    ("contiguous-max", {"A": 0, "B": 10, "C": 30}, {"A": 0, "B": 0, "C": 0}),
-])
+@pytest.mark.parametrize(
+    "mode, admitted, starts",
+    [
+        # Final lengths 20, 24, 20.  Oracle: 20 + 24 + 20 = 64 slots, all at step 0,
+        # at 0, 20 and 44.
+        ("contiguous-oracle", {"A": 0, "B": 0, "C": 0}, {"A": 0, "B": 20, "C": 44}),
+        # Pow2: 32 each.  A at 0, B at 32, the pool is full; A finishes at the end of
+        # step 9, C takes its range at step 10.
+        ("contiguous-pow2", {"A": 0, "B": 0, "C": 10}, {"A": 0, "B": 32, "C": 0}),
+        # Max: 40 each.  A at 0; B does not fit the 24 slots left, and C waits behind it
+        # (first come, first served).  B runs at 10 (A done), C at 10 + 20 = 30.
+        ("contiguous-max", {"A": 0, "B": 10, "C": 30}, {"A": 0, "B": 0, "C": 0}),
+    ],
+)
 def test_three_requests_by_hand(mode, admitted, starts):
-    sim = contiguous_sim(mode, 64, 1, max_model_len=40, max_num_seqs=8,
-                         max_num_batched_tokens=64)
+    sim = contiguous_sim(mode, 64, 1, max_model_len=40, max_num_seqs=8, max_num_batched_tokens=64)
     for spec in (A, B, C):
         sim.add(*spec)
     seen = {}
@@ -170,8 +190,9 @@ def test_external_fragmentation_by_hand():
     from step 10 on 40 slots are free, in two gaps of 20 at 0 and 44, neither big
     enough for D: external fragmentation.  B finishes at the end of step 19 and D is
     placed at 0 at step 20."""
-    sim = contiguous_sim("contiguous-oracle", 64, 1, max_model_len=40, max_num_seqs=8,
-                         max_num_batched_tokens=64)
+    sim = contiguous_sim(
+        "contiguous-oracle", 64, 1, max_model_len=40, max_num_seqs=8, max_num_batched_tokens=64
+    )
     for spec in (A, B, ("C", [2] * 8, 1, 8), ("D", [3] * 12, 1, 12)):
         sim.add(*spec)
     gaps = {}
@@ -181,10 +202,10 @@ def test_external_fragmentation_by_hand():
 
     admitted = admission_steps(sim, record_gaps)
     assert admitted == {"A": 0, "B": 0, "C": 0, "D": 20}
-    assert gaps[1] == [(60, 4)]            # after step 0
-    assert gaps[8] == [(44, 20)]           # after step 7: C's 16 slots and the 4 merge
+    assert gaps[1] == [(60, 4)]  # after step 0
+    assert gaps[8] == [(44, 20)]  # after step 7: C's 16 slots and the 4 merge
     assert all(gaps[s] == [(0, 20), (44, 20)] for s in range(10, 20))
-    assert gaps[21] == [(24, 40)]          # D at 0, everything else free
+    assert gaps[21] == [(24, 40)]  # D at 0, everything else free
     assert_nothing_held(sim)
 
 
@@ -193,8 +214,9 @@ def test_parallel_sampling_reserves_width_times_the_size():
     sequence) reserves 3 * 8 = 24 slots; Q (1 sequence of 4 + 6 = 10 tokens, 5
     blocks) needs 10 more than the 8 left, so it waits until P finishes at the end of
     step 4, and is placed at 0 at step 5."""
-    sim = contiguous_sim("contiguous-oracle", 16, 2, max_model_len=32, max_num_seqs=8,
-                         max_num_batched_tokens=64)
+    sim = contiguous_sim(
+        "contiguous-oracle", 16, 2, max_model_len=32, max_num_seqs=8, max_num_batched_tokens=64
+    )
     sim.add("P", [0, 1, 2], n=3, max_tokens=5)
     sim.add("Q", [1] * 4, max_tokens=6)
     sim.step()
@@ -208,8 +230,9 @@ def test_abort_releases_the_range():
     """Max, 64 slots of block size 1, max_model_len 32: A at 0, B at 32, C waits.
     Aborting B (running) frees its range and its blocks, and C takes it next step;
     aborting a waiting request releases nothing, as it held nothing."""
-    sim = contiguous_sim("contiguous-max", 64, 1, max_model_len=32, max_num_seqs=8,
-                         max_num_batched_tokens=64)
+    sim = contiguous_sim(
+        "contiguous-max", 64, 1, max_model_len=32, max_num_seqs=8, max_num_batched_tokens=64
+    )
     for rid in "ABCD":
         sim.add(rid, [0] * 4, max_tokens=20)
     sim.step()
@@ -228,6 +251,7 @@ def test_abort_releases_the_range():
 
 
 # -- the invariant: ranges cover every block, so nothing is ever preempted ----------------
+
 
 @st.composite
 def workloads(draw):
@@ -253,8 +277,9 @@ def test_contiguous_modes_never_preempt(workload):
     reserved or held.  (Requests whose range exceeds the pool are dropped, as
     ``check_request`` would refuse them.)"""
     mode, block_size, num_blocks, max_len, requests = workload
-    sim = contiguous_sim(mode, num_blocks, block_size, max_len, max_num_seqs=8,
-                         max_num_batched_tokens=32)
+    sim = contiguous_sim(
+        mode, num_blocks, block_size, max_len, max_num_seqs=8, max_num_batched_tokens=32
+    )
     reservations = sim.scheduler.reservations
     arrivals = {}
     for step, (rid, prompt, n, max_tokens) in requests:
@@ -273,10 +298,10 @@ def checked(sim, step):
         assert set(reservations.starts) == {g.request_id for g in q.running}
         for g in q.running:
             blocks = {b for s in g.unfinished_seqs for b in sim.kv.block_table(s.seq_id)}
-            size = reservations.num_slots(len(g.prompt_token_ids), g.params.max_tokens,
-                                          g.width)
+            size = reservations.num_slots(len(g.prompt_token_ids), g.params.max_tokens, g.width)
             assert len(blocks) <= ceil_div(size, sim.bs)
         return out
+
     return run
 
 
@@ -302,8 +327,9 @@ def test_greedy_equals_hf_in_every_memory_mode(tiny, mode):
     while engine.has_unfinished_requests():
         outputs.update((o.request_id, o) for o in engine.step())
         most_running = max(most_running, len(engine.scheduler.running))
-    assert_greedy_matches_hf([outputs[str(i)] for i in range(len(prompts))], prompts, oracle,
-                             MAX_TOKENS)
+    assert_greedy_matches_hf(
+        [outputs[str(i)] for i in range(len(prompts))], prompts, oracle, MAX_TOKENS
+    )
     if mode == "contiguous-max":
         assert most_running == 1  # 96 // 64
     if mode == "paged":
@@ -327,9 +353,11 @@ def test_sampling_and_beams_equal_paged(tiny, mode):
         llm = make_llm(path, block_size=4, num_gpu_blocks=40, max_model_len=48, memory_mode=m)
         sampled = llm.generate(prompts, sampling, use_tqdm=False)
         searched = llm.beam_search(prompts, beams)
-        results[m] = ([[c.token_ids for c in o.outputs] for o in sampled],
-                      [[s.tokens for s in o.sequences] for o in searched],
-                      [s.cum_logprob for o in searched for s in o.sequences])
+        results[m] = (
+            [[c.token_ids for c in o.outputs] for o in sampled],
+            [[s.tokens for s in o.sequences] for o in searched],
+            [s.cum_logprob for o in searched for s in o.sequences],
+        )
         assert llm.stats()["num_preemptions"] == 0 or m == "paged"
         assert_all_blocks_free(llm)
     assert results[mode][:2] == results["paged"][:2]
@@ -339,8 +367,9 @@ def test_sampling_and_beams_equal_paged(tiny, mode):
 
 def test_abort_in_the_engine_frees_blocks_and_range(tiny):
     path, _ = tiny("llama")
-    llm = make_llm(path, block_size=4, num_gpu_blocks=16, max_model_len=32,
-                   memory_mode="contiguous-max")
+    llm = make_llm(
+        path, block_size=4, num_gpu_blocks=16, max_model_len=32, memory_mode="contiguous-max"
+    )
     engine = llm.engine
     for rid in "abc":
         engine.add_request(rid, random_prompt(5, seed=1), GREEDY)
@@ -356,10 +385,10 @@ def test_check_request_refuses_a_range_larger_than_the_pool(tiny):
     """Max reserves max_model_len = 64 slots; a pool of 12 blocks of 4 has 48.  Paged,
     the same 5 + 20 tokens need 7 blocks and are accepted."""
     path, _ = tiny("llama")
-    llm = make_llm(path, block_size=4, num_gpu_blocks=12, max_model_len=64,
-                   memory_mode="contiguous-max")
-    with pytest.raises(ValueError, match="memory_mode='contiguous-max' reserves 64 KV slots"
-                                         ".*48"):
+    llm = make_llm(
+        path, block_size=4, num_gpu_blocks=12, max_model_len=64, memory_mode="contiguous-max"
+    )
+    with pytest.raises(ValueError, match="memory_mode='contiguous-max' reserves 64 KV slots.*48"):
         llm.engine.add_request("x", [1] * 5, GREEDY)
     assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
     paged = make_llm(path, block_size=4, num_gpu_blocks=12, max_model_len=64)

@@ -17,52 +17,69 @@ from collections import Counter
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
-                                 rule)
-from memory_shadow import ceil_div, copy_blocks
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import minipaged.memory.prefix_cache as prefix_cache
+from memory_shadow import ceil_div, copy_blocks
 from minipaged.memory import KVCacheManager, NoFreeBlocksError, PrefixCachingBlockAllocator
 
-SETTINGS = settings(max_examples=400, stateful_step_count=50, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+SETTINGS = settings(
+    max_examples=400,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 
 # Prompts from a small alphabet, often starting with a common prefix, so that prefixes
 # repeat and the prefix cache gets hits (and near misses).
 PREFIXES = [[], [0, 0, 0, 0, 0, 0, 0, 0], [1, 2, 1, 2, 1, 2], [0, 1, 0, 1, 0], [2, 2, 0]]
 TOKENS = st.integers(0, 2)
-PROMPTS = st.builds(lambda pre, tail: pre + tail, st.sampled_from(PREFIXES),
-                    st.lists(TOKENS, max_size=9)).filter(bool)
+PROMPTS = st.builds(
+    lambda pre, tail: pre + tail, st.sampled_from(PREFIXES), st.lists(TOKENS, max_size=9)
+).filter(bool)
 
 
 def snapshot(mgr):
     def pool(a):
         s = [list(a._free), list(a._ref_counts)]
         if isinstance(a, PrefixCachingBlockAllocator):
-            s += [list(a._evictable), dict(a._by_hash), dict(a._by_block),
-                  a.num_query_tokens, a.num_hit_tokens]
+            s += [
+                list(a._evictable),
+                dict(a._by_hash),
+                dict(a._by_block),
+                a.num_query_tokens,
+                a.num_hit_tokens,
+            ]
         return s
-    tables = {sid: (id(t), list(t.blocks), list(t.token_ids), list(t.identities),
-                    t.allocator is mgr.cpu) for sid, t in mgr.tables.items()}
-    return (mgr.stats(), pool(mgr.gpu), pool(mgr.cpu), tables,
-            mgr.num_swapped_out_blocks, mgr.num_swapped_in_blocks)
+
+    tables = {
+        sid: (id(t), list(t.blocks), list(t.token_ids), list(t.identities), t.allocator is mgr.cpu)
+        for sid, t in mgr.tables.items()
+    }
+    return (
+        mgr.stats(),
+        pool(mgr.gpu),
+        pool(mgr.cpu),
+        tables,
+        mgr.num_swapped_out_blocks,
+        mgr.num_swapped_in_blocks,
+    )
 
 
 class MemoryMachine(RuleBasedStateMachine):
     caching = False
 
-    @initialize(bs=st.sampled_from([1, 2, 3, 4]), gpu=st.integers(1, 24),
-                cpu=st.integers(0, 16))
+    @initialize(bs=st.sampled_from([1, 2, 3, 4]), gpu=st.integers(1, 24), cpu=st.integers(0, 16))
     def setup(self, bs, gpu, cpu):
         self.bs = bs
         self.m = KVCacheManager(gpu, bs, cpu, enable_prefix_caching=self.caching)
-        self.tokens: dict[str, list[int]] = {}   # what each sequence holds
-        self.kv: dict[str, list[int]] = {}       # content id of each of its tokens
+        self.tokens: dict[str, list[int]] = {}  # what each sequence holds
+        self.kv: dict[str, list[int]] = {}  # content id of each of its tokens
         self.pending: dict[str, list[int]] = {}  # prompt tokens not yet prefilled
-        self.store = {"gpu": {}, "cpu": {}}      # shadow cache engine: slot -> content id
+        self.store = {"gpu": {}, "cpu": {}}  # shadow cache engine: slot -> content id
         self.content: dict[tuple[int, int], int] = {}
-        self.last_token: list[int] = []          # content id -> its token
-        self.prev: list[int] = []                # content id -> id of the token before
+        self.last_token: list[int] = []  # content id -> its token
+        self.prev: list[int] = []  # content id -> id of the token before
         self.queries = self.hits = 0
         self.next_id = 0
 
@@ -134,11 +151,12 @@ class MemoryMachine(RuleBasedStateMachine):
         blocks = m.tables[sid].blocks
         assert len(blocks) == ceil_div(end, self.bs)
         # Taken from the pool: the fresh blocks, and matched blocks nobody held.
-        matched = blocks[:cached // self.bs]
-        fresh = blocks[cached // self.bs:]
+        matched = blocks[: cached // self.bs]
+        fresh = blocks[cached // self.bs :]
         assert all(refs_before[b] == 0 for b in fresh)
         assert free_before - m.gpu.num_free_blocks == len(fresh) + sum(
-            refs_before[b] == 0 for b in matched)
+            refs_before[b] == 0 for b in matched
+        )
         self.tokens[sid], self.kv[sid] = [], []
         self.extend(sid, prompt[:end])
         self.pending[sid] = list(prompt[end:])
@@ -189,10 +207,10 @@ class MemoryMachine(RuleBasedStateMachine):
         assert len(alloc.copies) == int(last_shared)
         if last_shared:  # the copy replaces exactly the shared last block
             assert alloc.copies[0][0] == old_blocks[-1]
-            assert table.blocks[:len(old_blocks)] == old_blocks[:-1] + [alloc.copies[0][1]]
+            assert table.blocks[: len(old_blocks)] == old_blocks[:-1] + [alloc.copies[0][1]]
         else:
-            assert table.blocks[:len(old_blocks)] == old_blocks
-        self.pending[sid] = self.pending[sid][len(toks):]
+            assert table.blocks[: len(old_blocks)] == old_blocks
+        self.pending[sid] = self.pending[sid][len(toks) :]
         self.extend(sid, toks)
         self.run(sid, alloc, have)
 
@@ -272,17 +290,23 @@ class MemoryMachine(RuleBasedStateMachine):
         """Calls that must be refused with a ValueError, changing nothing."""
         m = self.m
         before = snapshot(m)
-        calls = [lambda: m.append("ghost", [0]), lambda: m.free("ghost"),
-                 lambda: m.fork("ghost", "x"), lambda: m.swap_out(["ghost"]),
-                 lambda: m.allocate("x", [])]
+        calls = [
+            lambda: m.append("ghost", [0]),
+            lambda: m.free("ghost"),
+            lambda: m.fork("ghost", "x"),
+            lambda: m.swap_out(["ghost"]),
+            lambda: m.allocate("x", []),
+        ]
         if self.tokens:
             some = sorted(self.tokens)[0]
-            calls += [lambda: m.allocate(some, [0]), lambda: m.fork(some, some),
-                      lambda: m.allocate("x", [0], num_new_tokens=0)]
+            calls += [
+                lambda: m.allocate(some, [0]),
+                lambda: m.fork(some, some),
+                lambda: m.allocate("x", [0], num_new_tokens=0),
+            ]
         if self.seqs("cpu"):
             s = self.seqs("cpu")[0]
-            calls += [lambda: m.append(s, [0]), lambda: m.swap_out([s]),
-                      lambda: m.swap_in([s, s])]
+            calls += [lambda: m.append(s, [0]), lambda: m.swap_out([s]), lambda: m.swap_in([s, s])]
             if self.seqs("gpu"):
                 calls.append(lambda: m.swap_in([s, self.seqs("gpu")[0]]))
         call = data.draw(st.sampled_from(calls), label="call")
@@ -334,7 +358,8 @@ class MemoryMachine(RuleBasedStateMachine):
             return
         gpu, bs = self.m.gpu, self.bs
         assert self.m.stats()["prefix_cache_hit_rate"] == (
-            self.hits / self.queries if self.queries else 0.0)
+            self.hits / self.queries if self.queries else 0.0
+        )
         by_id = {e.entry_id: e for e in gpu._by_block.values()}
         for block, entry in gpu._by_block.items():
             assert gpu._by_hash[entry.block_hash] is entry
@@ -365,8 +390,8 @@ class PrefixCachingMachine(MemoryMachine):
 
 # Hash functions that collide on purpose: a collision may cost a hit, never share wrong KV.
 WEAK_HASHES = [
-    lambda parent_hash, token_ids: 0,                      # everything collides
-    lambda parent_hash, token_ids: hash(token_ids),        # blind to the prefix
+    lambda parent_hash, token_ids: 0,  # everything collides
+    lambda parent_hash, token_ids: hash(token_ids),  # blind to the prefix
     lambda parent_hash, token_ids: hash(parent_hash) % 5,  # blind to the tokens
     lambda parent_hash, token_ids: hash((parent_hash, token_ids)) % 3,
 ]

@@ -14,9 +14,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from minipaged.models import (AttentionMetadata, MODELS, allocate_kv_caches, load_model,
-                              make_tiny_model, token_positions)
 from minipaged.memory import KVCacheManager
+from minipaged.models import (
+    MODELS,
+    AttentionMetadata,
+    allocate_kv_caches,
+    load_model,
+    make_tiny_model,
+    token_positions,
+)
 from minipaged.models.llama import rope_frequencies
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -39,8 +45,9 @@ def models(tmp_path_factory):
         key = (arch, json.dumps(overrides, sort_keys=True))
         if key not in cache:
             path = make_tiny_model(tmp_path_factory.mktemp(arch), arch=arch, seed=0, **overrides)
-            hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
-                                                      dtype=torch.float32)
+            hf = AutoModelForCausalLM.from_pretrained(
+                path, local_files_only=True, dtype=torch.float32
+            )
             cache[key] = path, hf.eval(), load_model(path)
         return cache[key]
 
@@ -75,8 +82,9 @@ class PagedRunner:
                 table.append(self.free.pop())
         num_cached = [cached for _, _, cached in chunks]
         num_new = [len(tokens) for _, tokens, _ in chunks]
-        attn = AttentionMetadata.build([self.tables[seq] for seq, _, _ in chunks], num_cached,
-                                       num_new, self.block_size)
+        attn = AttentionMetadata.build(
+            [self.tables[seq] for seq, _, _ in chunks], num_cached, num_new, self.block_size
+        )
         ids = torch.tensor([t for _, tokens, _ in chunks for t in tokens])
         with torch.no_grad():
             hidden = self.model(ids, token_positions(num_cached, num_new), self.kv_caches, attn)
@@ -129,8 +137,12 @@ def test_chunked_prefill_and_decode_in_mixed_batches_equal_hf(models, arch):
     sequences = {"A": random_tokens(17, seed=2), "B": random_tokens(13, seed=3)}
     full = {seq: hf_logits(hf, tokens) for seq, tokens in sequences.items()}
     for seq, start, end, logits in run_schedule(PagedRunner(ours, block_size=4), sequences):
-        torch.testing.assert_close(logits, full[seq][start:end], **FP32,
-                                   msg=lambda m: f"{seq}[{start}:{end}]: {m}")
+        torch.testing.assert_close(
+            logits,
+            full[seq][start:end],
+            **FP32,
+            msg=lambda m, seq=seq, start=start, end=end: f"{seq}[{start}:{end}]: {m}",
+        )
 
 
 def test_prefix_cache_hit_reads_the_shared_blocks(models):
@@ -158,25 +170,30 @@ def test_greedy_decoding_equals_hf_generate(models, arch, block_size):
             g.append(int(logits[-1].argmax()))
     for prompt, ours_new in zip(prompts, generated):
         ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
-                          do_sample=False)
-        hf_new = out[0, len(prompt):].tolist()  # shorter if HF stopped at EOS
-        assert hf_new and ours_new[:len(hf_new)] == hf_new
+        out = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False
+        )
+        hf_new = out[0, len(prompt) :].tolist()  # shorter if HF stopped at EOS
+        assert hf_new and ours_new[: len(hf_new)] == hf_new
 
 
 ROPE_SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 4.0},
     "dynamic": {"rope_type": "dynamic", "factor": 4.0},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
 }
 
 
 @pytest.mark.parametrize("variant", sorted(ROPE_SCALINGS))
 def test_rope_scaling_variants_equal_hf(models, variant):
-    _, hf, ours = models("llama", rope_scaling=ROPE_SCALINGS[variant],
-                            max_position_embeddings=256)
+    _, hf, ours = models("llama", rope_scaling=ROPE_SCALINGS[variant], max_position_embeddings=256)
     params = ours.config.rope_parameters
     assert {k: params[k] for k in ROPE_SCALINGS[variant]} == ROPE_SCALINGS[variant]
     rotary = ours.model.rotary_emb
@@ -191,9 +208,15 @@ def test_rope_scaling_variants_equal_hf(models, variant):
 
 
 def test_unsupported_rope_type_raises(tmp_path):
-    path = make_tiny_model(tmp_path, rope_scaling={
-        "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-        "original_max_position_embeddings": 256})
+    path = make_tiny_model(
+        tmp_path,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 256,
+        },
+    )
     with pytest.raises(ValueError, match="rope_type'\\] must be one of .* got 'longrope'"):
         load_model(path)
 
@@ -248,10 +271,18 @@ def test_sliding_window_within_it_equals_hf_beyond_it_raises(models):
 
 def test_metadata_splits_prefills_from_the_trailing_decodes():
     # Sequence 0: 3 cached + 3 new (a chunk), 1: a 2-token prompt, 2 and 3: decodes.
-    attn = AttentionMetadata.build([[7, 2], [5], [1, 4, 6], [3]], [3, 0, 8, 0], [3, 2, 1, 1],
-                                   block_size=4)
-    assert attn.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4, 2 * 4 + 1, 5 * 4, 5 * 4 + 1,
-                                          6 * 4, 3 * 4]
+    attn = AttentionMetadata.build(
+        [[7, 2], [5], [1, 4, 6], [3]], [3, 0, 8, 0], [3, 2, 1, 1], block_size=4
+    )
+    assert attn.slot_mapping.tolist() == [
+        7 * 4 + 3,
+        2 * 4,
+        2 * 4 + 1,
+        5 * 4,
+        5 * 4 + 1,
+        6 * 4,
+        3 * 4,
+    ]
     assert attn.num_prefill_tokens == 5 and attn.max_prefill_query_len == 3
     assert attn.prefill_block_tables.tolist() == [[7, 2], [5, 0]]
     assert attn.prefill_query_start_loc.tolist() == [0, 3, 5]
@@ -285,17 +316,21 @@ def test_metadata_takes_the_kv_cache_managers_slots_as_given():
     assert given.slot_mapping.tolist() == slots
     derived = AttentionMetadata.build(tables, [0, 1], [6, 1], 4)
     assert derived.slot_mapping.tolist() == oracle
-    with pytest.raises(ValueError, match="slot_mapping must have one slot per new token "
-                                         "\\(7\\), got 6"):
+    with pytest.raises(
+        ValueError, match="slot_mapping must have one slot per new token \\(7\\), got 6"
+    ):
         AttentionMetadata.build(tables, [0, 1], [6, 1], 4, slot_mapping=slots[:6])
 
 
-@pytest.mark.parametrize("args, message", [
-    (([[0]], [0], [5], 4), "block_tables\\[0\\] has 1 blocks of 4 slots, too few for its 5"),
-    (([[0]], [0], [0], 4), "num_new >= 1 and num_cached >= 0, got num_new\\[0\\] = 0"),
-    (([[0]], [0, 1], [1], 4), "one entry per sequence, got lengths 1, 2 and 1"),
-    (([[0]], [0], [1], 0), "block_size must be a positive int, got 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (([[0]], [0], [5], 4), "block_tables\\[0\\] has 1 blocks of 4 slots, too few for its 5"),
+        (([[0]], [0], [0], 4), "num_new >= 1 and num_cached >= 0, got num_new\\[0\\] = 0"),
+        (([[0]], [0, 1], [1], 4), "one entry per sequence, got lengths 1, 2 and 1"),
+        (([[0]], [0], [1], 0), "block_size must be a positive int, got 0"),
+    ],
+)
 def test_metadata_rejects_bad_sequences(args, message):
     with pytest.raises(ValueError, match=message):
         AttentionMetadata.build(*args)
@@ -303,8 +338,9 @@ def test_metadata_rejects_bad_sequences(args, message):
 
 def test_allocate_kv_caches_follows_the_layout_contract(models):
     _, _, qwen3 = models("qwen3")
-    caches = allocate_kv_caches(qwen3, num_blocks=5, block_size=16, dtype=torch.float16,
-                                device="cpu")
+    caches = allocate_kv_caches(
+        qwen3, num_blocks=5, block_size=16, dtype=torch.float16, device="cpu"
+    )
     assert len(caches) == qwen3.config.num_hidden_layers
     for key_cache, value_cache in caches:
         assert key_cache.shape == value_cache.shape == (5, 16, 2, 32)  # head_dim from config
@@ -318,8 +354,9 @@ def test_forward_needs_one_cache_pair_per_layer(models):
     _, _, ours = models("llama")
     attn = AttentionMetadata.build([[0]], [0], [1], 4)
     caches = allocate_kv_caches(ours, 1, 4, torch.float32, "cpu")[:1]
-    with pytest.raises(ValueError, match="one \\(key_cache, value_cache\\) pair per layer "
-                                         "\\(2\\), got 1"):
+    with pytest.raises(
+        ValueError, match="one \\(key_cache, value_cache\\) pair per layer \\(2\\), got 1"
+    ):
         ours(torch.tensor([1]), torch.tensor([0]), caches, attn)
 
 
@@ -327,12 +364,17 @@ def test_sharded_checkpoint_loads_identically(models, tmp_path):
     path, _, single = models("llama")
     tensors = load_file(path / "model.safetensors")
     names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for file, shard in shards.items():
         save_file({n: tensors[n] for n in shard}, tmp_path / file, metadata={"format": "pt"})
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {n: f for f, shard in shards.items() for n in shard}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {"metadata": {}, "weight_map": {n: f for f, shard in shards.items() for n in shard}}
+        )
+    )
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     sharded = load_model(tmp_path)
     assert sharded.state_dict().keys() == single.state_dict().keys()
@@ -346,14 +388,24 @@ def rewrite_weights(path, edit):
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"),
-     "lacks 1 weights Qwen2ForCausalLM needs: model.layers.1.self_attn.k_proj.bias$"),
-    (lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}),
-     "has 1 weights Qwen2ForCausalLM does not use: model.layers.0.self_attn.o_proj.bias$"),
-    (lambda t: t.update({"model.norm.weight": torch.ones(65)}),
-     "'model.norm.weight' has shape \\(65,\\), the model expects \\(64,\\)"),
-], ids=["missing", "unexpected", "shape"])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"),
+            "lacks 1 weights Qwen2ForCausalLM needs: model.layers.1.self_attn.k_proj.bias$",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}),
+            "has 1 weights Qwen2ForCausalLM does not use: model.layers.0.self_attn.o_proj.bias$",
+        ),
+        (
+            lambda t: t.update({"model.norm.weight": torch.ones(65)}),
+            "'model.norm.weight' has shape \\(65,\\), the model expects \\(64,\\)",
+        ),
+    ],
+    ids=["missing", "unexpected", "shape"],
+)
 def test_loader_names_missing_unexpected_and_misshapen_weights(tmp_path, edit, message):
     path = make_tiny_model(tmp_path, arch="qwen2")
     rewrite_weights(path, edit)
@@ -380,13 +432,15 @@ def test_loader_rejects_unsupported_architectures_and_missing_files(tmp_path):
     path = make_tiny_model(tmp_path / "model")
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaModel"]}))
-    with pytest.raises(ValueError, match="config.architectures must name one of .*"
-                                         "got \\['LlamaModel'\\]"):
+    with pytest.raises(
+        ValueError, match="config.architectures must name one of .*got \\['LlamaModel'\\]"
+    ):
         load_model(path)
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="attention_backend must be one of .* got 'flash'"):
         load_model(path, attention_backend="flash")
     (path / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="has neither model.safetensors nor "
-                                                "model.safetensors.index.json"):
+    with pytest.raises(
+        FileNotFoundError, match="has neither model.safetensors nor model.safetensors.index.json"
+    ):
         load_model(path)

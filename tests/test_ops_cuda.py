@@ -15,17 +15,26 @@ import sysconfig
 
 import pytest
 import torch
-from attention_cases import (DECODE_CASES, NUM_HEADS, AttentionSuite, Case, make_paged_kv,
-                             real_paged_kv, refusal_on_cpu)
 
-from minipaged.ops import decode_oracle, paged_attention_decode
-from minipaged.ops import cuda_build, cuda_ops
+from attention_cases import (
+    DECODE_CASES,
+    NUM_HEADS,
+    AttentionSuite,
+    Case,
+    make_paged_kv,
+    real_paged_kv,
+    refusal_on_cpu,
+)
+from minipaged.ops import cuda_build, cuda_ops, decode_oracle, paged_attention_decode
 from minipaged.ops.testing import assert_close
 
 
 def _compiled_for(case: Case) -> bool:
-    return (case.dtype in cuda_ops.DTYPES and case.head_dim in cuda_ops.HEAD_DIMS
-            and case.block_size in cuda_ops.BLOCK_SIZES)
+    return (
+        case.dtype in cuda_ops.DTYPES
+        and case.head_dim in cuda_ops.HEAD_DIMS
+        and case.block_size in cuda_ops.BLOCK_SIZES
+    )
 
 
 class TestCudaOps(AttentionSuite):
@@ -50,9 +59,16 @@ def _decode(case, version, num_heads=NUM_HEADS, **kwargs):
     kv = make_paged_kv(case, g, _device())
     query = torch.randn(len(case.context_lens), num_heads, case.head_dim, generator=g)
     query = query.to(case.dtype).to(_device())
-    out = cuda_ops.paged_attention_decode(query, kv.key_cache, kv.value_cache,
-                                          kv.block_tables, kv.context_lens, case.scale,
-                                          version=version, **kwargs)
+    out = cuda_ops.paged_attention_decode(
+        query,
+        kv.key_cache,
+        kv.value_cache,
+        kv.block_tables,
+        kv.context_lens,
+        case.scale,
+        version=version,
+        **kwargs,
+    )
     return out, decode_oracle(query, kv.keys, kv.values, case.scale)
 
 
@@ -66,8 +82,7 @@ def test_every_version_matches_oracle(case, version):
 # one token, one just short of a partition, exactly one, one just past, and three.
 EVERY_INSTANCE = [
     Case((1, 511, 512, 513, 1100), block_size=bs, num_kv_heads=2, head_dim=d, dtype=dtype)
-    for dtype, d, bs in itertools.product(cuda_ops.DTYPES, cuda_ops.HEAD_DIMS,
-                                          cuda_ops.BLOCK_SIZES)
+    for dtype, d, bs in itertools.product(cuda_ops.DTYPES, cuda_ops.HEAD_DIMS, cuda_ops.BLOCK_SIZES)
 ]
 
 
@@ -103,18 +118,26 @@ def test_strided_query_and_int64_tables():
     g = torch.Generator().manual_seed(3)
     kv = make_paged_kv(case, g, _device())
     fused = torch.randn(len(case.context_lens), NUM_HEADS, 3 * case.head_dim, generator=g)
-    query = fused.to(_device())[..., case.head_dim:2 * case.head_dim]
+    query = fused.to(_device())[..., case.head_dim : 2 * case.head_dim]
     assert not query.is_contiguous()
-    out = paged_attention_decode(query, kv.key_cache, kv.value_cache, kv.block_tables.long(),
-                                 kv.context_lens.long(), case.scale, backend="cuda")
+    out = paged_attention_decode(
+        query,
+        kv.key_cache,
+        kv.value_cache,
+        kv.block_tables.long(),
+        kv.context_lens.long(),
+        case.scale,
+        backend="cuda",
+    )
     assert_close(out, decode_oracle(query, kv.keys, kv.values, case.scale))
 
 
 def test_unsupported_dtype_is_refused_by_name():
     cache = torch.zeros(4, 16, 2, 64, dtype=torch.float64, device=_device())
     with pytest.raises(ValueError, match="dtype must be one of"):
-        cuda_ops.write_kv(cache[0], cache[0], cache, cache.clone(),
-                          torch.arange(16, device=_device()))
+        cuda_ops.write_kv(
+            cache[0], cache[0], cache, cache.clone(), torch.arange(16, device=_device())
+        )
     with pytest.raises(ValueError, match="version must be 0, 1 or 2"):
         _decode(DECODE_CASES[0], version=3)
 
@@ -124,8 +147,14 @@ def test_an_empty_batch_launches_nothing(version):
     cache = torch.zeros(4, 16, 2, 64, device=_device())
     tables = torch.zeros(0, 2, dtype=torch.int32, device=_device())
     out = cuda_ops.paged_attention_decode(
-        torch.zeros(0, 8, 64, device=_device()), cache, cache.clone(), tables,
-        torch.zeros(0, dtype=torch.int32, device=_device()), 0.125, version=version)
+        torch.zeros(0, 8, 64, device=_device()),
+        cache,
+        cache.clone(),
+        tables,
+        torch.zeros(0, dtype=torch.int32, device=_device()),
+        0.125,
+        version=version,
+    )
     assert out.shape == (0, 8, 64)
 
 
@@ -166,11 +195,22 @@ def test_binding_compiles_for_a_cuda_torch(tmp_path):
     stub = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
     stub.parent.mkdir(parents=True)
     stub.write_text("")
-    includes = [*cpp_extension.include_paths(), str(tmp_path), sysconfig.get_paths()["include"],
-                str(cuda_build._cuda_include()), str(cuda_build.KERNELS_DIR)]
-    command = ["c++", "-fsyntax-only", "-std=c++20", "-w", "-DTORCH_EXTENSION_NAME=check",
-               *(f"-I{path}" for path in includes),
-               str(cuda_build.KERNELS_DIR / cuda_build.BINDING)]
+    includes = [
+        *cpp_extension.include_paths(),
+        str(tmp_path),
+        sysconfig.get_paths()["include"],
+        str(cuda_build._cuda_include()),
+        str(cuda_build.KERNELS_DIR),
+    ]
+    command = [
+        "c++",
+        "-fsyntax-only",
+        "-std=c++20",
+        "-w",
+        "-DTORCH_EXTENSION_NAME=check",
+        *(f"-I{path}" for path in includes),
+        str(cuda_build.KERNELS_DIR / cuda_build.BINDING),
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -183,11 +223,15 @@ def test_cpu_tensors_without_the_emulator_are_refused():
 # v1 at 32k tokens would need 512 KiB of shared memory for its logits: v2's alone.
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("batch, context_len, version", [
-    (64, 2048, 1), (64, 2048, 2), (64, 8192, 1), (64, 8192, 2), (1, 32768, 2), (4, 40000, 2)])
+@pytest.mark.parametrize(
+    "batch, context_len, version",
+    [(64, 2048, 1), (64, 2048, 2), (64, 8192, 1), (64, 8192, 2), (1, 32768, 2), (4, 40000, 2)],
+)
 def test_decode_at_real_sizes(batch, context_len, version, dtype):
     query, key_cache, value_cache, tables, lens, keys, values = real_paged_kv(
-        batch, context_len, dtype)
-    out = cuda_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens,
-                                          128 ** -0.5, version=version)
-    assert_close(out, decode_oracle(query, keys, values, 128 ** -0.5))
+        batch, context_len, dtype
+    )
+    out = cuda_ops.paged_attention_decode(
+        query, key_cache, value_cache, tables, lens, 128**-0.5, version=version
+    )
+    assert_close(out, decode_oracle(query, keys, values, 128**-0.5))

@@ -5,10 +5,14 @@ import sys
 
 import pytest
 import torch
-from attention_cases import AttentionSuite
 
-from minipaged.ops import (BackendUnavailableError, paged_attention_decode,
-                           paged_attention_prefill, write_kv)
+from attention_cases import AttentionSuite
+from minipaged.ops import (
+    BackendUnavailableError,
+    paged_attention_decode,
+    paged_attention_prefill,
+    write_kv,
+)
 
 
 class TestTorchOps(AttentionSuite):
@@ -20,24 +24,33 @@ i32 = torch.int32
 
 def decode_args(**override):
     """A valid decode call: 2 sequences of 5 and 8 tokens, blocks of 4, GQA 8/2."""
-    args = dict(query=torch.randn(2, 8, 64), key_cache=torch.randn(6, 4, 2, 64),
-                value_cache=torch.randn(6, 4, 2, 64),
-                block_tables=torch.tensor([[0, 1], [2, 3]], dtype=i32),
-                context_lens=torch.tensor([5, 8], dtype=i32), scale=0.125)
+    args = dict(
+        query=torch.randn(2, 8, 64),
+        key_cache=torch.randn(6, 4, 2, 64),
+        value_cache=torch.randn(6, 4, 2, 64),
+        block_tables=torch.tensor([[0, 1], [2, 3]], dtype=i32),
+        context_lens=torch.tensor([5, 8], dtype=i32),
+        scale=0.125,
+    )
     return {**args, **override}
 
 
 def prefill_args(**override):
     """A valid prefill call: 3 and 5 new tokens ending sequences of 5 and 8 tokens."""
-    args = decode_args(query=torch.randn(8, 8, 64),
-                       query_start_loc=torch.tensor([0, 3, 8], dtype=i32))
+    args = decode_args(
+        query=torch.randn(8, 8, 64), query_start_loc=torch.tensor([0, 3, 8], dtype=i32)
+    )
     return {**args, **override}
 
 
 def write_args(**override):
-    args = dict(key=torch.randn(3, 2, 64), value=torch.randn(3, 2, 64),
-                key_cache=torch.zeros(6, 4, 2, 64), value_cache=torch.zeros(6, 4, 2, 64),
-                slot_mapping=torch.tensor([0, -1, 23], dtype=i32))
+    args = dict(
+        key=torch.randn(3, 2, 64),
+        value=torch.randn(3, 2, 64),
+        key_cache=torch.zeros(6, 4, 2, 64),
+        value_cache=torch.zeros(6, 4, 2, 64),
+        slot_mapping=torch.tensor([0, -1, 23], dtype=i32),
+    )
     return {**args, **override}
 
 
@@ -53,8 +66,7 @@ BAD_DECODE = {
     "context_lens length": ("context_lens", dict(context_lens=torch.tensor([5], dtype=i32))),
     "context_lens float": ("context_lens", dict(context_lens=torch.tensor([5.0, 8.0]))),
     "context_lens zero": ("context_lens", dict(context_lens=torch.tensor([0, 8], dtype=i32))),
-    "context_lens > table": ("context_lens",
-                             dict(context_lens=torch.tensor([5, 9], dtype=i32))),
+    "context_lens > table": ("context_lens", dict(context_lens=torch.tensor([5, 9], dtype=i32))),
 }
 
 BAD_PREFILL = {
@@ -62,8 +74,10 @@ BAD_PREFILL = {
     "qsl float": ("query_start_loc", dict(query_start_loc=torch.tensor([0.0, 3.0, 8.0]))),
     "qsl end": ("query_start_loc", dict(query_start_loc=torch.tensor([0, 3, 7], dtype=i32))),
     "qsl falls": ("query_start_loc", dict(query_start_loc=torch.tensor([0, 9, 8], dtype=i32))),
-    "fewer context than new": ("context_lens",
-                               dict(query_start_loc=torch.tensor([0, 6, 8], dtype=i32))),
+    "fewer context than new": (
+        "context_lens",
+        dict(query_start_loc=torch.tensor([0, 6, 8], dtype=i32)),
+    ),
     "query 2-D": ("query", dict(query=torch.randn(8, 64))),
 }
 
@@ -78,9 +92,11 @@ BAD_WRITE = {
     "slot below -1": ("slot_mapping", dict(slot_mapping=torch.tensor([0, -2, 1], dtype=i32))),
 }
 
-OPS = {"decode": (paged_attention_decode, decode_args),
-       "prefill": (paged_attention_prefill, prefill_args),
-       "write_kv": (write_kv, write_args)}
+OPS = {
+    "decode": (paged_attention_decode, decode_args),
+    "prefill": (paged_attention_prefill, prefill_args),
+    "write_kv": (write_kv, write_args),
+}
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -89,11 +105,14 @@ def test_valid_arguments_pass(op):
     fn(**args())
 
 
-@pytest.mark.parametrize("op, name, override", [
-    *[pytest.param("decode", *bad, id=f"decode-{k}") for k, bad in BAD_DECODE.items()],
-    *[pytest.param("prefill", *bad, id=f"prefill-{k}") for k, bad in BAD_PREFILL.items()],
-    *[pytest.param("write_kv", *bad, id=f"write_kv-{k}") for k, bad in BAD_WRITE.items()],
-])
+@pytest.mark.parametrize(
+    "op, name, override",
+    [
+        *[pytest.param("decode", *bad, id=f"decode-{k}") for k, bad in BAD_DECODE.items()],
+        *[pytest.param("prefill", *bad, id=f"prefill-{k}") for k, bad in BAD_PREFILL.items()],
+        *[pytest.param("write_kv", *bad, id=f"write_kv-{k}") for k, bad in BAD_WRITE.items()],
+    ],
+)
 def test_bad_argument_raises_value_error_naming_it(op, name, override):
     fn, args = OPS[op]
     with pytest.raises(ValueError, match=rf"^{name}\b"):
@@ -117,6 +136,8 @@ def test_unknown_backend_is_a_value_error(op):
 
 
 def test_ops_do_not_import_the_memory_layer():
-    code = ("import sys, minipaged.ops; "
-            "sys.exit(any(m.startswith('minipaged.memory') for m in sys.modules))")
+    code = (
+        "import sys, minipaged.ops; "
+        "sys.exit(any(m.startswith('minipaged.memory') for m in sys.modules))"
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -12,11 +12,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from attention_cases import (DECODE_CASES, NUM_HEADS, PREFILL_CASES, AttentionSuite,
-                             make_paged_kv, real_paged_kv, refusal_on_cpu)
 
-from minipaged.ops import (decode_oracle, paged_attention_decode, paged_attention_prefill,
-                           prefill_oracle, write_kv)
+from attention_cases import (
+    DECODE_CASES,
+    NUM_HEADS,
+    PREFILL_CASES,
+    AttentionSuite,
+    make_paged_kv,
+    real_paged_kv,
+    refusal_on_cpu,
+)
+from minipaged.ops import (
+    decode_oracle,
+    paged_attention_decode,
+    paged_attention_prefill,
+    prefill_oracle,
+    write_kv,
+)
 from minipaged.ops.testing import assert_close
 
 
@@ -32,6 +44,7 @@ class TestTritonOpsCuda(AttentionSuite):
 
 def _triton_ops():
     from minipaged.ops import triton_ops  # imported late: after conftest set the interpreter
+
     return triton_ops
 
 
@@ -52,13 +65,23 @@ def _prefill_inputs(case, device="cpu"):
 
 # Split-KV: ragged batches leave some splits of the short sequences empty.
 @pytest.mark.parametrize("num_splits, block_n", [(2, 16), (3, 32), (7, 16)])
-@pytest.mark.parametrize("case", [DECODE_CASES[1], DECODE_CASES[3], DECODE_CASES[6],
-                                  DECODE_CASES[8], DECODE_CASES[9]], ids=str)
+@pytest.mark.parametrize(
+    "case",
+    [DECODE_CASES[1], DECODE_CASES[3], DECODE_CASES[6], DECODE_CASES[8], DECODE_CASES[9]],
+    ids=str,
+)
 def test_split_kv_decode_matches_oracle(case, num_splits, block_n):
     kv, query = _decode_inputs(case)
     out = _triton_ops().paged_attention_decode(
-        query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, case.scale,
-        num_splits=num_splits, block_n=block_n)
+        query,
+        kv.key_cache,
+        kv.value_cache,
+        kv.block_tables,
+        kv.context_lens,
+        case.scale,
+        num_splits=num_splits,
+        block_n=block_n,
+    )
     assert_close(out, decode_oracle(query, kv.keys, kv.values, case.scale))
 
 
@@ -66,8 +89,15 @@ def test_split_kv_decode_matches_oracle(case, num_splits, block_n):
 def test_prefill_with_tiles_smaller_than_blocks(case):
     kv, query, starts = _prefill_inputs(case)
     out = _triton_ops().paged_attention_prefill(
-        query, kv.key_cache, kv.value_cache, kv.block_tables, starts, kv.context_lens,
-        case.scale, block_n=16)
+        query,
+        kv.key_cache,
+        kv.value_cache,
+        kv.block_tables,
+        starts,
+        kv.context_lens,
+        case.scale,
+        block_n=16,
+    )
     assert_close(out, prefill_oracle(query, starts, kv.keys, kv.values, case.scale))
 
 
@@ -75,17 +105,28 @@ def test_prefill_with_tiles_smaller_than_blocks(case):
 def test_decode_agrees_with_torch_backend(case):
     kv, query = _decode_inputs(case)
     args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, case.scale)
-    assert_close(paged_attention_decode(*args, backend="triton"),
-                 paged_attention_decode(*args, backend="torch"))
+    assert_close(
+        paged_attention_decode(*args, backend="triton"),
+        paged_attention_decode(*args, backend="torch"),
+    )
 
 
 @pytest.mark.parametrize("case", [PREFILL_CASES[3], PREFILL_CASES[5]], ids=str)
 def test_prefill_agrees_with_torch_backend(case):
     kv, query, starts = _prefill_inputs(case)
-    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, starts, kv.context_lens,
-            case.scale)
-    assert_close(paged_attention_prefill(*args, backend="triton"),
-                 paged_attention_prefill(*args, backend="torch"))
+    args = (
+        query,
+        kv.key_cache,
+        kv.value_cache,
+        kv.block_tables,
+        starts,
+        kv.context_lens,
+        case.scale,
+    )
+    assert_close(
+        paged_attention_prefill(*args, backend="triton"),
+        paged_attention_prefill(*args, backend="torch"),
+    )
 
 
 def test_strided_views_need_no_copy():
@@ -93,11 +134,18 @@ def test_strided_views_need_no_copy():
     case = DECODE_CASES[7]
     kv, query = _decode_inputs(case)
     fused = torch.randn(query.shape[0], NUM_HEADS, 3 * case.head_dim)
-    fused[..., :case.head_dim] = query
-    view = fused[..., :case.head_dim]
+    fused[..., : case.head_dim] = query
+    view = fused[..., : case.head_dim]
     assert not view.is_contiguous()
-    out = paged_attention_decode(view, kv.key_cache, kv.value_cache, kv.block_tables,
-                                 kv.context_lens, case.scale, backend="triton")
+    out = paged_attention_decode(
+        view,
+        kv.key_cache,
+        kv.value_cache,
+        kv.block_tables,
+        kv.context_lens,
+        case.scale,
+        backend="triton",
+    )
     assert_close(out, decode_oracle(query, kv.keys, kv.values, case.scale))
 
     key_cache = torch.zeros(4, 8, 2, 64)
@@ -119,8 +167,7 @@ def test_kernels_compile_for_gpus_without_one():
     sm_80 and sm_90 does, and catches what only a GPU compiler would reject."""
     script = Path(__file__).with_name("compile_triton_kernels.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                            text=True)
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("sm_90 bf16") == 5
 
@@ -153,14 +200,15 @@ def test_cpu_tensors_without_the_interpreter_are_refused():
 # Real sizes on the GPU: B=64 at 2K and 8K tokens, long contexts split, prefill chunks.
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("batch, context_len", [(64, 2048), (64, 8192), (1, 32768),
-                                                (4, 40000)])
+@pytest.mark.parametrize("batch, context_len", [(64, 2048), (64, 8192), (1, 32768), (4, 40000)])
 def test_decode_at_real_sizes(batch, context_len, dtype):
     query, key_cache, value_cache, tables, lens, keys, values = real_paged_kv(
-        batch, context_len, dtype)
-    out = paged_attention_decode(query, key_cache, value_cache, tables, lens, 128 ** -0.5,
-                                 backend="triton")
-    assert_close(out, decode_oracle(query, keys, values, 128 ** -0.5))
+        batch, context_len, dtype
+    )
+    out = paged_attention_decode(
+        query, key_cache, value_cache, tables, lens, 128**-0.5, backend="triton"
+    )
+    assert_close(out, decode_oracle(query, keys, values, 128**-0.5))
 
 
 @pytest.mark.gpu
@@ -173,11 +221,11 @@ def test_long_context_on_the_gpu_takes_the_split_path():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("batch, context_len, num_new", [(4, 2048, 2048), (4, 4096, 512)])
 def test_prefill_at_real_sizes(batch, context_len, num_new, dtype):
-    _, key_cache, value_cache, tables, lens, keys, values = real_paged_kv(
-        batch, context_len, dtype)
+    _, key_cache, value_cache, tables, lens, keys, values = real_paged_kv(batch, context_len, dtype)
     g = torch.Generator(device="cuda").manual_seed(1)
     query = torch.randn(batch * num_new, 32, 128, generator=g, device="cuda").to(dtype)
     starts = torch.arange(0, batch * num_new + 1, num_new, dtype=torch.int32, device="cuda")
-    out = paged_attention_prefill(query, key_cache, value_cache, tables, starts, lens,
-                                  128 ** -0.5, backend="triton")
-    assert_close(out, prefill_oracle(query, starts, keys, values, 128 ** -0.5))
+    out = paged_attention_prefill(
+        query, key_cache, value_cache, tables, starts, lens, 128**-0.5, backend="triton"
+    )
+    assert_close(out, prefill_oracle(query, starts, keys, values, 128**-0.5))

@@ -17,11 +17,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minipaged.distributed.layers import (ColumnParallelLinear, ParallelLMHead,
-                                          RowParallelLinear, VocabParallelEmbedding)
-from minipaged.distributed.parallel_state import (TensorParallelGroup, destroy_tensor_parallel,
-                                                  free_port, init_tensor_parallel,
-                                                  kv_heads_per_rank)
+from minipaged.distributed.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from minipaged.distributed.parallel_state import (
+    TensorParallelGroup,
+    destroy_tensor_parallel,
+    free_port,
+    init_tensor_parallel,
+    kv_heads_per_rank,
+)
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 HIDDEN, HEAD, VOCAB, TOKENS = 12, 4, 11, 5  # 11: the vocabulary does not split evenly
@@ -30,10 +38,15 @@ HIDDEN, HEAD, VOCAB, TOKENS = 12, 4, 11, 5  # 11: the vocabulary does not split 
 def _reference():
     """The unsharded layers and the input, identical on every rank (seeded)."""
     torch.manual_seed(0)
-    return dict(q=nn.Linear(HIDDEN, 4 * HEAD), k=nn.Linear(HIDDEN, HEAD),
-                o=nn.Linear(4 * HEAD, HIDDEN), embed=torch.randn(VOCAB, HIDDEN),
-                x=torch.randn(TOKENS, HIDDEN), xo=torch.randn(TOKENS, 4 * HEAD),
-                ids=torch.tensor([0, 5, 6, 10, 3]))
+    return dict(
+        q=nn.Linear(HIDDEN, 4 * HEAD),
+        k=nn.Linear(HIDDEN, HEAD),
+        o=nn.Linear(4 * HEAD, HIDDEN),
+        embed=torch.randn(VOCAB, HIDDEN),
+        x=torch.randn(TOKENS, HIDDEN),
+        xo=torch.randn(TOKENS, 4 * HEAD),
+        ids=torch.tensor([0, 5, 6, 10, 3]),
+    )
 
 
 def _load(layer, name: str, tensor: torch.Tensor, kind: str = "weight") -> None:
@@ -59,8 +72,9 @@ def _run_rank(rank: int, size: int, port: int, results) -> None:
 def _outputs(rank: int, tp: TensorParallelGroup) -> dict:
     ref = _reference()
     # q: 4 heads split 2 ways; k: 1 head, replicated on both ranks (shards=1).
-    qk = ColumnParallelLinear(HIDDEN, {"q_proj": 4 * HEAD, "k_proj": HEAD}, bias=True,
-                              tp=tp, shards={"k_proj": 1})
+    qk = ColumnParallelLinear(
+        HIDDEN, {"q_proj": 4 * HEAD, "k_proj": HEAD}, bias=True, tp=tp, shards={"k_proj": 1}
+    )
     for name, linear in (("q_proj", ref["q"]), ("k_proj", ref["k"])):
         _load(qk, name, linear.weight)
         _load(qk, name, linear.bias, "bias")
@@ -68,7 +82,7 @@ def _outputs(rank: int, tp: TensorParallelGroup) -> dict:
     o = RowParallelLinear(4 * HEAD, HIDDEN, bias=True, tp=tp)
     _load(o, "", ref["o"].weight)
     _load(o, "", ref["o"].bias, "bias")
-    x_slice = ref["xo"][:, rank * 2 * HEAD:(rank + 1) * 2 * HEAD]  # this rank's heads
+    x_slice = ref["xo"][:, rank * 2 * HEAD : (rank + 1) * 2 * HEAD]  # this rank's heads
     embed = VocabParallelEmbedding(VOCAB, HIDDEN, tp)
     _load(embed, "", ref["embed"])
     head = ParallelLMHead(VOCAB, HIDDEN, tp)
@@ -81,12 +95,15 @@ def ranks():
     """Each rank's outputs, from a gloo group of two processes."""
     context = multiprocessing.get_context("spawn")
     results, port = context.Queue(), free_port()
-    processes = [context.Process(target=_run_rank, args=(rank, 2, port, results))
-                 for rank in range(2)]
+    processes = [
+        context.Process(target=_run_rank, args=(rank, 2, port, results)) for rank in range(2)
+    ]
     for process in processes:
         process.start()
-    out = {rank: {k: None if v is None else torch.tensor(v) for k, v in values.items()}
-           for rank, values in (results.get(timeout=120) for _ in processes)}
+    out = {
+        rank: {k: None if v is None else torch.tensor(v) for k, v in values.items()}
+        for rank, values in (results.get(timeout=120) for _ in processes)
+    }
     for process in processes:
         process.join(30)
         assert process.exitcode == 0
@@ -117,8 +134,9 @@ def test_row_parallel_all_reduces_partial_outputs(ranks):
 def test_vocab_parallel_embedding_equals_lookup(ranks):
     out, ref = ranks
     for rank in (0, 1):  # ids on both sides of the split, rows exact (sums with zeros)
-        torch.testing.assert_close(out[rank]["embed"], F.embedding(ref["ids"], ref["embed"]),
-                                   atol=0, rtol=0)
+        torch.testing.assert_close(
+            out[rank]["embed"], F.embedding(ref["ids"], ref["embed"]), atol=0, rtol=0
+        )
 
 
 def test_parallel_lm_head_gathers_logits_on_rank_0(ranks):
@@ -140,19 +158,26 @@ def test_single_rank_layers_equal_torch_layers():
     torch.testing.assert_close(head(ref["x"]), F.linear(ref["x"], ref["embed"]), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize(("num_kv_heads", "size", "per_rank", "head_of_rank"), [
-    (2, 2, 1, [0, 1]),
-    (8, 2, 4, [0, 1]),  # a shard of 4 heads each
-    (2, 4, 1, [0, 0, 1, 1]),  # replicated: ranks 0-1 hold head 0, ranks 2-3 head 1
-    (3, 3, 1, [0, 1, 2]),  # SmolLM2 at tensor_parallel_size=3
-])
+@pytest.mark.parametrize(
+    ("num_kv_heads", "size", "per_rank", "head_of_rank"),
+    [
+        (2, 2, 1, [0, 1]),
+        (8, 2, 4, [0, 1]),  # a shard of 4 heads each
+        (2, 4, 1, [0, 0, 1, 1]),  # replicated: ranks 0-1 hold head 0, ranks 2-3 head 1
+        (3, 3, 1, [0, 1, 2]),  # SmolLM2 at tensor_parallel_size=3
+    ],
+)
 def test_kv_heads_per_rank(num_kv_heads, size, per_rank, head_of_rank):
     assert kv_heads_per_rank(num_kv_heads, size) == per_rank
     rows = num_kv_heads * HEAD
     for rank, head in enumerate(head_of_rank):
-        layer = ColumnParallelLinear(HIDDEN, {"k_proj": rows}, bias=False,
-                                     tp=TensorParallelGroup(rank, size),
-                                     shards={"k_proj": min(size, num_kv_heads)})
+        layer = ColumnParallelLinear(
+            HIDDEN,
+            {"k_proj": rows},
+            bias=False,
+            tp=TensorParallelGroup(rank, size),
+            shards={"k_proj": min(size, num_kv_heads)},
+        )
         _, theirs = layer.load_targets("weight")["k_proj"]
         assert theirs[0] == slice(head * per_rank * HEAD, (head + 1) * per_rank * HEAD)
 
@@ -161,11 +186,14 @@ class _Config:
     num_attention_heads, num_key_value_heads, intermediate_size = 9, 3, 1536
 
 
-@pytest.mark.parametrize(("size", "message"), [
-    (2, "must divide the model's num_attention_heads \\(9\\)"),
-    (9, "must divide the model's intermediate_size \\(1536\\)"),
-    (0, "tensor_parallel_size must be an int >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    ("size", "message"),
+    [
+        (2, "must divide the model's num_attention_heads \\(9\\)"),
+        (9, "must divide the model's intermediate_size \\(1536\\)"),
+        (0, "tensor_parallel_size must be an int >= 1, got 0"),
+    ],
+)
 def test_check_tensor_parallel_names_what_does_not_split(size, message):
     from minipaged.models.llama import check_tensor_parallel  # (transformers: not in workers)
 

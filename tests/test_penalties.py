@@ -12,12 +12,12 @@ Oracles, independent of the code under test:
 
 import pytest
 import torch
-from engine_helpers import EOS, assert_all_blocks_free, make_llm, random_prompt
 from transformers import (
     MinNewTokensLengthLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
 )
 
+from engine_helpers import EOS, assert_all_blocks_free, make_llm, random_prompt
 from minipaged.sampler import apply_min_tokens, apply_penalties, sample
 from minipaged.sampling_params import SamplingParams
 
@@ -31,9 +31,7 @@ def histories(rows, seed=0):
     for r in range(rows):
         prompt_len = int(torch.randint(1, 12, (1,), generator=g))
         num_out = 0 if r % 4 == 0 else int(torch.randint(1, 20, (1,), generator=g))
-        tokens = torch.randint(
-            0, VOCAB // 2, (prompt_len + num_out,), generator=g
-        ).tolist()
+        tokens = torch.randint(0, VOCAB // 2, (prompt_len + num_out,), generator=g).tolist()
         out.append((tokens, prompt_len))
     return out
 
@@ -72,20 +70,14 @@ def test_repetition_penalty_equals_transformers_processor(penalty):
         torch.testing.assert_close(got[i], want)
 
 
-@pytest.mark.parametrize(
-    ("presence", "frequency"), [(0.5, 0.0), (0.0, 0.7), (-1.0, 2.0)]
-)
+@pytest.mark.parametrize(("presence", "frequency"), [(0.5, 0.0), (0.0, 0.7), (-1.0, 2.0)])
 def test_presence_and_frequency_count_the_output_only(presence, frequency):
     rows = histories(8, seed=1)
     logits = random_logits(8, seed=1)
-    params = [
-        SamplingParams(presence_penalty=presence, frequency_penalty=frequency)
-    ] * 8
+    params = [SamplingParams(presence_penalty=presence, frequency_penalty=frequency)] * 8
     got = apply_penalties(logits, params, [t for t, _ in rows], [p for _, p in rows])
     for i, (tokens, prompt_len) in enumerate(rows):
-        want = naive_presence_frequency(
-            logits[i], tokens[prompt_len:], presence, frequency
-        )
+        want = naive_presence_frequency(logits[i], tokens[prompt_len:], presence, frequency)
         torch.testing.assert_close(got[i], want)
 
 
@@ -94,9 +86,7 @@ def test_all_penalties_together_and_rows_without_any_untouched():
     penalty in the same batch keeps its logits bit for bit."""
     rows = histories(6, seed=2)
     logits = random_logits(6, seed=2)
-    on = SamplingParams(
-        repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.4
-    )
+    on = SamplingParams(repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.4)
     params = [on if i % 2 else SamplingParams() for i in range(6)]
     got = apply_penalties(logits, params, [t for t, _ in rows], [p for _, p in rows])
     for i, (tokens, prompt_len) in enumerate(rows):
@@ -114,9 +104,7 @@ def test_greedy_takes_the_argmax_of_the_penalized_logits_and_reports_raw_logprob
     rows = histories(8, seed=3)
     logits = random_logits(8, seed=3)
     params = [SamplingParams(temperature=0, repetition_penalty=3.0)] * 8
-    out = sample(
-        logits, params, token_ids=[t for t, _ in rows], prompt_lens=[p for _, p in rows]
-    )
+    out = sample(logits, params, token_ids=[t for t, _ in rows], prompt_lens=[p for _, p in rows])
     hf = RepetitionPenaltyLogitsProcessor(3.0)
     want = [
         int(hf(torch.tensor([t]), logits[i : i + 1].clone()).argmax())
@@ -133,22 +121,14 @@ def test_min_tokens_masks_eos_and_stop_tokens_like_transformers(ignore_eos):
     rows = histories(8, seed=4)
     logits = random_logits(8, seed=4)
     params = [
-        SamplingParams(
-            min_tokens=5, max_tokens=20, stop_token_ids=stops, ignore_eos=ignore_eos
-        )
+        SamplingParams(min_tokens=5, max_tokens=20, stop_token_ids=stops, ignore_eos=ignore_eos)
     ] * 8
-    got = apply_min_tokens(
-        logits, params, [t for t, _ in rows], [p for _, p in rows], eos
-    )
+    got = apply_min_tokens(logits, params, [t for t, _ in rows], [p for _, p in rows], eos)
     masked = sorted(set(stops) | (set() if ignore_eos else eos))
     for i, (tokens, prompt_len) in enumerate(rows):
         hf = MinNewTokensLengthLogitsProcessor(prompt_len, 5, masked)
-        torch.testing.assert_close(
-            got[i], hf(torch.tensor([tokens]), logits[i : i + 1].clone())[0]
-        )
-    assert any(len(t) - p >= 5 for t, p in rows) and any(
-        len(t) - p < 5 for t, p in rows
-    )
+        torch.testing.assert_close(got[i], hf(torch.tensor([tokens]), logits[i : i + 1].clone())[0])
+    assert any(len(t) - p >= 5 for t, p in rows) and any(len(t) - p < 5 for t, p in rows)
 
 
 def test_penalties_without_the_token_history_are_an_error():
@@ -159,9 +139,7 @@ def test_penalties_without_the_token_history_are_an_error():
 
 
 # -- the engine, against Hugging Face on the same weights ---------------------------------
-def hf_greedy(
-    oracle, prompt, max_tokens, adjust=lambda logits, output: logits, stop_ids=(EOS,)
-):
+def hf_greedy(oracle, prompt, max_tokens, adjust=lambda logits, output: logits, stop_ids=(EOS,)):
     """Greedy decoding over HF's logits, a full forward per token: ``adjust`` changes
     the logits given the output so far; a token in ``stop_ids`` ends it (kept)."""
     tokens = list(prompt)
@@ -211,9 +189,7 @@ def test_presence_and_frequency_greedy_equal_a_naive_loop(tiny_llm):
 
     (out,) = llm.generate(
         {"prompt_token_ids": prompt},
-        SamplingParams(
-            temperature=0, presence_penalty=1.5, frequency_penalty=0.8, max_tokens=20
-        ),
+        SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.8, max_tokens=20),
         use_tqdm=False,
     )
     assert out.outputs[0].token_ids == hf_greedy(oracle, prompt, 20, adjust)
@@ -252,9 +228,7 @@ def test_stop_token_ids_wait_for_min_tokens(tiny_llm):
     want = hf_greedy(oracle, prompt, 30, adjust, stop_ids=masked)
     (out,) = llm.generate(
         {"prompt_token_ids": prompt},
-        SamplingParams(
-            temperature=0, min_tokens=4, max_tokens=30, stop_token_ids=[stop]
-        ),
+        SamplingParams(temperature=0, min_tokens=4, max_tokens=30, stop_token_ids=[stop]),
         use_tqdm=False,
     )
     completion = out.outputs[0]
@@ -275,9 +249,7 @@ def test_a_top_p_that_rounds_to_zero_gives_greedy_output(tiny_llm):
     float32; the nucleus must still hold the most likely token."""
     llm, _ = tiny_llm
     prompt = {"prompt_token_ids": random_prompt(7, seed=7)}
-    (greedy,) = llm.generate(
-        prompt, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False
-    )
+    (greedy,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
     (tiny_p,) = llm.generate(
         prompt, SamplingParams(top_p=1e-300, max_tokens=10, seed=1), use_tqdm=False
     )

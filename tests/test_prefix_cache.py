@@ -8,18 +8,25 @@ decided.
 """
 
 import pytest
-from memory_shadow import Shadow
 
 import minipaged.memory.prefix_cache as prefix_cache
+from memory_shadow import Shadow
 from minipaged.memory import KVCacheManager, NoFreeBlocksError
 
 
 def snapshot(mgr):
     gpu = mgr.gpu
-    return (mgr.stats(), list(gpu._free), list(gpu._ref_counts), list(gpu._evictable),
-            dict(gpu._by_hash), dict(gpu._by_block), gpu.num_query_tokens, gpu.num_hit_tokens,
-            {s: (list(t.blocks), list(t.token_ids), list(t.identities))
-             for s, t in mgr.tables.items()})
+    return (
+        mgr.stats(),
+        list(gpu._free),
+        list(gpu._ref_counts),
+        list(gpu._evictable),
+        dict(gpu._by_hash),
+        dict(gpu._by_block),
+        gpu.num_query_tokens,
+        gpu.num_hit_tokens,
+        {s: (list(t.blocks), list(t.token_ids), list(t.identities)) for s, t in mgr.tables.items()},
+    )
 
 
 def make(num_gpu_blocks=32, bs=4):
@@ -281,6 +288,7 @@ def test_can_allocate_does_not_count_blocks_held_by_live_sequences():
 
 # -- hash collisions: a collision may cost a hit, never give wrong KV -----------------------
 
+
 def constant_hash(parent_hash, token_ids):
     return 7
 
@@ -301,8 +309,17 @@ def test_colliding_hashes_never_share_wrong_kv(monkeypatch, bad_hash):
     monkeypatch.setattr(prefix_cache, "hash_block", bad_hash)
     mgr, sh = make(bs=2, num_gpu_blocks=64)
     x, y, z = [1, 2], [3, 4], [5, 6]
-    prompts = [x + y + z + [0], y + y + [0], z + y + [0], x + z + [0], y + x + y + [0],
-               x + y + [9], y + [0], x + y + z + [1], z + z + z + [0]]
+    prompts = [
+        x + y + z + [0],
+        y + y + [0],
+        z + y + [0],
+        x + z + [0],
+        y + x + y + [0],
+        x + y + [9],
+        y + [0],
+        x + y + z + [1],
+        z + z + z + [0],
+    ]
     for i, p in enumerate(prompts):
         alloc = sh.allocate(f"s{i}", p)  # read-back inside checks every hit is right
         # Whatever was served must really be a prefix that some earlier prompt had.

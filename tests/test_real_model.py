@@ -6,9 +6,9 @@ from one engine to the next.  The weights come from the ``smollm2`` fixture."""
 
 import pytest
 import torch
-from engine_helpers import assert_all_blocks_free
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine_helpers import assert_all_blocks_free
 from minipaged import LLM, SamplingParams
 
 CONVERSATIONS = [
@@ -28,9 +28,7 @@ def prompts(smollm2) -> list[list[int]]:
     """Each conversation through the chat template, as Hugging Face tokenizes it."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     return [
-        tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=True)[
-            "input_ids"
-        ]
+        tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=True)["input_ids"]
         for c in CONVERSATIONS
     ]
 
@@ -55,9 +53,7 @@ def hf_greedy(smollm2, prompts) -> list[list[int]]:
 
 
 def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outputs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False
-    )
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
 
 
@@ -90,9 +86,7 @@ def test_greedy_equals_hf_when_a_small_pool_preempts(smollm2, prompts, hf_greedy
     assert_all_blocks_free(llm)
 
 
-def test_greedy_equals_hf_with_prefix_caching_and_chunked_prefill(
-    smollm2, prompts, hf_greedy
-):
+def test_greedy_equals_hf_with_prefix_caching_and_chunked_prefill(smollm2, prompts, hf_greedy):
     # SmolLM2's template opens every prompt with the same system turn: cached blocks.
     llm = LLM(
         smollm2,
@@ -127,6 +121,4 @@ def test_seeded_sampling_is_reproducible_across_engines(smollm2, prompts):
         runs.append([[c.token_ids for c in o.outputs] for o in outputs])
         assert_all_blocks_free(llm)
     assert runs[0] == runs[1]
-    assert all(
-        len({tuple(t) for t in request}) > 1 for request in runs[0]
-    )  # they differ
+    assert all(len({tuple(t) for t in request}) > 1 for request in runs[0])  # they differ

@@ -83,8 +83,11 @@ def chi_square_pvalue(counts, probs):
         return 1.0
     stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
     dof = len(expected) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)
+        )
+    )
 
 
 # A fixed seed makes each test deterministic; 1e-3 is the false-alarm rate we accept for
@@ -96,13 +99,13 @@ FILTER_CASES = [
     # temperature, top_k, top_p, min_p
     (1.0, 5, 1.0, 0.0),
     (1.0, 1, 1.0, 0.0),
-    (1.0, 100, 1.0, 0.0),      # top_k above vocab: off
+    (1.0, 100, 1.0, 0.0),  # top_k above vocab: off
     (1.0, 0, 0.6, 0.0),
     (1.0, 0, 0.93, 0.0),
-    (1.0, 0, 1e-6, 0.0),       # the top token always stays
+    (1.0, 0, 1e-6, 0.0),  # the top token always stays
     (1.0, 0, 1.0, 0.1),
     (1.0, -1, 1.0, 0.3),
-    (0.7, 10, 0.8, 0.05),      # all three, on a sharpened distribution
+    (0.7, 10, 0.8, 0.05),  # all three, on a sharpened distribution
     (1.6, 12, 0.9, 0.2),
     (0.5, 0, 1.0, 0.0),
     (2.0, 0, 1.0, 0.0),
@@ -179,7 +182,8 @@ def test_a_top_p_that_rounds_to_zero_keeps_exactly_the_argmax(top_p):
     assert kept.sum(dim=-1).tolist() == [1] * 5
     assert kept.float().argmax(dim=-1).tolist() == logits.argmax(dim=-1).tolist()
     params = [SamplingParams(top_p=top_p, temperature=2.0)] * 4 + [
-        SamplingParams(top_p=top_p, seed=3)]
+        SamplingParams(top_p=top_p, seed=3)
+    ]
     generators = [None] * 4 + [make_generator(3)]
     out = sample(logits, params, generators, make_generator(0))
     assert out.token_ids == logits.argmax(dim=-1).tolist()
@@ -188,15 +192,18 @@ def test_a_top_p_that_rounds_to_zero_keeps_exactly_the_argmax(top_p):
 @pytest.mark.parametrize(("top_k", "min_p"), [(1, 0.0), (0, 1.0), (1, 1.0)])
 def test_the_tightest_top_k_and_min_p_keep_the_argmax(top_k, min_p):
     logits = fixture_logits(rows=5, seed=5)
-    out = sample(logits, [SamplingParams(top_k=top_k, min_p=min_p)] * 5,
-                 generator=make_generator(0))
+    out = sample(
+        logits, [SamplingParams(top_k=top_k, min_p=min_p)] * 5, generator=make_generator(0)
+    )
     assert out.token_ids == logits.argmax(dim=-1).tolist()
 
 
 def test_greedy_rows_take_the_argmax_whatever_the_other_knobs():
     logits = fixture_logits(rows=16, vocab=1000, seed=4)
-    params = [SamplingParams(temperature=0, top_k=k, top_p=p, seed=s)
-              for k, p, s in zip([0, 3, 50, -1] * 4, [1.0, 0.1, 0.5, 0.9] * 4, [None, 1] * 8)]
+    params = [
+        SamplingParams(temperature=0, top_k=k, top_p=p, seed=s)
+        for k, p, s in zip([0, 3, 50, -1] * 4, [1.0, 0.1, 0.5, 0.9] * 4, [None, 1] * 8)
+    ]
     generators = [make_generator(p.seed) if p.seed is not None else None for p in params]
     out = sample(logits, params, generators, make_generator(0))
     assert out.token_ids == [max(range(1000), key=row.__getitem__) for row in logits.tolist()]
@@ -228,29 +235,56 @@ def seeded_stream(params, seed, steps, position, batch_logits, batch_params, sha
     return tokens
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(seed=7, temperature=1.5),
-    SamplingParams(seed=7, temperature=1.2, top_p=0.95),
-    SamplingParams(seed=123, top_k=20, min_p=0.01),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(seed=7, temperature=1.5),
+        SamplingParams(seed=7, temperature=1.2, top_p=0.95),
+        SamplingParams(seed=123, top_k=20, min_p=0.01),
+    ],
+)
 def test_a_seeded_row_gives_the_same_tokens_alone_or_in_any_batch(params):
     steps, vocab = 24, 64
     step_logits = [fixture_logits(vocab=vocab, seed=100 + s)[0] for s in range(steps)]
-    alone = seeded_stream(params, params.seed, steps, [0] * steps,
-                          [row[None] for row in step_logits], [], shared_seed=0)
-    others = [SamplingParams(seed=8), SamplingParams(), SamplingParams(temperature=0),
-              SamplingParams(top_k=3, top_p=0.5, min_p=0.2), SamplingParams(seed=7, top_p=0.3)]
+    alone = seeded_stream(
+        params,
+        params.seed,
+        steps,
+        [0] * steps,
+        [row[None] for row in step_logits],
+        [],
+        shared_seed=0,
+    )
+    others = [
+        SamplingParams(seed=8),
+        SamplingParams(),
+        SamplingParams(temperature=0),
+        SamplingParams(top_k=3, top_p=0.5, min_p=0.2),
+        SamplingParams(seed=7, top_p=0.3),
+    ]
     for trial in range(3):
-        positions = torch.randint(0, len(others) + 1, (steps,),
-                                  generator=torch.Generator().manual_seed(trial)).tolist()
+        positions = torch.randint(
+            0, len(others) + 1, (steps,), generator=torch.Generator().manual_seed(trial)
+        ).tolist()
         batches = []
         for s, row in enumerate(step_logits):
             noise = fixture_logits(rows=len(others), vocab=vocab, seed=1000 * trial + s)
-            batches.append(torch.cat([noise[:positions[s]], row[None], noise[positions[s]:]]))
-        assert seeded_stream(params, params.seed, steps, positions, batches, others,
-                             shared_seed=trial + 1) == alone
-    other_seed = seeded_stream(params, params.seed + 1, steps, [0] * steps,
-                               [row[None] for row in step_logits], [], shared_seed=0)
+            batches.append(torch.cat([noise[: positions[s]], row[None], noise[positions[s] :]]))
+        assert (
+            seeded_stream(
+                params, params.seed, steps, positions, batches, others, shared_seed=trial + 1
+            )
+            == alone
+        )
+    other_seed = seeded_stream(
+        params,
+        params.seed + 1,
+        steps,
+        [0] * steps,
+        [row[None] for row in step_logits],
+        [],
+        shared_seed=0,
+    )
     assert other_seed != alone
 
 
@@ -264,11 +298,13 @@ def test_the_shared_generator_makes_unseeded_rows_reproducible():
 
 def test_logprobs_are_those_of_the_raw_logits():
     logits = fixture_logits(rows=5, vocab=200, seed=7)
-    params = [SamplingParams(temperature=0.6, top_k=10, logprobs=3),
-              SamplingParams(temperature=0, logprobs=5),
-              SamplingParams(top_p=0.5),
-              SamplingParams(min_p=0.1, logprobs=0),
-              SamplingParams(temperature=2.0, logprobs=200)]
+    params = [
+        SamplingParams(temperature=0.6, top_k=10, logprobs=3),
+        SamplingParams(temperature=0, logprobs=5),
+        SamplingParams(top_p=0.5),
+        SamplingParams(min_p=0.1, logprobs=0),
+        SamplingParams(temperature=2.0, logprobs=200),
+    ]
     out = sample(logits, params, generator=make_generator(0))
     raw = torch.log_softmax(logits.double(), dim=-1)
     for r, (token, p) in enumerate(zip(out.token_ids, params)):
@@ -278,7 +314,7 @@ def test_logprobs_are_those_of_the_raw_logits():
             continue
         entries = list(out.top_logprobs[r].items())
         assert entries[0] == (token, out.logprobs[r])
-        best = sorted(range(200), key=lambda t: -raw[r, t].item())[:p.logprobs]
+        best = sorted(range(200), key=lambda t: -raw[r, t].item())[: p.logprobs]
         alternatives = [t for t, _ in entries[1:]]
         assert alternatives == [t for t in best if t != token]
         assert len(entries) == p.logprobs + (token not in best)
@@ -299,16 +335,19 @@ def test_beam_candidates_are_the_top_two_beam_width_of_log_softmax(beam_width, v
         torch.testing.assert_close(cands.logprobs[r].double(), raw[r, best], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("call,name", [
-    (lambda: sample(torch.zeros(4), [SamplingParams()]), "logits"),
-    (lambda: sample(torch.zeros(2, 3, dtype=torch.long), [SamplingParams()] * 2), "logits"),
-    (lambda: sample(torch.zeros(2, 0), [SamplingParams()] * 2), "logits"),
-    (lambda: sample(torch.zeros(2, 3), [SamplingParams()]), "params"),
-    (lambda: sample(torch.zeros(2, 3), [SamplingParams()] * 2, [None]), "generators"),
-    (lambda: filter_logits(torch.zeros(2, 3), [0, 0], [1.0], [0.0, 0.0]), "top_p"),
-    (lambda: beam_candidates(torch.zeros(2, 3), 0), "beam_width"),
-    (lambda: beam_candidates(torch.zeros(3), 2), "logits"),
-])
+@pytest.mark.parametrize(
+    "call,name",
+    [
+        (lambda: sample(torch.zeros(4), [SamplingParams()]), "logits"),
+        (lambda: sample(torch.zeros(2, 3, dtype=torch.long), [SamplingParams()] * 2), "logits"),
+        (lambda: sample(torch.zeros(2, 0), [SamplingParams()] * 2), "logits"),
+        (lambda: sample(torch.zeros(2, 3), [SamplingParams()]), "params"),
+        (lambda: sample(torch.zeros(2, 3), [SamplingParams()] * 2, [None]), "generators"),
+        (lambda: filter_logits(torch.zeros(2, 3), [0, 0], [1.0], [0.0, 0.0]), "top_p"),
+        (lambda: beam_candidates(torch.zeros(2, 3), 0), "beam_width"),
+        (lambda: beam_candidates(torch.zeros(3), 2), "logits"),
+    ],
+)
 def test_bad_inputs_raise_naming_the_argument(call, name):
     with pytest.raises(ValueError, match=f"^{name} "):
         call()

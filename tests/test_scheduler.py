@@ -23,11 +23,11 @@ import sys
 import pytest
 from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
-from scheduler_sim import SchedulerSim, ceil_div, expected_tokens
 
 from minipaged.memory import KVCacheManager
 from minipaged.scheduler import Scheduler
 from minipaged.sequence import SequenceStatus
+from scheduler_sim import SchedulerSim, ceil_div, expected_tokens
 
 
 def rids(groups):
@@ -45,8 +45,9 @@ def check_finished(sim, specs):
     assert set(done) == {spec[0] for spec in specs}
     for rid, prompt, n, max_tokens in specs:
         seqs = sorted(done[rid].seqs, key=lambda s: s.index)
-        assert [s.token_ids for s in seqs] == [expected_tokens(rid, prompt, i, max_tokens)
-                                               for i in range(n)], rid
+        assert [s.token_ids for s in seqs] == [
+            expected_tokens(rid, prompt, i, max_tokens) for i in range(n)
+        ], rid
         assert all(s.finish_reason == "length" for s in seqs)
     assert sim.kv.tables == {}
     assert sim.kv.gpu.num_free_blocks == sim.kv.gpu.num_blocks  # free, or evictable
@@ -55,14 +56,24 @@ def check_finished(sim, specs):
 
 # -- layering and arguments ----------------------------------------------------------------
 
+
 def test_scheduler_imports_no_torch():
-    """The scheduler is standard library only (the layers of docs/architecture.md): importing it, the
-    sequences and the trace loads no third-party module, torch least of all."""
-    code = ("import sys, minipaged.scheduler, minipaged.sequence, minipaged.trace; "
-            "print('\\n'.join(sorted({m.split('.')[0] for m in sys.modules})))")
-    base = ("import sys; print('\\n'.join(sorted({m.split('.')[0] for m in sys.modules})))")
-    run = lambda c: set(subprocess.run([sys.executable, "-c", c], capture_output=True,  # noqa: E731
-                                       text=True, check=True).stdout.split())
+    """The scheduler is standard library only (the layers of docs/architecture.md):
+    importing it, the sequences and the trace loads no third-party module, torch least
+    of all."""
+    code = (
+        "import sys, minipaged.scheduler, minipaged.sequence, minipaged.trace; "
+        "print('\\n'.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    )
+    base = "import sys; print('\\n'.join(sorted({m.split('.')[0] for m in sys.modules})))"
+
+    def run(c):
+        return set(
+            subprocess.run(
+                [sys.executable, "-c", c], capture_output=True, text=True, check=True
+            ).stdout.split()
+        )
+
     third_party = run(code) - run(base) - set(sys.stdlib_module_names) - {"minipaged"}
     assert third_party == set(), f"the scheduler pulled in {sorted(third_party)}"
 
@@ -74,6 +85,7 @@ def test_unknown_preemption_mode_is_refused():
 
 
 # -- FCFS admission --------------------------------------------------------------------------
+
 
 def test_requests_first_run_in_arrival_order():
     """Six requests with 3- and 4-token prompts and a budget of 4 tokens a step, so their
@@ -100,9 +112,9 @@ def test_admission_stops_at_the_first_request_whose_blocks_are_missing():
     """No overtaking: B (waiting, first chunk 6 blocks) does not fit the 4 free blocks,
     so C (1 block, would fit) waits behind it; when A finishes, B then C are admitted."""
     sim = SchedulerSim(8, 2, max_num_seqs=4, max_num_batched_tokens=32)
-    sim.add("A", [0] * 8, max_tokens=2)      # 4 blocks, then 5 with its output
-    sim.add("B", [1] * 11, max_tokens=1)     # ceil(11 / 2) = 6 blocks
-    sim.add("C", [2], max_tokens=1)          # 1 block
+    sim.add("A", [0] * 8, max_tokens=2)  # 4 blocks, then 5 with its output
+    sim.add("B", [1] * 11, max_tokens=1)  # ceil(11 / 2) = 6 blocks
+    sim.add("C", [2], max_tokens=1)  # 1 block
     out = sim.step()
     assert scheduled(out) == [("A.0", 0, 8)]
     assert rids(sim.scheduler.waiting) == ["B", "C"] and sim.kv.gpu.num_free_blocks == 4
@@ -150,6 +162,7 @@ def test_seats_of_a_request_that_has_not_forked_yet_are_held():
 
 
 # -- budgets and chunked prefill --------------------------------------------------------------
+
 
 def test_chunked_prefill_shares_steps_with_decodes():
     """Budget 8: A (3-token prompt) and B (30-token prompt) arrive together.  Step 0 runs
@@ -210,6 +223,7 @@ def test_admission_waits_when_the_first_chunk_does_not_fit():
 
 # -- preemption ------------------------------------------------------------------------------
 
+
 def preemption_workload(mode, num_cpu_blocks=8):
     """bs=2, 6 GPU blocks.  A (2-token prompt, max_tokens 5) and B (1-token prompt, n=2,
     max_tokens 4).
@@ -220,8 +234,15 @@ def preemption_workload(mode, num_cpu_blocks=8):
     free.  Step 3: A needs a block (pos 4) and none is free, so the newest request, B,
     is preempted whole (both sequences, 4 distinct blocks) and A runs.
     """
-    sim = SchedulerSim(6, 2, num_cpu_blocks, max_num_seqs=4, max_num_batched_tokens=8,
-                       preemption_mode=mode, trace=True)
+    sim = SchedulerSim(
+        6,
+        2,
+        num_cpu_blocks,
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        preemption_mode=mode,
+        trace=True,
+    )
     specs = [("A", [0, 0], 1, 5), ("B", [1], 2, 4)]
     for spec in specs:
         sim.add(*spec)
@@ -273,8 +294,7 @@ def test_swap_preempts_the_newest_request_whole_and_resumes_it_first():
     specs.append(("C", [2], 1, 1))
     out = sim.step()  # step 3
     assert rids(out.preempted) == ["B"] and rids(sim.scheduler.swapped) == ["B"]
-    assert sorted(g for g, _ in out.swap_out) == sorted({x for t in gpu_blocks.values()
-                                                         for x in t})
+    assert sorted(g for g, _ in out.swap_out) == sorted({x for t in gpu_blocks.values() for x in t})
     mapping = dict(out.swap_out)
     for seq in b.seqs:
         assert sim.kv.is_swapped(seq.seq_id)
@@ -348,6 +368,7 @@ def test_preemption_stops_as_soon_as_the_older_request_fits():
 
 # -- block operations --------------------------------------------------------------------------
 
+
 def test_copy_on_write_after_a_fork():
     """n=3, bs=4, a 5-token prompt: after the fork all three share a partial last block.
     The next step has exactly 2 copies (the last sharer writes in place), each from that
@@ -394,6 +415,7 @@ def test_swapping_a_forked_request_moves_each_shared_block_once():
 
 # -- abort -----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("where", ["waiting", "running", "swapped", "recomputing"])
 def test_abort_frees_the_request_wherever_it_is(where):
     """Abort B while it waits (never admitted), runs (forked), is swapped out, or waits
@@ -410,8 +432,12 @@ def test_abort_frees_the_request_wherever_it_is(where):
         sim, specs = preemption_workload("swap" if where == "swapped" else "recompute")
         if where != "running":
             sim.step()  # B is preempted
-    queue = {"waiting": sim.scheduler.waiting, "running": sim.scheduler.running,
-             "swapped": sim.scheduler.swapped, "recomputing": sim.scheduler.waiting}[where]
+    queue = {
+        "waiting": sim.scheduler.waiting,
+        "running": sim.scheduler.running,
+        "swapped": sim.scheduler.swapped,
+        "recomputing": sim.scheduler.waiting,
+    }[where]
     b = sim.groups["B"]
     assert b in queue
     holding = [s.seq_id for s in b.seqs if s.seq_id in sim.kv.tables]
@@ -432,6 +458,7 @@ def test_abort_frees_the_request_wherever_it_is(where):
 
 # -- the trace ---------------------------------------------------------------------------------
 
+
 def test_trace_of_a_swapped_request():
     """B's events in the swap scenario, in order and at the steps worked out by hand:
     arrives, gets blocks and runs (step 0), forks, copies on write and runs (steps 1-2),
@@ -443,14 +470,24 @@ def test_trace_of_a_swapped_request():
     appends = [(e.step, e.seq_id) for e in sim.trace.of("B") if e.kind == "append"]
     assert appends == [(1, "B.0"), (1, "B.1"), (2, "B.0"), (2, "B.1"), (6, "B.0"), (6, "B.1")]
     assert events == [
-        (0, "arrive", None), (0, "allocate", "B.0"), (0, "schedule", "B.0"),
+        (0, "arrive", None),
+        (0, "allocate", "B.0"),
+        (0, "schedule", "B.0"),
         (0, "fork", "B.1"),
-        (1, "cow", "B.0"), (1, "schedule", "B.0"), (1, "schedule", "B.1"),
-        (2, "schedule", "B.0"), (2, "schedule", "B.1"),
-        (3, "preempt", None), (3, "swap_out", None),
+        (1, "cow", "B.0"),
+        (1, "schedule", "B.0"),
+        (1, "schedule", "B.1"),
+        (2, "schedule", "B.0"),
+        (2, "schedule", "B.1"),
+        (3, "preempt", None),
+        (3, "swap_out", None),
         (5, "swap_in", None),
-        (6, "schedule", "B.0"), (6, "schedule", "B.1"), (6, "free", "B.0"), (6, "free", "B.1"),
-        (6, "finish", None)]
+        (6, "schedule", "B.0"),
+        (6, "schedule", "B.1"),
+        (6, "free", "B.0"),
+        (6, "free", "B.1"),
+        (6, "finish", None),
+    ]
     by_kind = {e.kind: e for e in sim.trace.of("B")}
     assert by_kind["preempt"].detail["mode"] == "swap"
     assert set(by_kind["swap_out"].detail["blocks"]) == {"B.0", "B.1"}
@@ -472,6 +509,7 @@ def test_trace_of_a_recomputed_request():
 
 # -- the reference model: every decision, random workloads --------------------------------------
 
+
 class ReferenceScheduler:
     """The docstring's rules for single-sequence requests without prefix caching, over
     plain numbers: a request holds ceil(computed / block_size) blocks on the pool it is in.
@@ -483,19 +521,28 @@ class ReferenceScheduler:
         self.reqs = {}  # rid -> dict(arrival, len, prompt_len, max_tokens, computed, where)
 
     def add(self, rid, prompt, max_tokens):
-        self.reqs[rid] = dict(arrival=len(self.reqs), len=len(prompt), prompt_len=len(prompt),
-                              max_tokens=max_tokens, computed=0, where="waiting")
+        self.reqs[rid] = dict(
+            arrival=len(self.reqs),
+            len=len(prompt),
+            prompt_len=len(prompt),
+            max_tokens=max_tokens,
+            computed=0,
+            where="waiting",
+        )
 
     def queue(self, where):
-        return sorted((r for r, q in self.reqs.items() if q["where"] == where),
-                      key=lambda r: self.reqs[r]["arrival"])
+        return sorted(
+            (r for r, q in self.reqs.items() if q["where"] == where),
+            key=lambda r: self.reqs[r]["arrival"],
+        )
 
     def blocks(self, rid):
         return ceil_div(self.reqs[rid]["computed"], self.bs)
 
     def free(self, where):
-        return ({"running": self.P, "swapped": self.C}[where]
-                - sum(self.blocks(r) for r in self.queue(where)))
+        return {"running": self.P, "swapped": self.C}[where] - sum(
+            self.blocks(r) for r in self.queue(where)
+        )
 
     def step(self):
         """Returns ``([(rid, start, n)], [preempted rid])``."""
@@ -559,10 +606,15 @@ def single_sequence_workloads(draw):
     # Like the engine: a request must fit the pool alone (else nothing could ever run it).
     most = max(ceil_div(len(p) + m, bs) for _, _, p, m in reqs)
     max_seqs = draw(st.integers(1, 5))
-    return dict(bs=bs, reqs=reqs, gpu=most + draw(st.integers(0, 6)),
-                cpu=draw(st.integers(0, 12)), max_seqs=max_seqs,
-                budget=draw(st.integers(max_seqs, 24)),
-                mode=draw(st.sampled_from(["recompute", "swap"])))
+    return dict(
+        bs=bs,
+        reqs=reqs,
+        gpu=most + draw(st.integers(0, 6)),
+        cpu=draw(st.integers(0, 12)),
+        max_seqs=max_seqs,
+        budget=draw(st.integers(max_seqs, 24)),
+        mode=draw(st.sampled_from(["recompute", "swap"])),
+    )
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -572,8 +624,14 @@ def test_every_decision_matches_the_reference_model(w):
     tight pools, both preemption modes, small CPU pools): every step, the scheduler's
     batch (which request, from which token, how many), its victims and all three queues
     equal the reference model's."""
-    sim = SchedulerSim(w["gpu"], w["bs"], w["cpu"], max_num_seqs=w["max_seqs"],
-                       max_num_batched_tokens=w["budget"], preemption_mode=w["mode"])
+    sim = SchedulerSim(
+        w["gpu"],
+        w["bs"],
+        w["cpu"],
+        max_num_seqs=w["max_seqs"],
+        max_num_batched_tokens=w["budget"],
+        preemption_mode=w["mode"],
+    )
     ref = ReferenceScheduler(w["gpu"], w["cpu"], w["bs"], w["max_seqs"], w["budget"], w["mode"])
     pending = list(w["reqs"])
     while pending or sim.scheduler.has_unfinished():
@@ -586,9 +644,11 @@ def test_every_decision_matches_the_reference_model(w):
         batch, victims = ref.step()
         assert [(s.group.request_id, s.start, s.num_new_tokens) for s in out.seqs] == batch
         assert rids(out.preempted) == victims
-        for where, queue in (("waiting", sim.scheduler.waiting),
-                             ("running", sim.scheduler.running),
-                             ("swapped", sim.scheduler.swapped)):
+        for where, queue in (
+            ("waiting", sim.scheduler.waiting),
+            ("running", sim.scheduler.running),
+            ("swapped", sim.scheduler.swapped),
+        ):
             assert rids(queue) == ref.queue(where), where
     check_finished(sim, [(rid, p, 1, m) for _, rid, p, m in w["reqs"]])
     record_coverage(sim)
@@ -608,15 +668,27 @@ def workloads(draw):
     reqs = []
     for i in range(draw(st.integers(2, 6))):
         prompt = draw(st.sampled_from(PREFIXES)) + draw(st.lists(st.integers(0, 2), max_size=9))
-        reqs.append((draw(st.integers(0, 4)), f"r{i}", prompt or [0], draw(st.integers(1, 3)),
-                     draw(st.integers(1, 8))))
+        reqs.append(
+            (
+                draw(st.integers(0, 4)),
+                f"r{i}",
+                prompt or [0],
+                draw(st.integers(1, 3)),
+                draw(st.integers(1, 8)),
+            )
+        )
     most = max(n * ceil_div(len(p) + m, bs) for _, _, p, n, m in reqs)
     max_seqs = draw(st.integers(max(r[3] for r in reqs), 8))
-    return dict(bs=bs, reqs=reqs, gpu=most + draw(st.integers(0, 2)),
-                cpu=draw(st.integers(0, 24)), max_seqs=max_seqs,
-                budget=draw(st.integers(max_seqs, 40)),
-                mode=draw(st.sampled_from(["recompute", "swap"])),
-                prefix_caching=draw(st.booleans()))
+    return dict(
+        bs=bs,
+        reqs=reqs,
+        gpu=most + draw(st.integers(0, 2)),
+        cpu=draw(st.integers(0, 24)),
+        max_seqs=max_seqs,
+        budget=draw(st.integers(max_seqs, 40)),
+        mode=draw(st.sampled_from(["recompute", "swap"])),
+        prefix_caching=draw(st.booleans()),
+    )
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -627,8 +699,9 @@ def test_random_workloads_run_to_completion(w):
     swapped sequence's KV cache holds exactly its computed tokens and reads back as its
     own): every request finishes with exactly its tokens and every block is free (or
     evictable) again on both pools."""
-    sim = SchedulerSim(w["gpu"], w["bs"], w["cpu"], w["prefix_caching"], w["max_seqs"],
-                       w["budget"], w["mode"])
+    sim = SchedulerSim(
+        w["gpu"], w["bs"], w["cpu"], w["prefix_caching"], w["max_seqs"], w["budget"], w["mode"]
+    )
     arrivals = {}
     for t, rid, prompt, n, max_tokens in w["reqs"]:
         arrivals.setdefault(t, []).append((rid, prompt, n, max_tokens))
@@ -648,6 +721,7 @@ def record_coverage(sim):
 
 # -- livelocks found by the property test --------------------------------------------------
 
+
 def test_a_recomputed_forked_request_is_admitted_again():
     """Budget 3, bs 1: B (n=2) is preempted by recompute after both its sequences reach 4
     tokens.  To come back each sequence needs at least one token of a step's budget;
@@ -664,8 +738,7 @@ def test_a_lone_forked_request_that_fits_is_not_preempted():
     2 x ceil(4 / 4) = 2 blocks, exactly the pool.  After the fork both sequences share
     one partial block; their next tokens need 1 copy (the second writes in place) and
     1 block is free.  Nothing should be preempted, and the request finishes."""
-    sim = SchedulerSim(2, 4, 4, max_num_seqs=2, max_num_batched_tokens=8,
-                       preemption_mode="swap")
+    sim = SchedulerSim(2, 4, 4, max_num_seqs=2, max_num_batched_tokens=8, preemption_mode="swap")
     specs = [("A", [0, 1], 2, 2)]
     sim.add(*specs[0])
     sim.run(max_steps=50)

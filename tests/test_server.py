@@ -18,12 +18,19 @@ pytest.importorskip("fastapi")  # the server extra; the GPU machine has none
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
+
 from cli_helpers import run_main  # noqa: E402
 from engine_helpers import make_llm, random_prompt  # noqa: E402
-from server_helpers import (ENGINE, MAX_MODEL_LEN, MODEL, in_process, metrics,  # noqa: E402
-                            subprocess_server, wait_idle)
-
 from minipaged import SamplingParams  # noqa: E402
+from server_helpers import (  # noqa: E402
+    ENGINE,
+    MAX_MODEL_LEN,
+    MODEL,
+    in_process,
+    metrics,
+    subprocess_server,
+    wait_idle,
+)
 
 PROMPTS = ["Hello, my name is", "The capital of France", "a", "Once upon a time, there"]
 GREEDY = dict(temperature=0, max_tokens=12)
@@ -61,9 +68,10 @@ def expected(oracle, prompt, **params):
 def chat_prompt(oracle, messages) -> list[int]:
     """The chat template as transformers renders it (the server's own path not used)."""
     tokenizer = oracle.get_tokenizer()
-    return tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False,
-                                                          add_generation_prompt=True),
-                            add_special_tokens=False)
+    return tokenizer.encode(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
 
 
 # -- answers ---------------------------------------------------------------------------
@@ -81,14 +89,23 @@ def test_greedy_completion_equals_llm_generate(client, oracle, prompt):
     assert (choice.text, choice.finish_reason) == (want.text, want.finish_reason)
     prompt_len = len(oracle.get_tokenizer().encode(prompt))
     assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (
-        prompt_len, len(want.token_ids))
+        prompt_len,
+        len(want.token_ids),
+    )
 
 
 def test_streamed_completion_joins_to_the_same_text(client, oracle):
     (want,) = expected(oracle, PROMPTS[0], **GREEDY, ignore_eos=True)
-    chunks = list(client.completions.create(
-        model=MODEL, prompt=PROMPTS[0], stream=True, stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True}, **GREEDY))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[0],
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+            **GREEDY,
+        )
+    )
     *pieces, last = chunks
     assert "".join(c.choices[0].text for c in pieces) == want.text
     assert len(pieces) == GREEDY["max_tokens"]  # one chunk per step: tokens arrive as made
@@ -99,8 +116,9 @@ def test_streamed_completion_joins_to_the_same_text(client, oracle):
 def test_prompts_as_token_ids_and_lists(client, oracle):
     """A list of prompts gives n choices each, prompt-major; token ids are taken as is."""
     ids = random_prompt(7, seed=7)
-    response = client.completions.create(model=MODEL, prompt=[PROMPTS[1], PROMPTS[2]], n=2,
-                                         seed=3, temperature=1.0, max_tokens=6)
+    response = client.completions.create(
+        model=MODEL, prompt=[PROMPTS[1], PROMPTS[2]], n=2, seed=3, temperature=1.0, max_tokens=6
+    )
     by_index = [c.text for c in sorted(response.choices, key=lambda c: c.index)]
     wants = [expected(oracle, p, n=2, seed=3, temperature=1.0, max_tokens=6) for p in PROMPTS[1:3]]
     assert by_index == [w.text for want in wants for w in want]
@@ -110,8 +128,16 @@ def test_prompts_as_token_ids_and_lists(client, oracle):
 
 def test_seeded_sampling_is_reproducible_and_equals_llm_generate(client, oracle):
     params = dict(n=2, temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, max_tokens=10)
-    sample = dict(model=MODEL, prompt=PROMPTS[3], seed=1234, max_tokens=10, n=2,
-                  temperature=1.0, top_p=0.9, extra_body={"top_k": 50, "min_p": 0.01})
+    sample = dict(
+        model=MODEL,
+        prompt=PROMPTS[3],
+        seed=1234,
+        max_tokens=10,
+        n=2,
+        temperature=1.0,
+        top_p=0.9,
+        extra_body={"top_k": 50, "min_p": 0.01},
+    )
     first = [c.text for c in client.completions.create(**sample).choices]
     assert [c.text for c in client.completions.create(**sample).choices] == first
     assert first == [w.text for w in expected(oracle, PROMPTS[3], seed=1234, **params)]
@@ -123,22 +149,31 @@ def test_stop_string_cuts_the_text(client, oracle):
     (full,) = expected(oracle, PROMPTS[0], **GREEDY, ignore_eos=True)
     stop = full.text[4:6]
     (want,) = expected(oracle, PROMPTS[0], **GREEDY, ignore_eos=True, stop=[stop])
-    (choice,) = client.completions.create(model=MODEL, prompt=PROMPTS[0], stop=[stop],
-                                          extra_body={"ignore_eos": True}, **GREEDY).choices
+    (choice,) = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], stop=[stop], extra_body={"ignore_eos": True}, **GREEDY
+    ).choices
     assert (choice.text, choice.finish_reason) == (want.text, "stop")
     assert choice.model_extra["stop_reason"] == stop and stop not in choice.text
-    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[0], stop=[stop],
-                                         stream=True, extra_body={"ignore_eos": True}, **GREEDY)
+    streamed = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[0],
+        stop=[stop],
+        stream=True,
+        extra_body={"ignore_eos": True},
+        **GREEDY,
+    )
     assert "".join(c.choices[0].text for c in streamed) == want.text  # nothing taken back
 
 
 def test_echo_and_logprobs(client, oracle):
     (want,) = expected(oracle, PROMPTS[1], **GREEDY, logprobs=2)
-    (echoed,) = client.completions.create(model=MODEL, prompt=PROMPTS[1], echo=True,
-                                          **GREEDY).choices
+    (echoed,) = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], echo=True, **GREEDY
+    ).choices
     assert echoed.text == PROMPTS[1] + want.text
-    (choice,) = client.completions.create(model=MODEL, prompt=PROMPTS[1], logprobs=2,
-                                          **GREEDY).choices
+    (choice,) = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], logprobs=2, **GREEDY
+    ).choices
     got = choice.logprobs.token_logprobs
     assert got == pytest.approx([lp[t] for t, lp in zip(want.token_ids, want.logprobs)])
     assert len(choice.logprobs.tokens) == len(choice.logprobs.text_offset) == len(got)
@@ -146,12 +181,15 @@ def test_echo_and_logprobs(client, oracle):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_equals_llm_generate_on_the_templated_prompt(client, oracle, stream):
-    messages = [{"role": "system", "content": "You are terse."},
-                {"role": "user", "content": [{"type": "text", "text": "Say hi."}]}]
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": "Say hi."}]},
+    ]
     template_messages = [messages[0], {"role": "user", "content": "Say hi."}]
     (want,) = expected(oracle, chat_prompt(oracle, template_messages), **GREEDY, logprobs=1)
-    response = client.chat.completions.create(model=MODEL, messages=messages, stream=stream,
-                                              logprobs=True, top_logprobs=1, **GREEDY)
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, stream=stream, logprobs=True, top_logprobs=1, **GREEDY
+    )
     if not stream:
         (choice,) = response.choices
         assert (choice.message.role, choice.message.content) == ("assistant", want.text)
@@ -169,9 +207,14 @@ def test_chat_equals_llm_generate_on_the_templated_prompt(client, oracle, stream
 def test_chat_stream_reports_usage_last(client, oracle):
     messages = [{"role": "user", "content": "count"}]
     prompt = chat_prompt(oracle, messages)
-    *_, last = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
-                                              stream=True, stream_options={"include_usage": True},
-                                              extra_body={"ignore_eos": True})
+    *_, last = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     assert last.choices == []
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), 5)
 
@@ -182,15 +225,18 @@ def test_32_concurrent_requests_share_batches_and_are_all_right(client, base_url
     before = metrics(base_url)
 
     def ask(prompt):
-        return client.completions.create(model=MODEL, prompt=prompt,
-                                         extra_body={"ignore_eos": True}, **GREEDY)
+        return client.completions.create(
+            model=MODEL, prompt=prompt, extra_body={"ignore_eos": True}, **GREEDY
+        )
 
     with ThreadPoolExecutor(32) as pool:
         texts = [r.choices[0].text for r in pool.map(ask, prompts)]
     assert texts == wants
     after = metrics(base_url)
-    tokens, steps = (after[f"minipaged:{name}_total"] - before[f"minipaged:{name}_total"]
-                     for name in ("generation_tokens", "engine_steps"))
+    tokens, steps = (
+        after[f"minipaged:{name}_total"] - before[f"minipaged:{name}_total"]
+        for name in ("generation_tokens", "engine_steps")
+    )
     assert tokens == 32 * 12
     assert steps < tokens / 4  # one at a time would take a step per token
 
@@ -201,31 +247,69 @@ BAD_REQUESTS = {  # name: (path, body, status, param)
     "negative max_tokens": ("completions", {"prompt": "a", "max_tokens": -1}, 400, None),
     "n = 0": ("completions", {"prompt": "a", "n": 0}, 400, None),
     "negative temperature": ("completions", {"prompt": "a", "temperature": -0.5}, 400, None),
-    "temperature a string": ("completions", {"prompt": "a", "temperature": "hot"}, 400,
-                             "temperature"),
+    "temperature a string": (
+        "completions",
+        {"prompt": "a", "temperature": "hot"},
+        400,
+        "temperature",
+    ),
     "prompt too long": ("completions", {"prompt": TOO_LONG}, 400, "prompt"),
-    "prompt + max_tokens too long": ("completions", {"prompt": "abc", "max_tokens": 126}, 400,
-                                     "prompt"),
-    "messages too long": ("chat/completions",
-                          {"messages": [{"role": "user", "content": TOO_LONG}]}, 400, "messages"),
+    "prompt + max_tokens too long": (
+        "completions",
+        {"prompt": "abc", "max_tokens": 126},
+        400,
+        "prompt",
+    ),
+    "messages too long": (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": TOO_LONG}]},
+        400,
+        "messages",
+    ),
     "unknown model": ("completions", {"model": "gpt-9", "prompt": "a"}, 404, "model"),
     "missing prompt": ("completions", {"max_tokens": 3}, 400, "prompt"),
     "missing messages": ("chat/completions", {"max_tokens": 3}, 400, "messages"),
     "empty prompt list": ("completions", {"prompt": []}, 400, "prompt"),
     "empty messages": ("chat/completions", {"messages": []}, 400, "messages"),
-    "chat max_tokens 0": ("chat/completions",
-                          {"messages": [{"role": "user", "content": "a"}], "max_tokens": 0},
-                          400, None),
-    "image content": ("chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages"),
+    "chat max_tokens 0": (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "a"}], "max_tokens": 0},
+        400,
+        None,
+    ),
+    "image content": (
+        "chat/completions",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                }
+            ]
+        },
+        400,
+        "messages",
+    ),
     "token id out of range": ("completions", {"prompt": [1, 10**6]}, 400, None),
-    "unsupported logit_bias": ("completions", {"prompt": "a", "logit_bias": {"5": 1.0}},
-                               400, "logit_bias"),
-    "presence_penalty out of range": ("completions", {"prompt": "a", "presence_penalty": 3.0},
-                                      400, None),
+    "unsupported logit_bias": (
+        "completions",
+        {"prompt": "a", "logit_bias": {"5": 1.0}},
+        400,
+        "logit_bias",
+    ),
+    "presence_penalty out of range": (
+        "completions",
+        {"prompt": "a", "presence_penalty": 3.0},
+        400,
+        None,
+    ),
     "top_p zero": ("completions", {"prompt": "a", "top_p": 0.0}, 400, None),
-    "echo with logprobs": ("completions", {"prompt": "a", "echo": True, "logprobs": 1}, 400,
-                           "echo"),
+    "echo with logprobs": (
+        "completions",
+        {"prompt": "a", "echo": True, "logprobs": 1},
+        400,
+        "echo",
+    ),
     "body not an object": ("completions", [1, 2], 400, None),
 }
 
@@ -247,8 +331,11 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(client, base_url,
 
 
 def test_malformed_json_and_unknown_routes(client, base_url):
-    response = httpx.post(f"{base_url}/v1/completions", content=b'{"prompt": "a",',
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        f"{base_url}/v1/completions",
+        content=b'{"prompt": "a",',
+        headers={"content-type": "application/json"},
+    )
     assert_openai_error(response, 400, None)
     assert "JSON" in response.json()["error"]["message"]
     assert_openai_error(httpx.get(f"{base_url}/v1/nothing"), 404, None)
@@ -261,8 +348,9 @@ def test_malformed_json_and_unknown_routes(client, base_url):
 # -- aborts, health, soak --------------------------------------------------------------
 def test_client_gone_mid_stream_aborts_and_frees_every_block(client, base_url):
     before = metrics(base_url)["minipaged:generation_tokens_total"]
-    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=100,
-                                       stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=100, stream=True, extra_body={"ignore_eos": True}
+    )
     for _, _ in zip(range(3), stream):
         pass
     assert metrics(base_url)["minipaged:kv_blocks_used"] > 0  # it holds blocks while running
@@ -278,11 +366,15 @@ def test_health(base_url):
 async def soak_request(http: httpx.AsyncClient, i: int) -> str:
     """One of five kinds by ``i``: plain, streamed chat, n=2, invalid, aborted."""
     kind = ("plain", "chat", "n2", "invalid", "aborted")[i % 5]
-    body = {"prompt": random_prompt(2 + i % 11, seed=i), "max_tokens": 4 + i % 9,
-            "ignore_eos": True, "temperature": 0.7, "seed": i}
+    body = {
+        "prompt": random_prompt(2 + i % 11, seed=i),
+        "max_tokens": 4 + i % 9,
+        "ignore_eos": True,
+        "temperature": 0.7,
+        "seed": i,
+    }
     if kind == "chat":
-        body = {"messages": [{"role": "user", "content": f"q{i}"}], "stream": True,
-                "max_tokens": 6}
+        body = {"messages": [{"role": "user", "content": f"q{i}"}], "stream": True, "max_tokens": 6}
     elif kind == "n2":
         body["n"] = 2
     elif kind == "invalid":
@@ -302,8 +394,12 @@ async def soak_request(http: httpx.AsyncClient, i: int) -> str:
         assert response.text.rstrip().endswith("data: [DONE]")
         return kind
     choices = response.json()["choices"]
-    return kind if len(choices) == (2 if kind == "n2" else 1) and all(
-        c["finish_reason"] == "length" for c in choices) else json.dumps(choices)
+    return (
+        kind
+        if len(choices) == (2 if kind == "n2" else 1)
+        and all(c["finish_reason"] == "length" for c in choices)
+        else json.dumps(choices)
+    )
 
 
 def test_soak_of_mixed_requests_leaks_nothing(base_url):
@@ -313,9 +409,11 @@ def test_soak_of_mixed_requests_leaks_nothing(base_url):
     async def soak():
         limit = asyncio.Semaphore(32)
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+
             async def one(i):
                 async with limit:
                     return await soak_request(http, i)
+
             return await asyncio.gather(*(one(i) for i in range(300)))
 
     results = asyncio.run(soak())
@@ -330,9 +428,27 @@ def test_bench_serve_measures_the_server(base_url, tmp_path):
     the contract's keys, sane latencies and a PNG."""
     before = metrics(base_url)["minipaged:generation_tokens_total"]
     out = tmp_path / "serve.json"
-    assert run_main(["bench", "serve", "--base-url", base_url, "--request-rate", "40",
-                     "--num-requests", "16", "--workload", "alpaca", "--device", "cpu",
-                     "--json", str(out)]) == 0
+    assert (
+        run_main(
+            [
+                "bench",
+                "serve",
+                "--base-url",
+                base_url,
+                "--request-rate",
+                "40",
+                "--num-requests",
+                "16",
+                "--workload",
+                "alpaca",
+                "--device",
+                "cpu",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     document = json.loads(out.read_text())
     assert {"device", "torch", "triton", "date", "command", "results"} <= set(document)
     (row,) = document["results"]
@@ -367,6 +483,7 @@ def test_a_failing_engine_fails_requests_clearly_and_health_says_so(tiny):
     an error event mid-stream), new ones are refused, and /health turns 503."""
     path, _ = tiny("llama")
     for base_url, engine in in_process(path):
+
         def broken_step(fail_alone=False):
             raise RuntimeError("a kernel fell over")
 

@@ -24,12 +24,19 @@ import pytest
 pytest.importorskip("fastapi")  # the server extra; the GPU machine has none
 
 import httpx
+
+import minipaged.engine as engine_module
 from cli_helpers import run_main
 from engine_helpers import (
     assert_all_blocks_free,
     make_llm,
     random_prompt,
 )
+from minipaged import SamplingParams
+from minipaged.bench import chaos
+from minipaged.server.app import default_model_name
+from minipaged.server.guard import LOCAL_HOSTS, default_allowed_hosts, host_name
+from minipaged.server.limits import ServerLimits
 from server_helpers import (
     ENGINE,
     FLAGS,
@@ -39,13 +46,6 @@ from server_helpers import (
     wait_healthy,
     wait_idle,
 )
-
-import minipaged.engine as engine_module
-from minipaged import SamplingParams
-from minipaged.bench import chaos
-from minipaged.server.app import default_model_name
-from minipaged.server.guard import LOCAL_HOSTS, default_allowed_hosts, host_name
-from minipaged.server.limits import ServerLimits
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +86,7 @@ def test_a_request_whose_sampling_raises_fails_alone(checkpoint, monkeypatch):
             ]
         )
     ]
-    wants = [
-        llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0] for p, sp in others
-    ]
+    wants = [llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0] for p, sp in others]
     monkeypatch.setattr(engine_module, "sample", failing_sample(engine_module.sample))
     engine = llm.engine
     culprit = SamplingParams(temperature=1.0, seed=CULPRIT_SEED, max_tokens=8)
@@ -105,9 +103,7 @@ def test_a_request_whose_sampling_raises_fails_alone(checkpoint, monkeypatch):
     assert sorted(done) == ["r0", "r1", "r2"]
     for i, want in enumerate(wants):
         got = done[f"r{i}"].outputs
-        assert [(c.text, c.token_ids) for c in got] == [
-            (c.text, c.token_ids) for c in want.outputs
-        ]
+        assert [(c.text, c.token_ids) for c in got] == [(c.text, c.token_ids) for c in want.outputs]
     assert_all_blocks_free(llm)
 
 
@@ -117,9 +113,7 @@ def test_without_fail_alone_the_error_propagates(checkpoint, monkeypatch):
     llm = make_llm(path)
     monkeypatch.setattr(engine_module, "sample", failing_sample(engine_module.sample))
     with pytest.raises(RuntimeError, match="fell over"):
-        llm.generate(
-            "a", SamplingParams(seed=CULPRIT_SEED, max_tokens=4), use_tqdm=False
-        )
+        llm.generate("a", SamplingParams(seed=CULPRIT_SEED, max_tokens=4), use_tqdm=False)
     assert_all_blocks_free(llm)
 
 
@@ -156,9 +150,7 @@ def oracle(checkpoint):
 
 def greedy_text(oracle, prompt, **params) -> str:
     return (
-        oracle.generate(prompt, SamplingParams(**{**GREEDY, **params}), use_tqdm=False)[
-            0
-        ]
+        oracle.generate(prompt, SamplingParams(**{**GREEDY, **params}), use_tqdm=False)[0]
         .outputs[0]
         .text
     )
@@ -208,16 +200,11 @@ def test_a_failing_request_fails_alone_while_others_run(base_url, oracle, monkey
     """The culprit gets a 500 (or an error event and [DONE]); 6 others running beside it
     finish exactly as LLM.generate makes them; every block is free after."""
     prompts = [random_prompt(4 + i, seed=50 + i) for i in range(6)]
-    wants = [
-        greedy_text(oracle, {"prompt_token_ids": p}, ignore_eos=True) for p in prompts
-    ]
+    wants = [greedy_text(oracle, {"prompt_token_ids": p}, ignore_eos=True) for p in prompts]
     monkeypatch.setattr(engine_module, "sample", failing_sample(engine_module.sample))
     culprit = {"temperature": 1.0, "seed": CULPRIT_SEED}
     with ThreadPoolExecutor(8) as pool:
-        others = [
-            pool.submit(completion, base_url, prompt=p, ignore_eos=True)
-            for p in prompts
-        ]
+        others = [pool.submit(completion, base_url, prompt=p, ignore_eos=True) for p in prompts]
         plain = pool.submit(completion, base_url, **culprit)
         streamed = pool.submit(completion, base_url, stream=True, **culprit)
         assert [f.result().json()["choices"][0]["text"] for f in others] == wants
@@ -241,9 +228,7 @@ def assert_openai_error(
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert error["type"] == (
-        "invalid_request_error" if status < 500 else "server_error"
-    )
+    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
     assert error["param"] == param
     if code is not None:
         assert error["code"] == code
@@ -271,9 +256,7 @@ def test_a_body_over_the_cap_gets_413(base_url, oracle):
     assert_alive(base_url, oracle)
 
 
-def test_a_prompt_too_long_in_characters_is_refused_before_tokenizing(
-    served, monkeypatch
-):
+def test_a_prompt_too_long_in_characters_is_refused_before_tokenizing(served, monkeypatch):
     base_url, engine, _ = served
     tokenizer = engine.engine.tokenizer
     calls = []
@@ -422,14 +405,10 @@ def test_the_api_key_is_checked_before_the_body_is_read(guarded):
     base_url, *_ = guarded
     url = f"{base_url}/v1/completions"
     for content in (b'{"prompt": ', b"x" * (LIMITS["max_body_bytes"] + 1)):
-        response = httpx.post(
-            url, content=content, headers={"content-type": "application/json"}
-        )
+        response = httpx.post(url, content=content, headers={"content-type": "application/json"})
         assert_openai_error(response, 401, code="invalid_api_key")
     authorized = {"Authorization": "Bearer sesame"}
-    response = httpx.post(
-        url, json={"prompt": "a", "max_tokens": 2}, headers=authorized
-    )
+    response = httpx.post(url, json={"prompt": "a", "max_tokens": 2}, headers=authorized)
     assert response.status_code == 200, response.text
 
 
@@ -442,24 +421,14 @@ def test_hosts_outside_the_allowed_list_get_400_and_no_redirect(guarded):
         response = httpx.get(f"{base_url}/health", headers={"Host": host})
         assert_openai_error(response, 400, code="invalid_host")
     for host in (f"localhost:{port}", "127.0.0.1", f"[::1]:{port}"):
-        assert (
-            httpx.get(f"{base_url}/health", headers={"Host": host}).status_code == 200
-        )
-    response = httpx.get(
-        f"{base_url}/v1/models/", headers={"Authorization": "Bearer sesame"}
-    )
+        assert httpx.get(f"{base_url}/health", headers={"Host": host}).status_code == 200
+    response = httpx.get(f"{base_url}/v1/models/", headers={"Authorization": "Bearer sesame"})
     assert response.status_code == 404 and "location" not in response.headers
 
 
 def test_default_allowed_hosts():
-    assert (
-        default_allowed_hosts("127.0.0.1")
-        == default_allowed_hosts("::1")
-        == LOCAL_HOSTS
-    )
-    assert (
-        default_allowed_hosts("0.0.0.0") is None
-    )  # the operator chose to be reachable
+    assert default_allowed_hosts("127.0.0.1") == default_allowed_hosts("::1") == LOCAL_HOSTS
+    assert default_allowed_hosts("0.0.0.0") is None  # the operator chose to be reachable
     assert [host_name(h) for h in ("a.b:80", "[::1]:8000", "::1", "localhost")] == [
         "a.b",
         "::1",
@@ -493,9 +462,7 @@ CAPPED = {  # name: (path, body, param)
 @pytest.mark.parametrize("name", CAPPED)
 def test_caps_get_clear_400s(base_url, name):
     path, body, param = CAPPED[name]
-    error = assert_openai_error(
-        httpx.post(f"{base_url}/v1/{path}", json=body), 400, param
-    )
+    error = assert_openai_error(httpx.post(f"{base_url}/v1/{path}", json=body), 400, param)
     assert param in error["message"]
 
 
@@ -526,12 +493,10 @@ def test_the_openapi_schema_documents_the_400_the_server_sends(base_url):
     for path in ("/v1/completions", "/v1/chat/completions"):
         responses = schema["paths"][path]["post"]["responses"]
         assert "422" not in responses and {"400", "401", "413"} <= set(responses)
-        assert responses["400"]["content"]["application/json"]["schema"][
-            "$ref"
-        ].endswith("/ErrorResponse")
-    response = httpx.post(
-        f"{base_url}/v1/completions", json={"prompt": "a", "n": "two"}
-    )
+        assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith(
+            "/ErrorResponse"
+        )
+    response = httpx.post(f"{base_url}/v1/completions", json={"prompt": "a", "n": "two"})
     assert_openai_error(response, 400, "n")
 
 
@@ -627,9 +592,7 @@ def test_a_dead_engine_loop_exits_the_server_nonzero_with_its_traceback(checkpoi
     try:
         (card,) = httpx.get(f"{base_url}/v1/models").json()["data"]
         assert card["id"] == path.name
-        response = httpx.post(
-            f"{base_url}/v1/completions", json={"prompt": "a"}, timeout=30
-        )
+        response = httpx.post(f"{base_url}/v1/completions", json={"prompt": "a"}, timeout=30)
         assert_openai_error(response, 500)
         assert "a kernel fell over" in response.json()["error"]["message"]
     finally:
@@ -668,9 +631,7 @@ def test_shutdown_ends_what_runs_past_the_grace_with_an_error(checkpoint):
     body = {"prompt": "a", "max_tokens": 120, "ignore_eos": True}
     try:
         with ThreadPoolExecutor(2) as pool:
-            waiting = pool.submit(
-                httpx.post, f"{base_url}/v1/completions", json=body, timeout=60
-            )
+            waiting = pool.submit(httpx.post, f"{base_url}/v1/completions", json=body, timeout=60)
             with httpx.stream(
                 "POST",
                 f"{base_url}/v1/completions",
@@ -696,9 +657,7 @@ def test_draining_refuses_new_work_and_lets_running_requests_finish(checkpoint):
     """While draining (within the grace period): new /v1 requests and /health get 503;
     a stream already running ends as it would have, with [DONE]."""
     path = checkpoint
-    for base_url, _, app in in_process_app(
-        path, limits=ServerLimits(shutdown_grace_s=30)
-    ):
+    for base_url, _, app in in_process_app(path, limits=ServerLimits(shutdown_grace_s=30)):
         with httpx.stream(
             "POST",
             f"{base_url}/v1/completions",
@@ -728,9 +687,7 @@ def test_a_burst_of_bad_requests_leaves_the_server_whole(base_url, oracle):
     )
     assert report.unexpected == [] and report.blocks_leaked == 0 and report.alive
     assert {o.kind for o in report.outcomes} == set(bad)
-    assert all(
-        400 <= o.status < 500 for o in report.outcomes if o.kind not in chaos.LEAVING
-    )
+    assert all(400 <= o.status < 500 for o in report.outcomes if o.kind not in chaos.LEAVING)
     assert_alive(base_url, oracle)
 
 
@@ -780,9 +737,7 @@ def test_chaos_flags_what_breaks_the_rules():
         chaos.ChaosReport(fine, 1.0, 0, False),
     ):
         assert chaos.failed(report)
-    assert "unexpected      1" in chaos.format_report(
-        chaos.ChaosReport(broken, 1.0, 0, True)
-    )
+    assert "unexpected      1" in chaos.format_report(chaos.ChaosReport(broken, 1.0, 0, True))
     with pytest.raises(ValueError, match="kinds"):
         chaos.run("http://127.0.0.1:1", kinds=["nonsense"])
 
@@ -799,9 +754,7 @@ def test_after_end_all_requests_still_on_their_way_are_turned_back(checkpoint):
     async def late_request():
         engine.end_all("the server shut down")
         await asyncio.sleep(0.2)  # the engine thread has ended everything there was
-        outputs = engine.generate(
-            [("late", [1, 2, 3], SamplingParams(max_tokens=4), None)]
-        )
+        outputs = engine.generate([("late", [1, 2, 3], SamplingParams(max_tokens=4), None)])
         with pytest.raises(ServerClosingError, match="shut down"):
             async for _ in outputs:
                 pass

@@ -10,10 +10,10 @@ import pytest
 pytest.importorskip("fastapi")  # the server extra; the GPU machine has none
 
 import httpx
-from engine_helpers import make_llm, random_prompt
-from server_helpers import ENGINE, MODEL, in_process, wait_idle
 
+from engine_helpers import make_llm, random_prompt
 from minipaged import SamplingParams
+from server_helpers import ENGINE, MODEL, in_process, wait_idle
 
 FIELDS = {
     "repetition_penalty": 1.4,
@@ -29,9 +29,7 @@ def test_penalties_and_min_tokens_through_the_server_equal_llm_generate(tiny):  
     oracle = make_llm(path, **{k: v for k, v in ENGINE.items() if k != "device"})
     want = oracle.generate(
         {"prompt_token_ids": prompt},
-        SamplingParams(
-            n=2, seed=5, temperature=0.8, max_tokens=10, stop_token_ids=[7], **FIELDS
-        ),
+        SamplingParams(n=2, seed=5, temperature=0.8, max_tokens=10, stop_token_ids=[7], **FIELDS),
         use_tqdm=False,
     )[0].outputs
     plain = oracle.generate(

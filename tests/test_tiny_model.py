@@ -13,8 +13,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from minipaged.models import make_tiny_model
 from minipaged.models.tiny import BOS_ID, EOS_ID, PAD_ID
 
-ARCH_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCH_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 TEXT = "héllo 世界 🙂\n\tspaces  and tabs"
 
 
@@ -30,8 +34,9 @@ def tensors(path):
 
 
 def load_model(path):
-    model, info = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
-                                                       output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, output_loading_info=True
+    )
     return model.eval(), info
 
 
@@ -42,14 +47,19 @@ def load_tokenizer(path):
 def test_checkpoint_has_the_hub_files(checkpoint):
     _, path = checkpoint
     assert {p.name for p in path.iterdir()} == {
-        "config.json", "generation_config.json", "model.safetensors",
-        "tokenizer.json", "tokenizer_config.json"}
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
 
 
 def test_transformers_loads_every_weight(checkpoint):
     arch, path = checkpoint
     assert AutoConfig.from_pretrained(path, local_files_only=True).architectures == [
-        ARCH_CLASSES[arch]]
+        ARCH_CLASSES[arch]
+    ]
     model, info = load_model(path)
     assert type(model).__name__ == ARCH_CLASSES[arch]
     # Nothing left to transformers' random init: every weight came from our file.
@@ -74,7 +84,7 @@ def test_hf_greedy_generate_runs_and_varies(checkpoint):
     model, _ = load_model(path)
     ids = load_tokenizer(path)("Once upon a time", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    new = out[0, ids.shape[1]:].tolist()
+    new = out[0, ids.shape[1] :].tolist()
     assert new and len(new) <= 12  # at least one token, at most max_new_tokens
     assert all(0 <= t < model.config.vocab_size for t in new)
     assert len(set(new)) > 1 or new == [EOS_ID]  # not stuck on one token: logits are not flat
@@ -97,7 +107,10 @@ def test_special_tokens_agree_with_the_config(checkpoint):
     generation = GenerationConfig.from_pretrained(path, local_files_only=True)
     for source in (tokenizer, config, generation):
         assert (source.bos_token_id, source.eos_token_id, source.pad_token_id) == (
-            BOS_ID, EOS_ID, PAD_ID)
+            BOS_ID,
+            EOS_ID,
+            PAD_ID,
+        )
     assert tokenizer.unk_token is None
     assert len(tokenizer) == 259 < config.vocab_size  # the vocabulary is padded, like real ones
 
@@ -151,10 +164,16 @@ def test_overrides_change_the_config(tmp_path):
     assert tensors(path)["model.layers.2.mlp.down_proj.weight"].shape == (32, 128)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"arch": "gpt2"}, "arch must be one of ['llama', 'mistral', 'qwen2', 'qwen3'], got 'gpt2'"),
-    ({"seed": -1}, "seed must be a non-negative int, got -1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"arch": "gpt2"},
+            "arch must be one of ['llama', 'mistral', 'qwen2', 'qwen3'], got 'gpt2'",
+        ),
+        ({"seed": -1}, "seed must be a non-negative int, got -1"),
+    ],
+)
 def test_bad_arguments_raise_value_error_naming_them(tmp_path, kwargs, message):
     with pytest.raises(ValueError) as error:
         make_tiny_model(tmp_path / "never", **kwargs)

@@ -13,8 +13,12 @@ from minipaged.workloads import WORKLOADS, arrival_times, synthetic_requests
 def test_means_match_the_paper(workload):
     requests = synthetic_requests(workload, 4000, seed=1)
     target = WORKLOADS[workload]
-    assert statistics.mean(r.prompt_len for r in requests) == pytest.approx(target.mean_input, rel=0.06)
-    assert statistics.mean(r.output_len for r in requests) == pytest.approx(target.mean_output, rel=0.06)
+    assert statistics.mean(r.prompt_len for r in requests) == pytest.approx(
+        target.mean_input, rel=0.06
+    )
+    assert statistics.mean(r.output_len for r in requests) == pytest.approx(
+        target.mean_output, rel=0.06
+    )
 
 
 def test_lengths_are_bounded_and_right_skewed():
@@ -30,11 +34,14 @@ def test_seeded():
     assert synthetic_requests("alpaca", 50, seed=7) != synthetic_requests("alpaca", 50, seed=8)
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(workload="lmsys", num_requests=3), "workload"),
-    (dict(workload="alpaca", num_requests=-1), "num_requests"),
-    (dict(workload="alpaca", num_requests=3, max_len=1), "max_len"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(workload="lmsys", num_requests=3), "workload"),
+        (dict(workload="alpaca", num_requests=-1), "num_requests"),
+        (dict(workload="alpaca", num_requests=3, max_len=1), "max_len"),
+    ],
+)
 def test_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):
         synthetic_requests(**kwargs)
@@ -66,9 +73,16 @@ def test_an_infinite_rate_sends_everything_at_once():
     assert arrival_times(5, math.inf) == [0.0] * 5
 
 
-@pytest.mark.parametrize("num_requests, rate, name", [
-    (0, 1.0, "num_requests"), (2.0, 1.0, "num_requests"), (3, 0, "request_rate"),
-    (3, -1.0, "request_rate"), (3, math.nan, "request_rate")])
+@pytest.mark.parametrize(
+    "num_requests, rate, name",
+    [
+        (0, 1.0, "num_requests"),
+        (2.0, 1.0, "num_requests"),
+        (3, 0, "request_rate"),
+        (3, -1.0, "request_rate"),
+        (3, math.nan, "request_rate"),
+    ],
+)
 def test_arrivals_refuse_bad_arguments_by_name(num_requests, rate, name):
     with pytest.raises(ValueError, match=name):
         arrival_times(num_requests, rate)

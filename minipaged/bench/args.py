@@ -15,28 +15,48 @@ import types
 import typing
 from pathlib import Path
 
-from minipaged.config import (ATTENTION_BACKENDS, DEVICES, MEMORY_MODES, PREEMPTION_MODES,
-                              EngineConfig)
+from minipaged.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    MEMORY_MODES,
+    PREEMPTION_MODES,
+    EngineConfig,
+)
 
-CHOICES = {"device": DEVICES, "preemption_mode": PREEMPTION_MODES, "memory_mode": MEMORY_MODES,
-           "attention_backend": ATTENTION_BACKENDS}
-MODEL_CONFIG_KEYS = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-                     "max_position_embeddings")
+CHOICES = {
+    "device": DEVICES,
+    "preemption_mode": PREEMPTION_MODES,
+    "memory_mode": MEMORY_MODES,
+    "attention_backend": ATTENTION_BACKENDS,
+}
+MODEL_CONFIG_KEYS = (
+    "architectures",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+)
 # Not flags: the model is an argument of its own; a trace needs code to read it.
 NOT_ENGINE_FLAGS = ("model", "trace")
 # vLLM's convention: `serve MODEL`, `--model MODEL` everywhere else; each resolved by
 # `minipaged.models.hub.resolve_model`.
 DEFAULT_MODEL = "smollm2"
-MODEL_HELP = ("a Hugging Face checkpoint directory, a .gguf file, smollm2 or a Hugging Face "
-              "hub id (fetched once into the cache: see `minipaged download`)")
+MODEL_HELP = (
+    "a Hugging Face checkpoint directory, a .gguf file, smollm2 or a Hugging Face "
+    "hub id (fetched once into the cache: see `minipaged download`)"
+)
 SYNTHETIC_MODEL_HELP = "the preset's synthetic one, written to the cache"
 
 
 # -- the model ------------------------------------------------------------------------
 def add_model_flag(parser, default_help: str, default: str | None = None) -> None:
-    parser.add_argument("--model", metavar="MODEL", default=default,
-                        help=f"{MODEL_HELP} (default: {default_help})")
+    parser.add_argument(
+        "--model", metavar="MODEL", default=default, help=f"{MODEL_HELP} (default: {default_help})"
+    )
 
 
 def bench_model(args, presets: dict | None = None) -> Path:
@@ -57,10 +77,12 @@ def model_record(args, model: Path, device) -> dict:
     from minipaged.models.loader import read_config
 
     config = read_config(Path(model))
-    return {"preset": args.preset,
-            "model": args.model or f"synthetic: the {args.preset} preset's ({model.name})",
-            "model_config": {k: getattr(config, k, None) for k in MODEL_CONFIG_KEYS},
-            "torch_threads": 1 if device.type == "cpu" else torch.get_num_threads()}
+    return {
+        "preset": args.preset,
+        "model": args.model or f"synthetic: the {args.preset} preset's ({model.name})",
+        "model_config": {k: getattr(config, k, None) for k in MODEL_CONFIG_KEYS},
+        "torch_threads": 1 if device.type == "cpu" else torch.get_num_threads(),
+    }
 
 
 # -- flags derived from the library's dataclasses -------------------------------------
@@ -90,12 +112,21 @@ def add_fields(group, cls, names, flags: dict[str, str] | None = None) -> dict[s
             kind = next(k for k in typing.get_args(kind) if k is not type(None))
         help_ = f"{docs.get(name, '')} (default: %(default)s)"
         if kind is bool:
-            action = group.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction,
-                                        default=defaults[name], help=help_)
+            action = group.add_argument(
+                f"--{flag}",
+                action=argparse.BooleanOptionalAction,
+                default=defaults[name],
+                help=help_,
+            )
         else:
-            action = group.add_argument(f"--{flag}", type=kind, default=defaults[name],
-                                        choices=CHOICES.get(name) if cls is EngineConfig
-                                        else None, metavar=_metavar(name, kind), help=help_)
+            action = group.add_argument(
+                f"--{flag}",
+                type=kind,
+                default=defaults[name],
+                choices=CHOICES.get(name) if cls is EngineConfig else None,
+                metavar=_metavar(name, kind),
+                help=help_,
+            )
         dests[name] = action.dest
     return dests
 
@@ -116,9 +147,13 @@ def add_engine_flags(parser, exclude=()) -> None:
     names: ``--block-size 16``, ``--enable-prefix-caching``, ``--seed 0``, ...;
     `engine_kwargs` turns them back into keyword arguments."""
     group = parser.add_argument_group(
-        "engine flags", "LLM(...) keyword arguments (minipaged.config.EngineConfig)")
-    names = [f.name for f in dataclasses.fields(EngineConfig)
-             if f.name not in (*NOT_ENGINE_FLAGS, *exclude)]
+        "engine flags", "LLM(...) keyword arguments (minipaged.config.EngineConfig)"
+    )
+    names = [
+        f.name
+        for f in dataclasses.fields(EngineConfig)
+        if f.name not in (*NOT_ENGINE_FLAGS, *exclude)
+    ]
     parser.set_defaults(engine_dests=add_fields(group, EngineConfig, names))
 
 
@@ -135,14 +170,19 @@ def add_output_flags(parser, name: str) -> None:
     so that a run leaves the git tree as it was."""
     group = parser.add_argument_group("results", "a JSON file and a PNG beside it")
     where = group.add_mutually_exclusive_group()
-    where.add_argument("--out", metavar="DIR", default=".",
-                       help=f"write {name}.json and .png into DIR (default: the current "
-                            "directory)")
-    where.add_argument("--json", metavar="PATH", help="write the JSON to PATH, the PNG beside "
-                       "it")
-    where.add_argument("--update-committed", action="store_true",
-                       help=f"write over the committed benchmarks/results/<device>/{name}.json "
-                            "and .png of this checkout")
+    where.add_argument(
+        "--out",
+        metavar="DIR",
+        default=".",
+        help=f"write {name}.json and .png into DIR (default: the current directory)",
+    )
+    where.add_argument("--json", metavar="PATH", help="write the JSON to PATH, the PNG beside it")
+    where.add_argument(
+        "--update-committed",
+        action="store_true",
+        help=f"write over the committed benchmarks/results/<device>/{name}.json "
+        "and .png of this checkout",
+    )
 
 
 def results_path(args, name: str, device) -> Path:
@@ -161,7 +201,8 @@ def write(args, name: str, device, rows: list[dict], figure, **extra) -> Path:
     command line, and say where."""
     from minipaged.bench.results import write_results
 
-    path = write_results(results_path(args, name, device), rows, device, args.command_line,
-                         figure, **extra)
+    path = write_results(
+        results_path(args, name, device), rows, device, args.command_line, figure, **extra
+    )
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return path

@@ -41,19 +41,32 @@ from tqdm.auto import tqdm
 from minipaged.bench import common
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column
-from minipaged.ops import (BackendUnavailableError, get_backend, paged_attention_decode,
-                           paged_attention_prefill)
-from minipaged.ops import cuda_ops
+from minipaged.ops import (
+    BackendUnavailableError,
+    cuda_ops,
+    get_backend,
+    paged_attention_decode,
+    paged_attention_prefill,
+)
 from minipaged.ops.testing import assert_close
 
 NAME = "attention"
 HELP = "attention ops per backend vs the GPU's read bandwidth"
-DESCRIPTION = ("Time paged decode and prefill for each backend, the same kernel over "
-               "a contiguous cache, and torch's scaled_dot_product_attention, and "
-               "report each as a fraction of the measured streaming-read bandwidth.")
+DESCRIPTION = (
+    "Time paged decode and prefill for each backend, the same kernel over "
+    "a contiguous cache, and torch's scaled_dot_product_attention, and "
+    "report each as a fraction of the measured streaming-read bandwidth."
+)
 OPS = ("decode", "prefill")
-BACKENDS = ("torch", "triton", "triton-contiguous", "cuda-v0", "cuda-v1", "cuda-v2",
-            "sdpa-contiguous")
+BACKENDS = (
+    "torch",
+    "triton",
+    "triton-contiguous",
+    "cuda-v0",
+    "cuda-v1",
+    "cuda-v2",
+    "sdpa-contiguous",
+)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # The decode goal on an H100 (a benchmark figure, never a test assert).
 GOAL_FRACTION = 0.8
@@ -79,21 +92,31 @@ class Shape:
     def __post_init__(self):
         if self.op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {self.op!r}")
-        for name in ("batch", "context_len", "num_new_tokens", "num_heads", "num_kv_heads",
-                     "head_dim", "block_size"):
+        for name in (
+            "batch",
+            "context_len",
+            "num_new_tokens",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "block_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} must be a multiple of "
-                             f"num_kv_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         if self.op == "decode" and self.num_new_tokens != 1:
             raise ValueError(f"num_new_tokens must be 1 for decode, got {self.num_new_tokens}")
         if self.num_new_tokens > self.context_len:
-            raise ValueError(f"num_new_tokens {self.num_new_tokens} must be at most "
-                             f"context_len {self.context_len}")
+            raise ValueError(
+                f"num_new_tokens {self.num_new_tokens} must be at most "
+                f"context_len {self.context_len}"
+            )
 
     @property
     def bytes_moved(self) -> int:
@@ -117,20 +140,26 @@ _CPU = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype="floa
 # The gpu preset holds the goal shapes (a Llama-3-8B-like layer: 32 query heads over 8 KV
 # heads); the cpu preset is tiny, so the command runs in seconds where no GPU is.
 PRESETS = {
-    "gpu": ("cuda", [
-        Shape("decode", 64, 2048, 1, **_GPU),
-        Shape("decode", 64, 8192, 1, **_GPU),
-        Shape("decode", 1, 32768, 1, **_GPU),  # long context: only split-KV fills the GPU
-        Shape("decode", 4, 32768, 1, **_GPU),
-        Shape("prefill", 4, 2048, 2048, **_GPU),  # prompts from scratch
-        Shape("prefill", 4, 4096, 512, **_GPU),  # a chunk of a chunked prefill (§4.5)
-    ]),
-    "cpu": ("cpu", [
-        Shape("decode", 4, 256, 1, **_CPU),
-        Shape("decode", 1, 1024, 1, **_CPU),
-        Shape("prefill", 2, 128, 128, **_CPU),
-        Shape("prefill", 2, 256, 32, **_CPU),
-    ]),
+    "gpu": (
+        "cuda",
+        [
+            Shape("decode", 64, 2048, 1, **_GPU),
+            Shape("decode", 64, 8192, 1, **_GPU),
+            Shape("decode", 1, 32768, 1, **_GPU),  # long context: only split-KV fills the GPU
+            Shape("decode", 4, 32768, 1, **_GPU),
+            Shape("prefill", 4, 2048, 2048, **_GPU),  # prompts from scratch
+            Shape("prefill", 4, 4096, 512, **_GPU),  # a chunk of a chunked prefill (§4.5)
+        ],
+    ),
+    "cpu": (
+        "cpu",
+        [
+            Shape("decode", 4, 256, 1, **_CPU),
+            Shape("decode", 1, 1024, 1, **_CPU),
+            Shape("prefill", 2, 128, 128, **_CPU),
+            Shape("prefill", 2, 256, 32, **_CPU),
+        ],
+    ),
 }
 
 
@@ -166,13 +195,16 @@ def _override(shape: Shape, changes: dict) -> Shape:
     if shape.op == "prefill" and "context_len" in changes:
         # A prefill from scratch stays one; a chunk keeps its size while the context holds it.
         new, length = shape.num_new_tokens, changes["context_len"]
-        changes = {**changes,
-                   "num_new_tokens": length if new == shape.context_len else min(new, length)}
+        changes = {
+            **changes,
+            "num_new_tokens": length if new == shape.context_len else min(new, length),
+        }
     return dataclasses.replace(shape, **changes)
 
 
-def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+def sdpa_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
     """torch's ``scaled_dot_product_attention`` as the paged ops define attention:
     ``query [B, num_heads, n, D]`` holds the *last* ``n`` of the ``L`` positions in
     ``key, value [B, num_kv_heads, L, D]``, so the causal mask is aligned bottom-right
@@ -184,8 +216,7 @@ def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     # One query (decode) sees every key; sdpa's own is_causal would align top-left.
     mask = causal_lower_right(n, length) if n > 1 else None
     gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
-                                          **gqa)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, **gqa)
 
 
 def time_us(fn: Callable[[], object], device: torch.device) -> float:
@@ -224,17 +255,19 @@ class AttentionBench:
     notes: list[str]
 
 
-def bench_attention(shapes: Sequence[Shape], backends: Sequence[str] = BACKENDS,
-                    device: torch.device | str = "cpu", progress: bool = True
-                    ) -> AttentionBench:
+def bench_attention(
+    shapes: Sequence[Shape],
+    backends: Sequence[str] = BACKENDS,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+) -> AttentionBench:
     """Time each of ``backends`` on each of ``shapes`` on ``device``, every one only
     after its output matched the torch reference's.  Raises ``ValueError`` when not one
     backend could be timed."""
     device = torch.device(device)
     bad = [b for b in backends if b not in BACKENDS]
     if bad or not backends:
-        raise ValueError(f"backends must be a non-empty subset of {BACKENDS}, "
-                         f"got {list(backends)}")
+        raise ValueError(f"backends must be a non-empty subset of {BACKENDS}, got {list(backends)}")
     read_bw = read_bandwidth_gbs(device)
     rows, notes = [], []
 
@@ -243,8 +276,9 @@ def bench_attention(shapes: Sequence[Shape], backends: Sequence[str] = BACKENDS,
             notes.append(text)
             tqdm.write(text)
 
-    with tqdm(total=len(shapes) * len(backends), desc="bench attention", unit="run",
-              disable=not progress) as bar:
+    with tqdm(
+        total=len(shapes) * len(backends), desc="bench attention", unit="run", disable=not progress
+    ) as bar:
         for shape in shapes:
             inputs = _make_inputs(shape, device)
             expected = _runner("torch", inputs, checked=True)()
@@ -255,8 +289,7 @@ def bench_attention(shapes: Sequence[Shape], backends: Sequence[str] = BACKENDS,
                     rows.append(row)
                 bar.update()
     if not rows:
-        raise ValueError(f"backends {list(backends)} could not run here: "
-                         + "; ".join(notes))
+        raise ValueError(f"backends {list(backends)} could not run here: " + "; ".join(notes))
     return AttentionBench(rows, read_bw, notes)
 
 
@@ -290,18 +323,24 @@ def _make_inputs(shape: Shape, device: torch.device) -> _Inputs:
     perm = torch.randperm(num_blocks, generator=g, device=device)
     key_cache, value_cache = torch.empty_like(dense_k), torch.empty_like(dense_v)
     key_cache[perm], value_cache[perm] = dense_k, dense_v
-    query = torch.randn(batch * n, shape.num_heads, shape.head_dim, generator=g,
-                        device=device, dtype=dtype)
+    query = torch.randn(
+        batch * n, shape.num_heads, shape.head_dim, generator=g, device=device, dtype=dtype
+    )
     return _Inputs(
-        shape=shape, scale=1 / math.sqrt(shape.head_dim), query=query,
-        context_lens=torch.full((batch,), shape.context_len, dtype=torch.int32,
-                                device=device),
+        shape=shape,
+        scale=1 / math.sqrt(shape.head_dim),
+        query=query,
+        context_lens=torch.full((batch,), shape.context_len, dtype=torch.int32, device=device),
         query_start_loc=torch.arange(0, batch * n + 1, n, dtype=torch.int32, device=device),
-        key_cache=key_cache, value_cache=value_cache,
+        key_cache=key_cache,
+        value_cache=value_cache,
         block_tables=perm.view(batch, per_seq).int(),
-        contiguous_key_cache=dense_k, contiguous_value_cache=dense_v,
-        identity_tables=torch.arange(num_blocks, dtype=torch.int32,
-                                     device=device).view(batch, per_seq))
+        contiguous_key_cache=dense_k,
+        contiguous_value_cache=dense_v,
+        identity_tables=torch.arange(num_blocks, dtype=torch.int32, device=device).view(
+            batch, per_seq
+        ),
+    )
 
 
 def _runner(backend: str, x: _Inputs, checked: bool = False) -> Callable[[], torch.Tensor]:
@@ -314,8 +353,11 @@ def _runner(backend: str, x: _Inputs, checked: bool = False) -> Callable[[], tor
     if backend == "sdpa-contiguous":
         return _sdpa_runner(x)
     if backend == "triton-contiguous":
-        caches, tables, backend = ((x.contiguous_key_cache, x.contiguous_value_cache),
-                                   x.identity_tables, "triton")
+        caches, tables, backend = (
+            (x.contiguous_key_cache, x.contiguous_value_cache),
+            x.identity_tables,
+            "triton",
+        )
     else:
         caches, tables = (x.key_cache, x.value_cache), x.block_tables
     if backend.startswith("cuda-"):
@@ -330,8 +372,7 @@ def _runner(backend: str, x: _Inputs, checked: bool = False) -> Callable[[], tor
         decode, prefill = impl.paged_attention_decode, impl.paged_attention_prefill
     if x.shape.op == "decode":
         return lambda: decode(x.query, *caches, tables, x.context_lens, x.scale)
-    return lambda: prefill(x.query, *caches, tables, x.query_start_loc, x.context_lens,
-                           x.scale)
+    return lambda: prefill(x.query, *caches, tables, x.query_start_loc, x.context_lens, x.scale)
 
 
 def _sdpa_runner(x: _Inputs) -> Callable[[], torch.Tensor]:
@@ -340,8 +381,10 @@ def _sdpa_runner(x: _Inputs) -> Callable[[], torch.Tensor]:
     query = x.query.view(s.batch, n, s.num_heads, s.head_dim).transpose(1, 2)
     # The contiguous cache seen as [B, num_kv_heads, L, D]: the very bytes
     # triton-contiguous reads, in the [B, L, H, D] order FlashAttention reads natively.
-    kv = [cache.view(s.batch, -1, s.num_kv_heads, s.head_dim)[:, :s.context_len]
-          .transpose(1, 2) for cache in (x.contiguous_key_cache, x.contiguous_value_cache)]
+    kv = [
+        cache.view(s.batch, -1, s.num_kv_heads, s.head_dim)[:, : s.context_len].transpose(1, 2)
+        for cache in (x.contiguous_key_cache, x.contiguous_value_cache)
+    ]
     if not _SDPA_HAS_GQA:
         kv = [t.repeat_interleave(group, dim=1) for t in kv]
     return lambda: sdpa_attention(query, *kv, x.scale)
@@ -352,12 +395,13 @@ def _measure(backend, inputs, expected, read_bw, note) -> dict | None:
     shape = inputs.shape
     if inputs.query.device.type == "cpu" and backend.startswith(("triton", "cuda")):
         runs_in = "Triton's interpreter" if backend.startswith("triton") else "an emulator"
-        note(f"skipped {backend}: on a CPU it runs only in {runs_in}, whose timings mean "
-             "nothing")
+        note(f"skipped {backend}: on a CPU it runs only in {runs_in}, whose timings mean nothing")
         return None
     if shape.op == "prefill" and backend.startswith("cuda"):
-        note(f"skipped {backend} prefill: the CUDA backend prefills with Triton's kernel "
-             "(the triton rows)")
+        note(
+            f"skipped {backend} prefill: the CUDA backend prefills with Triton's kernel "
+            "(the triton rows)"
+        )
         return None
     try:
         out = _runner(backend, inputs, checked=True)()
@@ -372,13 +416,20 @@ def _measure(backend, inputs, expected, read_bw, note) -> dict | None:
     try:
         assert_close(out, expected)
     except AssertionError as error:
-        note(f"skipped {backend} {shape.op} {_label(shape.fields())}: output differs from "
-             f"the torch reference, so it was not timed: {str(error).splitlines()[0]}")
+        note(
+            f"skipped {backend} {shape.op} {_label(shape.fields())}: output differs from "
+            f"the torch reference, so it was not timed: {str(error).splitlines()[0]}"
+        )
         return None
     time = time_us(_runner(backend, inputs), out.device)
     bandwidth = shape.bytes_moved / time / 1e3
-    return {"backend": backend, **shape.fields(), "time_us": time,
-            "bandwidth_gbs": bandwidth, "fraction_of_read_bw": bandwidth / read_bw}
+    return {
+        "backend": backend,
+        **shape.fields(),
+        "time_us": time,
+        "bandwidth_gbs": bandwidth,
+        "fraction_of_read_bw": bandwidth / read_bw,
+    }
 
 
 def _label(fields: dict) -> str:
@@ -390,10 +441,17 @@ def _label(fields: dict) -> str:
 
 def format_table(bench: AttentionBench) -> str:
     """The rows as a table, then, per decode shape, the price of paging."""
-    rows = common.format_table(bench.rows, [
-        Column("op", "op"), Column("shape", _label), Column("backend", "backend"),
-        Column("time us", "time_us", "{:.1f}"), Column("GB/s", "bandwidth_gbs", "{:.1f}"),
-        Column("of read", "fraction_of_read_bw", "{:.1%}")])
+    rows = common.format_table(
+        bench.rows,
+        [
+            Column("op", "op"),
+            Column("shape", _label),
+            Column("backend", "backend"),
+            Column("time us", "time_us", "{:.1f}"),
+            Column("GB/s", "bandwidth_gbs", "{:.1f}"),
+            Column("of read", "fraction_of_read_bw", "{:.1%}"),
+        ],
+    )
     # Paging overhead: the same kernel on the same bytes, through shuffled blocks or not,
     # and each paged kernel's share of the read bandwidth, side by side.
     kernels = ("triton", "cuda-v0", "cuda-v1", "cuda-v2")
@@ -402,16 +460,29 @@ def format_table(bench: AttentionBench) -> str:
     for label in dict.fromkeys(map(_label, decode)):
         by_backend = {row["backend"]: row for row in decode if _label(row) == label}
         paged, contiguous = by_backend.get("triton"), by_backend.get("triton-contiguous")
-        paging.append({"shape": label, "overhead": paged["time_us"] / contiguous["time_us"]
-                       if paged and contiguous else None,
-                       **{k: by_backend[k]["fraction_of_read_bw"] if k in by_backend else None
-                          for k in kernels}})
-    overheads = common.format_table(paging, [
-        Column("decode shape", "shape"),
-        Column("triton / triton-contiguous", "overhead", "{:.3f}x"),
-        *(Column(f"{k} of read", k, "{:.1%}") for k in kernels)])
-    return "\n".join([f"streaming read bandwidth: {bench.read_bandwidth_gbs:.1f} GB/s", "",
-                      rows, "", overheads])
+        paging.append(
+            {
+                "shape": label,
+                "overhead": paged["time_us"] / contiguous["time_us"]
+                if paged and contiguous
+                else None,
+                **{
+                    k: by_backend[k]["fraction_of_read_bw"] if k in by_backend else None
+                    for k in kernels
+                },
+            }
+        )
+    overheads = common.format_table(
+        paging,
+        [
+            Column("decode shape", "shape"),
+            Column("triton / triton-contiguous", "overhead", "{:.3f}x"),
+            *(Column(f"{k} of read", k, "{:.1%}") for k in kernels),
+        ],
+    )
+    return "\n".join(
+        [f"streaming read bandwidth: {bench.read_bandwidth_gbs:.1f} GB/s", "", rows, "", overheads]
+    )
 
 
 def plot_fractions(rows: list[dict]):
@@ -430,46 +501,97 @@ def plot_fractions(rows: list[dict]):
         for i, backend in enumerate(backends):
             mine = [row for row in op_rows if row["backend"] == backend]
             offset = (i - (len(backends) - 1) / 2) * width
-            ax.bar([shapes.index(_label(row)) + offset for row in mine],
-                   [row["fraction_of_read_bw"] for row in mine], width, label=backend)
+            ax.bar(
+                [shapes.index(_label(row)) + offset for row in mine],
+                [row["fraction_of_read_bw"] for row in mine],
+                width,
+                label=backend,
+            )
         if op == "decode":
-            ax.axhline(GOAL_FRACTION, color="black", linestyle="--", linewidth=1,
-                       label=f"goal {GOAL_FRACTION:.0%}")
+            ax.axhline(
+                GOAL_FRACTION,
+                color="black",
+                linestyle="--",
+                linewidth=1,
+                label=f"goal {GOAL_FRACTION:.0%}",
+            )
         ax.set_xticks(range(len(shapes)), [s.replace(" ", "\n") for s in shapes])
-        ax.set_title(f"{op}: {op_rows[0]['num_heads']}/{op_rows[0]['num_kv_heads']} heads, "
-                     f"head_dim {op_rows[0]['head_dim']}, {op_rows[0]['dtype']}")
+        ax.set_title(
+            f"{op}: {op_rows[0]['num_heads']}/{op_rows[0]['num_kv_heads']} heads, "
+            f"head_dim {op_rows[0]['head_dim']}, {op_rows[0]['dtype']}"
+        )
         ax.set_ylabel("fraction of streaming read bandwidth")
         # Below the panel: bars may reach the top anywhere.
-        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2),
-                  ncols=3, frameon=False)
+        ax.legend(
+            fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=3, frameon=False
+        )
     return fig
 
 
 # -- the command ----------------------------------------------------------------------
 def add_arguments(parser) -> None:
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=default_preset(),
-                        help="gpu: the goal shapes on CUDA; cpu: tiny shapes on the CPU "
-                             "(default: gpu if CUDA is available)")
-    parser.add_argument("--ops", nargs="+", choices=OPS, metavar="OP", default=list(OPS),
-                        help=f"any of {', '.join(OPS)} (default: all)")
-    parser.add_argument("--backends", nargs="+", choices=BACKENDS, metavar="BACKEND",
-                        default=list(BACKENDS),
-                        help=f"any of {', '.join(BACKENDS)} (default: all)")
-    for flag in ("--batch", "--context-len", "--num-heads", "--num-kv-heads", "--head-dim",
-                 "--block-size"):
-        parser.add_argument(flag, type=int, metavar="N",
-                            help="override it in every shape of the preset")
-    parser.add_argument("--dtype", choices=list(DTYPES),
-                        help="override it in every shape of the preset")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=default_preset(),
+        help="gpu: the goal shapes on CUDA; cpu: tiny shapes on the CPU "
+        "(default: gpu if CUDA is available)",
+    )
+    parser.add_argument(
+        "--ops",
+        nargs="+",
+        choices=OPS,
+        metavar="OP",
+        default=list(OPS),
+        help=f"any of {', '.join(OPS)} (default: all)",
+    )
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        choices=BACKENDS,
+        metavar="BACKEND",
+        default=list(BACKENDS),
+        help=f"any of {', '.join(BACKENDS)} (default: all)",
+    )
+    for flag in (
+        "--batch",
+        "--context-len",
+        "--num-heads",
+        "--num-kv-heads",
+        "--head-dim",
+        "--block-size",
+    ):
+        parser.add_argument(
+            flag, type=int, metavar="N", help="override it in every shape of the preset"
+        )
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), help="override it in every shape of the preset"
+    )
     add_output_flags(parser, NAME)
 
 
 def main(args) -> None:
-    shapes = make_shapes(args.preset, args.ops, batch=args.batch, context_len=args.context_len,
-                         num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
-                         head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype)
+    shapes = make_shapes(
+        args.preset,
+        args.ops,
+        batch=args.batch,
+        context_len=args.context_len,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        block_size=args.block_size,
+        dtype=args.dtype,
+    )
     device = preset_device(args.preset)
     bench = bench_attention(shapes, args.backends, device)
     print(format_table(bench))
-    write(args, NAME, device, bench.rows, plot_fractions(bench.rows), preset=args.preset,
-          read_bandwidth_gbs=bench.read_bandwidth_gbs, notes=bench.notes)
+    write(
+        args,
+        NAME,
+        device,
+        bench.rows,
+        plot_fractions(bench.rows),
+        preset=args.preset,
+        read_bandwidth_gbs=bench.read_bandwidth_gbs,
+        notes=bench.notes,
+    )

@@ -42,27 +42,55 @@ from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from minipaged.bench import common
-from minipaged.bench.args import (SYNTHETIC_MODEL_HELP, add_engine_flags, add_model_flag,
-                                  add_output_flags, bench_model, engine_kwargs, model_record,
-                                  write)
+from minipaged.bench.args import (
+    SYNTHETIC_MODEL_HELP,
+    add_engine_flags,
+    add_model_flag,
+    add_output_flags,
+    bench_model,
+    engine_kwargs,
+    model_record,
+    write,
+)
 from minipaged.bench.common import Column, free_memory, one_cpu_thread, timed
 from minipaged.bench.results import device_name
-from minipaged.bench.throughput import (GPU_MODEL, PAPER_CONTEXT, default_preset, make_prompts,
-                                        preset_device)
+from minipaged.bench.throughput import (
+    GPU_MODEL,
+    PAPER_CONTEXT,
+    default_preset,
+    make_prompts,
+    preset_device,
+)
 from minipaged.memory.simulate import OPT13B_A100_SLOTS, MemoryReport, simulate_memory
 from minipaged.workloads import WORKLOADS, RequestSpec, synthetic_requests
 
 NAME = "block-size"
 HELP = "block size: internal fragmentation vs throughput (Fig. 18b)"
-DESCRIPTION = ("Serve the same ShareGPT- and Alpaca-like requests on one KV pool in "
-               "blocks of 1 to 256 tokens: the pool's internal fragmentation and mean "
-               "batch (simulated, counts) and the engine's throughput (ignore_eos), "
-               "normalized to the best block size of the workload.")
+DESCRIPTION = (
+    "Serve the same ShareGPT- and Alpaca-like requests on one KV pool in "
+    "blocks of 1 to 256 tokens: the pool's internal fragmentation and mean "
+    "batch (simulated, counts) and the engine's throughput (ignore_eos), "
+    "normalized to the best block size of the workload."
+)
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-ROW_KEYS = ("workload", "block_size", "num_requests", "kv_slots", "num_gpu_blocks",
-            "token_share", "internal_share", "free_share", "mean_batch",
-            "sim_num_preemptions", "output_tokens", "elapsed_s", "output_tokens_per_s",
-            "normalized_throughput", "num_steps", "num_preemptions")
+ROW_KEYS = (
+    "workload",
+    "block_size",
+    "num_requests",
+    "kv_slots",
+    "num_gpu_blocks",
+    "token_share",
+    "internal_share",
+    "free_share",
+    "mean_batch",
+    "sim_num_preemptions",
+    "output_tokens",
+    "elapsed_s",
+    "output_tokens_per_s",
+    "normalized_throughput",
+    "num_steps",
+    "num_preemptions",
+)
 # The sweep sets these per block size; a caller's value would be silently replaced.
 SWEPT = ("block_size", "num_gpu_blocks", "swap_space")
 
@@ -85,14 +113,22 @@ class Preset:
 PRESETS = {
     # The tiny checkpoint: ShareGPT / 4 (its 1024 positions halve it, then seconds halve
     # it again), Alpaca as drawn, on a pool both fill: about 30 s on one core.
-    "cpu": Preset("cpu", num_requests={"sharegpt": 96, "alpaca": 96}, kv_slots=2048,
-                  length_scales={"sharegpt": 0.25, "alpaca": 1.0}),
+    "cpu": Preset(
+        "cpu",
+        num_requests={"sharegpt": 96, "alpaca": 96},
+        kv_slots=2048,
+        length_scales={"sharegpt": 0.25, "alpaca": 1.0},
+    ),
     # Full lengths on the paper's pool (OPT-13B's KV on an A100-40GB) and a Llama-3.2-1B
     # shaped model run by Triton; Alpaca needs twice the requests to fill that pool (at
     # the smallest blocks the simulation then batches ~300, the engine max_num_seqs).
-    "gpu": Preset("cuda", num_requests={"sharegpt": 200, "alpaca": 400},
-                  kv_slots=OPT13B_A100_SLOTS, length_scales={"sharegpt": 1.0, "alpaca": 1.0},
-                  model=GPU_MODEL),
+    "gpu": Preset(
+        "cuda",
+        num_requests={"sharegpt": 200, "alpaca": 400},
+        kv_slots=OPT13B_A100_SLOTS,
+        length_scales={"sharegpt": 1.0, "alpaca": 1.0},
+        model=GPU_MODEL,
+    ),
 }
 
 
@@ -108,19 +144,20 @@ def check_block_sizes(block_sizes: Sequence[int]) -> list[int]:
 
 def check_workloads(workloads: Sequence[str]) -> None:
     if not workloads or any(w not in WORKLOADS for w in workloads):
-        raise ValueError(f"workloads must be a non-empty subset of {sorted(WORKLOADS)}, "
-                         f"got {list(workloads)!r}")
+        raise ValueError(
+            f"workloads must be a non-empty subset of {sorted(WORKLOADS)}, got {list(workloads)!r}"
+        )
 
 
 def check_engine_kwargs(engine_kwargs: dict, swept: Sequence[str] = SWEPT) -> None:
     if taken := [k for k in swept if k in engine_kwargs]:
-        raise ValueError(f"engine_kwargs must not set {taken}: the benchmark sets them "
-                         "itself")
+        raise ValueError(f"engine_kwargs must not set {taken}: the benchmark sets them itself")
 
 
 # -- the workload ---------------------------------------------------------------------
-def make_requests(workload: str, num_requests: int, scale: float, max_model_len: int,
-                  seed: int = 0) -> list[RequestSpec]:
+def make_requests(
+    workload: str, num_requests: int, scale: float, max_model_len: int, seed: int = 0
+) -> list[RequestSpec]:
     """``workload``-like lengths drawn for the paper's 2048-token context, times
     ``scale`` (rounded, at least 1), cut to fit ``max_model_len`` (output first)."""
     if not scale > 0:
@@ -136,13 +173,13 @@ def make_requests(workload: str, num_requests: int, scale: float, max_model_len:
 
 
 # -- counts ---------------------------------------------------------------------------
-def count_block_sizes(requests: list[RequestSpec], kv_slots: int,
-                      block_sizes: Sequence[int]) -> dict[int, MemoryReport]:
+def count_block_sizes(
+    requests: list[RequestSpec], kv_slots: int, block_sizes: Sequence[int]
+) -> dict[int, MemoryReport]:
     """The paged system's memory report per block size, on one pool of ``kv_slots``
     slots.  Raises ``ValueError`` if a request could never fit it."""
     try:
-        return {size: simulate_memory(requests, "paged", kv_slots, size)
-                for size in block_sizes}
+        return {size: simulate_memory(requests, "paged", kv_slots, size) for size in block_sizes}
     except ValueError as error:  # it names the simulation's argument, not ours
         raise ValueError(f"kv_slots={kv_slots} is too small: {error}") from error
 
@@ -163,8 +200,9 @@ class EngineRun:
         return self.output_tokens / self.elapsed_s
 
 
-def run_engine(llm, requests: Sequence[RequestSpec], prompts: Sequence[list[int]],
-               progress: bool = False) -> EngineRun:
+def run_engine(
+    llm, requests: Sequence[RequestSpec], prompts: Sequence[list[int]], progress: bool = False
+) -> EngineRun:
     """Serve all ``requests`` at once with ``llm`` after a warm-up, and time it."""
     from minipaged.sampling_params import SamplingParams
 
@@ -172,22 +210,34 @@ def run_engine(llm, requests: Sequence[RequestSpec], prompts: Sequence[list[int]
     # A lone request, then a full batch: every kernel the timed run launches (one and
     # many sequences, prefill and decode) is compiled before the clock starts.
     for count in (1, min(len(prompts), engine.config.max_num_seqs)):
-        llm.generate([{"prompt_token_ids": p} for p in prompts[:count]],
-                     SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": p} for p in prompts[:count]],
+            SamplingParams(max_tokens=4, ignore_eos=True),
+            use_tqdm=False,
+        )
     before = llm.stats()
-    params = [SamplingParams(temperature=1.0, max_tokens=r.output_len, ignore_eos=True)
-              for r in requests]
-    outputs, elapsed = timed(lambda: llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                  params, use_tqdm=progress), engine.device)
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=r.output_len, ignore_eos=True) for r in requests
+    ]
+    outputs, elapsed = timed(
+        lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress),
+        engine.device,
+    )
     after = llm.stats()
     generated = [len(o.outputs[0].token_ids) for o in outputs]
     if generated != [r.output_len for r in requests]:  # ignore_eos: anything else is a bug
-        raise RuntimeError(f"the engine generated {sum(generated)} tokens, wanted "
-                           f"{sum(r.output_len for r in requests)}")
+        raise RuntimeError(
+            f"the engine generated {sum(generated)} tokens, wanted "
+            f"{sum(r.output_len for r in requests)}"
+        )
     check_all_free(llm)
-    return EngineRun(elapsed, sum(generated), after["num_steps"] - before["num_steps"],
-                     after["num_preemptions"] - before["num_preemptions"],
-                     after["num_swapped_out_blocks"] - before["num_swapped_out_blocks"])
+    return EngineRun(
+        elapsed,
+        sum(generated),
+        after["num_steps"] - before["num_steps"],
+        after["num_preemptions"] - before["num_preemptions"],
+        after["num_swapped_out_blocks"] - before["num_swapped_out_blocks"],
+    )
 
 
 def check_all_free(llm) -> None:
@@ -201,70 +251,107 @@ def check_all_free(llm) -> None:
 
 
 # -- the whole benchmark --------------------------------------------------------------
-def bench_block_size(path, workloads: Sequence[str], block_sizes: Sequence[int],
-                     num_requests: dict[str, int], kv_slots: int,
-                     length_scales: dict[str, float],
-                     engine_kwargs: dict, seed: int = 0, progress: bool = True) -> list[dict]:
+def bench_block_size(
+    path,
+    workloads: Sequence[str],
+    block_sizes: Sequence[int],
+    num_requests: dict[str, int],
+    kv_slots: int,
+    length_scales: dict[str, float],
+    engine_kwargs: dict,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[dict]:
     """One row per (workload, block size): the simulation's counts and the engine's
     throughput on the same requests and pool.  Everything is checked (every request
     fits every pool, in the simulation) before the first engine starts."""
-    from minipaged.models.resolve import resolve_device, resolve_max_model_len
     from minipaged.llm import LLM
     from minipaged.models.loader import read_config
+    from minipaged.models.resolve import resolve_device, resolve_max_model_len
 
     block_sizes = check_block_sizes(block_sizes)
     check_engine_kwargs(engine_kwargs)
     check_workloads(workloads)
     config = read_config(Path(path))
     max_model_len = resolve_max_model_len(engine_kwargs.get("max_model_len"), config)
-    requests = {w: make_requests(w, num_requests[w], length_scales[w], max_model_len, seed)
-                for w in workloads}
+    requests = {
+        w: make_requests(w, num_requests[w], length_scales[w], max_model_len, seed)
+        for w in workloads
+    }
     counts = {w: count_block_sizes(requests[w], kv_slots, block_sizes) for w in workloads}
     device = resolve_device(engine_kwargs.get("device", "auto"))
     runs = {}
     with one_cpu_thread(device):
-        for w, size in tqdm([(w, s) for w in workloads for s in block_sizes],
-                            desc="block sizes", disable=not progress):
-            llm = LLM(str(path), **engine_kwargs, block_size=size,
-                      num_gpu_blocks=kv_slots // size, swap_space=0)
-            prompts = make_prompts(requests[w], llm.get_tokenizer(), llm.engine.vocab_size,
-                                   seed)
+        for w, size in tqdm(
+            [(w, s) for w in workloads for s in block_sizes],
+            desc="block sizes",
+            disable=not progress,
+        ):
+            llm = LLM(
+                str(path),
+                **engine_kwargs,
+                block_size=size,
+                num_gpu_blocks=kv_slots // size,
+                swap_space=0,
+            )
+            prompts = make_prompts(requests[w], llm.get_tokenizer(), llm.engine.vocab_size, seed)
             runs[w, size] = run_engine(llm, requests[w], prompts)
             del llm
             free_memory(device)
     return rows(requests, kv_slots, counts, runs)
 
 
-def rows(requests: dict[str, list[RequestSpec]], kv_slots: int,
-         counts: dict[str, dict[int, MemoryReport]],
-         runs: dict[tuple[str, int], EngineRun]) -> list[dict]:
+def rows(
+    requests: dict[str, list[RequestSpec]],
+    kv_slots: int,
+    counts: dict[str, dict[int, MemoryReport]],
+    runs: dict[tuple[str, int], EngineRun],
+) -> list[dict]:
     """`ROW_KEYS` per (workload, block size); throughput normalized per workload."""
     out = []
     for w, reports in counts.items():
         best = max(runs[w, size].output_tokens_per_s for size in reports)
         for size, report in reports.items():
             run = runs[w, size]
-            out.append({
-                "workload": w, "block_size": size, "num_requests": len(requests[w]),
-                "kv_slots": kv_slots, "num_gpu_blocks": kv_slots // size,
-                "token_share": report.token_share, "internal_share": report.internal_share,
-                "free_share": report.free_share, "mean_batch": report.max_batch,
-                "sim_num_preemptions": report.num_preemptions,
-                "output_tokens": run.output_tokens, "elapsed_s": run.elapsed_s,
-                "output_tokens_per_s": run.output_tokens_per_s,
-                "normalized_throughput": run.output_tokens_per_s / best,
-                "num_steps": run.num_steps, "num_preemptions": run.num_preemptions})
+            out.append(
+                {
+                    "workload": w,
+                    "block_size": size,
+                    "num_requests": len(requests[w]),
+                    "kv_slots": kv_slots,
+                    "num_gpu_blocks": kv_slots // size,
+                    "token_share": report.token_share,
+                    "internal_share": report.internal_share,
+                    "free_share": report.free_share,
+                    "mean_batch": report.max_batch,
+                    "sim_num_preemptions": report.num_preemptions,
+                    "output_tokens": run.output_tokens,
+                    "elapsed_s": run.elapsed_s,
+                    "output_tokens_per_s": run.output_tokens_per_s,
+                    "normalized_throughput": run.output_tokens_per_s / best,
+                    "num_steps": run.num_steps,
+                    "num_preemptions": run.num_preemptions,
+                }
+            )
     return out
 
 
 # -- output ---------------------------------------------------------------------------
 def format_table(rows: list[dict]) -> str:
-    return common.format_table(rows, [
-        Column("workload", "workload"), Column("block", "block_size"),
-        Column("tokens", "token_share", "{:.1%}"), Column("internal", "internal_share", "{:.1%}"),
-        Column("batch", "mean_batch", "{:.1f}"), Column("steps", "num_steps"),
-        Column("preempt", "num_preemptions"), Column("tok/s", "output_tokens_per_s", "{:.0f}"),
-        Column("vs best", "normalized_throughput", "{:.2f}")])
+    return common.format_table(
+        rows,
+        [
+            Column("workload", "workload"),
+            Column("block", "block_size"),
+            Column("tokens", "token_share", "{:.1%}"),
+            Column("internal", "internal_share", "{:.1%}"),
+            Column("batch", "mean_batch", "{:.1f}"),
+            Column("steps", "num_steps"),
+            Column("preempt", "num_preemptions"),
+            Column("tok/s", "output_tokens_per_s", "{:.0f}"),
+            Column("vs best", "normalized_throughput", "{:.2f}"),
+        ],
+    )
 
 
 def plot_block_size(rows: list[dict], device: str = "") -> Figure:
@@ -272,44 +359,79 @@ def plot_block_size(rows: list[dict], device: str = "") -> Figure:
     mean batch (simulated), and the engine's normalized throughput (cf. Fig. 18b)."""
     fig = Figure(figsize=(12, 3.8), layout="constrained")
     axes = fig.subplots(1, 3)
-    panels = [("internal_share", 100, "internal fragmentation (% of the pool)"),
-              ("mean_batch", 1, "mean requests resident (simulated)"),
-              ("normalized_throughput", 1, "throughput / best block size")]
+    panels = [
+        ("internal_share", 100, "internal fragmentation (% of the pool)"),
+        ("mean_batch", 1, "mean requests resident (simulated)"),
+        ("normalized_throughput", 1, "throughput / best block size"),
+    ]
     for ax, (key, factor, label) in zip(axes, panels):
         for workload in dict.fromkeys(r["workload"] for r in rows):
             ours = [r for r in rows if r["workload"] == workload]
-            ax.plot([r["block_size"] for r in ours], [factor * r[key] for r in ours],
-                    marker="o", label=workload)
+            ax.plot(
+                [r["block_size"] for r in ours],
+                [factor * r[key] for r in ours],
+                marker="o",
+                label=workload,
+            )
         ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({r["block_size"] for r in rows}),
-                      labels=[str(s) for s in sorted({r["block_size"] for r in rows})])
+        ax.set_xticks(
+            sorted({r["block_size"] for r in rows}),
+            labels=[str(s) for s in sorted({r["block_size"] for r in rows})],
+        )
         ax.set_xlabel("block size (tokens)")
         ax.set_ylabel(label)
     axes[0].legend()
-    counts = ", ".join(f"{r['num_requests']} {r['workload']}" for r in rows
-                       if r["block_size"] == rows[0]["block_size"])
-    fig.suptitle(f"block size{f' on {device}' if device else ''}: {counts}-like requests, "
-                 f"{rows[0]['kv_slots']} KV slots (cf. Fig. 18b)")
+    counts = ", ".join(
+        f"{r['num_requests']} {r['workload']}"
+        for r in rows
+        if r["block_size"] == rows[0]["block_size"]
+    )
+    fig.suptitle(
+        f"block size{f' on {device}' if device else ''}: {counts}-like requests, "
+        f"{rows[0]['kv_slots']} KV slots (cf. Fig. 18b)"
+    )
     return fig
 
 
 # -- the command ----------------------------------------------------------------------
 def add_arguments(parser) -> None:
     add_model_flag(parser, SYNTHETIC_MODEL_HELP)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=default_preset(),
-                        help="cpu: the tiny checkpoint, short requests, about 30 s; gpu: a "
-                             "Llama-3.2-1B-shaped random model, full-length requests on the "
-                             "paper's KV pool (default: gpu if CUDA is available)")
-    parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS),
-                        default=["sharegpt", "alpaca"], metavar="WORKLOAD",
-                        help="request lengths like these datasets' (default: sharegpt alpaca)")
-    parser.add_argument("--block-sizes", type=int, nargs="+", metavar="N",
-                        default=list(BLOCK_SIZES), help="(default: 1 2 4 ... 256)")
-    parser.add_argument("--num-requests", type=int, metavar="N",
-                        help="requests of every workload (default: the preset's)")
-    parser.add_argument("--kv-slots", type=int, metavar="N",
-                        help="tokens the KV pool holds at every block size (default: the "
-                             "preset's)")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=default_preset(),
+        help="cpu: the tiny checkpoint, short requests, about 30 s; gpu: a "
+        "Llama-3.2-1B-shaped random model, full-length requests on the "
+        "paper's KV pool (default: gpu if CUDA is available)",
+    )
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=sorted(WORKLOADS),
+        default=["sharegpt", "alpaca"],
+        metavar="WORKLOAD",
+        help="request lengths like these datasets' (default: sharegpt alpaca)",
+    )
+    parser.add_argument(
+        "--block-sizes",
+        type=int,
+        nargs="+",
+        metavar="N",
+        default=list(BLOCK_SIZES),
+        help="(default: 1 2 4 ... 256)",
+    )
+    parser.add_argument(
+        "--num-requests",
+        type=int,
+        metavar="N",
+        help="requests of every workload (default: the preset's)",
+    )
+    parser.add_argument(
+        "--kv-slots",
+        type=int,
+        metavar="N",
+        help="tokens the KV pool holds at every block size (default: the preset's)",
+    )
     add_output_flags(parser, NAME)
     # The block size, the pool and the swap space are what the sweep sets itself.
     add_engine_flags(parser, exclude=SWEPT)
@@ -318,16 +440,37 @@ def add_arguments(parser) -> None:
 def main(args) -> None:
     preset = PRESETS[args.preset]
     device = preset_device(args.preset, args.device, PRESETS)
-    num_requests = {w: preset.num_requests[w] if args.num_requests is None
-                    else args.num_requests for w in args.workloads}
+    num_requests = {
+        w: preset.num_requests[w] if args.num_requests is None else args.num_requests
+        for w in args.workloads
+    }
     kv_slots = preset.kv_slots if args.kv_slots is None else args.kv_slots
     model = bench_model(args, PRESETS)
     engine = {**engine_kwargs(args), "device": device.type}
-    rows = bench_block_size(model, args.workloads, args.block_sizes, num_requests, kv_slots,
-                            preset.length_scales, engine, args.seed)
+    rows = bench_block_size(
+        model,
+        args.workloads,
+        args.block_sizes,
+        num_requests,
+        kv_slots,
+        preset.length_scales,
+        engine,
+        args.seed,
+    )
     print(format_table(rows))
-    write(args, NAME, device, rows, plot_block_size(rows, device_name(device)),
-          **model_record(args, model, device), engine=engine,
-          workloads={w: {"num_requests": num_requests[w],
-                         "length_scale": preset.length_scales[w]} for w in args.workloads},
-          kv_slots=kv_slots, block_sizes=sorted(set(args.block_sizes)), seed=args.seed)
+    write(
+        args,
+        NAME,
+        device,
+        rows,
+        plot_block_size(rows, device_name(device)),
+        **model_record(args, model, device),
+        engine=engine,
+        workloads={
+            w: {"num_requests": num_requests[w], "length_scale": preset.length_scales[w]}
+            for w in args.workloads
+        },
+        kv_slots=kv_slots,
+        block_sizes=sorted(set(args.block_sizes)),
+        seed=args.seed,
+    )

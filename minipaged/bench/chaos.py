@@ -41,11 +41,13 @@ import numpy as np
 
 NAME = "chaos"
 HELP = "load and faults: many clients, dropped connections, invalid requests"
-DESCRIPTION = ("Send a seeded mix of good requests, invalid ones and clients that hang "
-               "up to a server (by default one started here on the tiny demo "
-               "checkpoint); report requests served, statuses by kind, anything "
-               "unexpected (a 5xx, a good request refused), KV blocks leaked and the "
-               "good requests' p50/p99 latency.  Exits 1 if the server broke a rule.")
+DESCRIPTION = (
+    "Send a seeded mix of good requests, invalid ones and clients that hang "
+    "up to a server (by default one started here on the tiny demo "
+    "checkpoint); report requests served, statuses by kind, anything "
+    "unexpected (a 5xx, a good request refused), KV blocks leaked and the "
+    "good requests' p50/p99 latency.  Exits 1 if the server broke a rule."
+)
 # kind: (weight, what it is); good kinds first.
 KINDS = {
     "completion": (4, "a greedy completion, waited for"),
@@ -102,8 +104,7 @@ class ChaosReport:
 
     def __post_init__(self) -> None:
         self.statuses = {
-            kind: Counter(o.status for o in self.outcomes if o.kind == kind)
-            for kind in KINDS
+            kind: Counter(o.status for o in self.outcomes if o.kind == kind) for kind in KINDS
         }
 
     @property
@@ -111,9 +112,7 @@ class ChaosReport:
         return [o for o in self.outcomes if o.problem is not None]
 
     def latency_ms(self, q: float) -> float | None:
-        good = [
-            o.seconds for o in self.outcomes if o.kind in GOOD and o.problem is None
-        ]
+        good = [o.seconds for o in self.outcomes if o.kind in GOOD and o.problem is None]
         return float(np.percentile(good, q) * 1000) if good else None
 
     def as_dict(self) -> dict:
@@ -121,9 +120,7 @@ class ChaosReport:
             "requests": len(self.outcomes),
             "duration_s": self.duration_s,
             "served": sum(o.kind in GOOD and o.problem is None for o in self.outcomes),
-            "statuses": {
-                k: {str(s): n for s, n in c.items()} for k, c in self.statuses.items()
-            },
+            "statuses": {k: {str(s): n for s, n in c.items()} for k, c in self.statuses.items()},
             "unexpected": [o.__dict__ for o in self.unexpected],
             "blocks_leaked": self.blocks_leaked,
             "alive": self.alive,
@@ -166,9 +163,7 @@ async def _good(client, kind: str, body: dict, rng: random.Random) -> tuple[int,
             return response.status_code, response.text[:200]
         finished = all(c["finish_reason"] for c in response.json()["choices"])
         return 200, None if finished else "a choice did not finish"
-    async with client.stream(
-        "POST", "/v1/completions", json={**body, "stream": True}
-    ) as r:
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         lines = [line async for line in r.aiter_lines() if line]
     if r.status_code != 200:
         return r.status_code, "refused"
@@ -177,31 +172,19 @@ async def _good(client, kind: str, body: dict, rng: random.Random) -> tuple[int,
     return 200, None
 
 
-async def _invalid(
-    client, kind: str, body: dict, rng: random.Random, huge_bytes: int
-) -> int:
+async def _invalid(client, kind: str, body: dict, rng: random.Random, huge_bytes: int) -> int:
     headers = {"content-type": "application/json"}
     if kind == "malformed_json":
-        response = await _post(
-            client, "completions", content=b'{"prompt": [1, 2', headers=headers
-        )
+        response = await _post(client, "completions", content=b'{"prompt": [1, 2', headers=headers)
     elif kind == "huge_body":
-        response = await _post(
-            client, "completions", content=b" " * huge_bytes, headers=headers
-        )
+        response = await _post(client, "completions", content=b" " * huge_bytes, headers=headers)
     elif kind == "bad_sampling":
-        response = await _post(
-            client, "completions", json={**body, **rng.choice(BAD_SAMPLING)}
-        )
+        response = await _post(client, "completions", json={**body, **rng.choice(BAD_SAMPLING)})
     elif kind == "lone_surrogate":
         text = json.dumps({**body, "prompt": "x"}).replace('"x"', '"a\\ud800b"')
-        response = await _post(
-            client, "completions", content=text.encode(), headers=headers
-        )
+        response = await _post(client, "completions", content=text.encode(), headers=headers)
     else:
-        response = await _post(
-            client, "completions", json={**body, "model": "no-such-model"}
-        )
+        response = await _post(client, "completions", json={**body, "model": "no-such-model"})
     return response.status_code
 
 
@@ -217,9 +200,7 @@ async def _leave(client, kind: str, body: dict, address: tuple[str, int]) -> Non
                     break  # leaving the block closes the connection
     elif kind == "dropped_wait":
         with contextlib.suppress(httpx.TimeoutException):
-            await _post(
-                client, "completions", json={**body, "max_tokens": 64}, timeout=0.05
-            )
+            await _post(client, "completions", json={**body, "max_tokens": 64}, timeout=0.05)
     else:
         _, writer = await asyncio.open_connection(*address)
         writer.write(
@@ -251,9 +232,7 @@ async def one_request(
             status, problem = None, None
         else:
             status = await _invalid(client, kind, body, rng, huge_bytes)
-            problem = (
-                None if 400 <= status < 500 else f"{status} for an invalid request"
-            )
+            problem = None if 400 <= status < 500 else f"{status} for an invalid request"
     except httpx.HTTPError as error:
         status, problem = None, f"{type(error).__name__}: {error}"
     return Outcome(kind, status, time.perf_counter() - start, problem)
@@ -311,9 +290,7 @@ def wait_idle(base_url: str, timeout_s: float = IDLE_TIMEOUT_S) -> int:
                 "num_requests_swapped",
             )
         )
-        used = int(
-            values["minipaged:kv_blocks_used"] + values["minipaged:cpu_kv_blocks_used"]
-        )
+        used = int(values["minipaged:kv_blocks_used"] + values["minipaged:cpu_kv_blocks_used"])
         if (busy == 0 and used == 0) or time.monotonic() > deadline:
             return used
         time.sleep(0.05)
@@ -334,15 +311,11 @@ def run(
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     kinds = list(KINDS) if kinds is None else kinds
     if not kinds or set(kinds) - set(KINDS):
-        raise ValueError(
-            f"kinds must be a non-empty list of {sorted(KINDS)}, got {kinds!r}"
-        )
+        raise ValueError(f"kinds must be a non-empty list of {sorted(KINDS)}, got {kinds!r}")
     model = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
     start = time.perf_counter()
     outcomes = asyncio.run(
-        _run_clients(
-            base_url, num_requests, concurrency, seed, huge_bytes, model, kinds
-        )
+        _run_clients(base_url, num_requests, concurrency, seed, huge_bytes, model, kinds)
     )
     duration = time.perf_counter() - start
     leaked = wait_idle(base_url)
@@ -419,9 +392,7 @@ def format_report(report: ChaosReport) -> str:
             f"{kind:<16}{sum(c.values()):>6}  "
             + ", ".join(
                 f"{'none' if s is None else s}: {n}"
-                for s, n in sorted(
-                    c.items(), key=lambda sn: -1 if sn[0] is None else sn[0]
-                )
+                for s, n in sorted(c.items(), key=lambda sn: -1 if sn[0] is None else sn[0])
             )
             for kind, c in report.statuses.items()
             if c
@@ -450,22 +421,33 @@ def failed(report: ChaosReport) -> bool:
 # -- the command ----------------------------------------------------------------------
 def add_arguments(parser) -> None:
     parser.add_argument("--base-url", help="a running server (default: start one)")
-    parser.add_argument("--num-requests", type=int, default=400, metavar="N",
-                        help="(default: %(default)s)")
-    parser.add_argument("--concurrency", type=int, default=32, metavar="N",
-                        help="clients at once (default: %(default)s)")
+    parser.add_argument(
+        "--num-requests", type=int, default=400, metavar="N", help="(default: %(default)s)"
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=32,
+        metavar="N",
+        help="clients at once (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds the mix and the prompts")
-    parser.add_argument("--huge-bytes", type=int, metavar="B",
-                        help="the oversized body's size: one over the server's cap "
-                             "(default: 1 MiB + 1 for the server started here, else "
-                             "8 MiB + 1, the default cap)")
+    parser.add_argument(
+        "--huge-bytes",
+        type=int,
+        metavar="B",
+        help="the oversized body's size: one over the server's cap "
+        "(default: 1 MiB + 1 for the server started here, else "
+        "8 MiB + 1, the default cap)",
+    )
     parser.add_argument("--json", help="also write the report here")
 
 
 def main(args) -> None:
     def attack(base_url: str, huge_bytes: int) -> ChaosReport:
-        return run(base_url, args.num_requests, args.concurrency, args.seed,
-                   args.huge_bytes or huge_bytes)
+        return run(
+            base_url, args.num_requests, args.concurrency, args.seed, args.huge_bytes or huge_bytes
+        )
 
     if args.base_url:
         report = attack(args.base_url, 8 * 2**20 + 1)

@@ -81,14 +81,18 @@ def format_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
     numbers is right-aligned."""
     values = [[c.get(row) for c in columns] for row in rows]
     cells = [[c.header for c in columns]]
-    cells += [["-" if v is None else c.fmt.format(v) for c, v in zip(columns, line)]
-              for line in values]
+    cells += [
+        ["-" if v is None else c.fmt.format(v) for c, v in zip(columns, line)] for line in values
+    ]
     widths = [max(3, *(len(line[i]) for line in cells)) for i in range(len(columns))]
-    right = [all(_is_number(line[i]) for line in values if line[i] is not None)
-             for i in range(len(columns))]
+    right = [
+        all(_is_number(line[i]) for line in values if line[i] is not None)
+        for i in range(len(columns))
+    ]
     rule = ["-" * (w - 1) + ":" if r else ":" + "-" * (w - 1) for w, r in zip(widths, right)]
-    lines = [[(s.rjust if r else s.ljust)(w) for s, w, r in zip(line, widths, right)]
-             for line in cells]
+    lines = [
+        [(s.rjust if r else s.ljust)(w) for s, w, r in zip(line, widths, right)] for line in cells
+    ]
     return "\n".join(f"| {' | '.join(line)} |" for line in [lines[0], rule, *lines[1:]])
 
 

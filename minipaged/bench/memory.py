@@ -27,45 +27,67 @@ from minipaged.workloads import WORKLOADS, synthetic_requests
 
 NAME = "memory"
 HELP = "KV memory waste and batch size: paged vs contiguous (Fig. 2, 13)"
-DESCRIPTION = ("Serve one synthetic workload on one KV pool with paged blocks and with "
-               "Orca's contiguous Max, Pow2 and Oracle reservations; report the pool's "
-               "shares (token states, reserved, internal and external fragmentation) "
-               "and the mean number of requests resident.  Counts, not times.")
+DESCRIPTION = (
+    "Serve one synthetic workload on one KV pool with paged blocks and with "
+    "Orca's contiguous Max, Pow2 and Oracle reservations; report the pool's "
+    "shares (token states, reserved, internal and external fragmentation) "
+    "and the mean number of requests resident.  Counts, not times."
+)
 SHARES = ("token_share", "reserved_share", "internal_share", "external_share")
 
 
-def bench_memory(workload: str, num_requests: int, kv_slots: int = OPT13B_A100_SLOTS,
-                 block_size: int = 16, max_len: int = 2048, seed: int = 0) -> list[MemoryReport]:
+def bench_memory(
+    workload: str,
+    num_requests: int,
+    kv_slots: int = OPT13B_A100_SLOTS,
+    block_size: int = 16,
+    max_len: int = 2048,
+    seed: int = 0,
+) -> list[MemoryReport]:
     """Each system's report for the same ``num_requests`` seeded requests."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests!r}")
     requests = synthetic_requests(workload, num_requests, seed=seed, max_len=max_len)
-    return [simulate_memory(requests, system, kv_slots, block_size, max_len)
-            for system in SYSTEMS]
+    return [simulate_memory(requests, system, kv_slots, block_size, max_len) for system in SYSTEMS]
 
 
 def systems(reports: list[MemoryReport]) -> dict[str, dict[str, float]]:
     """The ``bench memory`` JSON: system -> its shares and ``max_batch``."""
-    return {r.system: {**{k: getattr(r, k) for k in SHARES}, "max_batch": r.max_batch}
-            for r in reports}
+    return {
+        r.system: {**{k: getattr(r, k) for k in SHARES}, "max_batch": r.max_batch} for r in reports
+    }
 
 
 def rows(reports: list[MemoryReport], workload: str) -> list[dict]:
-    return [{"system": r.system, "workload": workload, **systems([r])[r.system],
-             "free_share": r.free_share, "num_steps": r.num_steps,
-             "num_preemptions": r.num_preemptions} for r in reports]
+    return [
+        {
+            "system": r.system,
+            "workload": workload,
+            **systems([r])[r.system],
+            "free_share": r.free_share,
+            "num_steps": r.num_steps,
+            "num_preemptions": r.num_preemptions,
+        }
+        for r in reports
+    ]
 
 
 def format_table(reports: list[MemoryReport]) -> str:
     """Shares of the pool per state, the mean batch, and the batch relative to paged."""
     paged = next(r.max_batch for r in reports if r.system == "paged")
-    return common.format_table(rows(reports, workload=None), [
-        Column("system", "system"), Column("tokens", "token_share", "{:.1%}"),
-        Column("reserved", "reserved_share", "{:.1%}"),
-        Column("internal", "internal_share", "{:.1%}"),
-        Column("external", "external_share", "{:.1%}"), Column("free", "free_share", "{:.1%}"),
-        Column("batch", "max_batch", "{:.1f}"),
-        Column("paged/this", lambda r: paged / r["max_batch"], "{:.1f}x")])
+    return common.format_table(
+        rows(reports, workload=None),
+        [
+            Column("system", "system"),
+            Column("tokens", "token_share", "{:.1%}"),
+            Column("reserved", "reserved_share", "{:.1%}"),
+            Column("internal", "internal_share", "{:.1%}"),
+            Column("external", "external_share", "{:.1%}"),
+            Column("free", "free_share", "{:.1%}"),
+            Column("batch", "max_batch", "{:.1f}"),
+            Column("paged/this", lambda r: paged / r["max_batch"], "{:.1f}x"),
+        ],
+    )
 
 
 def plot_memory(reports: list[MemoryReport], title: str) -> Figure:
@@ -85,30 +107,63 @@ def plot_memory(reports: list[MemoryReport], title: str) -> Figure:
 
 # -- the command ----------------------------------------------------------------------
 def add_arguments(parser) -> None:
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="sharegpt",
-                        help="request lengths like this dataset's (default: %(default)s)")
-    parser.add_argument("--num-requests", type=int, default=1000, metavar="N",
-                        help="(default: %(default)s)")
-    parser.add_argument("--kv-slots", type=int, default=OPT13B_A100_SLOTS,
-                        metavar="N", help="tokens the KV pool holds (default: %(default)s, "
-                        "OPT-13B on an A100-40GB as in the paper)")
-    parser.add_argument("--block-size", type=int, default=16, metavar="N",
-                        help="the paged system's (default: %(default)s)")
-    parser.add_argument("--max-len", type=int, default=2048, metavar="N",
-                        help="the model's context: what Orca Max reserves (default: %(default)s)")
+    parser.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="sharegpt",
+        help="request lengths like this dataset's (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--num-requests", type=int, default=1000, metavar="N", help="(default: %(default)s)"
+    )
+    parser.add_argument(
+        "--kv-slots",
+        type=int,
+        default=OPT13B_A100_SLOTS,
+        metavar="N",
+        help="tokens the KV pool holds (default: %(default)s, "
+        "OPT-13B on an A100-40GB as in the paper)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        metavar="N",
+        help="the paged system's (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-len",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="the model's context: what Orca Max reserves (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     add_output_flags(parser, "memory-<workload>")
 
 
 def main(args) -> None:
-    reports = bench_memory(args.workload, args.num_requests, args.kv_slots, args.block_size,
-                           args.max_len, args.seed)
+    reports = bench_memory(
+        args.workload, args.num_requests, args.kv_slots, args.block_size, args.max_len, args.seed
+    )
     print(f"{args.num_requests} {args.workload}-like requests on {args.kv_slots} KV slots")
     print(format_table(reports))
-    title = (f"{args.num_requests} {args.workload}-like requests, {args.kv_slots} KV slots, "
-             f"blocks of {args.block_size}")
+    title = (
+        f"{args.num_requests} {args.workload}-like requests, {args.kv_slots} KV slots, "
+        f"blocks of {args.block_size}"
+    )
     # Counts, not times: the same on any machine, so always under cpu/.
-    write(args, f"memory-{args.workload}", "cpu", rows(reports, args.workload),
-          plot_memory(reports, title), workload=args.workload, systems=systems(reports),
-          kv_slots=args.kv_slots, block_size=args.block_size, max_len=args.max_len,
-          num_requests=args.num_requests, seed=args.seed)
+    write(
+        args,
+        f"memory-{args.workload}",
+        "cpu",
+        rows(reports, args.workload),
+        plot_memory(reports, title),
+        workload=args.workload,
+        systems=systems(reports),
+        kv_slots=args.kv_slots,
+        block_size=args.block_size,
+        max_len=args.max_len,
+        num_requests=args.num_requests,
+        seed=args.seed,
+    )

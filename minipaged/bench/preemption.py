@@ -45,39 +45,74 @@ import torch
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
+from minipaged.batch import SchedulerOutput
 from minipaged.bench import common
-from minipaged.bench.args import (SYNTHETIC_MODEL_HELP, add_engine_flags, add_model_flag,
-                                  add_output_flags, bench_model, engine_kwargs, model_record,
-                                  write)
-from minipaged.bench.blocksize import (BLOCK_SIZES, check_all_free, check_block_sizes,
-                                       check_engine_kwargs, make_requests, run_engine)
+from minipaged.bench.args import (
+    SYNTHETIC_MODEL_HELP,
+    add_engine_flags,
+    add_model_flag,
+    add_output_flags,
+    bench_model,
+    engine_kwargs,
+    model_record,
+    write,
+)
+from minipaged.bench.blocksize import (
+    BLOCK_SIZES,
+    check_all_free,
+    check_block_sizes,
+    check_engine_kwargs,
+    make_requests,
+    run_engine,
+)
 from minipaged.bench.common import Column, free_memory, one_cpu_thread, timed
 from minipaged.bench.results import device_name
 from minipaged.bench.throughput import GPU_MODEL, default_preset, make_prompts, preset_device
 from minipaged.cache_engine import GIB, KVCaches, block_bytes
+from minipaged.config import PREEMPTION_MODES
 from minipaged.memory.block_table import blocks_for
 from minipaged.memory.simulate import OPT13B_A100_SLOTS
-from minipaged.batch import SchedulerOutput
-from minipaged.config import PREEMPTION_MODES
 from minipaged.workloads import RequestSpec
 
 NAME = "preemption"
 HELP = "preempted requests: swap vs recompute per block size (Fig. 19)"
-DESCRIPTION = ("Time swapping one request's KV out to the CPU pool and back in "
-               "(batched, as the cache engine does, and one copy per block, as vLLM "
-               "did) against recomputing it with one prefill, for block sizes 1 to "
-               "256; then serve ShareGPT-like requests on a too-small KV pool with "
-               "each preemption mode.")
+DESCRIPTION = (
+    "Time swapping one request's KV out to the CPU pool and back in "
+    "(batched, as the cache engine does, and one copy per block, as vLLM "
+    "did) against recomputing it with one prefill, for block sizes 1 to "
+    "256; then serve ShareGPT-like requests on a too-small KV pool with "
+    "each preemption mode."
+)
 SWAP_METHODS = ("batched", "per-block")
-MICRO_KEYS = ("experiment", "block_size", "op", "method", "num_tokens", "num_blocks",
-              "num_copies", "bytes", "time_ms", "us_per_token", "bandwidth_gbs")
-END_TO_END_KEYS = ("experiment", "block_size", "preemption_mode", "num_requests", "kv_slots",
-                   "elapsed_s", "output_tokens", "output_tokens_per_s",
-                   "normalized_throughput", "num_steps", "num_preemptions",
-                   "num_swapped_out_blocks")
+MICRO_KEYS = (
+    "experiment",
+    "block_size",
+    "op",
+    "method",
+    "num_tokens",
+    "num_blocks",
+    "num_copies",
+    "bytes",
+    "time_ms",
+    "us_per_token",
+    "bandwidth_gbs",
+)
+END_TO_END_KEYS = (
+    "experiment",
+    "block_size",
+    "preemption_mode",
+    "num_requests",
+    "kv_slots",
+    "elapsed_s",
+    "output_tokens",
+    "output_tokens_per_s",
+    "normalized_throughput",
+    "num_steps",
+    "num_preemptions",
+    "num_swapped_out_blocks",
+)
 # The sweep sets these per run; recompute timings need a prompt the prefix cache cannot serve.
-SWEPT = ("block_size", "num_gpu_blocks", "swap_space", "preemption_mode",
-         "enable_prefix_caching")
+SWEPT = ("block_size", "num_gpu_blocks", "swap_space", "preemption_mode", "enable_prefix_caching")
 PROBE = "preemption-probe"  # the swapped sequence's id in the KV cache manager
 
 
@@ -100,21 +135,46 @@ PRESETS = {
     # The tiny checkpoint: half its context per request; end to end, ShareGPT / 4 on a
     # pool of a sixth of the workload's tokens, which preempts about once per request;
     # about 30 s on one core.
-    "cpu": Preset("cpu", num_tokens=512, repeats=10, warmup=2, num_requests=48,
-                  kv_slots=1024, length_scale=0.25),
+    "cpu": Preset(
+        "cpu",
+        num_tokens=512,
+        repeats=10,
+        warmup=2,
+        num_requests=48,
+        kv_slots=1024,
+        length_scale=0.25,
+    ),
     # The paper's pool (OPT-13B's KV on an A100-40GB) and a Llama-3.2-1B shaped model; a
     # recomputed request of 2048 tokens is one prefill of the default token budget.
-    "gpu": Preset("cuda", num_tokens=2048, repeats=10, warmup=3, num_requests=100,
-                  kv_slots=OPT13B_A100_SLOTS, length_scale=1.0, model=GPU_MODEL),
+    "gpu": Preset(
+        "cuda",
+        num_tokens=2048,
+        repeats=10,
+        warmup=3,
+        num_requests=100,
+        kv_slots=OPT13B_A100_SLOTS,
+        length_scale=1.0,
+        model=GPU_MODEL,
+    ),
 }
 
 
-def check_setting(num_tokens: int, repeats: int, warmup: int, num_requests: int,
-                  kv_slots: int, block_sizes: Sequence[int]) -> None:
+def check_setting(
+    num_tokens: int,
+    repeats: int,
+    warmup: int,
+    num_requests: int,
+    kv_slots: int,
+    block_sizes: Sequence[int],
+) -> None:
     """Raise ``ValueError`` naming the first bad value, before anything runs."""
-    for name, value, low in (("num_tokens", num_tokens, 1), ("repeats", repeats, 1),
-                             ("warmup", warmup, 0), ("num_requests", num_requests, 1),
-                             ("kv_slots", kv_slots, 1)):
+    for name, value, low in (
+        ("num_tokens", num_tokens, 1),
+        ("repeats", repeats, 1),
+        ("warmup", warmup, 0),
+        ("num_requests", num_requests, 1),
+        ("kv_slots", kv_slots, 1),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     # The probe and the token it generates when recomputed.
@@ -126,8 +186,9 @@ def check_fits(what: str, num_tokens: int, kv_slots: int, block_sizes: Sequence[
     every size (the last block rounds up, so big blocks may not)."""
     for size in check_block_sizes(block_sizes):
         if blocks_for(num_tokens, size) > kv_slots // size:
-            raise ValueError(f"kv_slots={kv_slots} cannot hold {what} ({num_tokens} tokens) "
-                             f"in blocks of {size}")
+            raise ValueError(
+                f"kv_slots={kv_slots} cannot hold {what} ({num_tokens} tokens) in blocks of {size}"
+            )
 
 
 # -- the copies -----------------------------------------------------------------------
@@ -161,8 +222,9 @@ def swap(engine, seq_id: str, direction: str, method: str) -> float:
     return timed(lambda: copy_per_block(src, dst, pairs), engine.device)[1]
 
 
-def time_swaps(engine, num_tokens: int, method: str, repeats: int,
-               warmup: int) -> tuple[float, float]:
+def time_swaps(
+    engine, num_tokens: int, method: str, repeats: int, warmup: int
+) -> tuple[float, float]:
     """Median seconds to swap a ``num_tokens`` request out and to swap it back in; the
     request's blocks are free again afterwards."""
     engine.kv.allocate(PROBE, [0] * num_tokens)
@@ -185,9 +247,13 @@ def time_recompute(llm, prompt: list[int], repeats: int, warmup: int) -> float:
     from minipaged.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=1, ignore_eos=True)
-    times = [timed(lambda: llm.generate([{"prompt_token_ids": prompt}], params,
-                                        use_tqdm=False), llm.engine.device)[1]
-             for _ in range(warmup + repeats)]
+    times = [
+        timed(
+            lambda: llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False),
+            llm.engine.device,
+        )[1]
+        for _ in range(warmup + repeats)
+    ]
     return statistics.median(times[warmup:])
 
 
@@ -199,29 +265,52 @@ def measure_micro(llm, num_tokens: int, repeats: int, warmup: int, seed: int = 0
     size = engine.config.block_size
     num_blocks = blocks_for(num_tokens, size)
     layers = engine.model.config.num_hidden_layers
-    nbytes = num_blocks * block_bytes(engine.model.config, size,
-                                      engine.cache_engine.gpu_cache[0][0].dtype)
+    nbytes = num_blocks * block_bytes(
+        engine.model.config, size, engine.cache_engine.gpu_cache[0][0].dtype
+    )
     rows = []
     for method in SWAP_METHODS:
         # Keys and values of every layer: one gather-scatter each, or one per block.
         copies = 2 * layers * (1 if method == "batched" else num_blocks)
-        for op, seconds in zip(("swap-out", "swap-in"),
-                               time_swaps(engine, num_tokens, method, repeats, warmup)):
-            rows.append(_micro_row(size, op, method, num_tokens, num_blocks, copies, nbytes,
-                                   seconds))
-    prompt = make_prompts([RequestSpec(num_tokens, 1)], llm.get_tokenizer(),
-                          engine.vocab_size, seed)[0]
-    rows.append(_micro_row(size, "recompute", "prefill", num_tokens, num_blocks, None, None,
-                           time_recompute(llm, prompt, repeats, warmup)))
+        for op, seconds in zip(
+            ("swap-out", "swap-in"), time_swaps(engine, num_tokens, method, repeats, warmup)
+        ):
+            rows.append(
+                _micro_row(size, op, method, num_tokens, num_blocks, copies, nbytes, seconds)
+            )
+    prompt = make_prompts(
+        [RequestSpec(num_tokens, 1)], llm.get_tokenizer(), engine.vocab_size, seed
+    )[0]
+    rows.append(
+        _micro_row(
+            size,
+            "recompute",
+            "prefill",
+            num_tokens,
+            num_blocks,
+            None,
+            None,
+            time_recompute(llm, prompt, repeats, warmup),
+        )
+    )
     check_all_free(llm)
     return rows
 
 
 def _micro_row(size, op, method, num_tokens, num_blocks, copies, nbytes, seconds) -> dict:
-    return {"experiment": "microbenchmark", "block_size": size, "op": op, "method": method,
-            "num_tokens": num_tokens, "num_blocks": num_blocks, "num_copies": copies,
-            "bytes": nbytes, "time_ms": seconds * 1e3, "us_per_token": seconds * 1e6 / num_tokens,
-            "bandwidth_gbs": nbytes / seconds / 1e9 if nbytes else None}
+    return {
+        "experiment": "microbenchmark",
+        "block_size": size,
+        "op": op,
+        "method": method,
+        "num_tokens": num_tokens,
+        "num_blocks": num_blocks,
+        "num_copies": copies,
+        "bytes": nbytes,
+        "time_ms": seconds * 1e3,
+        "us_per_token": seconds * 1e6 / num_tokens,
+        "bandwidth_gbs": nbytes / seconds / 1e9 if nbytes else None,
+    }
 
 
 def _swap_space(config, block_size: int, dtype: torch.dtype, num_blocks: int) -> float:
@@ -230,15 +319,24 @@ def _swap_space(config, block_size: int, dtype: torch.dtype, num_blocks: int) ->
     return (num_blocks + 1) * block_bytes(config, block_size, dtype) / GIB
 
 
-def bench_preemption(path, block_sizes: Sequence[int], num_tokens: int, repeats: int,
-                     warmup: int, num_requests: int, kv_slots: int, length_scale: float,
-                     engine_kwargs: dict | None = None, seed: int = 0,
-                     progress: bool = True) -> list[dict]:
+def bench_preemption(
+    path,
+    block_sizes: Sequence[int],
+    num_tokens: int,
+    repeats: int,
+    warmup: int,
+    num_requests: int,
+    kv_slots: int,
+    length_scale: float,
+    engine_kwargs: dict | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[dict]:
     """Per block size: the microbenchmark (on the swap-mode engine, before its run) and
     both end-to-end runs.  End-to-end rows are normalized to the best of them all."""
-    from minipaged.models.resolve import resolve_device, resolve_max_model_len
     from minipaged.llm import LLM
     from minipaged.models.loader import read_config, resolve_dtype
+    from minipaged.models.resolve import resolve_device, resolve_max_model_len
 
     engine_kwargs = dict(engine_kwargs or {})
     check_engine_kwargs(engine_kwargs, SWEPT)
@@ -246,11 +344,12 @@ def bench_preemption(path, block_sizes: Sequence[int], num_tokens: int, repeats:
     config = read_config(Path(path))
     max_model_len = resolve_max_model_len(engine_kwargs.get("max_model_len"), config)
     if num_tokens + 1 > max_model_len:
-        raise ValueError(f"num_tokens={num_tokens} (and the token it generates) exceeds "
-                         f"max_model_len={max_model_len}")
+        raise ValueError(
+            f"num_tokens={num_tokens} (and the token it generates) exceeds "
+            f"max_model_len={max_model_len}"
+        )
     requests = make_requests("sharegpt", num_requests, length_scale, max_model_len, seed)
-    check_fits("the longest request", max(r.total_len for r in requests), kv_slots,
-               block_sizes)
+    check_fits("the longest request", max(r.total_len for r in requests), kv_slots, block_sizes)
     dtype = resolve_dtype(engine_kwargs.get("dtype", "auto"), config)
     device = resolve_device(engine_kwargs.get("device", "auto"))
     micro, end_to_end = [], []
@@ -258,14 +357,21 @@ def bench_preemption(path, block_sizes: Sequence[int], num_tokens: int, repeats:
     with one_cpu_thread(device):
         for size, mode in tqdm(runs, desc="block sizes x modes", disable=not progress):
             num_blocks = kv_slots // size
-            llm = LLM(str(path), **engine_kwargs, block_size=size, num_gpu_blocks=num_blocks,
-                      swap_space=_swap_space(config, size, dtype, num_blocks),
-                      preemption_mode=mode, enable_prefix_caching=False)
+            llm = LLM(
+                str(path),
+                **engine_kwargs,
+                block_size=size,
+                num_gpu_blocks=num_blocks,
+                swap_space=_swap_space(config, size, dtype, num_blocks),
+                preemption_mode=mode,
+                enable_prefix_caching=False,
+            )
             if mode == "swap":
                 micro += measure_micro(llm, num_tokens, repeats, warmup, seed)
             prompts = make_prompts(requests, llm.get_tokenizer(), llm.engine.vocab_size, seed)
-            end_to_end.append(_end_to_end_row(size, mode, kv_slots, requests,
-                                              run_engine(llm, requests, prompts)))
+            end_to_end.append(
+                _end_to_end_row(size, mode, kv_slots, requests, run_engine(llm, requests, prompts))
+            )
             del llm
             free_memory(device)
     best = max(r["output_tokens_per_s"] for r in end_to_end)
@@ -275,25 +381,39 @@ def bench_preemption(path, block_sizes: Sequence[int], num_tokens: int, repeats:
 
 
 def _end_to_end_row(size, mode, kv_slots, requests, run) -> dict:
-    return {"experiment": "end-to-end", "block_size": size, "preemption_mode": mode,
-            "num_requests": len(requests), "kv_slots": kv_slots, "elapsed_s": run.elapsed_s,
-            "output_tokens": run.output_tokens, "output_tokens_per_s": run.output_tokens_per_s,
-            "normalized_throughput": None, "num_steps": run.num_steps,
-            "num_preemptions": run.num_preemptions,
-            "num_swapped_out_blocks": run.num_swapped_out_blocks}
+    return {
+        "experiment": "end-to-end",
+        "block_size": size,
+        "preemption_mode": mode,
+        "num_requests": len(requests),
+        "kv_slots": kv_slots,
+        "elapsed_s": run.elapsed_s,
+        "output_tokens": run.output_tokens,
+        "output_tokens_per_s": run.output_tokens_per_s,
+        "normalized_throughput": None,
+        "num_steps": run.num_steps,
+        "num_preemptions": run.num_preemptions,
+        "num_swapped_out_blocks": run.num_swapped_out_blocks,
+    }
 
 
 # -- output ---------------------------------------------------------------------------
 def _micro(rows: list[dict], op: str, method: str) -> list[dict]:
-    return [r for r in rows if r["experiment"] == "microbenchmark" and r["op"] == op
-            and r["method"] == method]
+    return [
+        r
+        for r in rows
+        if r["experiment"] == "microbenchmark" and r["op"] == op and r["method"] == method
+    ]
 
 
 def format_table(rows: list[dict]) -> str:
     """Microseconds per token by block size (swap out + in, each method; recompute),
     then the end-to-end runs."""
-    micro = {(r["op"], r["method"], r["block_size"]): r["us_per_token"] for r in rows
-             if r["experiment"] == "microbenchmark"}
+    micro = {
+        (r["op"], r["method"], r["block_size"]): r["us_per_token"]
+        for r in rows
+        if r["experiment"] == "microbenchmark"
+    }
     num_tokens = next(r["num_tokens"] for r in rows if r["experiment"] == "microbenchmark")
     by_size = []
     for size in sorted({r["block_size"] for r in rows}):
@@ -304,18 +424,35 @@ def format_table(rows: list[dict]) -> str:
         by_size.append(row | {"recompute": micro["recompute", "prefill", size]})
     swaps = [f"{op}{suffix}" for suffix in ("", "/blk") for op in ("out", "in", "out+in")]
     end_to_end = [r for r in rows if r["experiment"] == "end-to-end"]
-    return "\n".join([
-        f"microbenchmark: one request of {num_tokens} tokens, us per token", "",
-        common.format_table(by_size, [Column("block", "block_size"),
-                                      *(Column(k, k, "{:.2f}") for k in swaps),
-                                      Column("recompute", "recompute", "{:.2f}")]),
-        "", "end to end: ShareGPT-like requests on a pool too small for them", "",
-        common.format_table(end_to_end, [
-            Column("block", "block_size"), Column("mode", "preemption_mode"),
-            Column("tok/s", "output_tokens_per_s", "{:.0f}"),
-            Column("vs best", "normalized_throughput", "{:.2f}"),
-            Column("preempt", "num_preemptions"),
-            Column("swapped blk", "num_swapped_out_blocks"), Column("steps", "num_steps")])])
+    return "\n".join(
+        [
+            f"microbenchmark: one request of {num_tokens} tokens, us per token",
+            "",
+            common.format_table(
+                by_size,
+                [
+                    Column("block", "block_size"),
+                    *(Column(k, k, "{:.2f}") for k in swaps),
+                    Column("recompute", "recompute", "{:.2f}"),
+                ],
+            ),
+            "",
+            "end to end: ShareGPT-like requests on a pool too small for them",
+            "",
+            common.format_table(
+                end_to_end,
+                [
+                    Column("block", "block_size"),
+                    Column("mode", "preemption_mode"),
+                    Column("tok/s", "output_tokens_per_s", "{:.0f}"),
+                    Column("vs best", "normalized_throughput", "{:.2f}"),
+                    Column("preempt", "num_preemptions"),
+                    Column("swapped blk", "num_swapped_out_blocks"),
+                    Column("steps", "num_steps"),
+                ],
+            ),
+        ]
+    )
 
 
 def plot_preemption(rows: list[dict], device: str = "") -> Figure:
@@ -328,25 +465,41 @@ def plot_preemption(rows: list[dict], device: str = "") -> Figure:
         out, back = _micro(rows, "swap-out", method), _micro(rows, "swap-in", method)
         sizes = [r["block_size"] for r in out]
         for label, values, colour, marker in (
-                ("swap out", [r["us_per_token"] for r in out], "tab:blue", "v"),
-                ("swap in", [r["us_per_token"] for r in back], "tab:orange", "^"),
-                ("swap in + out", [a["us_per_token"] + b["us_per_token"]
-                                   for a, b in zip(out, back)], "tab:green", "o")):
-            micro_ax.plot(sizes, values, style, marker=marker, color=colour,
-                          label=f"{label} ({method})")
+            ("swap out", [r["us_per_token"] for r in out], "tab:blue", "v"),
+            ("swap in", [r["us_per_token"] for r in back], "tab:orange", "^"),
+            (
+                "swap in + out",
+                [a["us_per_token"] + b["us_per_token"] for a, b in zip(out, back)],
+                "tab:green",
+                "o",
+            ),
+        ):
+            micro_ax.plot(
+                sizes, values, style, marker=marker, color=colour, label=f"{label} ({method})"
+            )
     recompute = _micro(rows, "recompute", "prefill")
-    micro_ax.plot([r["block_size"] for r in recompute], [r["us_per_token"] for r in recompute],
-                  marker="s", color="black", label="recompute")
+    micro_ax.plot(
+        [r["block_size"] for r in recompute],
+        [r["us_per_token"] for r in recompute],
+        marker="s",
+        color="black",
+        label="recompute",
+    )
     micro_ax.set_yscale("log")
     micro_ax.set_ylabel("microseconds per token")
     micro_ax.set_title(f"(a) one request of {recompute[0]['num_tokens']} tokens")
-    micro_ax.legend(fontsize="small", ncols=3, loc="upper center",
-                    bbox_to_anchor=(0.5, -0.2), frameon=False)
+    micro_ax.legend(
+        fontsize="small", ncols=3, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False
+    )
     for mode, colour in zip(PREEMPTION_MODES, ("black", "tab:green")):
-        ours = [r for r in rows if r["experiment"] == "end-to-end"
-                and r["preemption_mode"] == mode]
-        e2e_ax.plot([r["block_size"] for r in ours], [r["normalized_throughput"] for r in ours],
-                    marker="o", color=colour, label=mode)
+        ours = [r for r in rows if r["experiment"] == "end-to-end" and r["preemption_mode"] == mode]
+        e2e_ax.plot(
+            [r["block_size"] for r in ours],
+            [r["normalized_throughput"] for r in ours],
+            marker="o",
+            color=colour,
+            label=mode,
+        )
     e2e_ax.set_ylabel("throughput / best run")
     e2e_ax.set_title("(b) end to end, ShareGPT-like requests")
     e2e_ax.legend()
@@ -362,22 +515,36 @@ def plot_preemption(rows: list[dict], device: str = "") -> Figure:
 # -- the command ----------------------------------------------------------------------
 def add_arguments(parser) -> None:
     add_model_flag(parser, SYNTHETIC_MODEL_HELP)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=default_preset(),
-                        help="cpu: the tiny checkpoint, about 30 s; gpu: a Llama-3.2-1B-"
-                             "shaped random model on the paper's KV pool (default: gpu if "
-                             "CUDA is available)")
-    parser.add_argument("--block-sizes", type=int, nargs="+", metavar="N",
-                        default=list(BLOCK_SIZES), help="(default: 1 2 4 ... 256)")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=default_preset(),
+        help="cpu: the tiny checkpoint, about 30 s; gpu: a Llama-3.2-1B-"
+        "shaped random model on the paper's KV pool (default: gpu if "
+        "CUDA is available)",
+    )
+    parser.add_argument(
+        "--block-sizes",
+        type=int,
+        nargs="+",
+        metavar="N",
+        default=list(BLOCK_SIZES),
+        help="(default: 1 2 4 ... 256)",
+    )
     for flag, help_ in [
-            ("--num-tokens", "tokens of the request swapped and recomputed"),
-            ("--repeats", "timings per operation, of which the median is reported"),
-            ("--warmup", "untimed runs of each operation first"),
-            ("--num-requests", "requests of the end-to-end workload"),
-            ("--kv-slots", "tokens the end-to-end KV pool holds (the CPU pool holds as "
-                           "many)")]:
+        ("--num-tokens", "tokens of the request swapped and recomputed"),
+        ("--repeats", "timings per operation, of which the median is reported"),
+        ("--warmup", "untimed runs of each operation first"),
+        ("--num-requests", "requests of the end-to-end workload"),
+        ("--kv-slots", "tokens the end-to-end KV pool holds (the CPU pool holds as many)"),
+    ]:
         parser.add_argument(flag, type=int, metavar="N", help=f"{help_} (default: the preset's)")
-    parser.add_argument("--length-scale", type=float, metavar="X",
-                        help="multiply the ShareGPT lengths by X (default: the preset's)")
+    parser.add_argument(
+        "--length-scale",
+        type=float,
+        metavar="X",
+        help="multiply the ShareGPT lengths by X (default: the preset's)",
+    )
     add_output_flags(parser, NAME)
     add_engine_flags(parser, exclude=SWEPT)
 
@@ -386,14 +553,25 @@ def main(args) -> None:
     preset = PRESETS[args.preset]
     device = preset_device(args.preset, args.device, PRESETS)
     # A flag left out takes the preset's value.
-    setting = {name: getattr(preset, name) if getattr(args, name) is None else getattr(args, name)
-               for name in ("num_tokens", "repeats", "warmup", "num_requests", "kv_slots",
-                            "length_scale")}
+    setting = {
+        name: getattr(preset, name) if getattr(args, name) is None else getattr(args, name)
+        for name in ("num_tokens", "repeats", "warmup", "num_requests", "kv_slots", "length_scale")
+    }
     model = bench_model(args, PRESETS)
     engine = {**engine_kwargs(args), "device": device.type}
-    rows = bench_preemption(model, args.block_sizes, **setting, engine_kwargs=engine,
-                            seed=args.seed)
+    rows = bench_preemption(
+        model, args.block_sizes, **setting, engine_kwargs=engine, seed=args.seed
+    )
     print(format_table(rows))
-    write(args, NAME, device, rows, plot_preemption(rows, device_name(device)),
-          **model_record(args, model, device), engine=engine,
-          block_sizes=sorted(set(args.block_sizes)), seed=args.seed, **setting)
+    write(
+        args,
+        NAME,
+        device,
+        rows,
+        plot_preemption(rows, device_name(device)),
+        **model_record(args, model, device),
+        engine=engine,
+        block_sizes=sorted(set(args.block_sizes)),
+        seed=args.seed,
+        **setting,
+    )

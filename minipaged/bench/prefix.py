@@ -28,18 +28,20 @@ from minipaged.bench import common
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column, one_cpu_thread
 from minipaged.bench.throughput import make_prompts
-from minipaged.models.tiny import cached_checkpoint
 from minipaged.llm import LLM
 from minipaged.memory.simulate import OPT13B_A100_SLOTS
+from minipaged.models.tiny import cached_checkpoint
 from minipaged.sampling_params import SamplingParams
 from minipaged.workloads import synthetic_requests
 
 NAME = "prefix"
 HELP = "a shared few-shot prefix with prefix caching off and on (§6.4)"
-DESCRIPTION = ("Every request is one shared prefix (the paper's 1-shot 80 tokens or "
-               "5-shot 341 tokens) plus its own Alpaca-like suffix; run them with prefix "
-               "caching off and on; report the hit rate, prefill tokens computed and "
-               "throughput.")
+DESCRIPTION = (
+    "Every request is one shared prefix (the paper's 1-shot 80 tokens or "
+    "5-shot 341 tokens) plus its own Alpaca-like suffix; run them with prefix "
+    "caching off and on; report the hit rate, prefill tokens computed and "
+    "throughput."
+)
 PREFIXES = {"1-shot": 80, "5-shot": 341}  # the paper's prefix lengths, in tokens
 
 
@@ -58,27 +60,43 @@ class PrefixRun:
         return self.output_tokens / self.elapsed_s
 
 
-def make_requests(prefix_len: int, num_requests: int, tokenizer, vocab_size: int,
-                  seed: int = 0) -> tuple[list[list[int]], list[int]]:
+def make_requests(
+    prefix_len: int, num_requests: int, tokenizer, vocab_size: int, seed: int = 0
+) -> tuple[list[list[int]], list[int]]:
     """Prompts (one shared prefix + each request's suffix) and output lengths."""
     specs = synthetic_requests("alpaca", num_requests, seed=seed, max_len=512)
     suffixes = make_prompts(specs, tokenizer, vocab_size, seed)
-    prefix = random.Random(f"prefix-{seed}").choices(sorted({t for s in suffixes for t in s}),
-                                                     k=prefix_len)
+    prefix = random.Random(f"prefix-{seed}").choices(
+        sorted({t for s in suffixes for t in s}), k=prefix_len
+    )
     return [prefix + s for s in suffixes], [s.output_len for s in specs]
 
 
-def run_prefix(path, prefix: str, caching: bool, num_requests: int,
-               kv_slots: int = OPT13B_A100_SLOTS, block_size: int = 16,
-               seed: int = 0) -> PrefixRun:
+def run_prefix(
+    path,
+    prefix: str,
+    caching: bool,
+    num_requests: int,
+    kv_slots: int = OPT13B_A100_SLOTS,
+    block_size: int = 16,
+    seed: int = 0,
+) -> PrefixRun:
     """All requests at once through ``LLM.generate``, after an untimed warm-up on the
     same prompts reversed: the same shapes, but no prefix in common with the timed
     requests (a warm cache would flatter them)."""
-    llm = LLM(str(path), device="cpu", block_size=block_size, swap_space=0, seed=seed,
-              num_gpu_blocks=kv_slots // block_size, enable_prefix_caching=caching)
+    llm = LLM(
+        str(path),
+        device="cpu",
+        block_size=block_size,
+        swap_space=0,
+        seed=seed,
+        num_gpu_blocks=kv_slots // block_size,
+        enable_prefix_caching=caching,
+    )
     engine = llm.engine
-    prompts, output_lens = make_requests(PREFIXES[prefix], num_requests, llm.get_tokenizer(),
-                                         engine.vocab_size, seed)
+    prompts, output_lens = make_requests(
+        PREFIXES[prefix], num_requests, llm.get_tokenizer(), engine.vocab_size, seed
+    )
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate([{"prompt_token_ids": p[::-1]} for p in prompts], params, use_tqdm=False)
     before = engine.counters()
@@ -88,13 +106,24 @@ def run_prefix(path, prefix: str, caching: bool, num_requests: int,
     elapsed = time.perf_counter() - start
     hits = getattr(engine.kv.gpu, "num_hit_tokens", 0) - hits_before
     prompt_tokens = engine.counters()["num_prompt_tokens"] - before["num_prompt_tokens"]
-    return PrefixRun(prefix, caching, hits / prompt_tokens, prompt_tokens,
-                     prompt_tokens - hits, sum(len(o.outputs[0].token_ids) for o in outputs),
-                     elapsed)
+    return PrefixRun(
+        prefix,
+        caching,
+        hits / prompt_tokens,
+        prompt_tokens,
+        prompt_tokens - hits,
+        sum(len(o.outputs[0].token_ids) for o in outputs),
+        elapsed,
+    )
 
 
-def bench_prefix(num_requests: int, prefixes=tuple(PREFIXES), kv_slots: int = OPT13B_A100_SLOTS,
-                 block_size: int = 16, seed: int = 0) -> list[PrefixRun]:
+def bench_prefix(
+    num_requests: int,
+    prefixes=tuple(PREFIXES),
+    kv_slots: int = OPT13B_A100_SLOTS,
+    block_size: int = 16,
+    seed: int = 0,
+) -> list[PrefixRun]:
     """Each prefix with caching off, then on, on the tiny checkpoint."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests!r}")
@@ -103,18 +132,29 @@ def bench_prefix(num_requests: int, prefixes=tuple(PREFIXES), kv_slots: int = OP
         raise ValueError(f"prefixes must be some of {list(PREFIXES)}, got {list(prefixes)}")
     path = cached_checkpoint("bench-sharing")
     with one_cpu_thread("cpu"):
-        return [run_prefix(path, prefix, caching, num_requests, kv_slots, block_size, seed)
-                for prefix in prefixes for caching in (False, True)]
+        return [
+            run_prefix(path, prefix, caching, num_requests, kv_slots, block_size, seed)
+            for prefix in prefixes
+            for caching in (False, True)
+        ]
 
 
 def rows(runs: list[PrefixRun]) -> list[dict]:
-    return [{"prefix": r.prefix, "prefix_len": PREFIXES[r.prefix], "caching": r.caching,
-             "hit_rate": r.hit_rate, "prompt_tokens": r.prompt_tokens,
-             "computed_prompt_tokens": r.computed_prompt_tokens,
-             "output_tokens": r.output_tokens, "elapsed_s": r.elapsed_s,
-             "output_tokens_per_s": r.output_tokens_per_s,
-             "speedup": r.output_tokens_per_s / _off(runs, r.prefix).output_tokens_per_s}
-            for r in runs]
+    return [
+        {
+            "prefix": r.prefix,
+            "prefix_len": PREFIXES[r.prefix],
+            "caching": r.caching,
+            "hit_rate": r.hit_rate,
+            "prompt_tokens": r.prompt_tokens,
+            "computed_prompt_tokens": r.computed_prompt_tokens,
+            "output_tokens": r.output_tokens,
+            "elapsed_s": r.elapsed_s,
+            "output_tokens_per_s": r.output_tokens_per_s,
+            "speedup": r.output_tokens_per_s / _off(runs, r.prefix).output_tokens_per_s,
+        }
+        for r in runs
+    ]
 
 
 def _off(runs: list[PrefixRun], prefix: str) -> PrefixRun:
@@ -122,12 +162,17 @@ def _off(runs: list[PrefixRun], prefix: str) -> PrefixRun:
 
 
 def format_table(runs: list[PrefixRun]) -> str:
-    return common.format_table(rows(runs), [
-        Column("prefix", "prefix"), Column("caching", lambda r: "on" if r["caching"] else "off"),
-        Column("hit rate", "hit_rate", "{:.1%}"),
-        Column("prefill tokens", "computed_prompt_tokens"),
-        Column("tokens/s", "output_tokens_per_s", "{:.0f}"),
-        Column("speed-up", "speedup", "{:.2f}x")])
+    return common.format_table(
+        rows(runs),
+        [
+            Column("prefix", "prefix"),
+            Column("caching", lambda r: "on" if r["caching"] else "off"),
+            Column("hit rate", "hit_rate", "{:.1%}"),
+            Column("prefill tokens", "computed_prompt_tokens"),
+            Column("tokens/s", "output_tokens_per_s", "{:.0f}"),
+            Column("speed-up", "speedup", "{:.2f}x"),
+        ],
+    )
 
 
 def plot_prefix(runs: list[PrefixRun], title: str) -> Figure:
@@ -140,8 +185,7 @@ def plot_prefix(runs: list[PrefixRun], title: str) -> Figure:
         label = "caching on" if caching else "caching off"
         xs = [i + offset for i in range(len(prefixes))]
         computed.bar(xs, [r.computed_prompt_tokens for r in ours], 0.4, color=colour, label=label)
-        bars = speed.bar(xs, [r.output_tokens_per_s for r in ours], 0.4, color=colour,
-                         label=label)
+        bars = speed.bar(xs, [r.output_tokens_per_s for r in ours], 0.4, color=colour, label=label)
         if caching:
             speed.bar_label(bars, [f"{r.hit_rate:.0%} hit" for r in ours], fontsize=8)
     for ax, ylabel in ((computed, "prefill tokens computed"), (speed, "output tokens / s")):
@@ -154,12 +198,23 @@ def plot_prefix(runs: list[PrefixRun], title: str) -> Figure:
 
 # -- the command ----------------------------------------------------------------------
 def add_arguments(parser) -> None:
-    parser.add_argument("--num-requests", type=int, default=100, metavar="N",
-                        help="(default: %(default)s)")
-    parser.add_argument("--prefixes", nargs="+", default=["1-shot", "5-shot"],
-                        metavar="PREFIX", help="1-shot and/or 5-shot (default: both)")
-    parser.add_argument("--kv-slots", type=int, default=OPT13B_A100_SLOTS,
-                        metavar="N", help="tokens the KV pool holds (default: %(default)s)")
+    parser.add_argument(
+        "--num-requests", type=int, default=100, metavar="N", help="(default: %(default)s)"
+    )
+    parser.add_argument(
+        "--prefixes",
+        nargs="+",
+        default=["1-shot", "5-shot"],
+        metavar="PREFIX",
+        help="1-shot and/or 5-shot (default: both)",
+    )
+    parser.add_argument(
+        "--kv-slots",
+        type=int,
+        default=OPT13B_A100_SLOTS,
+        metavar="N",
+        help="tokens the KV pool holds (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     add_output_flags(parser, NAME)
 
@@ -168,5 +223,13 @@ def main(args) -> None:
     runs = bench_prefix(args.num_requests, args.prefixes, args.kv_slots, seed=args.seed)
     print(format_table(runs))
     title = f"{args.num_requests} requests sharing a few-shot prefix, tiny model on a CPU"
-    write(args, NAME, "cpu", rows(runs), plot_prefix(runs, title),
-          num_requests=args.num_requests, kv_slots=args.kv_slots, seed=args.seed)
+    write(
+        args,
+        NAME,
+        "cpu",
+        rows(runs),
+        plot_prefix(runs, title),
+        num_requests=args.num_requests,
+        kv_slots=args.kv_slots,
+        seed=args.seed,
+    )

@@ -46,13 +46,21 @@ def committed_path(name: str, device: torch.device | str) -> Path:
     """``benchmarks/results/<device-slug>/<name>.json`` of this checkout; ``ValueError``
     where the package is not imported from a checkout (an installed wheel has none)."""
     if not COMMITTED_DIR.is_dir():
-        raise ValueError(f"--update-committed: no committed results at {COMMITTED_DIR} "
-                         "(minipaged is not imported from a source checkout)")
+        raise ValueError(
+            f"--update-committed: no committed results at {COMMITTED_DIR} "
+            "(minipaged is not imported from a source checkout)"
+        )
     return COMMITTED_DIR / device_slug(device) / f"{name}.json"
 
 
-def write_results(path: str | Path, results: list[dict], device: torch.device | str,
-                  command: str, figure=None, **extra) -> Path:
+def write_results(
+    path: str | Path,
+    results: list[dict],
+    device: torch.device | str,
+    command: str,
+    figure=None,
+    **extra,
+) -> Path:
     """Save ``results`` (one dict per row) as JSON at ``path``, with the contract's
     top-level ``device``, ``torch``, ``triton``, ``date`` and ``command``, then the
     ``extra`` keys; a matplotlib ``figure`` goes beside it as a PNG of the same stem.

@@ -48,10 +48,12 @@ from minipaged.workloads import WORKLOADS, arrival_times, synthetic_requests
 
 NAME = "serve"
 HELP = "online serving: latency and throughput against a running server"
-DESCRIPTION = ("Send synthetic requests to an OpenAI-compatible server (minipaged serve, "
-               "or any other) as a Poisson process; report TTFT, TPOT, ITL and "
-               "end-to-end latency (mean, median, p99) and throughput, as vLLM's "
-               "benchmark_serving does.")
+DESCRIPTION = (
+    "Send synthetic requests to an OpenAI-compatible server (minipaged serve, "
+    "or any other) as a Poisson process; report TTFT, TPOT, ITL and "
+    "end-to-end latency (mean, median, p99) and throughput, as vLLM's "
+    "benchmark_serving does."
+)
 PROMPT_VOCAB = 256  # prompt ids are drawn from [0, PROMPT_VOCAB): bytes in any tokenizer
 DEFAULT_MAX_MODEL_LEN = 2048  # when the server does not say (the paper's OPT context)
 # Between two chunks of one stream; a request queued behind a long batch hears nothing
@@ -59,8 +61,12 @@ DEFAULT_MAX_MODEL_LEN = 2048  # when the server does not say (the paper's OPT co
 READ_TIMEOUT_S = 600.0
 METRICS = ("ttft", "tpot", "itl", "e2el")
 SHOWN_ERRORS = 3  # the table shows the commonest; the JSON has them all
-_TITLES = ("Time to First Token", "Time per Output Token (excl. 1st token)",
-           "Inter-token Latency", "End-to-end Latency")
+_TITLES = (
+    "Time to First Token",
+    "Time per Output Token (excl. 1st token)",
+    "Inter-token Latency",
+    "End-to-end Latency",
+)
 
 
 class ServerError(ConnectionError):
@@ -112,16 +118,19 @@ class RequestRecord:
 
 
 # -- the workload ---------------------------------------------------------------------
-def make_requests(workload: str, num_requests: int, max_model_len: int,
-                  seed: int = 0) -> list[Request]:
+def make_requests(
+    workload: str, num_requests: int, max_model_len: int, seed: int = 0
+) -> list[Request]:
     """``num_requests`` seeded requests whose prompt plus output fit ``max_model_len``."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests!r}")
     specs = synthetic_requests(workload, num_requests, seed=seed, max_len=max_model_len)
     # A seed stream of its own, so the ids are not a function of the lengths' draws.
     rng = random.Random(f"prompts-{seed}")
-    return [Request([rng.randrange(PROMPT_VOCAB) for _ in range(s.prompt_len)], s.output_len)
-            for s in specs]
+    return [
+        Request([rng.randrange(PROMPT_VOCAB) for _ in range(s.prompt_len)], s.output_len)
+        for s in specs
+    ]
 
 
 # -- the metrics ----------------------------------------------------------------------
@@ -130,17 +139,18 @@ def _stats(name: str, seconds: list[float]) -> dict[str, float | None]:
     None, not vLLM's 0, when nothing was measured: no TPOT is not a TPOT of 0 ms."""
     ms = np.asarray(seconds) * 1e3
     stats = {"mean": np.mean, "median": np.median, "p99": lambda x: np.percentile(x, 99)}
-    return {f"{stat}_{name}_ms": float(f(ms)) if len(ms) else None
-            for stat, f in stats.items()}
+    return {f"{stat}_{name}_ms": float(f(ms)) if len(ms) else None for stat, f in stats.items()}
 
 
 def _samples(records: list[RequestRecord]) -> dict[str, list[float]]:
     """Each metric's samples in seconds, over the completed requests."""
     done = [r for r in records if r.success]
-    return {"ttft": [r.ttft for r in done],
-            "tpot": [r.tpot for r in done if r.tpot is not None],
-            "itl": [gap for r in done for gap in r.itl],
-            "e2el": [r.latency for r in done]}
+    return {
+        "ttft": [r.ttft for r in done],
+        "tpot": [r.tpot for r in done if r.tpot is not None],
+        "itl": [gap for r in done for gap in r.itl],
+        "e2el": [r.latency for r in done],
+    }
 
 
 def summarize(records: list[RequestRecord], duration_s: float) -> dict:
@@ -152,12 +162,17 @@ def summarize(records: list[RequestRecord], duration_s: float) -> dict:
     done = [r for r in records if r.success]
     prompt = sum(r.prompt_len for r in done)
     output = sum(r.output_tokens for r in done)
-    summary = {"num_requests": len(records), "completed": len(done),
-               "failed": len(records) - len(done), "duration_s": duration_s,
-               "total_input_tokens": prompt, "total_output_tokens": output,
-               "request_throughput": len(done) / duration_s,
-               "output_throughput": output / duration_s,
-               "total_token_throughput": (prompt + output) / duration_s}
+    summary = {
+        "num_requests": len(records),
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "duration_s": duration_s,
+        "total_input_tokens": prompt,
+        "total_output_tokens": output,
+        "request_throughput": len(done) / duration_s,
+        "output_throughput": output / duration_s,
+        "total_token_throughput": (prompt + output) / duration_s,
+    }
     for name, seconds in _samples(records).items():
         summary.update(_stats(name, seconds))
     summary["errors"] = dict(Counter(r.error for r in records if not r.success).most_common())
@@ -200,13 +215,18 @@ async def fetch_model(client: httpx.AsyncClient, model: str | None = None) -> di
     return cards[served.index(model) if model is not None else 0]
 
 
-async def send_request(client: httpx.AsyncClient, model: str,
-                       request: Request) -> RequestRecord:
+async def send_request(client: httpx.AsyncClient, model: str, request: Request) -> RequestRecord:
     """Stream one completion, timing every chunk; a failure is recorded, not raised."""
     record = RequestRecord(len(request.prompt_token_ids), request.output_len)
-    payload = {"model": model, "prompt": request.prompt_token_ids,
-               "max_tokens": request.output_len, "ignore_eos": True, "temperature": 0,
-               "stream": True, "stream_options": {"include_usage": True}}
+    payload = {
+        "model": model,
+        "prompt": request.prompt_token_ids,
+        "max_tokens": request.output_len,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     record.start = time.perf_counter()
     try:
         async with client.stream("POST", "/v1/completions", json=payload) as response:
@@ -247,10 +267,17 @@ async def _read_stream(response: httpx.Response, record: RequestRecord) -> None:
         record.error = "no usage chunk (stream_options.include_usage) in the stream"
 
 
-async def benchmark(base_url: str, request_rate: float = math.inf, num_requests: int = 100,
-                    workload: str = "sharegpt", model: str | None = None,
-                    max_concurrency: int | None = None, api_key: str | None = None,
-                    seed: int = 0, progress: bool = True) -> tuple[dict, list[RequestRecord]]:
+async def benchmark(
+    base_url: str,
+    request_rate: float = math.inf,
+    num_requests: int = 100,
+    workload: str = "sharegpt",
+    model: str | None = None,
+    max_concurrency: int | None = None,
+    api_key: str | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[dict, list[RequestRecord]]:
     """Run the benchmark against the server at ``base_url``; returns the summary
     (`summarize` plus the setting) and every request's record, in request order."""
     root = _api_root(base_url)
@@ -263,29 +290,41 @@ async def benchmark(base_url: str, request_rate: float = math.inf, num_requests:
     # httpx pools 100 connections by default: more requests in flight would wait for a
     # connection inside the client, silently capping the concurrency being measured.
     limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=root, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(READ_TIMEOUT_S, connect=10.0)) as client:
+    async with httpx.AsyncClient(
+        base_url=root,
+        headers=headers,
+        limits=limits,
+        timeout=httpx.Timeout(READ_TIMEOUT_S, connect=10.0),
+    ) as client:
         card = await fetch_model(client, model)
         max_model_len = card.get("max_model_len") or DEFAULT_MAX_MODEL_LEN
         requests = make_requests(workload, num_requests, max_model_len, seed)
         # One untimed token, so a wrong setup fails once and clearly, and the server has
         # compiled its kernels before the clock starts.  The first prompt reversed: as
         # long, but no prefix for a prefix cache to hand the timed request.
-        test = await send_request(client, card["id"],
-                                  Request(requests[0].prompt_token_ids[::-1], 1))
+        test = await send_request(
+            client, card["id"], Request(requests[0].prompt_token_ids[::-1], 1)
+        )
         if not test.success:
             raise ServerError(f"the test request to {root}/v1/completions failed: {test.error}")
-        records, duration = await _send_all(client, card["id"], requests, times,
-                                            max_concurrency, progress)
+        records, duration = await _send_all(
+            client, card["id"], requests, times, max_concurrency, progress
+        )
     # JSON has no infinity: "inf", as vLLM writes it.
-    setting = {"model": card["id"], "max_model_len": max_model_len, "workload": workload,
-               "request_rate": float(request_rate) if math.isfinite(request_rate) else "inf",
-               "max_concurrency": max_concurrency, "seed": seed}
+    setting = {
+        "model": card["id"],
+        "max_model_len": max_model_len,
+        "workload": workload,
+        "request_rate": float(request_rate) if math.isfinite(request_rate) else "inf",
+        "max_concurrency": max_concurrency,
+        "seed": seed,
+    }
     return {**setting, **summarize(records, duration)}, records
 
 
-async def _send_all(client, model, requests, times, max_concurrency,
-                    progress) -> tuple[list[RequestRecord], float]:
+async def _send_all(
+    client, model, requests, times, max_concurrency, progress
+) -> tuple[list[RequestRecord], float]:
     slots = asyncio.Semaphore(max_concurrency or len(requests))
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
 
@@ -320,25 +359,29 @@ def run(base_url: str, **kwargs) -> tuple[dict, list[RequestRecord]]:
 # -- output ---------------------------------------------------------------------------
 def format_summary(summary: dict) -> str:
     """The table vLLM's benchmark prints."""
+
     def line(label: str, value) -> str:
         text = "-" if value is None else f"{value:.2f}" if isinstance(value, float) else value
         return f"{label:<40}{text:>10}"
 
-    lines = [f"{' Serving Benchmark Result ':=^50}",
-             line("Request rate (req/s):", summary["request_rate"]),
-             line("Successful requests:", summary["completed"]),
-             line("Failed requests:", summary["failed"]),
-             line("Benchmark duration (s):", summary["duration_s"]),
-             line("Total input tokens:", summary["total_input_tokens"]),
-             line("Total generated tokens:", summary["total_output_tokens"]),
-             line("Request throughput (req/s):", summary["request_throughput"]),
-             line("Output token throughput (tok/s):", summary["output_throughput"]),
-             line("Total token throughput (tok/s):", summary["total_token_throughput"])]
+    lines = [
+        f"{' Serving Benchmark Result ':=^50}",
+        line("Request rate (req/s):", summary["request_rate"]),
+        line("Successful requests:", summary["completed"]),
+        line("Failed requests:", summary["failed"]),
+        line("Benchmark duration (s):", summary["duration_s"]),
+        line("Total input tokens:", summary["total_input_tokens"]),
+        line("Total generated tokens:", summary["total_output_tokens"]),
+        line("Request throughput (req/s):", summary["request_throughput"]),
+        line("Output token throughput (tok/s):", summary["output_throughput"]),
+        line("Total token throughput (tok/s):", summary["total_token_throughput"]),
+    ]
     for name, title in zip(METRICS, _TITLES):
         lines.append(f"{title:-^50}")
         for stat in ("mean", "median", "p99"):
-            lines.append(line(f"{stat.capitalize()} {name.upper()} (ms):",
-                              summary[f"{stat}_{name}_ms"]))
+            lines.append(
+                line(f"{stat.capitalize()} {name.upper()} (ms):", summary[f"{stat}_{name}_ms"])
+            )
     errors = list(summary["errors"].items())
     lines += [f"error ({count}x): {message}" for message, count in errors[:SHOWN_ERRORS]]
     if len(errors) > SHOWN_ERRORS:
@@ -366,49 +409,85 @@ def plot_latencies(records: list[RequestRecord], title: str = ""):
             continue
         ax.step(ms, np.arange(1, len(ms) + 1) / len(ms), where="post")
         for q, style in ((50, "--"), (99, ":")):
-            ax.axvline(np.percentile(ms, q), color="gray", linestyle=style, linewidth=1,
-                       label=f"p{q} {np.percentile(ms, q):.1f} ms")
+            ax.axvline(
+                np.percentile(ms, q),
+                color="gray",
+                linestyle=style,
+                linewidth=1,
+                label=f"p{q} {np.percentile(ms, q):.1f} ms",
+            )
         ax.set_ylabel("fraction of samples")
         ax.legend(fontsize="small", loc="lower right")
     fig.suptitle(title or f"serving latency, {len(samples['e2el'])} completed requests")
     return fig
 
 
-def save_results(path: str | Path, summary: dict, records: list[RequestRecord],
-                 command: str, device: str = "cpu") -> Path:
+def save_results(
+    path: str | Path, summary: dict, records: list[RequestRecord], command: str, device: str = "cpu"
+) -> Path:
     """The JSON (one row: the summary; each request's lengths and times beside it) and
     the latency PNG.  ``device`` is the server's, which the client cannot see: the
     caller names it (right as it stands when both run on one machine)."""
-    requests = [{"prompt_len": r.prompt_len, "output_len": r.output_len,
-                 "output_tokens": r.output_tokens, "error": r.error,
-                 "ttft_ms": r.ttft * 1e3 if r.chunk_times else None,
-                 "e2el_ms": r.latency * 1e3} for r in records]
+    requests = [
+        {
+            "prompt_len": r.prompt_len,
+            "output_len": r.output_len,
+            "output_tokens": r.output_tokens,
+            "error": r.error,
+            "ttft_ms": r.ttft * 1e3 if r.chunk_times else None,
+            "e2el_ms": r.latency * 1e3,
+        }
+        for r in records
+    ]
     rate = summary["request_rate"]
-    title = (f"{summary['model']}: {summary['workload']}-like requests at {rate} req/s, "
-             f"{summary['completed']} completed")
-    return write_results(path, [summary], device, command,
-                         figure=plot_latencies(records, title), requests=requests)
+    title = (
+        f"{summary['model']}: {summary['workload']}-like requests at {rate} req/s, "
+        f"{summary['completed']} completed"
+    )
+    return write_results(
+        path, [summary], device, command, figure=plot_latencies(records, title), requests=requests
+    )
 
 
 # -- the command ----------------------------------------------------------------------
 def add_arguments(parser) -> None:
     parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
-    parser.add_argument("--request-rate", type=float, default=math.inf, metavar="R",
-                        help="requests per second, Poisson arrivals (default: inf, all at once)")
-    parser.add_argument("--num-requests", type=int, default=100, metavar="N",
-                        help="(default: %(default)s)")
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="sharegpt",
-                        help="request lengths like this dataset's (default: %(default)s)")
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        metavar="R",
+        help="requests per second, Poisson arrivals (default: inf, all at once)",
+    )
+    parser.add_argument(
+        "--num-requests", type=int, default=100, metavar="N", help="(default: %(default)s)"
+    )
+    parser.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="sharegpt",
+        help="request lengths like this dataset's (default: %(default)s)",
+    )
     parser.add_argument("--model", help="the served model's name (default: the first listed)")
-    parser.add_argument("--max-concurrency", type=int, metavar="N",
-                        help="at most N requests in flight (default: no limit)")
-    parser.add_argument("--api-key", default=os.environ.get("MINIPAGED_API_KEY"),
-                        help="sent as 'Authorization: Bearer KEY' (default: $MINIPAGED_API_KEY)")
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        metavar="N",
+        help="at most N requests in flight (default: no limit)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("MINIPAGED_API_KEY"),
+        help="sent as 'Authorization: Bearer KEY' (default: $MINIPAGED_API_KEY)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds lengths, prompts, arrivals")
-    parser.add_argument("--device", default=None,
-                        help="the server's device, which the results record and "
-                             "--update-committed's directory is named after (default: cuda "
-                             "if this machine has one, else cpu)")
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="the server's device, which the results record and "
+        "--update-committed's directory is named after (default: cuda "
+        "if this machine has one, else cpu)",
+    )
     add_output_flags(parser, NAME)
 
 
@@ -416,11 +495,18 @@ def main(args) -> None:
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    summary, records = run(args.base_url, request_rate=args.request_rate,
-                           num_requests=args.num_requests, workload=args.workload,
-                           model=args.model, max_concurrency=args.max_concurrency,
-                           api_key=args.api_key, seed=args.seed)
+    summary, records = run(
+        args.base_url,
+        request_rate=args.request_rate,
+        num_requests=args.num_requests,
+        workload=args.workload,
+        model=args.model,
+        max_concurrency=args.max_concurrency,
+        api_key=args.api_key,
+        seed=args.seed,
+    )
     print_summary(summary)
-    path = save_results(results_path(args, NAME, device), summary, records, args.command_line,
-                        device=device)
+    path = save_results(
+        results_path(args, NAME, device), summary, records, args.command_line, device=device
+    )
     print(f"wrote {path} and {path.with_suffix('.png')}")

@@ -28,17 +28,19 @@ from minipaged.bench import common
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column
 from minipaged.bench.throughput import make_prompts
-from minipaged.models.tiny import cached_checkpoint
 from minipaged.llm import LLM
 from minipaged.memory.simulate import OPT13B_A100_SLOTS
+from minipaged.models.tiny import cached_checkpoint
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
 from minipaged.workloads import WORKLOADS, synthetic_requests
 
 NAME = "sharing"
 HELP = "KV memory saved by sharing blocks: parallel sampling, beam search (Fig. 15)"
-DESCRIPTION = ("Serve synthetic requests with the engine on the tiny checkpoint and the "
-               "paper's KV pool, with n completions or beams each; count blocks in use "
-               "against the blocks the same sequences would hold without sharing.")
+DESCRIPTION = (
+    "Serve synthetic requests with the engine on the tiny checkpoint and the "
+    "paper's KV pool, with n completions or beams each; count blocks in use "
+    "against the blocks the same sequences would hold without sharing."
+)
 MODES = ("parallel", "beam")
 WIDTHS = (2, 4, 6)
 
@@ -65,8 +67,9 @@ def params_for(mode: str, width: int, max_tokens: int, seed: int):
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
-def measure_sharing(llm: LLM, prompts: list[list[int]], output_lens: list[int], mode: str,
-                    width: int) -> SharingRun:
+def measure_sharing(
+    llm: LLM, prompts: list[list[int]], output_lens: list[int], mode: str, width: int
+) -> SharingRun:
     """Serve the requests to completion, counting blocks with and without sharing after
     every step.  Leaves the engine empty."""
     engine = llm.engine
@@ -82,17 +85,30 @@ def measure_sharing(llm: LLM, prompts: list[list[int]], output_lens: list[int], 
     return run
 
 
-def bench_sharing(workload: str, num_requests: int, modes=MODES, widths=WIDTHS,
-                  kv_slots: int = OPT13B_A100_SLOTS, block_size: int = 16,
-                  seed: int = 0) -> list[SharingRun]:
+def bench_sharing(
+    workload: str,
+    num_requests: int,
+    modes=MODES,
+    widths=WIDTHS,
+    kv_slots: int = OPT13B_A100_SLOTS,
+    block_size: int = 16,
+    seed: int = 0,
+) -> list[SharingRun]:
     """Every (mode, width) on the same requests, one engine, a fresh pool each time."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests!r}")
     path = cached_checkpoint("bench-sharing")
-    llm = LLM(path, device="cpu", block_size=block_size, num_gpu_blocks=kv_slots // block_size,
-              swap_space=0, seed=seed)
-    requests = synthetic_requests(workload, num_requests, seed=seed,
-                                  max_len=llm.engine.max_model_len)
+    llm = LLM(
+        path,
+        device="cpu",
+        block_size=block_size,
+        num_gpu_blocks=kv_slots // block_size,
+        swap_space=0,
+        seed=seed,
+    )
+    requests = synthetic_requests(
+        workload, num_requests, seed=seed, max_len=llm.engine.max_model_len
+    )
     prompts = make_prompts(requests, llm.get_tokenizer(), llm.engine.vocab_size, seed)
     runs = []
     for mode, width in tqdm([(m, w) for m in modes for w in widths], desc="sharing runs"):
@@ -101,15 +117,30 @@ def bench_sharing(workload: str, num_requests: int, modes=MODES, widths=WIDTHS,
 
 
 def rows(runs: list[SharingRun], workload: str) -> list[dict]:
-    return [{"workload": workload, "mode": r.mode, "width": r.width, "saving": r.saving,
-             "used_blocks": r.used_blocks, "unshared_blocks": r.unshared_blocks,
-             "num_steps": r.num_steps} for r in runs]
+    return [
+        {
+            "workload": workload,
+            "mode": r.mode,
+            "width": r.width,
+            "saving": r.saving,
+            "used_blocks": r.used_blocks,
+            "unshared_blocks": r.unshared_blocks,
+            "num_steps": r.num_steps,
+        }
+        for r in runs
+    ]
 
 
 def format_table(runs: list[SharingRun]) -> str:
-    return common.format_table(rows(runs, workload=None), [
-        Column("mode", "mode"), Column("width", "width"), Column("saved", "saving", "{:.1%}"),
-        Column("steps", "num_steps")])
+    return common.format_table(
+        rows(runs, workload=None),
+        [
+            Column("mode", "mode"),
+            Column("width", "width"),
+            Column("saved", "saving", "{:.1%}"),
+            Column("steps", "num_steps"),
+        ],
+    )
 
 
 def plot_sharing(runs: list[SharingRun], title: str) -> Figure:
@@ -118,8 +149,11 @@ def plot_sharing(runs: list[SharingRun], title: str) -> Figure:
     axes = fig.subplots(1, 2, sharey=True)
     for ax, mode, label in zip(axes, MODES, ("parallel sampling: n", "beam search: width")):
         ours = [r for r in runs if r.mode == mode]
-        bars = ax.bar([str(r.width) for r in ours], [100 * r.saving for r in ours],
-                      color="#55a868" if mode == "parallel" else "#4c72b0")
+        bars = ax.bar(
+            [str(r.width) for r in ours],
+            [100 * r.saving for r in ours],
+            color="#55a868" if mode == "parallel" else "#4c72b0",
+        )
         ax.bar_label(bars, fmt="%.1f%%", fontsize=8)
         ax.set_xlabel(label)
     axes[0].set_ylabel("KV memory saved by sharing (%)")
@@ -129,26 +163,50 @@ def plot_sharing(runs: list[SharingRun], title: str) -> Figure:
 
 # -- the command ----------------------------------------------------------------------
 def add_arguments(parser) -> None:
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="alpaca",
-                        help="request lengths like this dataset's (default: %(default)s)")
-    parser.add_argument("--num-requests", type=int, default=40, metavar="N",
-                        help="(default: %(default)s)")
-    parser.add_argument("--widths", type=int, nargs="+", default=[2, 4, 6], metavar="N",
-                        help="n for parallel sampling, beam width for beam search "
-                             "(default: 2 4 6)")
-    parser.add_argument("--kv-slots", type=int, default=OPT13B_A100_SLOTS,
-                        metavar="N", help="tokens the KV pool holds (default: %(default)s)")
+    parser.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="alpaca",
+        help="request lengths like this dataset's (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--num-requests", type=int, default=40, metavar="N", help="(default: %(default)s)"
+    )
+    parser.add_argument(
+        "--widths",
+        type=int,
+        nargs="+",
+        default=[2, 4, 6],
+        metavar="N",
+        help="n for parallel sampling, beam width for beam search (default: 2 4 6)",
+    )
+    parser.add_argument(
+        "--kv-slots",
+        type=int,
+        default=OPT13B_A100_SLOTS,
+        metavar="N",
+        help="tokens the KV pool holds (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     add_output_flags(parser, "sharing-<workload>")
 
 
 def main(args) -> None:
-    runs = bench_sharing(args.workload, args.num_requests, widths=args.widths,
-                         kv_slots=args.kv_slots, seed=args.seed)
+    runs = bench_sharing(
+        args.workload, args.num_requests, widths=args.widths, kv_slots=args.kv_slots, seed=args.seed
+    )
     print(f"{args.num_requests} {args.workload}-like requests on {args.kv_slots} KV slots")
     print(format_table(runs))
     title = f"{args.num_requests} {args.workload}-like requests, {args.kv_slots} KV slots"
     # Counts, not times: the same on any machine, so always under cpu/.
-    write(args, f"sharing-{args.workload}", "cpu", rows(runs, args.workload),
-          plot_sharing(runs, title), workload=args.workload, kv_slots=args.kv_slots,
-          num_requests=args.num_requests, seed=args.seed)
+    write(
+        args,
+        f"sharing-{args.workload}",
+        "cpu",
+        rows(runs, args.workload),
+        plot_sharing(runs, title),
+        workload=args.workload,
+        kv_slots=args.kv_slots,
+        num_requests=args.num_requests,
+        seed=args.seed,
+    )

@@ -40,6 +40,7 @@ is reported beside the total.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import time
@@ -53,9 +54,16 @@ import torch
 from tqdm.auto import tqdm
 
 from minipaged.bench import common
-from minipaged.bench.args import (SYNTHETIC_MODEL_HELP, add_engine_flags, add_model_flag,
-                                  add_output_flags, bench_model, engine_kwargs, model_record,
-                                  write)
+from minipaged.bench.args import (
+    SYNTHETIC_MODEL_HELP,
+    add_engine_flags,
+    add_model_flag,
+    add_output_flags,
+    bench_model,
+    engine_kwargs,
+    model_record,
+    write,
+)
 from minipaged.bench.common import Column, free_memory, one_cpu_thread, sync, timed
 from minipaged.bench.results import device_name
 from minipaged.models.tiny import cached_checkpoint
@@ -64,12 +72,20 @@ from minipaged.workloads import RequestSpec, synthetic_requests
 
 NAME = "throughput"
 HELP = "offline throughput: minipaged vs Hugging Face generate"
-DESCRIPTION = ("Complete the same synthetic ShareGPT-like requests (ignore_eos) with "
-               "minipaged on each attention backend, transformers' generate one "
-               "request at a time and in padded batches; report requests/s and output "
-               "tokens/s, and the engine's own CPU time per step with the model stubbed.")
-SYSTEMS = ("minipaged-torch", "minipaged-triton", "minipaged-cuda", "hf-generate",
-           "hf-generate-batch", "hf-continuous-batching")
+DESCRIPTION = (
+    "Complete the same synthetic ShareGPT-like requests (ignore_eos) with "
+    "minipaged on each attention backend, transformers' generate one "
+    "request at a time and in padded batches; report requests/s and output "
+    "tokens/s, and the engine's own CPU time per step with the model stubbed."
+)
+SYSTEMS = (
+    "minipaged-torch",
+    "minipaged-triton",
+    "minipaged-cuda",
+    "hf-generate",
+    "hf-generate-batch",
+    "hf-continuous-batching",
+)
 # hf-generate-batch is generate() on static, left-padded batches (the paper's "HF"
 # baseline); hf-continuous-batching is transformers 5's own continuous batching over
 # paged attention (what `model.generate_batch` runs), every request queued at once.
@@ -77,8 +93,16 @@ HF_SYSTEMS = ("hf-generate", "hf-generate-batch", "hf-continuous-batching")
 PAPER_CONTEXT = 2048  # the context ShareGPT lengths are drawn for (OPT's, paper §6.1)
 OVERHEAD_GOAL_MS = 2.0
 # A decode step's phases, in step order (`measure_engine_overhead`).
-PHASES = ("schedule", "block_ops", "prepare_inputs", "model_stub", "logits", "sample",
-          "update", "other")
+PHASES = (
+    "schedule",
+    "block_ops",
+    "prepare_inputs",
+    "model_stub",
+    "logits",
+    "sample",
+    "update",
+    "other",
+)
 # The engine's own Python, which a GPU would wait on: all but the model and the
 # sampler's tensor math (on a GPU that runs on the device; on a CPU its random draws
 # over 256 x vocab probabilities cost more than all the bookkeeping).
@@ -89,16 +113,32 @@ BOOKKEEPING = ("schedule", "block_ops", "prepare_inputs", "update", "other")
 # 128k vocabulary, about 1B parameters, run in bfloat16.  At 256 sequences of ShareGPT
 # length a decode step reads gigabytes of KV, so the attention kernels matter as they
 # do in the paper; it is written once (4 GB of float32) to the cache.
-GPU_MODEL = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                 num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                 max_position_embeddings=4096, torch_dtype="bfloat16")
+GPU_MODEL = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    max_position_embeddings=4096,
+    torch_dtype="bfloat16",
+)
 # The qwen2.5-0.5b preset's model: Qwen2.5-0.5B's public config.json (24 layers, hidden
 # 896, GQA 14/2 heads of 64, q/k/v biases, a tied 151,936-row embedding), random bf16
 # weights; the shape of the end-to-end comparison with Hugging Face on a GPU.
-QWEN_MODEL = dict(arch="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                  num_attention_heads=14, num_key_value_heads=2, head_dim=64,
-                  vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
-                  torch_dtype="bfloat16")
+QWEN_MODEL = dict(
+    arch="qwen2",
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    torch_dtype="bfloat16",
+)
 
 
 @dataclass(frozen=True)
@@ -119,15 +159,35 @@ class Preset:
 
 PRESETS = {
     # The tiny checkpoint (1024 positions: lengths / 2), halved again: seconds on one core.
-    "cpu": Preset("cpu", num_requests=48, length_scale=0.5, hf_num_requests=None,
-                  hf_batch_num_requests=None, hf_batch_size=8),
+    "cpu": Preset(
+        "cpu",
+        num_requests=48,
+        length_scale=0.5,
+        hf_num_requests=None,
+        hf_batch_num_requests=None,
+        hf_batch_size=8,
+    ),
     # Full ShareGPT lengths; half of vLLM's benchmark_throughput default of 1000
     # requests, so that every system, the slow torch backend included, fits in minutes.
-    "gpu": Preset("cuda", num_requests=500, length_scale=1.0, hf_num_requests=8,
-                  hf_batch_num_requests=64, hf_batch_size=32, model=GPU_MODEL),
+    "gpu": Preset(
+        "cuda",
+        num_requests=500,
+        length_scale=1.0,
+        hf_num_requests=8,
+        hf_batch_num_requests=64,
+        hf_batch_size=32,
+        model=GPU_MODEL,
+    ),
     # vLLM's benchmark_throughput default of 1000 requests, on Qwen2.5-0.5B's shape.
-    "qwen2.5-0.5b": Preset("cuda", num_requests=1000, length_scale=1.0, hf_num_requests=8,
-                           hf_batch_num_requests=64, hf_batch_size=32, model=QWEN_MODEL),
+    "qwen2.5-0.5b": Preset(
+        "cuda",
+        num_requests=1000,
+        length_scale=1.0,
+        hf_num_requests=8,
+        hf_batch_num_requests=64,
+        hf_batch_size=32,
+        model=QWEN_MODEL,
+    ),
 }
 
 
@@ -143,17 +203,27 @@ def preset_device(preset: str, device: str = "auto", presets: dict | None = None
         raise ValueError(f"preset must be one of {list(presets)}, got {preset!r}")
     device = torch.device(presets[preset].device if device == "auto" else device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"preset {preset!r} needs a CUDA GPU, and torch sees none "
-                         "(pass --device cpu or --preset cpu)")
+        raise ValueError(
+            f"preset {preset!r} needs a CUDA GPU, and torch sees none "
+            "(pass --device cpu or --preset cpu)"
+        )
     return device
 
 
-def check_setting(num_requests: int, length_scale: float, hf_num_requests: int | None,
-                  hf_batch_num_requests: int | None, hf_batch_size: int) -> None:
+def check_setting(
+    num_requests: int,
+    length_scale: float,
+    hf_num_requests: int | None,
+    hf_batch_num_requests: int | None,
+    hf_batch_size: int,
+) -> None:
     """Raise ``ValueError`` naming the first bad value, before anything runs."""
-    for name, value in (("num_requests", num_requests), ("hf_num_requests", hf_num_requests),
-                        ("hf_batch_num_requests", hf_batch_num_requests),
-                        ("hf_batch_size", hf_batch_size)):
+    for name, value in (
+        ("num_requests", num_requests),
+        ("hf_num_requests", hf_num_requests),
+        ("hf_batch_num_requests", hf_batch_num_requests),
+        ("hf_batch_size", hf_batch_size),
+    ):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if not length_scale > 0:
@@ -171,8 +241,9 @@ def available_systems(device: torch.device) -> list[str]:
     """``minipaged-<backend>`` for every backend that really runs on ``device`` (on a
     CPU Triton would only be interpreted, so not there), then both HF baselines."""
     backends = ["triton", "cuda", "torch"] if device.type == "cuda" else ["torch"]
-    return [f"minipaged-{b}" for b in backends if _backend_error(b, device) is None] \
-        + list(HF_SYSTEMS)
+    return [f"minipaged-{b}" for b in backends if _backend_error(b, device) is None] + list(
+        HF_SYSTEMS
+    )
 
 
 def _backend_error(backend: str, device: torch.device) -> str | None:
@@ -186,8 +257,9 @@ def _backend_error(backend: str, device: torch.device) -> str | None:
 
 
 # -- the workload ---------------------------------------------------------------------
-def make_requests(num_requests: int, max_model_len: int, length_scale: float = 1.0,
-                  seed: int = 0) -> list[RequestSpec]:
+def make_requests(
+    num_requests: int, max_model_len: int, length_scale: float = 1.0, seed: int = 0
+) -> list[RequestSpec]:
     """ShareGPT-like lengths scaled to fit ``max_model_len`` (see the module docstring)."""
     if not length_scale > 0:
         raise ValueError(f"length_scale must be > 0, got {length_scale!r}")
@@ -211,23 +283,33 @@ class Workload:
     scale: float  # what the drawn ShareGPT lengths were multiplied by
 
 
-def make_workload(path, num_requests: int, length_scale: float = 1.0,
-                  max_model_len: int | None = None, seed: int = 0) -> Workload:
+def make_workload(
+    path,
+    num_requests: int,
+    length_scale: float = 1.0,
+    max_model_len: int | None = None,
+    seed: int = 0,
+) -> Workload:
     """The requests and their prompt token ids for the checkpoint at ``path`` (a
     directory, a ``.gguf`` file or a model name such as ``smollm2``: `resolve_model`)."""
     from transformers import AutoTokenizer
 
-    from minipaged.models.resolve import resolve_max_model_len
     from minipaged.models.hub import resolve_model
     from minipaged.models.loader import read_config
+    from minipaged.models.resolve import resolve_max_model_len
 
     path = resolve_model(path)
     config = read_config(path)
     max_model_len = resolve_max_model_len(max_model_len, config)
     requests = make_requests(num_requests, max_model_len, length_scale, seed)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return Workload(config, requests, make_prompts(requests, tokenizer, config.vocab_size, seed),
-                    max_model_len, length_scale * min(1.0, max_model_len / PAPER_CONTEXT))
+    return Workload(
+        config,
+        requests,
+        make_prompts(requests, tokenizer, config.vocab_size, seed),
+        max_model_len,
+        length_scale * min(1.0, max_model_len / PAPER_CONTEXT),
+    )
 
 
 def model_dtype(config, dtype: str = "auto") -> str:
@@ -237,8 +319,9 @@ def model_dtype(config, dtype: str = "auto") -> str:
     return str(resolve_dtype(dtype, config)).removeprefix("torch.")
 
 
-def make_prompts(requests: Sequence[RequestSpec], tokenizer, vocab_size: int,
-                 seed: int = 0) -> list[list[int]]:
+def make_prompts(
+    requests: Sequence[RequestSpec], tokenizer, vocab_size: int, seed: int = 0
+) -> list[list[int]]:
     """Random prompts of the requested lengths, from the tokenizer's ordinary tokens
     (no special tokens, no padding rows of the embedding)."""
     special = set(tokenizer.all_special_ids)
@@ -257,25 +340,36 @@ class SystemRun:
     output: list[int]
 
 
-def _row(system: str, requests: Sequence[RequestSpec], output: list[int], elapsed: float,
-         **extra) -> dict:
+def _row(
+    system: str, requests: Sequence[RequestSpec], output: list[int], elapsed: float, **extra
+) -> dict:
     prompt_tokens = sum(r.prompt_len for r in requests)
-    return {"system": system, "num_requests": len(requests),
-            "output_tokens_per_s": sum(output) / elapsed,
-            "requests_per_s": len(requests) / elapsed, "elapsed_s": elapsed,
-            "output_tokens": sum(output), "prompt_tokens": prompt_tokens,
-            "total_tokens_per_s": (prompt_tokens + sum(output)) / elapsed, **extra}
+    return {
+        "system": system,
+        "num_requests": len(requests),
+        "output_tokens_per_s": sum(output) / elapsed,
+        "requests_per_s": len(requests) / elapsed,
+        "elapsed_s": elapsed,
+        "output_tokens": sum(output),
+        "prompt_tokens": prompt_tokens,
+        "total_tokens_per_s": (prompt_tokens + sum(output)) / elapsed,
+        **extra,
+    }
 
 
 # -- minipaged ------------------------------------------------------------------------
-def run_minipaged(path, backend: str, requests: Sequence[RequestSpec],
-                  prompts: Sequence[list[int]], engine_kwargs: dict,
-                  progress: bool = True) -> SystemRun:
+def run_minipaged(
+    path,
+    backend: str,
+    requests: Sequence[RequestSpec],
+    prompts: Sequence[list[int]],
+    engine_kwargs: dict,
+    progress: bool = True,
+) -> SystemRun:
     """All requests through ``LLM.generate`` at once, after a warm-up."""
+    from minipaged.distributed.parallel_state import COMM
     from minipaged.llm import LLM
     from minipaged.sampling_params import SamplingParams
-
-    from minipaged.distributed.parallel_state import COMM
 
     llm = LLM(str(path), **{**engine_kwargs, "attention_backend": backend})
     device, tp = llm.engine.device, llm.engine.config.tensor_parallel_size
@@ -284,38 +378,61 @@ def run_minipaged(path, backend: str, requests: Sequence[RequestSpec],
         # Warm-up: a lone request, then a full batch, so the kernels the timed run
         # launches (one and many sequences, prefill and decode) are compiled.
         for count in (1, min(len(prompts), llm.engine.config.max_num_seqs)):
-            llm.generate([{"prompt_token_ids": p} for p in prompts[:count]],
-                         SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+            llm.generate(
+                [{"prompt_token_ids": p} for p in prompts[:count]],
+                SamplingParams(max_tokens=4, ignore_eos=True),
+                use_tqdm=False,
+            )
         before, comm_before = llm.stats(), dict(COMM.seconds)
-        params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len,
-                                 ignore_eos=True) for r in requests]
-        outputs, elapsed = timed(lambda: llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress), device)
+        params = [
+            SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=True)
+            for r in requests
+        ]
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        outputs, elapsed = timed(
+            functools.partial(llm.generate, inputs, params, use_tqdm=progress), device
+        )
         after = llm.stats()
         steps = after["num_steps"] - before["num_steps"]
         # The driver's time in collectives (waiting for the slowest rank included).
-        comm_ms = {kind: 1e3 * (s - comm_before.get(kind, 0.0)) / steps
-                   for kind, s in COMM.seconds.items()}
+        comm_ms = {
+            kind: 1e3 * (s - comm_before.get(kind, 0.0)) / steps for kind, s in COMM.seconds.items()
+        }
     finally:
         del llm
         free_memory(device)
     generated = [len(o.outputs[0].token_ids) for o in outputs]
     _check_lengths(system, generated, requests)
-    return SystemRun(_row(system, requests, generated, elapsed,
-                          attention_backend=backend, num_steps=steps,
-                          num_preemptions=after["num_preemptions"] - before["num_preemptions"],
-                          tensor_parallel_size=tp, comm_ms_per_step=comm_ms),
-                     generated, generated)
+    return SystemRun(
+        _row(
+            system,
+            requests,
+            generated,
+            elapsed,
+            attention_backend=backend,
+            num_steps=steps,
+            num_preemptions=after["num_preemptions"] - before["num_preemptions"],
+            tensor_parallel_size=tp,
+            comm_ms_per_step=comm_ms,
+        ),
+        generated,
+        generated,
+    )
 
 
 def _check_lengths(system: str, generated: list[int], requests: Sequence[RequestSpec]) -> None:
     # ignore_eos: anything else is a bug, and its tokens/s would be a lie.
-    wrong = [(i, g, r.output_len) for i, (g, r) in enumerate(zip(generated, requests))
-             if g != r.output_len]
+    wrong = [
+        (i, g, r.output_len)
+        for i, (g, r) in enumerate(zip(generated, requests))
+        if g != r.output_len
+    ]
     if wrong:
         i, got, wanted = wrong[0]
-        raise RuntimeError(f"{system}: request {i} generated {got} tokens, wanted {wanted} "
-                           f"({len(wrong)} requests wrong)")
+        raise RuntimeError(
+            f"{system}: request {i} generated {got} tokens, wanted {wanted} "
+            f"({len(wrong)} requests wrong)"
+        )
 
 
 # -- Hugging Face ---------------------------------------------------------------------
@@ -339,41 +456,61 @@ def _quiet_transformers():
         logging.set_verbosity(verbosity)
 
 
-def _hf_batch(model, prompts: Sequence[list[int]], max_new_tokens: int, pad_id: int,
-              device: torch.device) -> int:
+def _hf_batch(
+    model, prompts: Sequence[list[int]], max_new_tokens: int, pad_id: int, device: torch.device
+) -> int:
     """One left-padded ``generate`` call; returns the new tokens per row, checked.
 
     ``min_new_tokens`` masks EOS until ``max_new_tokens``: HF's ``ignore_eos``."""
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
-                        device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0,
-                             top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
-                             min_new_tokens=max_new_tokens, pad_token_id=pad_id)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=pad_id,
+        )
     new = out.shape[1] - width
     if new != max_new_tokens:
         raise RuntimeError(f"HF generate made {new} tokens per row, wanted {max_new_tokens}")
     return new
 
 
-def run_hf(model, system: str, requests: Sequence[RequestSpec], prompts: Sequence[list[int]],
-           batch_size: int, pad_id: int, progress: bool = True) -> SystemRun:
+def run_hf(
+    model,
+    system: str,
+    requests: Sequence[RequestSpec],
+    prompts: Sequence[list[int]],
+    batch_size: int,
+    pad_id: int,
+    progress: bool = True,
+) -> SystemRun:
     """``hf-generate`` (``batch_size`` 1) or ``hf-generate-batch``: requests in arrival
     order, ``batch_size`` at a time, after a warm-up."""
     if batch_size < 1:
         raise ValueError(f"hf_batch_size must be >= 1, got {batch_size!r}")
     device = next(model.parameters()).device
-    batches = [range(i, min(i + batch_size, len(requests)))
-               for i in range(0, len(requests), batch_size)]
+    batches = [
+        range(i, min(i + batch_size, len(requests))) for i in range(0, len(requests), batch_size)
+    ]
     generated = [0] * len(requests)
 
     def run():
-        for batch in tqdm(batches, desc=system, unit="batch", disable=not progress,
-                          leave=False):
-            new = _hf_batch(model, [prompts[i] for i in batch],
-                            max(requests[i].output_len for i in batch), pad_id, device)
+        for batch in tqdm(batches, desc=system, unit="batch", disable=not progress, leave=False):
+            new = _hf_batch(
+                model,
+                [prompts[i] for i in batch],
+                max(requests[i].output_len for i in batch),
+                pad_id,
+                device,
+            )
             for i in batch:
                 generated[i] = new
 
@@ -385,26 +522,34 @@ def run_hf(model, system: str, requests: Sequence[RequestSpec], prompts: Sequenc
     return SystemRun(_row(system, requests, output, elapsed, **extra), generated, output)
 
 
-def run_hf_continuous(path, dtype: torch.dtype, device: torch.device,
-                      requests: Sequence[RequestSpec], prompts: Sequence[list[int]],
-                      progress: bool = True) -> SystemRun:
+def run_hf_continuous(
+    path,
+    dtype: torch.dtype,
+    device: torch.device,
+    requests: Sequence[RequestSpec],
+    prompts: Sequence[list[int]],
+    progress: bool = True,
+) -> SystemRun:
     """``hf-continuous-batching``: transformers' continuous batching manager (the engine
     behind ``generate_batch``) with ``attn_implementation="paged|sdpa"``; each request
     added with its own ``max_new_tokens`` and no EOS, after a warm-up, all at once."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype=dtype, attn_implementation="paged|sdpa")
+        path, local_files_only=True, dtype=dtype, attn_implementation="paged|sdpa"
+    )
     model = model.to(device).eval()
-    config = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                              eos_token_id=-1, pad_token_id=0)  # -1: no token ends a request
+    config = GenerationConfig(
+        do_sample=True, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=-1, pad_token_id=0
+    )  # -1: no token ends a request
     generated = [0] * len(requests)
 
     def run(manager, todo: Sequence[int], lengths: Sequence[int]) -> None:
         for i in todo:
             manager.add_request(list(prompts[i]), request_id=str(i), max_new_tokens=lengths[i])
-        for _ in tqdm(todo, desc="hf-continuous-batching", unit="req", disable=not progress,
-                      leave=False):
+        for _ in tqdm(
+            todo, desc="hf-continuous-batching", unit="req", disable=not progress, leave=False
+        ):
             result = manager.get_result(timeout=600)
             if result is None or result.error:
                 raise RuntimeError(f"hf-continuous-batching: {result and result.error}")
@@ -422,8 +567,7 @@ def run_hf_continuous(path, dtype: torch.dtype, device: torch.device,
             del model
             free_memory(device)
     _check_lengths("hf-continuous-batching", generated, requests)
-    return SystemRun(_row("hf-continuous-batching", requests, output, elapsed), generated,
-                     output)
+    return SystemRun(_row("hf-continuous-batching", requests, output, elapsed), generated, output)
 
 
 # -- the whole benchmark --------------------------------------------------------------
@@ -434,11 +578,17 @@ class ThroughputBench:
     notes: list[str]
 
 
-def bench_throughput(path, systems: Sequence[str], requests: Sequence[RequestSpec],
-                     prompts: Sequence[list[int]], engine_kwargs: dict,
-                     hf_num_requests: int | None = None,
-                     hf_batch_num_requests: int | None = None, hf_batch_size: int = 8,
-                     progress: bool = True) -> ThroughputBench:
+def bench_throughput(
+    path,
+    systems: Sequence[str],
+    requests: Sequence[RequestSpec],
+    prompts: Sequence[list[int]],
+    engine_kwargs: dict,
+    hf_num_requests: int | None = None,
+    hf_batch_num_requests: int | None = None,
+    hf_batch_size: int = 8,
+    progress: bool = True,
+) -> ThroughputBench:
     """Run each of ``systems`` on ``requests`` (the HF ones on the first
     ``hf_num_requests`` / ``hf_batch_num_requests`` of them).  ``engine_kwargs`` are
     ``LLM``'s, less ``attention_backend``; their ``device`` and ``dtype`` apply to HF too.
@@ -447,17 +597,26 @@ def bench_throughput(path, systems: Sequence[str], requests: Sequence[RequestSpe
     bad = [s for s in systems if s not in SYSTEMS]
     if bad or not systems:
         raise ValueError(f"systems must be a non-empty subset of {SYSTEMS}, got {list(systems)}")
-    from minipaged.models.resolve import resolve_device
     from minipaged.models.hub import resolve_model
+    from minipaged.models.resolve import resolve_device
 
     path = resolve_model(path)
 
     device = resolve_device(engine_kwargs.get("device", "auto"))
     load = _load_note("before")
     with one_cpu_thread(device):
-        runs, notes = _run_systems(path, systems, requests, prompts, engine_kwargs, device,
-                                   hf_num_requests, hf_batch_num_requests, hf_batch_size,
-                                   progress)
+        runs, notes = _run_systems(
+            path,
+            systems,
+            requests,
+            prompts,
+            engine_kwargs,
+            device,
+            hf_num_requests,
+            hf_batch_num_requests,
+            hf_batch_size,
+            progress,
+        )
     notes += [load, _load_note("after")]
     if not runs:
         raise ValueError(f"systems {list(systems)} could not run here: " + "; ".join(notes))
@@ -471,8 +630,18 @@ def _load_note(when: str) -> str:
     return f"load average (1, 5, 15 min) {when} the runs: {load} on {os.cpu_count()} CPUs"
 
 
-def _run_systems(path, systems, requests, prompts, engine_kwargs, device, hf_num_requests,
-                 hf_batch_num_requests, hf_batch_size, progress):
+def _run_systems(
+    path,
+    systems,
+    requests,
+    prompts,
+    engine_kwargs,
+    device,
+    hf_num_requests,
+    hf_batch_num_requests,
+    hf_batch_size,
+    progress,
+):
     runs, notes = {}, []
     for system in systems:
         if system.startswith("minipaged-"):
@@ -482,23 +651,38 @@ def _run_systems(path, systems, requests, prompts, engine_kwargs, device, hf_num
                 tqdm.write(notes[-1])
                 continue
             try:
-                runs[system] = run_minipaged(path, backend, requests, prompts, engine_kwargs,
-                                             progress)
+                runs[system] = run_minipaged(
+                    path, backend, requests, prompts, engine_kwargs, progress
+                )
             except torch.cuda.OutOfMemoryError as error:
                 # The torch backend gathers each sequence's K/V densely, beyond what the
                 # KV pool's sizing (profiled on a prefill) left free; the others still run.
-                notes.append(f"skipped {system}: out of GPU memory "
-                             f"({str(error).splitlines()[0]}); try --gpu-memory-utilization 0.7")
+                notes.append(
+                    f"skipped {system}: out of GPU memory "
+                    f"({str(error).splitlines()[0]}); try --gpu-memory-utilization 0.7"
+                )
                 tqdm.write(notes[-1])
             free_memory(device)  # here, not in the handler: its traceback holds the engine
     if "hf-continuous-batching" in systems:
-        runs["hf-continuous-batching"] = _run_hf_continuous(path, requests, prompts,
-                                                            engine_kwargs, device, progress)
+        runs["hf-continuous-batching"] = _run_hf_continuous(
+            path, requests, prompts, engine_kwargs, device, progress
+        )
     hf = [s for s in systems if s in ("hf-generate", "hf-generate-batch")]
     if hf:
-        runs.update(_run_hf_systems(path, hf, requests, prompts, engine_kwargs, device,
-                                    hf_num_requests, hf_batch_num_requests, hf_batch_size,
-                                    progress))
+        runs.update(
+            _run_hf_systems(
+                path,
+                hf,
+                requests,
+                prompts,
+                engine_kwargs,
+                device,
+                hf_num_requests,
+                hf_batch_num_requests,
+                hf_batch_size,
+                progress,
+            )
+        )
     return runs, notes
 
 
@@ -512,25 +696,39 @@ def _run_hf_continuous(path, requests, prompts, engine_kwargs, device, progress)
     return run_hf_continuous(path, dtype, device, requests, prompts, progress)
 
 
-def _run_hf_systems(path, systems, requests, prompts, engine_kwargs, device, hf_num_requests,
-                    hf_batch_num_requests, hf_batch_size, progress) -> dict[str, SystemRun]:
+def _run_hf_systems(
+    path,
+    systems,
+    requests,
+    prompts,
+    engine_kwargs,
+    device,
+    hf_num_requests,
+    hf_batch_num_requests,
+    hf_batch_size,
+    progress,
+) -> dict[str, SystemRun]:
     from transformers import AutoConfig
 
     from minipaged.models.loader import resolve_dtype
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    model = load_hf_model(path, resolve_dtype(engine_kwargs.get("dtype", "auto"), config),
-                          device)
-    pad_id = next((i for i in (config.pad_token_id, config.eos_token_id, 0)
-                   if isinstance(i, int)), 0)
+    model = load_hf_model(path, resolve_dtype(engine_kwargs.get("dtype", "auto"), config), device)
+    pad_id = next(
+        (i for i in (config.pad_token_id, config.eos_token_id, 0) if isinstance(i, int)), 0
+    )
     runs = {}
     try:
         for system in systems:
-            batch, count = ((1, hf_num_requests) if system == "hf-generate"
-                            else (hf_batch_size, hf_batch_num_requests))
+            batch, count = (
+                (1, hf_num_requests)
+                if system == "hf-generate"
+                else (hf_batch_size, hf_batch_num_requests)
+            )
             count = len(requests) if count is None else min(count, len(requests))
-            runs[system] = run_hf(model, system, requests[:count], prompts[:count], batch,
-                                  pad_id, progress)
+            runs[system] = run_hf(
+                model, system, requests[:count], prompts[:count], batch, pad_id, progress
+            )
     finally:
         del model
         free_memory(device)
@@ -548,8 +746,12 @@ class _ZeroModel:
 
     def __call__(self, input_ids, positions, kv_caches, attn):
         with self.timer.phase("model_stub") if self.timer else contextlib.nullcontext():
-            return torch.zeros(input_ids.shape[0], self.config.hidden_size,
-                               dtype=self.dtype, device=input_ids.device)
+            return torch.zeros(
+                input_ids.shape[0],
+                self.config.hidden_size,
+                dtype=self.dtype,
+                device=input_ids.device,
+            )
 
     def compute_logits(self, hidden):
         with self.timer.phase("logits") if self.timer else contextlib.nullcontext():
@@ -581,12 +783,19 @@ class _PhaseTimer:
         def timed(*args, **kwargs):
             with self.phase(name):
                 return fn(*args, **kwargs)
+
         return timed
 
 
-def measure_engine_overhead(path, device: torch.device | str = "cpu", num_seqs: int = 256,
-                            prompt_len: int = 128, num_steps: int = 50, block_size: int = 16,
-                            seed: int = 0) -> dict:
+def measure_engine_overhead(
+    path,
+    device: torch.device | str = "cpu",
+    num_seqs: int = 256,
+    prompt_len: int = 128,
+    num_steps: int = 50,
+    block_size: int = 16,
+    seed: int = 0,
+) -> dict:
     """Milliseconds per decode step of the engine at ``num_seqs`` running sequences with
     the model stubbed out (`_ZeroModel`): scheduling, block bookkeeping, metadata,
     sampling 256 cheap rows and the update phase.
@@ -605,10 +814,19 @@ def measure_engine_overhead(path, device: torch.device | str = "cpu", num_seqs: 
     # Nobody may finish while timed: early prefills decode while later ones still run.
     max_tokens = -(-num_seqs * prompt_len // budget) + warmup + 2 * num_steps + 8
     per_seq = blocks_for(prompt_len + max_tokens, block_size)
-    engine = LLMEngine(EngineConfig(
-        model=str(path), device=str(torch.device(device).type), block_size=block_size,
-        num_gpu_blocks=num_seqs * per_seq, swap_space=0, max_num_seqs=num_seqs,
-        max_num_batched_tokens=budget, attention_backend="torch", seed=seed))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(path),
+            device=str(torch.device(device).type),
+            block_size=block_size,
+            num_gpu_blocks=num_seqs * per_seq,
+            swap_space=0,
+            max_num_seqs=num_seqs,
+            max_num_batched_tokens=budget,
+            attention_backend="torch",
+            seed=seed,
+        )
+    )
     engine.runner.model = _ZeroModel(engine.runner.model)
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -616,7 +834,8 @@ def measure_engine_overhead(path, device: torch.device | str = "cpu", num_seqs: 
         engine.add_request(str(i), [rng.randrange(256) for _ in range(prompt_len)], params)
     try:
         while engine.scheduler.waiting or any(
-                s.num_uncomputed_tokens > 1 for g in engine.requests.values() for s in g.seqs):
+            s.num_uncomputed_tokens > 1 for g in engine.requests.values() for s in g.seqs
+        ):
             engine.step()
         for _ in range(warmup):
             engine.step()
@@ -628,9 +847,14 @@ def measure_engine_overhead(path, device: torch.device | str = "cpu", num_seqs: 
     finally:
         for request_id in list(engine.requests):
             engine.abort_request(request_id)
-    return {"ms_per_step": bare / num_steps * 1e3, "num_seqs": num_seqs,
-            "prompt_len": prompt_len, "num_steps": num_steps, "breakdown_ms": breakdown,
-            "bookkeeping_ms_per_step": sum(breakdown[f"{p}_ms"] for p in BOOKKEEPING)}
+    return {
+        "ms_per_step": bare / num_steps * 1e3,
+        "num_seqs": num_seqs,
+        "prompt_len": prompt_len,
+        "num_steps": num_steps,
+        "breakdown_ms": breakdown,
+        "bookkeeping_ms_per_step": sum(breakdown[f"{p}_ms"] for p in BOOKKEEPING),
+    }
 
 
 def _check_all_running(engine, num_seqs: int) -> None:
@@ -646,16 +870,18 @@ def _phase_breakdown(engine, num_steps: int) -> dict[str, float]:
 
     timer = _PhaseTimer(engine.device)
     engine.runner.model.timer = timer
-    originals = {"scheduler.schedule": engine.scheduler.schedule,
-                 "cache_engine.execute": engine.cache_engine.execute,
-                 "runner.execute": engine.runner.execute, "_update": engine._update}
+    originals = {
+        "scheduler.schedule": engine.scheduler.schedule,
+        "cache_engine.execute": engine.cache_engine.execute,
+        "runner.execute": engine.runner.execute,
+        "_update": engine._update,
+    }
     engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
     engine.cache_engine.execute = timer.wrap("block_ops", engine.cache_engine.execute)
     engine.runner.execute = timer.wrap("prepare_inputs", engine.runner.execute)
     engine._update = timer.wrap("update", engine._update)
     try:
-        with mock.patch.object(engine_module, "sample",
-                               timer.wrap("sample", engine_module.sample)):
+        with mock.patch.object(engine_module, "sample", timer.wrap("sample", engine_module.sample)):
             for _ in range(num_steps):
                 with timer.phase("other"):
                     engine.step()
@@ -669,28 +895,43 @@ def _phase_breakdown(engine, num_steps: int) -> dict[str, float]:
 
 # -- output ---------------------------------------------------------------------------
 def format_table(rows: list[dict], overhead: dict | None = None) -> str:
-    lines = [common.format_table(rows, [
-        Column("system", "system"), Column("requests", "num_requests"),
-        Column("output tok", "output_tokens"), Column("elapsed s", "elapsed_s", "{:.2f}"),
-        Column("req/s", "requests_per_s", "{:.2f}"),
-        Column("output tok/s", "output_tokens_per_s", "{:.1f}")])]
-    lines += [f"{r['system']}: {sum(r['comm_ms_per_step'].values()):.2f} ms per step in "
-              "communication (" + ", ".join(f"{k} {v:.2f}" for k, v in
-                                           r["comm_ms_per_step"].items()) + ")"
-              for r in rows if r.get("comm_ms_per_step")]
+    lines = [
+        common.format_table(
+            rows,
+            [
+                Column("system", "system"),
+                Column("requests", "num_requests"),
+                Column("output tok", "output_tokens"),
+                Column("elapsed s", "elapsed_s", "{:.2f}"),
+                Column("req/s", "requests_per_s", "{:.2f}"),
+                Column("output tok/s", "output_tokens_per_s", "{:.1f}"),
+            ],
+        )
+    ]
+    lines += [
+        f"{r['system']}: {sum(r['comm_ms_per_step'].values()):.2f} ms per step in "
+        "communication ("
+        + ", ".join(f"{k} {v:.2f}" for k, v in r["comm_ms_per_step"].items())
+        + ")"
+        for r in rows
+        if r.get("comm_ms_per_step")
+    ]
     if overhead:
         lines += ["", format_overhead(overhead)]
     return "\n".join(lines)
 
 
 def format_overhead(overhead: dict) -> str:
-    parts = "  ".join(f"{k.removesuffix('_ms')} {v:.2f}"
-                      for k, v in overhead["breakdown_ms"].items())
-    return (f"engine overhead at {overhead['num_seqs']} running sequences, model stubbed: "
-            f"{overhead['ms_per_step']:.2f} ms/step, of which bookkeeping (schedule, block "
-            f"ops, inputs, update) {overhead['bookkeeping_ms_per_step']:.2f} ms "
-            f"(goal <= {OVERHEAD_GOAL_MS:g} ms)\n"
-            f"  where it goes (ms/step, timed separately): {parts}")
+    parts = "  ".join(
+        f"{k.removesuffix('_ms')} {v:.2f}" for k, v in overhead["breakdown_ms"].items()
+    )
+    return (
+        f"engine overhead at {overhead['num_seqs']} running sequences, model stubbed: "
+        f"{overhead['ms_per_step']:.2f} ms/step, of which bookkeeping (schedule, block "
+        f"ops, inputs, update) {overhead['bookkeeping_ms_per_step']:.2f} ms "
+        f"(goal <= {OVERHEAD_GOAL_MS:g} ms)\n"
+        f"  where it goes (ms/step, timed separately): {parts}"
+    )
 
 
 def plot_throughput(rows: list[dict], overhead: dict | None = None, device: str = ""):
@@ -699,20 +940,27 @@ def plot_throughput(rows: list[dict], overhead: dict | None = None, device: str 
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(11 if overhead else 6.5, 4.2), layout="constrained")
-    axes = fig.subplots(1, 2 if overhead else 1, squeeze=False,
-                        width_ratios=[3, 2] if overhead else None)[0]
+    axes = fig.subplots(
+        1, 2 if overhead else 1, squeeze=False, width_ratios=[3, 2] if overhead else None
+    )[0]
     ax = axes[0]
     most = max(r["num_requests"] for r in rows)
     # A baseline that ran fewer requests says so under its bar.
-    labels = [r["system"] + ("" if r["num_requests"] == most
-                             else f"\n(first {r['num_requests']} requests)") for r in rows]
-    bars = ax.bar(labels, [r["output_tokens_per_s"] for r in rows],
-                  color=["tab:blue" if r["system"].startswith("minipaged") else "tab:gray"
-                         for r in rows])
+    labels = [
+        r["system"]
+        + ("" if r["num_requests"] == most else f"\n(first {r['num_requests']} requests)")
+        for r in rows
+    ]
+    bars = ax.bar(
+        labels,
+        [r["output_tokens_per_s"] for r in rows],
+        color=["tab:blue" if r["system"].startswith("minipaged") else "tab:gray" for r in rows],
+    )
     ax.bar_label(bars, fmt="%.0f", fontsize="small")
     ax.set_ylabel("output tokens / s")
-    ax.set_title(f"offline throughput{f' on {device}' if device else ''}, {most} "
-                 "ShareGPT-like requests")
+    ax.set_title(
+        f"offline throughput{f' on {device}' if device else ''}, {most} ShareGPT-like requests"
+    )
     ax.tick_params(axis="x", labelrotation=20)
     if overhead:
         ax = axes[1]
@@ -720,37 +968,61 @@ def plot_throughput(rows: list[dict], overhead: dict | None = None, device: str 
         for name, ms in overhead["breakdown_ms"].items():
             ax.barh([0], [ms], left=left, label=name.removesuffix("_ms"))
             left += ms
-        ax.axvline(OVERHEAD_GOAL_MS, color="black", linestyle="--", linewidth=1,
-                   label=f"goal {OVERHEAD_GOAL_MS:g} ms")
+        ax.axvline(
+            OVERHEAD_GOAL_MS,
+            color="black",
+            linestyle="--",
+            linewidth=1,
+            label=f"goal {OVERHEAD_GOAL_MS:g} ms",
+        )
         ax.set_yticks([])
         ax.set_xlabel("ms per decode step")
         ax.set_title(f"engine overhead, {overhead['num_seqs']} sequences, model stubbed")
-        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2),
-                  ncols=3, frameon=False)
+        ax.legend(
+            fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=3, frameon=False
+        )
     return fig
 
 
 # -- the command ----------------------------------------------------------------------
 def add_arguments(parser) -> None:
     add_model_flag(parser, SYNTHETIC_MODEL_HELP)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=default_preset(),
-                        help="cpu: the tiny checkpoint, short requests, seconds; gpu: a "
-                             "Llama-3.2-1B-shaped random model, 500 full-length requests "
-                             "(default: gpu if CUDA is available)")
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, metavar="SYSTEM",
-                        help=f"any of {', '.join(SYSTEMS)} (default: minipaged on every "
-                        "backend this device runs, and both HF baselines)")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=default_preset(),
+        help="cpu: the tiny checkpoint, short requests, seconds; gpu: a "
+        "Llama-3.2-1B-shaped random model, 500 full-length requests "
+        "(default: gpu if CUDA is available)",
+    )
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        choices=SYSTEMS,
+        metavar="SYSTEM",
+        help=f"any of {', '.join(SYSTEMS)} (default: minipaged on every "
+        "backend this device runs, and both HF baselines)",
+    )
     for flag, help_ in [
-            ("--num-requests", "requests of the workload"),
-            ("--hf-num-requests", "hf-generate runs the first N of them"),
-            ("--hf-batch-num-requests", "hf-generate-batch runs the first N of them"),
-            ("--hf-batch-size", "requests per hf-generate-batch call")]:
+        ("--num-requests", "requests of the workload"),
+        ("--hf-num-requests", "hf-generate runs the first N of them"),
+        ("--hf-batch-num-requests", "hf-generate-batch runs the first N of them"),
+        ("--hf-batch-size", "requests per hf-generate-batch call"),
+    ]:
         parser.add_argument(flag, type=int, metavar="N", help=f"{help_} (default: the preset's)")
-    parser.add_argument("--length-scale", type=float, metavar="X",
-                        help="multiply the ShareGPT lengths by X (default: the preset's)")
-    parser.add_argument("--overhead-steps", type=int, default=50, metavar="N",
-                        help="decode steps timed for the engine overhead; 0 skips it "
-                             "(default: %(default)s)")
+    parser.add_argument(
+        "--length-scale",
+        type=float,
+        metavar="X",
+        help="multiply the ShareGPT lengths by X (default: the preset's)",
+    )
+    parser.add_argument(
+        "--overhead-steps",
+        type=int,
+        default=50,
+        metavar="N",
+        help="decode steps timed for the engine overhead; 0 skips it (default: %(default)s)",
+    )
     add_output_flags(parser, NAME)
     # Backends are systems here; the workload and sampling use --seed.
     add_engine_flags(parser, exclude=("attention_backend",))
@@ -760,31 +1032,63 @@ def main(args) -> None:
     preset = PRESETS[args.preset]
     device = preset_device(args.preset, args.device)
     # A flag left out takes the preset's value.
-    setting = {name: getattr(preset, name) if getattr(args, name) is None else getattr(args, name)
-               for name in ("num_requests", "length_scale", "hf_num_requests",
-                            "hf_batch_num_requests", "hf_batch_size")}
+    setting = {
+        name: getattr(preset, name) if getattr(args, name) is None else getattr(args, name)
+        for name in (
+            "num_requests",
+            "length_scale",
+            "hf_num_requests",
+            "hf_batch_num_requests",
+            "hf_batch_size",
+        )
+    }
     check_setting(**setting)
     if args.overhead_steps < 0:
         raise ValueError(f"overhead_steps must be >= 0, got {args.overhead_steps}")
     model = bench_model(args)
-    work = make_workload(model, setting["num_requests"], setting["length_scale"],
-                         args.max_model_len, args.seed)
+    work = make_workload(
+        model, setting["num_requests"], setting["length_scale"], args.max_model_len, args.seed
+    )
     engine = {**engine_kwargs(args), "device": device.type}
-    bench = bench_throughput(model, args.systems or available_systems(device), work.requests,
-                             work.prompts, engine, setting["hf_num_requests"],
-                             setting["hf_batch_num_requests"], setting["hf_batch_size"])
+    bench = bench_throughput(
+        model,
+        args.systems or available_systems(device),
+        work.requests,
+        work.prompts,
+        engine,
+        setting["hf_num_requests"],
+        setting["hf_batch_num_requests"],
+        setting["hf_batch_size"],
+    )
     overhead = None
     if args.overhead_steps:
-        overhead = measure_engine_overhead(preset_model("cpu"), device,
-                                           num_steps=args.overhead_steps,
-                                           block_size=args.block_size, seed=args.seed)
+        overhead = measure_engine_overhead(
+            preset_model("cpu"),
+            device,
+            num_steps=args.overhead_steps,
+            block_size=args.block_size,
+            seed=args.seed,
+        )
     print(format_table(bench.rows, overhead))
-    write(args, NAME, device, bench.rows, plot_throughput(bench.rows, overhead,
-                                                          device_name(device)),
-          **model_record(args, model, device), dtype=str(model_dtype(work.config, args.dtype)),
-          engine=engine, workload={"name": "sharegpt", "seed": args.seed, **setting,
-                                   "max_model_len": work.max_model_len, "scale": work.scale,
-                                   "prompt_lens": [r.prompt_len for r in work.requests],
-                                   "output_lens": [r.output_len for r in work.requests]},
-          engine_overhead_ms_per_step=overhead and overhead["ms_per_step"],
-          engine_overhead=overhead, notes=bench.notes)
+    write(
+        args,
+        NAME,
+        device,
+        bench.rows,
+        plot_throughput(bench.rows, overhead, device_name(device)),
+        **model_record(args, model, device),
+        dtype=str(model_dtype(work.config, args.dtype)),
+        engine=engine,
+        workload={
+            "name": "sharegpt",
+            "seed": args.seed,
+            **setting,
+            "max_model_len": work.max_model_len,
+            "scale": work.scale,
+            "prompt_lens": [r.prompt_len for r in work.requests],
+            "output_lens": [r.output_len for r in work.requests],
+        },
+        engine_overhead_ms_per_step=overhead and overhead["ms_per_step"],
+        engine_overhead=overhead,
+        notes=bench.notes,
+    )

@@ -9,8 +9,8 @@ the driver alone receives the logits, gathered.  So the engine's step still read
 schedule -> execute -> sample -> update, whatever the number of ranks.
 
 The workers live as long as their `WorkerGroup`: `WorkerGroup.shutdown` (also run when
-the group is garbage collected, and at exit) stops them; a worker that dies makes the driver's next step
-raise, naming its rank, after stopping the others.
+the group is garbage collected, and at exit) stops them; a worker that dies makes the
+driver's next step raise, naming its rank, after stopping the others.
 """
 
 from __future__ import annotations
@@ -22,26 +22,38 @@ import weakref
 
 import torch
 
+from minipaged.batch import ScheduledSeq, SchedulerOutput
 from minipaged.cache_engine import CacheEngine
 from minipaged.config import EngineConfig
-from minipaged.distributed.parallel_state import (TensorParallelGroup, destroy_tensor_parallel,
-                                                  free_port, init_tensor_parallel)
+from minipaged.distributed.parallel_state import (
+    TensorParallelGroup,
+    destroy_tensor_parallel,
+    free_port,
+    init_tensor_parallel,
+)
 from minipaged.distributed.worker import StepPlan, WorkerArgs, worker_main
 from minipaged.model_runner import ModelRunner
 from minipaged.models.llama import check_tensor_parallel
 from minipaged.models.loader import read_config
-from minipaged.batch import ScheduledSeq, SchedulerOutput
 
-__all__ = ["Executor", "TensorParallelExecutor", "WorkerGroup", "on_all_ranks", "start_workers",
-           "kv_memory_budget"]
+__all__ = [
+    "Executor",
+    "TensorParallelExecutor",
+    "WorkerGroup",
+    "on_all_ranks",
+    "start_workers",
+    "kv_memory_budget",
+]
 
 # Seconds a worker gets to answer at start-up (loading a shard, profiling memory), to
 # leave after the driver's goodbye, and to die after SIGTERM.
 START_TIMEOUT = 600
 EXIT_TIMEOUT = 10
-SPAWN_HINT = ("each worker imports the script that runs the driver, as multiprocessing's "
-              "spawn does, so a script must build the LLM under `if __name__ == "
-              "'__main__':`")
+SPAWN_HINT = (
+    "each worker imports the script that runs the driver, as multiprocessing's "
+    "spawn does, so a script must build the LLM under `if __name__ == "
+    "'__main__':`"
+)
 
 
 class Executor:
@@ -61,8 +73,9 @@ class TensorParallelExecutor(Executor):
     0's shard like any other rank.  The workers' pools get as many blocks as the
     driver's (``cache_engine``), so the block tables hold on every rank."""
 
-    def __init__(self, runner: ModelRunner, cache_engine: CacheEngine,
-                 workers: WorkerGroup) -> None:
+    def __init__(
+        self, runner: ModelRunner, cache_engine: CacheEngine, workers: WorkerGroup
+    ) -> None:
         super().__init__(runner, cache_engine)
         self.workers = workers
         sizes = (len(cache_engine.gpu_cache[0][0]), len(cache_engine.cpu_cache[0][0]))
@@ -83,8 +96,9 @@ class TensorParallelExecutor(Executor):
             self.workers.in_step.clear()
 
 
-def start_workers(config: EngineConfig, path, device: torch.device,
-                  attention_backend: str) -> WorkerGroup | None:
+def start_workers(
+    config: EngineConfig, path, device: torch.device, attention_backend: str
+) -> WorkerGroup | None:
     """With ``tensor_parallel_size`` N > 1, ranks 1..N-1 (this process is rank 0),
     once the model is known to split N ways; None for one rank."""
     size = config.tensor_parallel_size
@@ -92,18 +106,27 @@ def start_workers(config: EngineConfig, path, device: torch.device,
         return None
     check_tensor_parallel(read_config(path), size)
     if device.type == "cuda" and size > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, torch sees "
-                         f"{torch.cuda.device_count()}")
-    return WorkerGroup.start(size, path, config.dtype, device, attention_backend,
-                             config.block_size)
+        raise ValueError(
+            f"tensor_parallel_size={size} needs {size} GPUs, torch sees {torch.cuda.device_count()}"
+        )
+    return WorkerGroup.start(size, path, config.dtype, device, attention_backend, config.block_size)
 
 
-def kv_memory_budget(workers: WorkerGroup | None, runner: ModelRunner, config: EngineConfig,
-                     max_model_len: int) -> int:
+def kv_memory_budget(
+    workers: WorkerGroup | None, runner: ModelRunner, config: EngineConfig, max_model_len: int
+) -> int:
     """Bytes of GPU memory for KV blocks (`ModelRunner.kv_memory_budget`): every rank
     profiles its own GPU, and the tightest sets the blocks of all."""
-    return min(on_all_ranks(workers, runner, "kv_memory_budget", config.gpu_memory_utilization,
-                            config.max_num_batched_tokens, max_model_len))
+    return min(
+        on_all_ranks(
+            workers,
+            runner,
+            "kv_memory_budget",
+            config.gpu_memory_utilization,
+            config.max_num_batched_tokens,
+            max_model_len,
+        )
+    )
 
 
 def on_all_ranks(workers: WorkerGroup | None, runner: ModelRunner, method: str, *args) -> list:
@@ -138,12 +161,20 @@ class WorkerGroup:
         # Set while a step runs (perhaps in another thread, as in the server): the
         # workers are in its collectives then, and cannot hear a goodbye.
         self.in_step = threading.Event()
-        self._finalizer = weakref.finalize(self, _stop, processes, conns, self._threads,
-                                           self.in_step)
+        self._finalizer = weakref.finalize(
+            self, _stop, processes, conns, self._threads, self.in_step
+        )
 
     @classmethod
-    def start(cls, size: int, path, dtype: str, device: torch.device, attention_backend: str,
-              block_size: int) -> WorkerGroup:
+    def start(
+        cls,
+        size: int,
+        path,
+        dtype: str,
+        device: torch.device,
+        attention_backend: str,
+        block_size: int,
+    ) -> WorkerGroup:
         """Spawn ``size - 1`` workers and form the group with them (this process is rank 0)."""
         # Not fork: a forked child of a process whose torch (or CUDA) started threads
         # may deadlock on locks those threads held.
@@ -151,13 +182,16 @@ class WorkerGroup:
         # On a CPU the ranks share its cores: as many threads each as leave none idle
         # and none fighting (OpenMP threads that compete for a core wait on each other).
         num_threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else 1
-        args = WorkerArgs(str(path), dtype, device.type, attention_backend, block_size,
-                          num_threads)
+        args = WorkerArgs(str(path), dtype, device.type, attention_backend, block_size, num_threads)
         port, processes, conns = free_port(), [], []
         for rank in range(1, size):
             ours, theirs = context.Pipe()
-            process = context.Process(target=worker_main, args=(rank, size, port, theirs, args),
-                                      name=f"minipaged-tp-rank{rank}", daemon=True)
+            process = context.Process(
+                target=worker_main,
+                args=(rank, size, port, theirs, args),
+                name=f"minipaged-tp-rank{rank}",
+                daemon=True,
+            )
             process.start()
             theirs.close()
             processes.append(process)
@@ -205,8 +239,9 @@ class WorkerGroup:
                 if not process.is_alive():
                     raise RuntimeError(_died(rank, process))
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"tensor-parallel worker rank {rank} did not answer "
-                                       f"in {START_TIMEOUT} s")
+                    raise RuntimeError(
+                        f"tensor-parallel worker rank {rank} did not answer in {START_TIMEOUT} s"
+                    )
             try:
                 status, value = conn.recv()
             except EOFError:  # it closed its end: it is exiting
@@ -232,8 +267,9 @@ class WorkerGroup:
         dead = None
         if self.failure is None:
             dead = _dead_rank(self.processes)
-            self.failure = (dead or f"the tensor-parallel group stopped: "
-                            f"{type(error).__name__}: {error}")
+            self.failure = (
+                dead or f"the tensor-parallel group stopped: {type(error).__name__}: {error}"
+            )
         if self._finalizer.detach():
             _stop(self.processes, self.conns, self._threads)
         return dead
@@ -245,8 +281,9 @@ class WorkerGroup:
         self._finalizer()
 
 
-def _stop(processes: list, conns: list, num_threads: int,
-          in_step: threading.Event | None = None) -> None:
+def _stop(
+    processes: list, conns: list, num_threads: int, in_step: threading.Event | None = None
+) -> None:
     """Between steps, tell healthy workers to leave (the broadcast of None); then make
     sure every one is gone: SIGTERM, then SIGKILL, for any that is not."""
     goodbye = in_step is not None and not in_step.is_set()
@@ -282,6 +319,7 @@ def _dead_rank(processes: list, wait: float = 2.0) -> str | None:
 
 
 def _died(rank: int, process) -> str:
-    return (f"tensor-parallel worker rank {rank} (pid {process.pid}) died with exit code "
-            f"{process.exitcode}")
-
+    return (
+        f"tensor-parallel worker rank {rank} (pid {process.pid}) died with exit code "
+        f"{process.exitcode}"
+    )

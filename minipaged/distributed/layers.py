@@ -27,8 +27,13 @@ from torch import nn
 
 from minipaged.distributed.parallel_state import SINGLE, TensorParallelGroup
 
-__all__ = ["ColumnParallelLinear", "LoadTargets", "ParallelLMHead", "RowParallelLinear",
-           "VocabParallelEmbedding"]
+__all__ = [
+    "ColumnParallelLinear",
+    "LoadTargets",
+    "ParallelLMHead",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+]
 
 # What ``load_targets(kind)`` returns for the parameter ``kind`` ("weight", "bias"): HF
 # tensor -> (index into our parameter, index into the checkpoint tensor).  The key "" is
@@ -39,8 +44,7 @@ ALL = (slice(None),)
 
 def _divide(what: str, total: int, parts: int) -> int:
     if total % parts:
-        raise ValueError(f"{what} ({total}) must be divisible by tensor_parallel_size "
-                         f"({parts})")
+        raise ValueError(f"{what} ({total}) must be divisible by tensor_parallel_size ({parts})")
     return total // parts
 
 
@@ -55,15 +59,24 @@ class ColumnParallelLinear(nn.Linear):
     ranks).  The layer holds, and ``split`` returns, its rank's slice of each part.
     """
 
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool,
-                 tp: TensorParallelGroup = SINGLE, shards: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        parts: dict[str, int],
+        bias: bool,
+        tp: TensorParallelGroup = SINGLE,
+        shards: dict[str, int] | None = None,
+    ) -> None:
         shards = {name: (shards or {}).get(name, tp.size) for name in parts}
         for name, count in shards.items():
             if max(count, tp.size) % min(count, tp.size):
-                raise ValueError(f"{name} has {count} shards, which tensor_parallel_size "
-                                 f"({tp.size}) must divide or be divided by")
-        local = {name: _divide(f"{name}'s rows", rows, shards[name])
-                 for name, rows in parts.items()}
+                raise ValueError(
+                    f"{name} has {count} shards, which tensor_parallel_size "
+                    f"({tp.size}) must divide or be divided by"
+                )
+        local = {
+            name: _divide(f"{name}'s rows", rows, shards[name]) for name, rows in parts.items()
+        }
         super().__init__(in_features, sum(local.values()), bias=bias)
         self.tp, self.parts = tp, local
         self.shard_index = {name: tp.rank * count // tp.size for name, count in shards.items()}
@@ -77,9 +90,18 @@ class ColumnParallelLinear(nn.Linear):
 
     def load_targets(self, kind: str) -> LoadTargets:
         """Each part's rows here, and the rows of its HF tensor this rank holds."""
-        return {name: ((rows,), (slice(self.shard_index[name] * self.parts[name],
-                                       (self.shard_index[name] + 1) * self.parts[name]),))
-                for name, rows in self.slices().items()}
+        return {
+            name: (
+                (rows,),
+                (
+                    slice(
+                        self.shard_index[name] * self.parts[name],
+                        (self.shard_index[name] + 1) * self.parts[name],
+                    ),
+                ),
+            )
+            for name, rows in self.slices().items()
+        }
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """This rank's slice of each part's projection of ``x``."""
@@ -90,8 +112,9 @@ class RowParallelLinear(nn.Linear):
     """Input columns split over ranks; the partial outputs summed by one all-reduce,
     the bias added once, after it."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool,
-                 tp: TensorParallelGroup = SINGLE) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup = SINGLE
+    ) -> None:
         super().__init__(_divide("in_features", in_features, tp.size), out_features, bias=bias)
         self.tp = tp
 
@@ -143,4 +166,4 @@ class ParallelLMHead(_VocabParallel):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.tp.gather(F.linear(hidden, self.weight))
-        return None if logits is None else logits[:, :self.vocab_size]
+        return None if logits is None else logits[:, : self.vocab_size]

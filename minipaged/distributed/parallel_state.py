@@ -23,8 +23,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["COMM", "SINGLE", "CommStats", "TensorParallelGroup", "destroy_tensor_parallel",
-           "dist_backend", "free_port", "init_tensor_parallel", "kv_heads_per_rank"]
+__all__ = [
+    "COMM",
+    "SINGLE",
+    "CommStats",
+    "TensorParallelGroup",
+    "destroy_tensor_parallel",
+    "dist_backend",
+    "free_port",
+    "init_tensor_parallel",
+    "kv_heads_per_rank",
+]
 
 # How long a collective may wait for a peer before gloo gives up.  A dead peer is noticed
 # sooner (its sockets close); this bounds a live peer that stopped answering.
@@ -122,17 +131,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_tensor_parallel(rank: int, size: int, port: int,
-                         device: torch.device) -> TensorParallelGroup:
+def init_tensor_parallel(
+    rank: int, size: int, port: int, device: torch.device
+) -> TensorParallelGroup:
     """Join the group of ``size`` processes that meet at ``127.0.0.1:port`` (rank 0
     listens there); blocks until all have joined."""
     if dist.is_initialized():
-        raise RuntimeError("this process is already in a torch.distributed group: one "
-                           "tensor-parallel LLM per process (shut the other one down first)")
+        raise RuntimeError(
+            "this process is already in a torch.distributed group: one "
+            "tensor-parallel LLM per process (shut the other one down first)"
+        )
     if device.type == "cuda":  # NCCL's object collectives use the current device
         torch.cuda.set_device(rank if device.index is None else device.index)
-    dist.init_process_group(dist_backend(device), init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=size, timeout=TIMEOUT)
+    dist.init_process_group(
+        dist_backend(device),
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=TIMEOUT,
+    )
     return TensorParallelGroup(rank, size)
 
 

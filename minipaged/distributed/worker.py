@@ -21,17 +21,20 @@ from dataclasses import dataclass
 
 import torch
 
+from minipaged.batch import ScheduledSeq, SchedulerOutput
 from minipaged.cache_engine import CacheEngine
-from minipaged.distributed.parallel_state import (TensorParallelGroup, destroy_tensor_parallel,
-                                                  init_tensor_parallel, kv_heads_per_rank)
+from minipaged.distributed.parallel_state import (
+    TensorParallelGroup,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    kv_heads_per_rank,
+)
 from minipaged.model_runner import ModelRunner
 from minipaged.models.attention import head_dim
 from minipaged.models.loader import load_model
-from minipaged.batch import ScheduledSeq, SchedulerOutput
 from minipaged.sequence import Sequence
 
-__all__ = ["StepPlan", "StepTokens", "WorkerArgs", "rank_device", "rank_kv_config",
-           "worker_main"]
+__all__ = ["StepPlan", "StepTokens", "WorkerArgs", "rank_device", "rank_kv_config", "worker_main"]
 
 
 @dataclass
@@ -46,15 +49,32 @@ class StepPlan:
 
     @classmethod
     def of(cls, batch: SchedulerOutput) -> StepPlan:
-        seqs = [(s.start, s.seq.token_ids[s.start:s.start + s.num_new_tokens], s.block_table,
-                 s.slot_mapping, s.samples) for s in batch.seqs]
+        seqs = [
+            (
+                s.start,
+                s.seq.token_ids[s.start : s.start + s.num_new_tokens],
+                s.block_table,
+                s.slot_mapping,
+                s.samples,
+            )
+            for s in batch.seqs
+        ]
         return cls(seqs, batch.swap_out, batch.swap_in, batch.copies)
 
     def batch(self) -> SchedulerOutput:
         """The plan as the `SchedulerOutput` the cache engine and model runner take."""
-        seqs = [ScheduledSeq(Sequence("", StepTokens(start, tokens), 0), None, start,
-                             len(tokens), table, slots, samples)
-                for start, tokens, table, slots, samples in self.seqs]
+        seqs = [
+            ScheduledSeq(
+                Sequence("", StepTokens(start, tokens), 0),
+                None,
+                start,
+                len(tokens),
+                table,
+                slots,
+                samples,
+            )
+            for start, tokens, table, slots, samples in self.seqs
+        ]
         return SchedulerOutput(seqs, self.swap_out, self.swap_in, self.copies)
 
 
@@ -73,11 +93,10 @@ class StepTokens:
             first, stop, step = index.indices(len(self))
             if first < self.start and first < stop:
                 raise IndexError(f"a worker knows tokens {self.start} onwards, not {first}")
-            return self.tokens[first - self.start:stop - self.start:step]
+            return self.tokens[first - self.start : stop - self.start : step]
         index = index + len(self) if index < 0 else index
         if not self.start <= index < len(self):
-            raise IndexError(f"a worker knows tokens {self.start}..{len(self) - 1}, "
-                             f"not {index}")
+            raise IndexError(f"a worker knows tokens {self.start}..{len(self) - 1}, not {index}")
         return self.tokens[index - self.start]
 
 
@@ -136,8 +155,9 @@ def worker_main(rank: int, size: int, port: int, conn, args: WorkerArgs) -> None
         destroy_tensor_parallel()
 
 
-def _set_up(conn, runner: ModelRunner, tp: TensorParallelGroup, block_size: int,
-            device: torch.device) -> CacheEngine:
+def _set_up(
+    conn, runner: ModelRunner, tp: TensorParallelGroup, block_size: int, device: torch.device
+) -> CacheEngine:
     """Answer ``(method, args)`` calls on the runner until ``("allocate", (num_gpu_blocks,
     num_cpu_blocks))``, which builds this rank's pools and ends the set-up."""
     while True:

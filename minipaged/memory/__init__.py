@@ -9,6 +9,13 @@ from .kv_cache_manager import Allocation, KVCacheManager
 from .prefix_cache import BlockIdentity, CachedBlock, PrefixCachingBlockAllocator
 
 __all__ = [
-    "Allocation", "BlockAllocator", "BlockCopy", "BlockIdentity", "BlockTable", "CachedBlock",
-    "KVCacheManager", "NoFreeBlocksError", "PrefixCachingBlockAllocator",
+    "Allocation",
+    "BlockAllocator",
+    "BlockCopy",
+    "BlockIdentity",
+    "BlockTable",
+    "CachedBlock",
+    "KVCacheManager",
+    "NoFreeBlocksError",
+    "PrefixCachingBlockAllocator",
 ]

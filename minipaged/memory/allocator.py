@@ -49,8 +49,9 @@ class BlockAllocator:
     def allocate(self) -> int:
         """Take a free block; its reference count becomes 1."""
         if not self._free:
-            raise NoFreeBlocksError(f"no free block left in the {self.device} pool "
-                                    f"of {self.num_blocks} blocks")
+            raise NoFreeBlocksError(
+                f"no free block left in the {self.device} pool of {self.num_blocks} blocks"
+            )
         block = self._free.pop()
         self._ref_counts[block] = 1
         return block
@@ -77,11 +78,15 @@ class BlockAllocator:
 
     def _check_id(self, block: int) -> None:
         if not isinstance(block, int) or not 0 <= block < self.num_blocks:
-            raise ValueError(f"block must be an id in [0, {self.num_blocks}) of the "
-                             f"{self.device} pool, got {block!r}")
+            raise ValueError(
+                f"block must be an id in [0, {self.num_blocks}) of the "
+                f"{self.device} pool, got {block!r}"
+            )
 
     def _check_allocated(self, block: int, op: str) -> None:
         self._check_id(block)
         if self._ref_counts[block] == 0:
-            raise ValueError(f"cannot {op} block {block}: it is not allocated "
-                             f"(double free, or never allocated) in the {self.device} pool")
+            raise ValueError(
+                f"cannot {op} block {block}: it is not allocated "
+                f"(double free, or never allocated) in the {self.device} pool"
+            )

@@ -88,7 +88,8 @@ class BlockTable:
         if fresh + shared > self.allocator.num_free_blocks:
             raise NoFreeBlocksError(
                 f"appending {len(token_ids)} tokens needs {fresh + shared} blocks, "
-                f"{self.allocator.num_free_blocks} free")
+                f"{self.allocator.num_free_blocks} free"
+            )
         copies = [self._copy_on_write()] if shared else []
         start = len(self.token_ids)
         self.blocks += [self.allocator.allocate() for _ in range(fresh)]
@@ -119,7 +120,7 @@ class BlockTable:
 
     def _register_block(self, index: int) -> None:
         parent = self.identities[-1] if self.identities else None
-        tokens = tuple(self.token_ids[index * self.block_size:(index + 1) * self.block_size])
+        tokens = tuple(self.token_ids[index * self.block_size : (index + 1) * self.block_size])
         self.identities.append(self.allocator.register(self.blocks[index], tokens, parent))
 
     def adopt_cached_prefix(self, entries: list[CachedBlock]) -> None:

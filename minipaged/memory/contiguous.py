@@ -46,7 +46,7 @@ class ContiguousAllocator:
         if not isinstance(num_slots, int) or num_slots < 0:
             raise ValueError(f"num_slots must be a non-negative int, got {num_slots!r}")
         self.num_slots = num_slots
-        self._starts: list[int] = []   # sorted starts of reserved ranges
+        self._starts: list[int] = []  # sorted starts of reserved ranges
         self._sizes: dict[int, int] = {}
 
     @property
@@ -105,8 +105,11 @@ class ContiguousReservations:
     def __init__(self, policy: str, num_blocks: int, block_size: int, max_len: int) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
-                            ("max_len", max_len)):
+        for name, value in (
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("max_len", max_len),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.policy, self.block_size, self.max_len = policy, block_size, max_len

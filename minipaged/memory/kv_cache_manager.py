@@ -39,14 +39,21 @@ class Allocation:
 class KVCacheManager:
     """Block tables of all sequences, keyed by sequence id."""
 
-    def __init__(self, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 enable_prefix_caching: bool = False) -> None:
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = False,
+    ) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size
         self.gpu: BlockAllocator = (
             PrefixCachingBlockAllocator(num_gpu_blocks, block_size, "gpu")
-            if enable_prefix_caching else BlockAllocator(num_gpu_blocks, "gpu"))
+            if enable_prefix_caching
+            else BlockAllocator(num_gpu_blocks, "gpu")
+        )
         self.cpu = BlockAllocator(num_cpu_blocks, "cpu")
         self.tables: dict[str, BlockTable] = {}
         self.num_swapped_out_blocks = 0
@@ -81,14 +88,16 @@ class KVCacheManager:
         """Would `allocate()` find the blocks it needs right now?"""
         return self.blocks_to_allocate(prompt_token_ids, num_new_tokens) <= self.gpu.num_free_blocks
 
-    def blocks_to_allocate(self, prompt_token_ids: list[int],
-                           num_new_tokens: int | None = None) -> int:
+    def blocks_to_allocate(
+        self, prompt_token_ids: list[int], num_new_tokens: int | None = None
+    ) -> int:
         """Free blocks `allocate()` would take (a scheduler sums them over a group)."""
         entries, end = self._plan(prompt_token_ids, num_new_tokens)
         return self._blocks_needed(entries, end - len(entries) * self.block_size)
 
-    def allocate(self, seq_id: str, prompt_token_ids: list[int],
-                 num_new_tokens: int | None = None) -> Allocation:
+    def allocate(
+        self, seq_id: str, prompt_token_ids: list[int], num_new_tokens: int | None = None
+    ) -> Allocation:
         """Start a sequence: reuse its cached prefix, then give slots to the next tokens.
 
         ``num_new_tokens`` (default: the rest of the prompt) lets chunked prefill take a
@@ -100,8 +109,9 @@ class KVCacheManager:
         cached = len(entries) * self.block_size
         needed = self._blocks_needed(entries, end - cached)
         if needed > self.gpu.num_free_blocks:
-            raise NoFreeBlocksError(f"starting {seq_id!r} needs {needed} blocks, "
-                                    f"{self.gpu.num_free_blocks} free")
+            raise NoFreeBlocksError(
+                f"starting {seq_id!r} needs {needed} blocks, {self.gpu.num_free_blocks} free"
+            )
         table = BlockTable(self.block_size, self.gpu)
         if entries:
             table.adopt_cached_prefix(entries)
@@ -122,8 +132,10 @@ class KVCacheManager:
         limit = len(prompt_token_ids) - cached
         # The type too, before anything changes: a float would fail mid-allocation.
         if not isinstance(num_new_tokens, int) or not 1 <= num_new_tokens <= limit:
-            raise ValueError(f"num_new_tokens must be an int in [1, {limit}] "
-                             f"({cached} prompt tokens are cached), got {num_new_tokens!r}")
+            raise ValueError(
+                f"num_new_tokens must be an int in [1, {limit}] "
+                f"({cached} prompt tokens are cached), got {num_new_tokens!r}"
+            )
         return entries, cached + num_new_tokens
 
     def _blocks_needed(self, entries: list, num_new_tokens: int) -> int:
@@ -190,14 +202,17 @@ class KVCacheManager:
         # A block shared inside the group moves once and stays shared.
         return list(dict.fromkeys(b for t in tables for b in t.blocks))
 
-    def _swap(self, seq_ids: list[str], src: BlockAllocator,
-              dst: BlockAllocator) -> list[tuple[int, int]]:
+    def _swap(
+        self, seq_ids: list[str], src: BlockAllocator, dst: BlockAllocator
+    ) -> list[tuple[int, int]]:
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids has duplicates: {seq_ids!r}")
         blocks = self._distinct_blocks(seq_ids, src)
         if len(blocks) > dst.num_free_blocks:
-            raise NoFreeBlocksError(f"swapping {len(blocks)} blocks to the {dst.device} pool, "
-                                    f"{dst.num_free_blocks} free")
+            raise NoFreeBlocksError(
+                f"swapping {len(blocks)} blocks to the {dst.device} pool, "
+                f"{dst.num_free_blocks} free"
+            )
         mapping = {b: dst.allocate() for b in blocks}
         for seq_id in seq_ids:
             table = self._table(seq_id)
@@ -222,8 +237,12 @@ class KVCacheManager:
                 filled[block] = max(filled.get(block, 0), in_block)
         shared = sum(self.gpu.ref_count(b) > 1 for b in filled)
         tokens = sum(filled.values())
-        return {"num_used_gpu_blocks": len(filled), "num_shared_gpu_blocks": shared,
-                "num_kv_tokens": tokens, "num_wasted_slots": len(filled) * self.block_size - tokens}
+        return {
+            "num_used_gpu_blocks": len(filled),
+            "num_shared_gpu_blocks": shared,
+            "num_kv_tokens": tokens,
+            "num_wasted_slots": len(filled) * self.block_size - tokens,
+        }
 
     def stats(self) -> dict[str, float]:
         hit_rate = self.gpu.hit_rate if self.prefix_caching else 0.0

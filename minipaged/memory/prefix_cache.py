@@ -122,7 +122,7 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         matched: list[CachedBlock] = []
         parent_hash, parent_id = None, ROOT_ID
         for i in range((len(token_ids) - 1) // bs):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             entry = self._by_hash.get(hash_block(parent_hash, tokens))
             if entry is None or entry.token_ids != tokens or entry.parent_id != parent_id:
                 break
@@ -143,8 +143,9 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         self.num_hit_tokens += num_hit_tokens
 
     # -- registration -----------------------------------------------------------------
-    def register(self, block: int, token_ids: tuple[int, ...],
-                 parent: BlockIdentity | None) -> BlockIdentity:
+    def register(
+        self, block: int, token_ids: tuple[int, ...], parent: BlockIdentity | None
+    ) -> BlockIdentity:
         """Offer a block that just became full to the cache.
 
         ``parent`` is the identity of the previous block of the same sequence (``None``

@@ -101,8 +101,10 @@ class _ContiguousSystem:
 
     def check(self, r: _Request) -> None:
         if self.size(r) > self.num_slots:
-            raise ValueError(f"num_slots={self.num_slots} cannot hold one reservation "
-                             f"of {self.size(r)} slots ({self.policy})")
+            raise ValueError(
+                f"num_slots={self.num_slots} cannot hold one reservation "
+                f"of {self.size(r)} slots ({self.policy})"
+            )
 
     def admit(self, r: _Request) -> bool:
         start = self.pool.reserve(self.size(r))
@@ -143,8 +145,9 @@ class _PagedSystem:
     def check(self, r: _Request) -> None:
         blocks = blocks_for(r.spec.total_len, self.block_size)
         if blocks > self.kv.gpu.num_blocks - self.watermark:
-            raise ValueError(f"num_slots={self.num_slots} cannot hold one request "
-                             f"of {r.spec.total_len} tokens")
+            raise ValueError(
+                f"num_slots={self.num_slots} cannot hold one request of {r.spec.total_len} tokens"
+            )
 
     def admit(self, r: _Request) -> bool:
         length = r.length or r.spec.prompt_len  # a preempted request recomputes all it had
@@ -181,8 +184,13 @@ class _PagedSystem:
         return _Usage(tokens=tokens, internal=held - tokens)
 
 
-def simulate_memory(requests: list[RequestSpec], system: str, num_slots: int,
-                    block_size: int = 16, max_len: int = 2048) -> MemoryReport:
+def simulate_memory(
+    requests: list[RequestSpec],
+    system: str,
+    num_slots: int,
+    block_size: int = 16,
+    max_len: int = 2048,
+) -> MemoryReport:
     """Serve ``requests`` to completion on ``num_slots`` KV slots; report where memory went."""
     if system not in SYSTEMS:
         raise ValueError(f"system must be one of {SYSTEMS}, got {system!r}")
@@ -206,14 +214,27 @@ def simulate_memory(requests: list[RequestSpec], system: str, num_slots: int,
         for r in [r for r in running if r.length == r.spec.total_len]:
             sim.finish(r)
             running.remove(r)
-    return _report(system, saturated if saturated.steps else every, sim.num_slots,
-                   every.steps, sim.num_preemptions)
+    return _report(
+        system,
+        saturated if saturated.steps else every,
+        sim.num_slots,
+        every.steps,
+        sim.num_preemptions,
+    )
 
 
-def _report(system: str, totals: _Totals, num_slots: int, num_steps: int,
-            num_preemptions: int) -> MemoryReport:
+def _report(
+    system: str, totals: _Totals, num_slots: int, num_steps: int, num_preemptions: int
+) -> MemoryReport:
     steps = max(totals.steps, 1)
     u, denominator = totals.usage, steps * num_slots
-    return MemoryReport(system, u.tokens / denominator, u.reserved / denominator,
-                        u.internal / denominator, u.external / denominator,
-                        totals.resident / steps, num_steps, num_preemptions)
+    return MemoryReport(
+        system,
+        u.tokens / denominator,
+        u.reserved / denominator,
+        u.internal / denominator,
+        u.external / denominator,
+        totals.resident / steps,
+        num_steps,
+        num_preemptions,
+    )

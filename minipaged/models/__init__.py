@@ -12,10 +12,15 @@ from .tiny import make_tiny_model
 # The model code needs torch and transformers (seconds to import); the CLI needs only
 # ``tiny``.  So these names are imported on first use (PEP 562).
 _LAZY = {
-    "AttentionMetadata": "attention", "PagedAttention": "attention",
-    "allocate_kv_caches": "attention", "token_positions": "attention",
-    "MODELS": "llama", "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "llama", "Qwen3ForCausalLM": "llama",
+    "AttentionMetadata": "attention",
+    "PagedAttention": "attention",
+    "allocate_kv_caches": "attention",
+    "token_positions": "attention",
+    "MODELS": "llama",
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
     "load_model": "loader",
 }
 

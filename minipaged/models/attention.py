@@ -22,8 +22,14 @@ from torch import nn
 from minipaged.memory.block_table import slot_mapping as block_slots
 from minipaged.ops import BACKENDS, get_backend
 
-__all__ = ["AttentionMetadata", "PagedAttention", "allocate_kv_caches", "check_backend",
-           "head_dim", "token_positions"]
+__all__ = [
+    "AttentionMetadata",
+    "PagedAttention",
+    "allocate_kv_caches",
+    "check_backend",
+    "head_dim",
+    "token_positions",
+]
 
 
 @dataclass
@@ -47,9 +53,15 @@ class AttentionMetadata:
     max_decode_context_len: int
 
     @classmethod
-    def build(cls, block_tables: list[list[int]], num_cached: list[int], num_new: list[int],
-              block_size: int, device: torch.device | str = "cpu",
-              slot_mapping: list[int] | None = None) -> AttentionMetadata:
+    def build(
+        cls,
+        block_tables: list[list[int]],
+        num_cached: list[int],
+        num_new: list[int],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        slot_mapping: list[int] | None = None,
+    ) -> AttentionMetadata:
         """The metadata of a step that runs ``num_new[i]`` tokens of sequence ``i``,
         the ``num_cached[i]`` before them being in the cache already.
 
@@ -67,13 +79,18 @@ class AttentionMetadata:
             split -= 1
         context_lens = [c + n for c, n in zip(num_cached, num_new)]
         if slot_mapping is None:
-            slots = [slot for table, c, n in zip(block_tables, num_cached, num_new)
-                     for slot in block_slots(table, block_size, c, c + n)]
+            slots = [
+                slot
+                for table, c, n in zip(block_tables, num_cached, num_new)
+                for slot in block_slots(table, block_size, c, c + n)
+            ]
         elif len(slot_mapping) == sum(num_new):
             slots = slot_mapping
         else:
-            raise ValueError(f"slot_mapping must have one slot per new token ({sum(num_new)}),"
-                             f" got {len(slot_mapping)}")
+            raise ValueError(
+                f"slot_mapping must have one slot per new token ({sum(num_new)}),"
+                f" got {len(slot_mapping)}"
+            )
         starts = [0, *itertools.accumulate(num_new[:split])]
         return cls(
             slot_mapping=int_tensor(slots, device, torch.long),
@@ -88,12 +105,14 @@ class AttentionMetadata:
         )
 
 
-def token_positions(num_cached: list[int], num_new: list[int],
-                    device: torch.device | str = "cpu") -> torch.Tensor:
+def token_positions(
+    num_cached: list[int], num_new: list[int], device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """The position of every new token of a step, packed in the order of
     ``AttentionMetadata.build``: sequence ``i`` contributes ``num_cached[i]`` onwards."""
-    return int_tensor([p for c, n in zip(num_cached, num_new) for p in range(c, c + n)],
-                      device, torch.long)
+    return int_tensor(
+        [p for c, n in zip(num_cached, num_new) for p in range(c, c + n)], device, torch.long
+    )
 
 
 def int_tensor(values: list[int], device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
@@ -110,16 +129,22 @@ def _check_sequences(block_tables, num_cached, num_new, block_size):
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if not len(block_tables) == len(num_cached) == len(num_new):
-        raise ValueError(f"block_tables, num_cached and num_new must have one entry per "
-                         f"sequence, got lengths {len(block_tables)}, {len(num_cached)} and "
-                         f"{len(num_new)}")
+        raise ValueError(
+            f"block_tables, num_cached and num_new must have one entry per "
+            f"sequence, got lengths {len(block_tables)}, {len(num_cached)} and "
+            f"{len(num_new)}"
+        )
     for i, (table, cached, new) in enumerate(zip(block_tables, num_cached, num_new)):
         if new < 1 or cached < 0:
-            raise ValueError(f"sequence {i} must have num_new >= 1 and num_cached >= 0, got "
-                             f"num_new[{i}] = {new}, num_cached[{i}] = {cached}")
+            raise ValueError(
+                f"sequence {i} must have num_new >= 1 and num_cached >= 0, got "
+                f"num_new[{i}] = {new}, num_cached[{i}] = {cached}"
+            )
         if len(table) * block_size < cached + new:
-            raise ValueError(f"block_tables[{i}] has {len(table)} blocks of {block_size} "
-                             f"slots, too few for its {cached + new} tokens")
+            raise ValueError(
+                f"block_tables[{i}] has {len(table)} blocks of {block_size} "
+                f"slots, too few for its {cached + new} tokens"
+            )
 
 
 def _pad(tables: list[list[int]], device) -> torch.Tensor:
@@ -145,9 +170,14 @@ class PagedAttention(nn.Module):
         _check_name(backend)
         self.scale, self.backend = scale, backend
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor],
-                attn: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
         """``query [T, num_heads, D]``, ``key, value [T, num_kv_heads, D]`` ->
         ``[T, num_heads, D]``; the new keys and values land in ``kv_cache`` first, so
         every token also sees itself and the tokens before it in the same step."""
@@ -158,14 +188,25 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(query)
         if n > 0:
             out[:n] = impl.paged_attention_prefill(
-                query[:n], key_cache, value_cache, attn.prefill_block_tables,
-                attn.prefill_query_start_loc, attn.prefill_context_lens, self.scale,
-                max_query_len=attn.max_prefill_query_len)
+                query[:n],
+                key_cache,
+                value_cache,
+                attn.prefill_block_tables,
+                attn.prefill_query_start_loc,
+                attn.prefill_context_lens,
+                self.scale,
+                max_query_len=attn.max_prefill_query_len,
+            )
         if n < query.shape[0]:
             out[n:] = impl.paged_attention_decode(
-                query[n:], key_cache, value_cache, attn.decode_block_tables,
-                attn.decode_context_lens, self.scale,
-                max_context_len=attn.max_decode_context_len)
+                query[n:],
+                key_cache,
+                value_cache,
+                attn.decode_block_tables,
+                attn.decode_context_lens,
+                self.scale,
+                max_context_len=attn.max_decode_context_len,
+            )
         return out
 
     def extra_repr(self) -> str:
@@ -181,8 +222,7 @@ def check_backend(attention_backend: str, device: torch.device | str) -> None:
 
 def _check_name(attention_backend):
     if attention_backend not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {BACKENDS}, "
-                         f"got {attention_backend!r}")
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
 
 
 def head_dim(config) -> int:
@@ -191,8 +231,13 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def allocate_kv_caches(config_or_model, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def allocate_kv_caches(
+    config_or_model,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Zeroed ``(key_cache, value_cache)`` per layer, each ``[num_blocks, block_size,
     num_kv_heads, head_dim]`` (the layout every backend uses); ``config_or_model`` is an
     HF config or a model with a ``.config``."""
@@ -201,6 +246,10 @@ def allocate_kv_caches(config_or_model, num_blocks: int, block_size: int, dtype:
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     shape = (num_blocks, block_size, config.num_key_value_heads, head_dim(config))
-    return [(torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.num_hidden_layers)]
+    return [
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
+        for _ in range(config.num_hidden_layers)
+    ]

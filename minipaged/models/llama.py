@@ -37,13 +37,26 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from minipaged.distributed.layers import (ColumnParallelLinear, ParallelLMHead,
-                                          RowParallelLinear, VocabParallelEmbedding)
+from minipaged.distributed.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from minipaged.distributed.parallel_state import SINGLE, TensorParallelGroup, kv_heads_per_rank
 from minipaged.models.attention import AttentionMetadata, PagedAttention, head_dim
 
-__all__ = ["MODELS", "ROPE_TYPES", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-           "Qwen3ForCausalLM", "check_tensor_parallel", "rope_frequencies", "sliding_window"]
+__all__ = [
+    "MODELS",
+    "ROPE_TYPES",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "check_tensor_parallel",
+    "rope_frequencies",
+    "sliding_window",
+]
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # The RoPE variants Llama-family configs use.  "longrope" (Phi-3) picks its frequencies
@@ -89,8 +102,9 @@ def rope_frequencies(config) -> tuple[torch.Tensor, float]:
     params = config.rope_parameters
     rope_type = params.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"rope_parameters['rope_type'] must be one of {ROPE_TYPES}, "
-                         f"got {rope_type!r}")
+        raise ValueError(
+            f"rope_parameters['rope_type'] must be one of {ROPE_TYPES}, got {rope_type!r}"
+        )
     if rope_type != "default":
         return ROPE_INIT_FUNCTIONS[rope_type](config)
     # HF keeps plain RoPE on each model class rather than in ROPE_INIT_FUNCTIONS.
@@ -110,8 +124,10 @@ class RotaryEmbedding(nn.Module):
         """``positions [T]`` -> ``cos, sin [T, head_dim]`` in ``dtype``, computed in float32."""
         freqs = positions[:, None].float() * self.inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
-        return ((angles.cos() * self.attention_scaling).to(dtype),
-                (angles.sin() * self.attention_scaling).to(dtype))
+        return (
+            (angles.cos() * self.attention_scaling).to(dtype),
+            (angles.sin() * self.attention_scaling).to(dtype),
+        )
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -125,8 +141,9 @@ class LlamaAttention(nn.Module):
     """GQA self-attention: project, (Qwen3) norm q/k per head, rotate, attend paged.
     Under tensor parallelism, over this rank's heads, o_proj summing the ranks' outputs."""
 
-    def __init__(self, config, arch: ArchOptions, attention_backend: str,
-                 tp: TensorParallelGroup) -> None:
+    def __init__(
+        self, config, arch: ArchOptions, attention_backend: str, tp: TensorParallelGroup
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads // tp.size
         self.num_kv_heads = kv_heads_per_rank(config.num_key_value_heads, tp.size)
@@ -135,18 +152,28 @@ class LlamaAttention(nn.Module):
         kv_size = config.num_key_value_heads * self.head_dim
         kv_shards = min(tp.size, config.num_key_value_heads)
         self.qkv_proj = ColumnParallelLinear(
-            config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
-            bias=arch.qkv_bias, tp=tp, shards={"k_proj": kv_shards, "v_proj": kv_shards})
+            config.hidden_size,
+            {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
+            bias=arch.qkv_bias,
+            tp=tp,
+            shards={"k_proj": kv_shards, "v_proj": kv_shards},
+        )
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=arch.o_bias, tp=tp)
         if arch.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = nn.Identity()
-        self.attn = PagedAttention(self.head_dim ** -0.5, attention_backend)
+        self.attn = PagedAttention(self.head_dim**-0.5, attention_backend)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCache, attn: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(hidden)
         q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
@@ -162,7 +189,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(
-            config.hidden_size, {"gate_proj": size, "up_proj": size}, bias=bias, tp=tp)
+            config.hidden_size, {"gate_proj": size, "up_proj": size}, bias=bias, tp=tp
+        )
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, tp=tp)
         self.act_fn = ACT2FN[config.hidden_act]
 
@@ -174,16 +202,23 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, config, arch: ArchOptions, attention_backend: str,
-                 tp: TensorParallelGroup) -> None:
+    def __init__(
+        self, config, arch: ArchOptions, attention_backend: str, tp: TensorParallelGroup
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, arch, attention_backend, tp)
         self.mlp = LlamaMLP(config, arch.mlp_bias, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCache, attn: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -204,21 +239,31 @@ def sliding_window(config) -> int | None:
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm: token ids -> last hidden states."""
 
-    def __init__(self, config, arch: ArchOptions, attention_backend: str,
-                 tp: TensorParallelGroup) -> None:
+    def __init__(
+        self, config, arch: ArchOptions, attention_backend: str, tp: TensorParallelGroup
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, arch, attention_backend, tp)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, arch, attention_backend, tp)
+            for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         self.sliding_window = sliding_window(config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], attn: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
-            raise ValueError(f"kv_caches must hold one (key_cache, value_cache) pair per "
-                             f"layer ({len(self.layers)}), got {len(kv_caches)}")
+            raise ValueError(
+                f"kv_caches must hold one (key_cache, value_cache) pair per "
+                f"layer ({len(self.layers)}), got {len(kv_caches)}"
+            )
         self._check_window(positions)
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
@@ -234,9 +279,11 @@ class LlamaModel(nn.Module):
             return
         longest = int(positions.max()) + 1
         if longest > self.sliding_window:
-            raise ValueError(f"a sequence of {longest} tokens exceeds the model's sliding "
-                             f"window of {self.sliding_window}, which minipaged does not "
-                             "implement; keep sequences within it")
+            raise ValueError(
+                f"a sequence of {longest} tokens exceeds the model's sliding "
+                f"window of {self.sliding_window}, which minipaged does not "
+                "implement; keep sequences within it"
+            )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -248,8 +295,9 @@ class LlamaForCausalLM(nn.Module):
     process's rank in a tensor-parallel group (default: none), whose slice it builds.
     """
 
-    def __init__(self, config, attention_backend: str = "torch",
-                 tp: TensorParallelGroup = SINGLE) -> None:
+    def __init__(
+        self, config, attention_backend: str = "torch", tp: TensorParallelGroup = SINGLE
+    ) -> None:
         super().__init__()
         check_tensor_parallel(config, tp.size)
         self.config, self.tp = config, tp
@@ -263,11 +311,17 @@ class LlamaForCausalLM(nn.Module):
     def arch_options(cls, config) -> ArchOptions:
         """Llama's: biases where the config asks for them, no q/k norm."""
         bias = getattr(config, "attention_bias", False)
-        return ArchOptions(qkv_bias=bias, o_bias=bias,
-                           mlp_bias=getattr(config, "mlp_bias", False), qk_norm=False)
+        return ArchOptions(
+            qkv_bias=bias, o_bias=bias, mlp_bias=getattr(config, "mlp_bias", False), qk_norm=False
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], attn: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
         """Run the step's tokens, writing their K/V to ``kv_caches`` (one pair per layer);
         returns the final hidden state of every token."""
         return self.model(input_ids, positions, kv_caches, attn)
@@ -287,14 +341,19 @@ def check_tensor_parallel(config, size: int) -> None:
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size must be an int >= 1, got {size!r}")
     kv = config.num_key_value_heads
-    for what, total in (("num_attention_heads", config.num_attention_heads),
-                        ("intermediate_size", config.intermediate_size)):
+    for what, total in (
+        ("num_attention_heads", config.num_attention_heads),
+        ("intermediate_size", config.intermediate_size),
+    ):
         if total % size:
-            raise ValueError(f"tensor_parallel_size={size} must divide the model's "
-                             f"{what} ({total})")
+            raise ValueError(
+                f"tensor_parallel_size={size} must divide the model's {what} ({total})"
+            )
     if kv % size and size % kv:
-        raise ValueError(f"tensor_parallel_size={size} must divide the model's "
-                         f"num_key_value_heads ({kv}) or be a multiple of it")
+        raise ValueError(
+            f"tensor_parallel_size={size} must divide the model's "
+            f"num_key_value_heads ({kv}) or be a multiple of it"
+        )
 
 
 class MistralForCausalLM(LlamaForCausalLM):
@@ -318,5 +377,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 
 # config.architectures[0] -> class, for the loader.
-MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM,
-                                        Qwen2ForCausalLM, Qwen3ForCausalLM)}
+MODELS = {
+    cls.__name__: cls
+    for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
+}

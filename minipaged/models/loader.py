@@ -27,8 +27,14 @@ from minipaged.distributed.parallel_state import SINGLE, TensorParallelGroup
 from minipaged.models.attention import check_backend
 from minipaged.models.llama import MODELS
 
-__all__ = ["DTYPES", "load_model", "read_config", "resolve_dtype", "checkpoint_files",
-           "load_weights"]
+__all__ = [
+    "DTYPES",
+    "load_model",
+    "read_config",
+    "resolve_dtype",
+    "checkpoint_files",
+    "load_weights",
+]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 INDEX_FILE = "model.safetensors.index.json"
@@ -38,8 +44,13 @@ SINGLE_FILE = "model.safetensors"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def load_model(path, dtype="auto", device="cpu", attention_backend: str = "torch",
-               tp: TensorParallelGroup = SINGLE):
+def load_model(
+    path,
+    dtype="auto",
+    device="cpu",
+    attention_backend: str = "torch",
+    tp: TensorParallelGroup = SINGLE,
+):
     """The model in directory ``path``, its weights loaded, in eval mode, no grads.
 
     ``dtype`` is ``"auto"`` (the config's ``dtype``), a name in :data:`DTYPES` or one
@@ -72,8 +83,9 @@ def model_class(config):
     """The minipaged class for ``config.architectures[0]``."""
     architectures = getattr(config, "architectures", None) or []
     if not architectures or architectures[0] not in MODELS:
-        raise ValueError(f"config.architectures must name one of {sorted(MODELS)}, "
-                         f"got {architectures}")
+        raise ValueError(
+            f"config.architectures must name one of {sorted(MODELS)}, got {architectures}"
+        )
     return MODELS[architectures[0]]
 
 
@@ -83,8 +95,10 @@ def resolve_dtype(dtype, config) -> torch.dtype:
         dtype = getattr(config, "dtype", None) or torch.float32
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if dtype not in DTYPES.values():
-        raise ValueError(f"dtype must be 'auto', one of {sorted(DTYPES)} or the torch dtype "
-                         f"of one, got {dtype!r}")
+        raise ValueError(
+            f"dtype must be 'auto', one of {sorted(DTYPES)} or the torch dtype "
+            f"of one, got {dtype!r}"
+        )
     return dtype
 
 
@@ -96,8 +110,7 @@ def checkpoint_files(path: Path) -> list[Path]:
         return [path / name for name in sorted(set(weight_map.values()))]
     if (path / SINGLE_FILE).is_file():
         return [path / SINGLE_FILE]
-    raise FileNotFoundError(f"model path {str(path)!r} has neither {SINGLE_FILE} nor "
-                            f"{INDEX_FILE}")
+    raise FileNotFoundError(f"model path {str(path)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
 def load_weights(model, files: list[Path]) -> None:
@@ -116,9 +129,11 @@ def load_weights(model, files: list[Path]) -> None:
     for name, (param, ours, theirs) in targets.items():
         full = torch.empty(shapes[name], device="meta")
         if full[theirs].shape != param[ours].shape:
-            raise ValueError(f"checkpoint tensor {name!r} has shape {shapes[name]}, the "
-                             f"model expects {tuple(param[ours].shape)}"
-                             + (f" (of {theirs})" if theirs != (slice(None),) else ""))
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {shapes[name]}, the "
+                f"model expects {tuple(param[ours].shape)}"
+                + (f" (of {theirs})" if theirs != (slice(None),) else "")
+            )
     with torch.no_grad():
         for file in files:
             with safe_open(file, framework="pt") as f:
@@ -147,20 +162,26 @@ def _targets(model) -> dict[str, tuple[torch.Tensor, tuple, tuple]]:
 
 def _check_names(model, expected, found) -> None:
     tied = model.config.tie_word_embeddings
-    unexpected = sorted(name for name in found - expected
-                        if not name.endswith(IGNORED_SUFFIXES)
-                        # Some tied checkpoints store a copy of the head too.  The config
-                        # says tied, so (like vLLM) the copy is ignored; transformers 5
-                        # would untie the two if they differed.
-                        and not (tied and name == "lm_head.weight"))
+    unexpected = sorted(
+        name
+        for name in found - expected
+        if not name.endswith(IGNORED_SUFFIXES)
+        # Some tied checkpoints store a copy of the head too.  The config
+        # says tied, so (like vLLM) the copy is ignored; transformers 5
+        # would untie the two if they differed.
+        and not (tied and name == "lm_head.weight")
+    )
     missing = sorted(expected - found)
     kind = type(model).__name__
     if missing:
-        raise ValueError(f"the checkpoint lacks {len(missing)} weights {kind} needs: "
-                         f"{_sample(missing)}")
+        raise ValueError(
+            f"the checkpoint lacks {len(missing)} weights {kind} needs: {_sample(missing)}"
+        )
     if unexpected:
-        raise ValueError(f"the checkpoint has {len(unexpected)} weights {kind} does not "
-                         f"use: {_sample(unexpected)}")
+        raise ValueError(
+            f"the checkpoint has {len(unexpected)} weights {kind} does not "
+            f"use: {_sample(unexpected)}"
+        )
 
 
 def _sample(names: list[str], limit: int = 5) -> str:

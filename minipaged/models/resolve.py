@@ -52,8 +52,9 @@ def resolve_max_model_len(max_model_len: int | None, config) -> int:
     if max_model_len is None:
         return limit
     if max_model_len > limit:
-        raise ValueError(f"max_model_len={max_model_len} is more than the model's "
-                         f"{limit} positions")
+        raise ValueError(
+            f"max_model_len={max_model_len} is more than the model's {limit} positions"
+        )
     return max_model_len
 
 

@@ -39,10 +39,20 @@ CHAT_TEMPLATE = (
 # KV head (GQA).  Real checkpoints pad the vocabulary to a round size (Qwen2: 151,936 rows
 # for ~151,650 tokens); so do we (259 -> 272), so the engine meets ids no text encodes to.
 BASE_CONFIG = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=1024, rope_theta=10000.0,
-    vocab_size=272, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    hidden_act="silu",
+    rms_norm_eps=1e-6,
+    max_position_embeddings=1024,
+    rope_theta=10000.0,
+    vocab_size=272,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=PAD_ID,
     torch_dtype="float32",
 )
 # What makes each architecture itself.  Qwen2's q/k/v biases are implied by its model_type;
@@ -50,14 +60,31 @@ BASE_CONFIG = dict(
 # so a loader that derives it gets the shapes wrong.  One model ties its LM head to the
 # embedding (the checkpoint then has no lm_head.weight), the others do not.
 ARCHS = {
-    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama",
-                  attention_bias=False, tie_word_embeddings=False),
-    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral",
-                    sliding_window=None, tie_word_embeddings=False),
-    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
-                  use_sliding_window=False, tie_word_embeddings=True),
-    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3",
-                  attention_bias=False, head_dim=32, tie_word_embeddings=False),
+    "llama": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        attention_bias=False,
+        tie_word_embeddings=False,
+    ),
+    "mistral": dict(
+        architectures=["MistralForCausalLM"],
+        model_type="mistral",
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ),
+    "qwen2": dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        use_sliding_window=False,
+        tie_word_embeddings=True,
+    ),
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        attention_bias=False,
+        head_dim=32,
+        tie_word_embeddings=False,
+    ),
 }
 # Far larger than the usual 0.02: at 0.02 a 64-wide model's logits are nearly flat (top
 # token ~1%), greedy picks hinge on rounding noise and some models repeat one token forever.
@@ -79,8 +106,10 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides) -> Pa
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     _write_json(path / "config.json", config)
-    _write_json(path / "generation_config.json",
-                {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    _write_json(
+        path / "generation_config.json",
+        {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+    )
     _write_weights(path, seed)
     _write_tokenizer(path, model_max_length=config["max_position_embeddings"])
     return path
@@ -126,25 +155,34 @@ def _write_tokenizer(path: Path, model_max_length: int) -> None:
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS.values()))
     # Like Llama's tokenizer, encoding a prompt prepends BOS.
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)])
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
+    )
     tokenizer.save(str(path / "tokenizer.json"))
     # Written by hand rather than by save_pretrained(), whose output differs between
     # transformers 4 and 5; both load this one.  No unknown token: every byte has one
     # (and Qwen2Tokenizer would otherwise add "<|endoftext|>" for it).
-    _write_json(path / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast", **SPECIAL_TOKENS, "unk_token": None,
-        "model_max_length": model_max_length, "chat_template": CHAT_TEMPLATE,
-    })
+    _write_json(
+        path / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **SPECIAL_TOKENS,
+            "unk_token": None,
+            "model_max_length": model_max_length,
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
 
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's map from byte to character: printable bytes stand for themselves, the
     others (control characters, space, ...) borrow characters from 256 upwards."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable},
-            **{b: chr(256 + i) for i, b in enumerate(others)}}
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
 
 
 def cached_checkpoint(name: str, arch: str = "llama", seed: int = 0, **overrides) -> Path:
@@ -155,8 +193,16 @@ def cached_checkpoint(name: str, arch: str = "llama", seed: int = 0, **overrides
     beside its final place and renamed (`materialize`), so a run that dies half way
     leaves nothing.
     """
-    recipe = {"arch": arch, "seed": seed, "overrides": overrides, "base": BASE_CONFIG,
-              "archs": ARCHS, "init_std": INIT_STD}
+    recipe = {
+        "arch": arch,
+        "seed": seed,
+        "overrides": overrides,
+        "base": BASE_CONFIG,
+        "archs": ARCHS,
+        "init_std": INIT_STD,
+    }
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-    return materialize(cache_dir() / f"{name}-{digest}",
-                       lambda staging: make_tiny_model(staging, arch=arch, seed=seed, **overrides))
+    return materialize(
+        cache_dir() / f"{name}-{digest}",
+        lambda staging: make_tiny_model(staging, arch=arch, seed=seed, **overrides),
+    )

@@ -29,8 +29,15 @@ from minipaged.ops import torch_ref
 from minipaged.ops.oracle import attention_oracle, decode_oracle, prefill_oracle
 
 __all__ = [
-    "BACKENDS", "BackendUnavailableError", "get_backend", "check_supported", "write_kv",
-    "paged_attention_decode", "paged_attention_prefill", "attention_oracle", "decode_oracle",
+    "BACKENDS",
+    "BackendUnavailableError",
+    "get_backend",
+    "check_supported",
+    "write_kv",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "attention_oracle",
+    "decode_oracle",
     "prefill_oracle",
 ]
 
@@ -47,26 +54,35 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, backend="torch") 
     ``slot_mapping [T]``, in place; a slot of -1 skips that token."""
     _check_cache(key_cache, value_cache)
     impl = get_backend(backend, key_cache.device)
-    _require(key.dim() == 3 and key.shape[1:] == key_cache.shape[2:],
-             f"key must be [T, num_kv_heads, head_dim] = [T, {key_cache.shape[2]}, "
-             f"{key_cache.shape[3]}] to match key_cache, got {tuple(key.shape)}")
-    _require(value.shape == key.shape, f"value shape {tuple(value.shape)} must equal "
-             f"key shape {tuple(key.shape)}")
-    _require(key.dtype == value.dtype == key_cache.dtype, f"key and value dtype must equal "
-             f"key_cache dtype {key_cache.dtype}, got {key.dtype} and {value.dtype}")
+    _require(
+        key.dim() == 3 and key.shape[1:] == key_cache.shape[2:],
+        f"key must be [T, num_kv_heads, head_dim] = [T, {key_cache.shape[2]}, "
+        f"{key_cache.shape[3]}] to match key_cache, got {tuple(key.shape)}",
+    )
+    _require(
+        value.shape == key.shape,
+        f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}",
+    )
+    _require(
+        key.dtype == value.dtype == key_cache.dtype,
+        f"key and value dtype must equal "
+        f"key_cache dtype {key_cache.dtype}, got {key.dtype} and {value.dtype}",
+    )
     _check_index("slot_mapping", slot_mapping, 1, (key.shape[0],))
     _check_device(key_cache, key=key, value=value, slot_mapping=slot_mapping)
     num_slots = key_cache.shape[0] * key_cache.shape[1]
     bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
     if bad.any():
         i = int(bad.nonzero()[0])
-        raise ValueError(f"slot_mapping[{i}] = {int(slot_mapping[i])} is not -1 or a slot "
-                         f"in [0, {num_slots})")
+        raise ValueError(
+            f"slot_mapping[{i}] = {int(slot_mapping[i])} is not -1 or a slot in [0, {num_slots})"
+        )
     impl.write_kv(key, value, key_cache, value_cache, slot_mapping)
 
 
-def paged_attention_decode(query, key_cache, value_cache, block_tables, context_lens,
-                           scale, backend="torch") -> torch.Tensor:
+def paged_attention_decode(
+    query, key_cache, value_cache, block_tables, context_lens, scale, backend="torch"
+) -> torch.Tensor:
     """``query [B, num_heads, head_dim]``, one new token per sequence, attends to the
     ``context_lens[b]`` tokens of its sequence in the cache -> ``[B, num_heads, head_dim]``."""
     _check_cache(key_cache, value_cache)
@@ -74,12 +90,21 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
     _check_query(query, key_cache)
     _check_tables(block_tables, context_lens, query.shape[0], key_cache)
     _check_context_lens(context_lens, 1, block_tables.shape[1] * key_cache.shape[1])
-    return impl.paged_attention_decode(query, key_cache, value_cache, block_tables,
-                                       context_lens, scale)
+    return impl.paged_attention_decode(
+        query, key_cache, value_cache, block_tables, context_lens, scale
+    )
 
 
-def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_start_loc,
-                            context_lens, scale, backend="torch") -> torch.Tensor:
+def paged_attention_prefill(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    query_start_loc,
+    context_lens,
+    scale,
+    backend="torch",
+) -> torch.Tensor:
     """Causal attention for the new tokens of several sequences packed in
     ``query [T, num_heads, head_dim]``; sequence ``b`` owns rows
     ``query_start_loc[b]:query_start_loc[b+1]`` -> ``[T, num_heads, head_dim]``."""
@@ -91,14 +116,18 @@ def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_s
     _check_index("query_start_loc", query_start_loc, 1, (batch + 1,))
     _check_device(key_cache, query_start_loc=query_start_loc)
     starts = query_start_loc.tolist()
-    _require(starts[0] == 0 and starts[-1] == query.shape[0]
-             and all(a <= b for a, b in zip(starts, starts[1:])),
-             f"query_start_loc must rise from 0 to query.shape[0] = {query.shape[0]}, "
-             f"got {starts}")
-    _check_context_lens(context_lens, query_start_loc.diff(),
-                        block_tables.shape[1] * key_cache.shape[1])
-    return impl.paged_attention_prefill(query, key_cache, value_cache, block_tables,
-                                        query_start_loc, context_lens, scale)
+    _require(
+        starts[0] == 0
+        and starts[-1] == query.shape[0]
+        and all(a <= b for a, b in zip(starts, starts[1:])),
+        f"query_start_loc must rise from 0 to query.shape[0] = {query.shape[0]}, got {starts}",
+    )
+    _check_context_lens(
+        context_lens, query_start_loc.diff(), block_tables.shape[1] * key_cache.shape[1]
+    )
+    return impl.paged_attention_prefill(
+        query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale
+    )
 
 
 def get_backend(name: str, device: torch.device):
@@ -108,7 +137,8 @@ def get_backend(name: str, device: torch.device):
     same arguments as the ops here, plus the optional host-side hints
     ``max_context_len`` (decode) and ``max_query_len`` (prefill), but check none of them,
     and the Triton ones never wait for the GPU: for hot loops (a model's layers, a
-    benchmark) whose caller validated its inputs once.  Raises ``BackendUnavailableError`` if it cannot run on ``device``.
+    benchmark) whose caller validated its inputs once.  Raises
+    ``BackendUnavailableError`` if it cannot run on ``device``.
     """
     if name == "torch":
         return torch_ref
@@ -117,7 +147,8 @@ def get_backend(name: str, device: torch.device):
             triton_ops = importlib.import_module("minipaged.ops.triton_ops")
         except ImportError as error:
             raise BackendUnavailableError(
-                f"the 'triton' attention backend needs the triton package: {error}") from None
+                f"the 'triton' attention backend needs the triton package: {error}"
+            ) from None
         try:
             triton_ops.check_available(device)
         except RuntimeError as error:
@@ -125,6 +156,7 @@ def get_backend(name: str, device: torch.device):
         return triton_ops
     if name == "cuda":
         from minipaged.ops import cuda_ops  # torch only: the build waits for the first call
+
         try:
             cuda_ops.check_available(device)
         except RuntimeError as error:
@@ -142,6 +174,7 @@ def check_supported(backend: str, dtype: torch.dtype, head_dim: int, block_size:
     """
     if backend == "cuda":
         from minipaged.ops import cuda_ops
+
         cuda_ops.check_supported(dtype, head_dim, block_size)
 
 
@@ -151,25 +184,38 @@ def _require(ok, message):
 
 
 def _check_cache(key_cache, value_cache):
-    _require(key_cache.dim() == 4, "key_cache must be 4-D [num_blocks, block_size, "
-             f"num_kv_heads, head_dim], got shape {tuple(key_cache.shape)}")
-    _require(value_cache.shape == key_cache.shape and value_cache.dtype == key_cache.dtype,
-             f"value_cache ({tuple(value_cache.shape)}, {value_cache.dtype}) must match "
-             f"key_cache ({tuple(key_cache.shape)}, {key_cache.dtype})")
+    _require(
+        key_cache.dim() == 4,
+        "key_cache must be 4-D [num_blocks, block_size, "
+        f"num_kv_heads, head_dim], got shape {tuple(key_cache.shape)}",
+    )
+    _require(
+        value_cache.shape == key_cache.shape and value_cache.dtype == key_cache.dtype,
+        f"value_cache ({tuple(value_cache.shape)}, {value_cache.dtype}) must match "
+        f"key_cache ({tuple(key_cache.shape)}, {key_cache.dtype})",
+    )
     _check_device(key_cache, value_cache=value_cache)
 
 
 def _check_query(query, key_cache):
-    _require(query.dim() == 3, "query must be 3-D [tokens, num_heads, head_dim], got shape "
-             f"{tuple(query.shape)}")
+    _require(
+        query.dim() == 3,
+        f"query must be 3-D [tokens, num_heads, head_dim], got shape {tuple(query.shape)}",
+    )
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = key_cache.shape[2]
-    _require(head_dim == key_cache.shape[3], f"query head_dim {head_dim} must equal "
-             f"key_cache head_dim {key_cache.shape[3]}")
-    _require(num_heads % num_kv_heads == 0, f"query num_heads {num_heads} must be a "
-             f"multiple of key_cache num_kv_heads {num_kv_heads}")
-    _require(query.dtype == key_cache.dtype, f"query dtype {query.dtype} must equal "
-             f"key_cache dtype {key_cache.dtype}")
+    _require(
+        head_dim == key_cache.shape[3],
+        f"query head_dim {head_dim} must equal key_cache head_dim {key_cache.shape[3]}",
+    )
+    _require(
+        num_heads % num_kv_heads == 0,
+        f"query num_heads {num_heads} must be a multiple of key_cache num_kv_heads {num_kv_heads}",
+    )
+    _require(
+        query.dtype == key_cache.dtype,
+        f"query dtype {query.dtype} must equal key_cache dtype {key_cache.dtype}",
+    )
     _check_device(key_cache, query=query)
 
 
@@ -180,11 +226,13 @@ def _check_tables(block_tables, context_lens, batch, key_cache):
 
 
 def _check_index(name, tensor, ndim, shape):
-    _require(tensor.dim() == ndim and tensor.dtype in _INDEX_DTYPES,
-             f"{name} must be a {ndim}-D int32 or int64 tensor, got {tensor.dim()}-D "
-             f"{tensor.dtype}")
-    _require(tuple(tensor.shape) == shape,
-             f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
+    _require(
+        tensor.dim() == ndim and tensor.dtype in _INDEX_DTYPES,
+        f"{name} must be a {ndim}-D int32 or int64 tensor, got {tensor.dim()}-D {tensor.dtype}",
+    )
+    _require(
+        tuple(tensor.shape) == shape, f"{name} must have shape {shape}, got {tuple(tensor.shape)}"
+    )
 
 
 def _check_context_lens(context_lens, at_least, capacity):
@@ -193,12 +241,16 @@ def _check_context_lens(context_lens, at_least, capacity):
     if bad.any():
         i = int(bad.nonzero()[0])
         low = at_least if isinstance(at_least, int) else int(at_least[i])
-        raise ValueError(f"context_lens[{i}] = {int(context_lens[i])} must be in "
-                         f"[{low}, {capacity}]: at least the new tokens, at most "
-                         f"block_tables.shape[1] * block_size")
+        raise ValueError(
+            f"context_lens[{i}] = {int(context_lens[i])} must be in "
+            f"[{low}, {capacity}]: at least the new tokens, at most "
+            f"block_tables.shape[1] * block_size"
+        )
 
 
 def _check_device(key_cache, **tensors):
     for name, tensor in tensors.items():
-        _require(tensor.device == key_cache.device,
-                 f"{name} is on {tensor.device} but key_cache is on {key_cache.device}")
+        _require(
+            tensor.device == key_cache.device,
+            f"{name} is on {tensor.device} but key_cache is on {key_cache.device}",
+        )

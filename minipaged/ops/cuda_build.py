@@ -26,8 +26,12 @@ import torch
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 EMULATE_ENV = "MINIPAGED_CUDA_EMULATE"
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minipaged"
-KERNEL_SOURCES = ("write_kv.cu", "paged_attention_v0.cu", "paged_attention_v1.cu",
-                  "paged_attention_v2.cu")
+KERNEL_SOURCES = (
+    "write_kv.cu",
+    "paged_attention_v0.cu",
+    "paged_attention_v1.cu",
+    "paged_attention_v2.cu",
+)
 BINDING = "torch_binding.cpp"
 # kernel<<<grid, block, shared_bytes, stream>>>(args  ->  ::emu::launch(kernel, ..., args
 LAUNCH = re.compile(r"(\w+)<<<(.*?)>>>\(")
@@ -41,8 +45,10 @@ def emulating() -> bool:
 def missing(device: torch.device) -> str | None:
     """Why the kernels cannot be built and run for ``device`` here, or ``None``."""
     if not (KERNELS_DIR / BINDING).is_file():
-        return (f"the 'cuda' attention backend compiles the sources in {KERNELS_DIR}, which "
-                "are not there: install minipaged from a source checkout (pip install -e .)")
+        return (
+            f"the 'cuda' attention backend compiles the sources in {KERNELS_DIR}, which "
+            "are not there: install minipaged from a source checkout (pip install -e .)"
+        )
     from torch.utils import cpp_extension
 
     if not cpp_extension.is_ninja_available():
@@ -51,18 +57,21 @@ def missing(device: torch.device) -> str | None:
         if torch.version.cuda is None:
             return "the 'cuda' attention backend needs a CUDA build of torch"
         if _nvcc() is None:
-            return ("the 'cuda' attention backend compiles its kernels on first use and "
-                    "needs nvcc: install the CUDA toolkit or set CUDA_HOME")
+            return (
+                "the 'cuda' attention backend compiles its kernels on first use and "
+                "needs nvcc: install the CUDA toolkit or set CUDA_HOME"
+            )
         return None
     if device.type == "cpu" and emulating():
         if _cuda_include() is None:
-            return ("the CUDA emulator needs the CUDA toolkit's headers (cuda_fp16.h): "
-                    "set CUDA_HOME")
+            return "the CUDA emulator needs the CUDA toolkit's headers (cuda_fp16.h): set CUDA_HOME"
         if shutil.which(os.environ.get("CXX", "c++")) is None:
             return "the CUDA emulator needs a C++ compiler (c++ on PATH, or CXX)"
         return None
-    return (f"the 'cuda' attention backend needs CUDA tensors (got {device.type}); on a CPU "
-            f"it runs in minipaged's emulator only if {EMULATE_ENV}=1")
+    return (
+        f"the 'cuda' attention backend needs CUDA tensors (got {device.type}); on a CPU "
+        f"it runs in minipaged's emulator only if {EMULATE_ENV}=1"
+    )
 
 
 def load(device: torch.device):
@@ -80,18 +89,28 @@ def _build(emulated: bool):
         if stale != build_dir:
             shutil.rmtree(stale, ignore_errors=True)
     build_dir.mkdir(parents=True, exist_ok=True)
-    print(f"minipaged: compiling the CUDA kernels{' for the CPU emulator' if emulated else ''}"
-          f" (once; cached in {build_dir})", file=sys.stderr)
+    print(
+        f"minipaged: compiling the CUDA kernels{' for the CPU emulator' if emulated else ''}"
+        f" (once; cached in {build_dir})",
+        file=sys.stderr,
+    )
     binding = str(KERNELS_DIR / BINDING)
     if emulated:
         return cpp_extension.load(
-            name, [binding, *_emulated_sources(build_dir)], build_directory=str(build_dir),
+            name,
+            [binding, *_emulated_sources(build_dir)],
+            build_directory=str(build_dir),
             extra_cflags=["-O2", "-DMINIPAGED_CPU_EMULATION"],
-            extra_include_paths=[str(KERNELS_DIR), str(_cuda_include())])
+            extra_include_paths=[str(KERNELS_DIR), str(_cuda_include())],
+        )
     return cpp_extension.load(
-        name, [binding, *(str(KERNELS_DIR / s) for s in KERNEL_SOURCES)],
-        build_directory=str(build_dir), extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3", "-std=c++17"], extra_include_paths=[str(KERNELS_DIR)])
+        name,
+        [binding, *(str(KERNELS_DIR / s) for s in KERNEL_SOURCES)],
+        build_directory=str(build_dir),
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=["-O3", "-std=c++17"],
+        extra_include_paths=[str(KERNELS_DIR)],
+    )
 
 
 def _emulated_sources(build_dir: Path) -> list[str]:
@@ -120,8 +139,12 @@ def _sources_hash() -> str:
 def _cuda_homes() -> list[Path]:
     from torch.utils import cpp_extension
 
-    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
-             cpp_extension.CUDA_HOME, "/usr/local/cuda"]
+    homes = [
+        os.environ.get("CUDA_HOME"),
+        os.environ.get("CUDA_PATH"),
+        cpp_extension.CUDA_HOME,
+        "/usr/local/cuda",
+    ]
     return [Path(home) for home in homes if home]
 
 

@@ -42,15 +42,17 @@ def check_available(device: torch.device) -> None:
     try:
         from minipaged.ops import triton_ops  # prefill's kernel
     except ImportError as error:
-        raise RuntimeError(f"the 'cuda' attention backend prefills with Triton: {error}") \
-            from None
+        raise RuntimeError(f"the 'cuda' attention backend prefills with Triton: {error}") from None
     triton_ops.check_available(device)
 
 
 def check_supported(dtype: torch.dtype, head_dim: int, block_size: int) -> None:
     """Raise ``ValueError`` unless the kernels are compiled for these shapes."""
-    for name, value, allowed in (("dtype", dtype, DTYPES), ("head_dim", head_dim, HEAD_DIMS),
-                                 ("block_size", block_size, BLOCK_SIZES)):
+    for name, value, allowed in (
+        ("dtype", dtype, DTYPES),
+        ("head_dim", head_dim, HEAD_DIMS),
+        ("block_size", block_size, BLOCK_SIZES),
+    ):
         _check_one(name, value, allowed)
 
 
@@ -58,12 +60,19 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
     """Scatter ``key, value [T, num_kv_heads, head_dim]`` into their slots (§4.3); the
     kernel copies rows of any shape, so only the dtype matters."""
     _check_one("dtype", key_cache.dtype, DTYPES)
-    cuda_build.load(key_cache.device).write_kv(key, value, key_cache, value_cache,
-                                               slot_mapping.to(torch.int64))
+    cuda_build.load(key_cache.device).write_kv(
+        key, value, key_cache, value_cache, slot_mapping.to(torch.int64)
+    )
 
 
-def choose_version(batch: int, num_heads: int, num_kv_heads: int, max_context_len: int,
-                   num_sms: int, v1_fits: bool = True) -> int:
+def choose_version(
+    batch: int,
+    num_heads: int,
+    num_kv_heads: int,
+    max_context_len: int,
+    num_sms: int,
+    v1_fits: bool = True,
+) -> int:
     """Which decode kernel to launch: 1 unless version 2 would do clearly better.
 
     v1 launches a thread block per (sequence, KV head, slice of its query heads).  When
@@ -80,8 +89,16 @@ def choose_version(batch: int, num_heads: int, num_kv_heads: int, max_context_le
     return 2
 
 
-def paged_attention_decode(query, key_cache, value_cache, block_tables, context_lens, scale,
-                           max_context_len: int | None = None, version: int | None = None):
+def paged_attention_decode(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    scale,
+    max_context_len: int | None = None,
+    version: int | None = None,
+):
     """One query token per sequence over its paged context -> ``[B, num_heads, D]``.
 
     ``max_context_len`` bounds the contexts, if the caller knows it on the host; by
@@ -94,11 +111,13 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
     check_supported(query.dtype, head_dim, block_size)
     ext = cuda_build.load(query.device)
     max_len = max_context_len or block_tables.shape[1] * block_size
-    fits = ext.v1_shared_memory(num_heads, num_kv_heads, head_dim, max_len) \
-        <= _max_shared_memory(query.device)
+    fits = ext.v1_shared_memory(num_heads, num_kv_heads, head_dim, max_len) <= _max_shared_memory(
+        query.device
+    )
     if version is None:
-        version = choose_version(batch, num_heads, num_kv_heads, max_len,
-                                 _num_sms(query.device), fits)
+        version = choose_version(
+            batch, num_heads, num_kv_heads, max_len, _num_sms(query.device), fits
+        )
     if version not in (0, 1, 2):
         raise ValueError(f"version must be 0, 1 or 2, got {version!r}")
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -110,27 +129,45 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
         getattr(ext, f"paged_attention_v{version}")(out, *args)
         return out
     partitions = math.ceil(max_len / PARTITION_SIZE)
-    partial = torch.empty(batch, num_heads, partitions, head_dim, dtype=torch.float32,
-                          device=query.device)
+    partial = torch.empty(
+        batch, num_heads, partitions, head_dim, dtype=torch.float32, device=query.device
+    )
     lse = torch.empty(batch, num_heads, partitions, dtype=torch.float32, device=query.device)
     ext.paged_attention_v2(out, partial, lse, *args)
     return out
 
 
-def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_start_loc,
-                            context_lens, scale, max_query_len: int | None = None):
+def paged_attention_prefill(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    query_start_loc,
+    context_lens,
+    scale,
+    max_query_len: int | None = None,
+):
     """Causal attention of packed new tokens: the Triton kernel, on the same cache."""
     from minipaged.ops import triton_ops
 
-    return triton_ops.paged_attention_prefill(query, key_cache, value_cache, block_tables,
-                                              query_start_loc, context_lens, scale,
-                                              max_query_len=max_query_len)
+    return triton_ops.paged_attention_prefill(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        scale,
+        max_query_len=max_query_len,
+    )
 
 
 def _check_one(name, value, allowed):
     if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed} for the 'cuda' attention "
-                         f"backend, got {value}; the 'triton' backend takes any")
+        raise ValueError(
+            f"{name} must be one of {allowed} for the 'cuda' attention "
+            f"backend, got {value}; the 'triton' backend takes any"
+        )
 
 
 @functools.cache  # asked on every decode launch; the answers never change

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 import torch
 
 
-def attention_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     causal: bool = False) -> torch.Tensor:
+def attention_oracle(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False
+) -> torch.Tensor:
     """Attention of one sequence: ``q [n, num_heads, D]``, ``k, v [L, num_kv_heads, D]``.
 
     With ``causal=True`` the ``n`` queries are the *last* ``n`` of the ``L`` positions:
@@ -39,17 +40,26 @@ def attention_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return torch.einsum("hnl,lhd->nhd", weights, v).to(q.dtype)
 
 
-def decode_oracle(query: torch.Tensor, keys: Sequence[torch.Tensor],
-                  values: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
+def decode_oracle(
+    query: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], scale: float
+) -> torch.Tensor:
     """One new token per sequence: ``query [B, num_heads, D]``; ``keys[b], values[b]``
     are sequence ``b``'s dense K/V ``[L_b, num_kv_heads, D]``, the new token included."""
-    return torch.stack([attention_oracle(q[None], k, v, scale)[0]
-                        for q, k, v in zip(query, keys, values, strict=True)])
+    return torch.stack(
+        [
+            attention_oracle(q[None], k, v, scale)[0]
+            for q, k, v in zip(query, keys, values, strict=True)
+        ]
+    )
 
 
-def prefill_oracle(query: torch.Tensor, query_start_loc: Sequence[int] | torch.Tensor,
-                   keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                   scale: float) -> torch.Tensor:
+def prefill_oracle(
+    query: torch.Tensor,
+    query_start_loc: Sequence[int] | torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
     """Causal attention of packed new tokens: ``query [T, num_heads, D]``, sequence ``b``
     owning rows ``query_start_loc[b]:query_start_loc[b+1]``; ``keys[b], values[b]`` hold
     its whole context (cached prefix + new tokens)."""

@@ -25,8 +25,9 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return TOLERANCES[dtype]
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor,
-                 dtype: torch.dtype | None = None, worst: int = 5) -> None:
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, worst: int = 5
+) -> None:
     """Fail unless ``|actual - expected| <= atol + rtol * |expected|`` everywhere.
 
     ``dtype`` picks the tolerance (default: ``actual.dtype``).  A NaN or inf on either
@@ -45,7 +46,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor,
     top = excess.flatten().topk(min(worst, bad)).indices
     rows = []
     for idx in zip(*(i.tolist() for i in torch.unravel_index(top, a.shape))):
-        rows.append(f"  at {idx}: actual {a[idx].item():.6g}, expected {e[idx].item():.6g}, "
-                    f"abs err {err[idx].item():.3g}")
-    raise AssertionError(f"{bad} of {a.numel()} elements differ beyond atol={atol}, "
-                         f"rtol={rtol}; worst:\n" + "\n".join(rows))
+        rows.append(
+            f"  at {idx}: actual {a[idx].item():.6g}, expected {e[idx].item():.6g}, "
+            f"abs err {err[idx].item():.3g}"
+        )
+    raise AssertionError(
+        f"{bad} of {a.numel()} elements differ beyond atol={atol}, "
+        f"rtol={rtol}; worst:\n" + "\n".join(rows)
+    )

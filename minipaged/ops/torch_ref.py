@@ -22,8 +22,13 @@ from __future__ import annotations
 import torch
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Store each new token's key and value in its cache slot, in place (paper §4.3).
 
     Slot ``s`` is block ``s // block_size``, offset ``s % block_size``.  A slot of -1
@@ -39,10 +44,15 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value)
 
 
-def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor,
-                           value_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float,
-                           max_context_len: int | None = None) -> torch.Tensor:
+def paged_attention_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int | None = None,
+) -> torch.Tensor:
     """One new token per sequence attends to its whole context (paper §4.1).
 
     ``query [B, num_heads, D]``; ``context_lens[b]`` tokens of sequence ``b`` are in the
@@ -55,10 +65,16 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor,
     return _attend(query[:, None], k, v, valid[:, None], scale)[:, 0]
 
 
-def paged_attention_prefill(query: torch.Tensor, key_cache: torch.Tensor,
-                            value_cache: torch.Tensor, block_tables: torch.Tensor,
-                            query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                            scale: float, max_query_len: int | None = None) -> torch.Tensor:
+def paged_attention_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
     """Causal attention for a packed chunk of new tokens per sequence (paper §4.1, §4.5).
 
     Sequence ``b`` owns query rows ``query_start_loc[b]:query_start_loc[b+1]``; they are
@@ -70,10 +86,11 @@ def paged_attention_prefill(query: torch.Tensor, key_cache: torch.Tensor,
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     for b, (start, end, length) in enumerate(zip(starts, starts[1:], context_lens.tolist())):
-        k, v, _ = _gather_kv(key_cache, value_cache, block_tables[b:b + 1],
-                             context_lens[b:b + 1], length)
+        k, v, _ = _gather_kv(
+            key_cache, value_cache, block_tables[b : b + 1], context_lens[b : b + 1], length
+        )
         key_pos = torch.arange(length, device=query.device)
-        query_pos = key_pos[length - (end - start):]
+        query_pos = key_pos[length - (end - start) :]
         causal = key_pos[None, :] <= query_pos[:, None]
         out[start:end] = _attend(query[None, start:end], k, v, causal[None], scale)[0]
     return out
@@ -96,9 +113,12 @@ def _gather_kv(key_cache, value_cache, block_tables, context_lens, max_len):
     slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size
     slots = torch.where(valid, slots, slots[:, :1]).view(-1)
     shape = (*valid.shape, *key_cache.shape[2:])
-    k, v = (torch.index_select(cache.flatten(0, 1), 0, slots,
-                               out=_workspace(name, slots.numel(), cache)).view(shape)
-            for name, cache in (("key", key_cache), ("value", value_cache)))
+    k, v = (
+        torch.index_select(
+            cache.flatten(0, 1), 0, slots, out=_workspace(name, slots.numel(), cache)
+        ).view(shape)
+        for name, cache in (("key", key_cache), ("value", value_cache))
+    )
     return k, v, valid
 
 
@@ -115,8 +135,9 @@ def _workspace(name: str, rows: int, cache: torch.Tensor) -> torch.Tensor:
         # A normal tensor even when made under inference mode (the engine's), so that
         # a forward outside it (a test under no_grad) may write into it too.
         with torch.inference_mode(False):
-            buffer = _WORKSPACES[key] = torch.empty(rows, *cache.shape[2:], dtype=cache.dtype,
-                                                    device=cache.device)
+            buffer = _WORKSPACES[key] = torch.empty(
+                rows, *cache.shape[2:], dtype=cache.dtype, device=cache.device
+            )
     return buffer[:rows]
 
 

@@ -43,11 +43,28 @@ LOG2E = 1.4426950408889634
 
 # 1. Writing K/V ------------------------------------------------------------------------
 @triton.jit
-def write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-                    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
-                    stride_cb, stride_cs, stride_ch, stride_cd, block_size,
-                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    block_size,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """One program per new token: copy its ``[num_kv_heads, head_dim]`` keys and values
     into slot ``slot_mapping[t]``, i.e. block ``slot // block_size``, offset
     ``slot % block_size`` (§4.3).  A slot of -1 (padding, or KV already cached) is skipped.
@@ -69,9 +86,20 @@ def write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_map
 
 # 2. Walking the block table -------------------------------------------------------------
 @triton.jit
-def _load_kv_tile(cache_ptr, block_table_ptr, n, in_context, kv_head, block_size,
-                  stride_cb, stride_cs, stride_ch, stride_cd,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _load_kv_tile(
+    cache_ptr,
+    block_table_ptr,
+    n,
+    in_context,
+    kv_head,
+    block_size,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Load keys (or values) of token positions ``n [BLOCK_N]`` of one sequence and one
     KV head -> ``[BLOCK_N, BLOCK_D]``.
 
@@ -93,11 +121,29 @@ def _load_kv_tile(cache_ptr, block_table_ptr, n, in_context, kv_head, block_size
 
 # 3. One step of the online softmax --------------------------------------------------------
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, n0, kv_end, query_pos, key_cache_ptr, value_cache_ptr,
-                 block_table_ptr, kv_head, block_size, qk_scale,
-                 stride_cb, stride_cs, stride_ch, stride_cd,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+def _attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    n0,
+    kv_end,
+    query_pos,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_table_ptr,
+    kv_head,
+    block_size,
+    qk_scale,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """Fold keys ``n0 .. n0 + BLOCK_N - 1`` (those below ``kv_end``) into the running
     softmax of every query row.
 
@@ -112,8 +158,20 @@ def _attend_tile(q, m_i, l_i, acc, n0, kv_end, query_pos, key_cache_ptr, value_c
     """
     n = n0 + tl.arange(0, BLOCK_N)
     in_context = n < kv_end
-    k = _load_kv_tile(key_cache_ptr, block_table_ptr, n, in_context, kv_head, block_size,
-                      stride_cb, stride_cs, stride_ch, stride_cd, HEAD_DIM, BLOCK_D)
+    k = _load_kv_tile(
+        key_cache_ptr,
+        block_table_ptr,
+        n,
+        in_context,
+        kv_head,
+        block_size,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        stride_cd,
+        HEAD_DIM,
+        BLOCK_D,
+    )
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     visible = in_context[None, :] & (n[None, :] <= query_pos[:, None])
     scores = tl.where(visible, scores, float("-inf"))
@@ -121,8 +179,20 @@ def _attend_tile(q, m_i, l_i, acc, n0, kv_end, query_pos, key_cache_ptr, value_c
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     rescale = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
-    v = _load_kv_tile(value_cache_ptr, block_table_ptr, n, in_context, kv_head, block_size,
-                      stride_cb, stride_cs, stride_ch, stride_cd, HEAD_DIM, BLOCK_D)
+    v = _load_kv_tile(
+        value_cache_ptr,
+        block_table_ptr,
+        n,
+        in_context,
+        kv_head,
+        block_size,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        stride_cd,
+        HEAD_DIM,
+        BLOCK_D,
+    )
     # The tensor cores take P in the storage dtype, as FlashAttention does; fp32 stays fp32.
     acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     l_i = l_i * rescale + tl.sum(p, axis=1)
@@ -131,14 +201,39 @@ def _attend_tile(q, m_i, l_i, acc, n0, kv_end, query_pos, key_cache_ptr, value_c
 
 # 4. Decode: one query token per sequence, GQA group as rows, optional split-KV ------------
 @triton.jit
-def decode_kernel(out_ptr, lse_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
-                  block_tables_ptr, context_lens_ptr, qk_scale, tokens_per_split,
-                  stride_qb, stride_qh, stride_qd, stride_ob, stride_oh, stride_os, stride_od,
-                  stride_lb, stride_lh, stride_cb, stride_cs, stride_ch, stride_cd,
-                  stride_bt, block_size,
-                  GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_LSE: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+def decode_kernel(
+    out_ptr,
+    lse_ptr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    qk_scale,
+    tokens_per_split,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    stride_bt,
+    block_size,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """Program ``(b, kv_head, split)``: the ``GROUP`` query heads that read ``kv_head``
     attend to tokens ``[split * tokens_per_split, (split + 1) * tokens_per_split)`` of
     sequence ``b``'s context (all of it when there is one split).
@@ -159,8 +254,11 @@ def decode_kernel(out_ptr, lse_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
     d = tl.arange(0, BLOCK_D)
     head = kv_head * GROUP + g
     row_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
-    q = tl.load(query_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=row_mask, other=0.0)
+    q = tl.load(
+        query_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :] * stride_qd,
+        mask=row_mask,
+        other=0.0,
+    )
     # The new token is the last of its context, so it sees every key: causal is a no-op.
     query_pos = tl.zeros([BLOCK_G], tl.int32) + context_len - 1
 
@@ -169,17 +267,41 @@ def decode_kernel(out_ptr, lse_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     block_table = block_tables_ptr + b * stride_bt
     for n0 in range(start, end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, end, query_pos, key_cache_ptr,
-                                     value_cache_ptr, block_table, kv_head, block_size,
-                                     qk_scale, stride_cb, stride_cs, stride_ch, stride_cd,
-                                     HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
+        m_i, l_i, acc = _attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            n0,
+            end,
+            query_pos,
+            key_cache_ptr,
+            value_cache_ptr,
+            block_table,
+            kv_head,
+            block_size,
+            qk_scale,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            stride_cd,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_N,
+            DOT_PRECISION,
+        )
 
     # A split past the end of a short sequence saw no key: l = 0, lse = -inf, output 0,
     # and the merge gives it weight exp2(-inf) = 0.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    out_ptrs = (out_ptr + b * stride_ob + head[:, None] * stride_oh + split * stride_os
-                + d[None, :] * stride_od)
+    out_ptrs = (
+        out_ptr
+        + b * stride_ob
+        + head[:, None] * stride_oh
+        + split * stride_os
+        + d[None, :] * stride_od
+    )
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
     if WRITE_LSE:
         lse = m_i + tl.log2(l_safe)
@@ -188,11 +310,24 @@ def decode_kernel(out_ptr, lse_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
 
 # 5. Merging the splits ------------------------------------------------------------------
 @triton.jit
-def merge_splits_kernel(out_ptr, partial_ptr, lse_ptr, num_splits,
-                        stride_ob, stride_oh, stride_od, stride_pb, stride_ph, stride_ps,
-                        stride_pd, stride_lb, stride_lh,
-                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_S: tl.constexpr):
+def merge_splits_kernel(
+    out_ptr,
+    partial_ptr,
+    lse_ptr,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_pd,
+    stride_lb,
+    stride_lh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     """Program ``(b, head)``: the softmax over the whole context from per-split results.
 
     Split ``s`` computed ``o_s = sum_j exp2(x_j) v_j / l_s`` over its keys, with
@@ -203,27 +338,60 @@ def merge_splits_kernel(out_ptr, partial_ptr, lse_ptr, num_splits,
     b, head = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    lse = tl.load(lse_ptr + b * stride_lb + head * stride_lh + s, mask=s < num_splits,
-                  other=float("-inf"))
+    lse = tl.load(
+        lse_ptr + b * stride_lb + head * stride_lh + s, mask=s < num_splits, other=float("-inf")
+    )
     weight = tl.exp2(lse - tl.max(lse, axis=0))
     weight = weight / tl.sum(weight, axis=0)
     mask = (s < num_splits)[:, None] & (d < HEAD_DIM)[None, :]
-    partial = tl.load(partial_ptr + b * stride_pb + head * stride_ph + s[:, None] * stride_ps
-                      + d[None, :] * stride_pd, mask=mask, other=0.0)
+    partial = tl.load(
+        partial_ptr
+        + b * stride_pb
+        + head * stride_ph
+        + s[:, None] * stride_ps
+        + d[None, :] * stride_pd,
+        mask=mask,
+        other=0.0,
+    )
     out = tl.sum(weight[:, None] * partial, axis=0)
-    tl.store(out_ptr + b * stride_ob + head * stride_oh + d * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(
+        out_ptr + b * stride_ob + head * stride_oh + d * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
 
 
 # 6. Prefill: packed chunks of new tokens, causal over cached prefix + chunk ---------------
 @triton.jit
-def prefill_kernel(out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr,
-                   query_start_loc_ptr, context_lens_ptr, qk_scale,
-                   stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
-                   stride_cb, stride_cs, stride_ch, stride_cd, stride_bt, block_size,
-                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+def prefill_kernel(
+    out_ptr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    context_lens_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    stride_bt,
+    block_size,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """Program ``(tile, b, kv_head)``: new tokens ``tile * BLOCK_Q ...`` of sequence ``b``,
     with every query head of ``kv_head``'s group, attend causally.
 
@@ -249,8 +417,14 @@ def prefill_kernel(out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tab
     head = kv_head * GROUP + g
     d = tl.arange(0, BLOCK_D)
     row_mask = ((token < num_new) & (g < GROUP))[:, None] & (d < HEAD_DIM)[None, :]
-    q = tl.load(query_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
-                + d[None, :] * stride_qd, mask=row_mask, other=0.0)
+    q = tl.load(
+        query_ptr
+        + (q_start + token)[:, None] * stride_qt
+        + head[:, None] * stride_qh
+        + d[None, :] * stride_qd,
+        mask=row_mask,
+        other=0.0,
+    )
     # Padding rows past the last new token get positions past it too, so (like real rows)
     # they see key 0 in the first tile; their results are never stored.
     query_pos = first_pos + token
@@ -261,11 +435,36 @@ def prefill_kernel(out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tab
     kv_end = tl.minimum(context_len, first_pos + (tile + 1) * BLOCK_Q)
     block_table = block_tables_ptr + b * stride_bt
     for n0 in range(0, kv_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, kv_end, query_pos, key_cache_ptr,
-                                     value_cache_ptr, block_table, kv_head, block_size,
-                                     qk_scale, stride_cb, stride_cs, stride_ch, stride_cd,
-                                     HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
+        m_i, l_i, acc = _attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            n0,
+            kv_end,
+            query_pos,
+            key_cache_ptr,
+            value_cache_ptr,
+            block_table,
+            kv_head,
+            block_size,
+            qk_scale,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            stride_cd,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_N,
+            DOT_PRECISION,
+        )
 
     out = acc / l_i[:, None]
-    tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
-             + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    tl.store(
+        out_ptr
+        + (q_start + token)[:, None] * stride_ot
+        + head[:, None] * stride_oh
+        + d[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask,
+    )

@@ -18,8 +18,13 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
-from minipaged.ops.triton_kernels import (LOG2E, decode_kernel, merge_splits_kernel,
-                                          prefill_kernel, write_kv_kernel)
+from minipaged.ops.triton_kernels import (
+    LOG2E,
+    decode_kernel,
+    merge_splits_kernel,
+    prefill_kernel,
+    write_kv_kernel,
+)
 
 # Triton reads TRITON_INTERPRET when a kernel is defined, not when it runs.
 INTERPRETED = isinstance(decode_kernel, InterpretedFunction)
@@ -46,7 +51,8 @@ def check_available(device: torch.device) -> None:
     raise RuntimeError(
         f"the 'triton' attention backend needs CUDA tensors (got {device.type}); on a CPU "
         "it runs in Triton's interpreter only if TRITON_INTERPRET=1 is set before "
-        "minipaged.ops.triton_ops is first imported")
+        "minipaged.ops.triton_ops is first imported"
+    )
 
 
 def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -55,15 +61,23 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
     if num_tokens == 0:
         return
     write_kv_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        *key.stride(), *value.stride(), *key_cache.stride(), key_cache.shape[1],
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        *key.stride(),
+        *value.stride(),
+        *key_cache.stride(),
+        key_cache.shape[1],
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim))
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int,
-                      num_sms: int) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
     """How many splits of the context each decode program gets (flash-decoding).
 
     Decode launches one program per (sequence, KV head).  A big batch already gives
@@ -80,9 +94,17 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int,
     return max(1, min(wanted, worth_it, MAX_SPLITS))
 
 
-def paged_attention_decode(query, key_cache, value_cache, block_tables, context_lens, scale,
-                           max_context_len: int | None = None, num_splits: int | None = None,
-                           block_n: int | None = None):
+def paged_attention_decode(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    scale,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+):
     """One query token per sequence over its paged context -> ``[B, num_heads, D]``.
 
     ``max_context_len`` is the longest context, if the caller knows it on the host; by
@@ -100,33 +122,79 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
     tokens_per_split = block_n * math.ceil(max_len / (num_splits * block_n))
     out = torch.empty_like(query)
     group = num_heads // num_kv_heads
-    meta = dict(GROUP=group, BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
-                HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_N=block_n,
-                DOT_PRECISION=_dot_precision(query.dtype))
-    common = (key_cache, value_cache, block_tables, context_lens, scale * LOG2E,
-              tokens_per_split)
+    meta = dict(
+        GROUP=group,
+        BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
+        BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(query.dtype),
+    )
+    common = (key_cache, value_cache, block_tables, context_lens, scale * LOG2E, tokens_per_split)
     cache_strides = (*key_cache.stride(), block_tables.stride(0), key_cache.shape[1])
     grid = (batch, num_kv_heads, num_splits)
     if num_splits == 1:
-        decode_kernel[grid](out, out, query, *common, *query.stride(),
-                            out.stride(0), out.stride(1), 0, out.stride(2), 0, 0,
-                            *cache_strides, WRITE_LSE=False, **meta)
+        decode_kernel[grid](
+            out,
+            out,
+            query,
+            *common,
+            *query.stride(),
+            out.stride(0),
+            out.stride(1),
+            0,
+            out.stride(2),
+            0,
+            0,
+            *cache_strides,
+            WRITE_LSE=False,
+            **meta,
+        )
         return out
-    partial = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
-                          device=query.device)
+    partial = torch.empty(
+        batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
+    )
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=query.device)
-    decode_kernel[grid](partial, lse, query, *common, *query.stride(), *partial.stride(),
-                        lse.stride(0), lse.stride(1), *cache_strides, WRITE_LSE=True, **meta)
+    decode_kernel[grid](
+        partial,
+        lse,
+        query,
+        *common,
+        *query.stride(),
+        *partial.stride(),
+        lse.stride(0),
+        lse.stride(1),
+        *cache_strides,
+        WRITE_LSE=True,
+        **meta,
+    )
     merge_splits_kernel[(batch, num_heads)](
-        out, partial, lse, num_splits, *out.stride(), *partial.stride(),
-        lse.stride(0), lse.stride(1), HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
-        BLOCK_S=triton.next_power_of_2(num_splits))
+        out,
+        partial,
+        lse,
+        num_splits,
+        *out.stride(),
+        *partial.stride(),
+        lse.stride(0),
+        lse.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
+        BLOCK_S=triton.next_power_of_2(num_splits),
+    )
     return out
 
 
-def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_start_loc,
-                            context_lens, scale, max_query_len: int | None = None,
-                            block_n: int | None = None):
+def paged_attention_prefill(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    query_start_loc,
+    context_lens,
+    scale,
+    max_query_len: int | None = None,
+    block_n: int | None = None,
+):
     """Causal attention of packed new tokens over cached prefix + chunk -> ``[T, H, D]``.
 
     ``max_query_len``, the most new tokens of any sequence, sizes the grid; by default
@@ -143,12 +211,27 @@ def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_s
     block_q = max(1, PREFILL_ROWS // block_g)
     max_new = max_query_len or min(num_tokens, block_tables.shape[1] * key_cache.shape[1])
     prefill_kernel[(triton.cdiv(max_new, block_q), batch, num_kv_heads)](
-        out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
-        scale * LOG2E, *query.stride(), *out.stride(), *key_cache.stride(),
-        block_tables.stride(0), key_cache.shape[1],
-        GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-        BLOCK_D=_block_d(head_dim), BLOCK_N=block_n or BLOCK_N,
-        DOT_PRECISION=_dot_precision(query.dtype))
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        scale * LOG2E,
+        *query.stride(),
+        *out.stride(),
+        *key_cache.stride(),
+        block_tables.stride(0),
+        key_cache.shape[1],
+        GROUP=group,
+        BLOCK_G=block_g,
+        BLOCK_Q=block_q,
+        HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
+        BLOCK_N=block_n or BLOCK_N,
+        DOT_PRECISION=_dot_precision(query.dtype),
+    )
     return out
 
 

@@ -45,31 +45,50 @@ from starlette.exceptions import HTTPException
 from minipaged.config import EngineConfig
 from minipaged.engine import LLMEngine
 from minipaged.outputs import CompletionOutput, RequestOutput
-from minipaged.server.async_engine import (AsyncEngine, EngineDeadError, RequestFailedError,
-                                           ServerClosingError)
-from minipaged.server.guard import (GuardConfig, RequestGuard, default_allowed_hosts,
-                                    h11_with_head_timeout)
+from minipaged.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    RequestFailedError,
+    ServerClosingError,
+)
+from minipaged.server.guard import (
+    GuardConfig,
+    RequestGuard,
+    default_allowed_hosts,
+    h11_with_head_timeout,
+)
 from minipaged.server.limits import ServerLimits
 from minipaged.server.metrics import make_registry
-from minipaged.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
-                                       SamplingRequest)
+from minipaged.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    SamplingRequest,
+)
 
 logger = logging.getLogger("minipaged.server")
 
 # The errors the /v1 routes document in the OpenAPI schema, all in OpenAI's shape.
-ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": description} for
-                   status, description in [(400, "Invalid request"), (401, "Wrong API key"),
-                                           (404, "Unknown model"), (408, "Body too slow"),
-                                           (413, "Body too large"),
-                                           (500, "Failed in the engine"),
-                                           (503, "Shutting down")]}
+ERROR_RESPONSES = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in [
+        (400, "Invalid request"),
+        (401, "Wrong API key"),
+        (404, "Unknown model"),
+        (408, "Body too slow"),
+        (413, "Body too large"),
+        (500, "Failed in the engine"),
+        (503, "Shutting down"),
+    ]
+}
 
 
 class APIError(Exception):
     """An error for the client, in OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
@@ -86,8 +105,9 @@ def server_error(error: Exception) -> APIError:
 
 def error_body(error: APIError) -> dict:
     kind = "invalid_request_error" if error.status < 500 else "server_error"
-    return {"error": {"message": error.message, "type": kind, "param": error.param,
-                      "code": error.code}}
+    return {
+        "error": {"message": error.message, "type": kind, "param": error.param, "code": error.code}
+    }
 
 
 def sse(data: dict | str) -> str:
@@ -102,15 +122,19 @@ class Usage:
         self.completion_tokens = 0
 
     def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
 
 
 class OpenAIServing:
     """The endpoints' logic: requests in, engine requests out, responses back."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str,
-                 limits: ServerLimits | None = None) -> None:
+    def __init__(
+        self, engine: AsyncEngine, model_name: str, limits: ServerLimits | None = None
+    ) -> None:
         self.engine, self.model_name = engine, model_name
         self.limits = limits or ServerLimits()
         self.tokenizer = engine.engine.tokenizer
@@ -123,31 +147,54 @@ class OpenAIServing:
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="minipaged-tokenize")
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "minipaged", "max_model_len": self.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "minipaged",
+                    "max_model_len": self.max_model_len,
+                }
+            ],
+        }
 
     # -- completions ------------------------------------------------------------------
     async def completions(self, body: CompletionRequest) -> Response:
         self._check(body)
         if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs the prompt's logprobs, which "
-                                "minipaged does not compute", "echo")
+            raise APIError(
+                400,
+                "echo with logprobs needs the prompt's logprobs, which minipaged does not compute",
+                "echo",
+            )
         self._check_logprobs(body.logprobs, "logprobs")
         prompts = await self._completion_prompts(body.prompt)
         params = {}
         for i, (token_ids, _) in enumerate(prompts):
             # max_tokens null: up to the context's end, as OpenAI does.
-            max_tokens = (body.max_tokens if body.max_tokens is not None
-                          else max(1, self.max_model_len - len(token_ids)))
+            max_tokens = (
+                body.max_tokens
+                if body.max_tokens is not None
+                else max(1, self.max_model_len - len(token_ids))
+            )
             self._check_context(len(token_ids), max_tokens, "prompt")
             params[i] = body.sampling_params(max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        outputs = self.engine.generate([(rid, token_ids, params[i], text) for i, (rid, (
-            token_ids, text)) in enumerate(zip(ids, prompts))])
-        head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name}
+        outputs = self.engine.generate(
+            [
+                (rid, token_ids, params[i], text)
+                for i, (rid, (token_ids, text)) in enumerate(zip(ids, prompts))
+            ]
+        )
+        head = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
         usage = Usage([token_ids for token_ids, _ in prompts])
         echoes = {rid: self._prompt_text(p) if body.echo else "" for rid, p in zip(ids, prompts)}
         offsets: dict[int, int] = {}  # choice -> characters of text sent so far
@@ -157,12 +204,21 @@ class OpenAIServing:
             text = completion.text
             if index not in offsets:
                 text, offsets[index] = echoes[request_id] + text, 0
-            logprobs = None if completion.logprobs is None else self._completion_logprobs(
-                completion.token_ids, completion.logprobs, offsets[index])
+            logprobs = (
+                None
+                if completion.logprobs is None
+                else self._completion_logprobs(
+                    completion.token_ids, completion.logprobs, offsets[index]
+                )
+            )
             offsets[index] += len(text)
-            return {"index": index, "text": text, "logprobs": logprobs,
-                    "finish_reason": completion.finish_reason,
-                    "stop_reason": completion.stop_reason}
+            return {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason,
+            }
 
         if body.stream:
             return self._stream(outputs, head, choice, usage, body.include_usage)
@@ -178,29 +234,39 @@ class OpenAIServing:
         if not prompt or any(not p for p in prompt):
             raise APIError(400, "prompt must not be empty", "prompt")
         if len(prompt) > self.limits.max_prompts:
-            raise APIError(400, f"prompt holds {len(prompt)} prompts, more than the "
-                                f"{self.limits.max_prompts} one request may (--max-prompts)",
-                           "prompt")
+            raise APIError(
+                400,
+                f"prompt holds {len(prompt)} prompts, more than the "
+                f"{self.limits.max_prompts} one request may (--max-prompts)",
+                "prompt",
+            )
         for p in prompt:
             if isinstance(p, str):
                 self._check_chars(len(p), "prompt")
-        return await self._off_loop(lambda: [
-            (self.tokenizer.encode(p), p) if isinstance(p, str) else (p, None)
-            for p in prompt])
+        return await self._off_loop(
+            lambda: [
+                (self.tokenizer.encode(p), p) if isinstance(p, str) else (p, None) for p in prompt
+            ]
+        )
 
     def _prompt_text(self, prompt: tuple[list[int], str | None]) -> str:
         token_ids, text = prompt
         return text if text is not None else self.tokenizer.decode(token_ids)
 
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]],
-                             offset: int) -> dict:
+    def _completion_logprobs(
+        self, token_ids: list[int], logprobs: list[dict[int, float]], offset: int
+    ) -> dict:
         """The legacy completions format: parallel lists, one entry per token."""
         tokens = [self.tokenizer.decode([t]) for t in token_ids]
         starts = [offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs)],
-                "top_logprobs": [{self.tokenizer.decode([k]): v for k, v in lp.items()}
-                                 for lp in logprobs],
-                "text_offset": starts}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs)],
+            "top_logprobs": [
+                {self.tokenizer.decode([k]): v for k, v in lp.items()} for lp in logprobs
+            ],
+            "text_offset": starts,
+        }
 
     # -- chat -------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest) -> Response:
@@ -216,8 +282,12 @@ class OpenAIServing:
         params = body.sampling_params(max_tokens, top if body.logprobs else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         outputs = self.engine.generate([(request_id, token_ids, params, None)])
-        head = {"id": request_id, "object": "chat.completion.chunk" if body.stream
-                else "chat.completion", "created": int(time.time()), "model": self.model_name}
+        head = {
+            "id": request_id,
+            "object": "chat.completion.chunk" if body.stream else "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
         usage, started = Usage([token_ids]), set()
 
         def choice(_: str, completion: CompletionOutput) -> dict:
@@ -225,11 +295,18 @@ class OpenAIServing:
             if completion.index not in started:  # a stream names the role once
                 message = {"role": "assistant", **message}
                 started.add(completion.index)
-            logprobs = None if completion.logprobs is None else self._chat_logprobs(
-                completion.token_ids, completion.logprobs, top)
-            return {"index": completion.index, "delta" if body.stream else "message": message,
-                    "logprobs": logprobs, "finish_reason": completion.finish_reason,
-                    "stop_reason": completion.stop_reason}
+            logprobs = (
+                None
+                if completion.logprobs is None
+                else self._chat_logprobs(completion.token_ids, completion.logprobs, top)
+            )
+            return {
+                "index": completion.index,
+                "delta" if body.stream else "message": message,
+                "logprobs": logprobs,
+                "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason,
+            }
 
         if body.stream:
             return self._stream(outputs, head, choice, usage, body.include_usage)
@@ -240,59 +317,83 @@ class OpenAIServing:
         if not body.messages:
             raise APIError(400, "messages must not be empty", "messages")
         if self.tokenizer.chat_template is None:
-            raise APIError(400, "this model's tokenizer has no chat template; use "
-                                "/v1/completions", "messages")
+            raise APIError(
+                400, "this model's tokenizer has no chat template; use /v1/completions", "messages"
+            )
         messages = [m.as_template_input() for m in body.messages]
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         return await self._off_loop(lambda: self._render_chat(messages))
 
     def _render_chat(self, messages: list[dict]) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
         except Exception as error:  # a template raises what it likes
-            raise APIError(400, f"the chat template refused the messages: {error}",
-                           "messages") from error
+            raise APIError(
+                400, f"the chat template refused the messages: {error}", "messages"
+            ) from error
         return self.tokenizer.encode(text, add_special_tokens=False)  # the template has them
 
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]],
-                       top: int) -> dict:
+    def _chat_logprobs(
+        self, token_ids: list[int], logprobs: list[dict[int, float]], top: int
+    ) -> dict:
         def entry(token_id: int, logprob: float) -> dict:
             text = self.tokenizer.decode([token_id])
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-        return {"content": [
-            {**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in sorted(
-                lp.items(), key=lambda kv: -kv[1])[:top]]}
-            for t, lp in zip(token_ids, logprobs)]}
+        return {
+            "content": [
+                {
+                    **entry(t, lp[t]),
+                    "top_logprobs": [
+                        entry(k, v) for k, v in sorted(lp.items(), key=lambda kv: -kv[1])[:top]
+                    ],
+                }
+                for t, lp in zip(token_ids, logprobs)
+            ]
+        }
 
     # -- shared -----------------------------------------------------------------------
     def _check(self, body: SamplingRequest) -> None:
         # First: no message below may quote a string that cannot be encoded.
         if name := unencodable_field(body.model_dump()):
-            raise APIError(400, f"{name} holds a lone surrogate, which is not text "
-                                "(UTF-16 halves must come in pairs)", name)
+            raise APIError(
+                400,
+                f"{name} holds a lone surrogate, which is not text "
+                "(UTF-16 halves must come in pairs)",
+                name,
+            )
         if body.model is not None and body.model != self.model_name:
-            raise APIError(404, f"The model `{body.model}` does not exist.", "model",
-                           "model_not_found")
+            raise APIError(
+                404, f"The model `{body.model}` does not exist.", "model", "model_not_found"
+            )
         if name := body.unsupported():
             raise APIError(400, f"{name} is not supported by minipaged", name)
         if body.n > self.limits.max_n:
-            raise APIError(400, f"n must be at most {self.limits.max_n} (--max-n), "
-                                f"got {body.n}", "n")
+            raise APIError(
+                400, f"n must be at most {self.limits.max_n} (--max-n), got {body.n}", "n"
+            )
 
     def _check_logprobs(self, asked: int | None, param: str) -> None:
         if asked is not None and asked > self.limits.max_logprobs:
-            raise APIError(400, f"{param} must be at most {self.limits.max_logprobs} "
-                                f"(--max-logprobs), got {asked}", param)
+            raise APIError(
+                400,
+                f"{param} must be at most {self.limits.max_logprobs} (--max-logprobs), got {asked}",
+                param,
+            )
 
     def _check_chars(self, num_chars: int, param: str) -> None:
         """Refuse text that cannot fit the context whatever it tokenizes to, before
         spending time tokenizing it."""
         if num_chars > self.max_prompt_chars:
-            raise APIError(400, f"the {param} has {num_chars} characters; no text over "
-                                f"{self.max_prompt_chars} fits this model's maximum "
-                                f"context length of {self.max_model_len} tokens", param)
+            raise APIError(
+                400,
+                f"the {param} has {num_chars} characters; no text over "
+                f"{self.max_prompt_chars} fits this model's maximum "
+                f"context length of {self.max_model_len} tokens",
+                param,
+            )
 
     async def _off_loop(self, work):
         """``work()`` on the tokenizing thread, so a long prompt stalls no one else."""
@@ -301,10 +402,14 @@ class OpenAIServing:
     def _check_context(self, prompt_len: int, max_tokens: int, param: str) -> None:
         """As OpenAI and vLLM: prompt and completion must fit the model's context."""
         if prompt_len + max_tokens > self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
-                                f"tokens. However, you requested {prompt_len + max_tokens} "
-                                f"tokens ({prompt_len} in the {param}, {max_tokens} in the "
-                                "completion).", param)
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} "
+                f"tokens. However, you requested {prompt_len + max_tokens} "
+                f"tokens ({prompt_len} in the {param}, {max_tokens} in the "
+                "completion).",
+                param,
+            )
 
     @staticmethod
     async def _collect(outputs: AsyncIterator[RequestOutput], choice, usage: Usage) -> list:
@@ -318,16 +423,16 @@ class OpenAIServing:
         return sorted(choices, key=lambda c: c["index"])
 
     @staticmethod
-    def _stream(outputs: AsyncIterator[RequestOutput], head: dict, choice, usage: Usage,
-                include_usage: bool) -> StreamingResponse:
+    def _stream(
+        outputs: AsyncIterator[RequestOutput], head: dict, choice, usage: Usage, include_usage: bool
+    ) -> StreamingResponse:
         async def events():
             try:
                 async with aclosing(outputs):  # closing it aborts what still runs
                     async for output in outputs:
                         for completion in output.outputs:
                             usage.completion_tokens += len(completion.token_ids)
-                            yield sse({**head, "choices": [choice(output.request_id,
-                                                                  completion)]})
+                            yield sse({**head, "choices": [choice(output.request_id, completion)]})
                 if include_usage:
                     yield sse({**head, "choices": [], "usage": usage.as_dict()})
             except ValueError as error:
@@ -379,10 +484,14 @@ class Draining:
         if self.started:
             return
         self.started = True
-        logger.info("shutting down: %d request(s) running, %g s to finish",
-                    self.engine.num_requests, self.grace_s)
-        timer = threading.Timer(self.grace_s, self.engine.end_all,
-                                ["the server shut down before the request finished"])
+        logger.info(
+            "shutting down: %d request(s) running, %g s to finish",
+            self.engine.num_requests,
+            self.grace_s,
+        )
+        timer = threading.Timer(
+            self.grace_s, self.engine.end_all, ["the server shut down before the request finished"]
+        )
         timer.daemon = True
         timer.start()
 
@@ -399,9 +508,16 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          served_model_name: str | None = None, limits: ServerLimits | None = None,
-          allowed_hosts: list[str] | None = None, **engine_kwargs) -> None:
+def serve(
+    model: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    limits: ServerLimits | None = None,
+    allowed_hosts: list[str] | None = None,
+    **engine_kwargs,
+) -> None:
     """Load ``model`` into an engine (``engine_kwargs``: `EngineConfig`'s) and serve it
     over HTTP, as ``served_model_name`` (default: `default_model_name`), until stopped.
     ``allowed_hosts`` defaults to the loopback names when bound to one, else any.  If
@@ -426,34 +542,55 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it has already handled
         pass
     if engine.error is not None:
-        raise SystemExit(f"minipaged serve: the engine died ({engine.error!r}); "
-                         "the traceback is above")
+        raise SystemExit(
+            f"minipaged serve: the engine died ({engine.error!r}); the traceback is above"
+        )
 
 
-def uvicorn_config(app: FastAPI, host: str, port: int, limits: ServerLimits,
-                   **kwargs) -> uvicorn.Config:
+def uvicorn_config(
+    app: FastAPI, host: str, port: int, limits: ServerLimits, **kwargs
+) -> uvicorn.Config:
     """uvicorn's settings for ``app``: HTTP/1.1 heads timed like bodies, and shutdown
     waiting out the grace period (plus time for the last error events to go out)."""
-    return uvicorn.Config(app, host=host, port=port,
-                          http=h11_with_head_timeout(limits.read_timeout_s),
-                          timeout_graceful_shutdown=limits.shutdown_grace_s + 5, **kwargs)
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=h11_with_head_timeout(limits.read_timeout_s),
+        timeout_graceful_shutdown=limits.shutdown_grace_s + 5,
+        **kwargs,
+    )
 
 
-def log_startup(engine: LLMEngine, model: str, name: str, host: str, port: int,
-                api_key: str | None, limits: ServerLimits, hosts) -> None:
+def log_startup(
+    engine: LLMEngine,
+    model: str,
+    name: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    limits: ServerLimits,
+    hosts,
+) -> None:
     """One block saying what is served, where and on what, as vLLM's startup log does."""
     kv, config = engine.kv, engine.config
     dtype = engine.model.model.embed_tokens.weight.dtype
     lines = [
         f"model           {model} (served as {name!r})",
-        (f"device          {engine.device}, {str(dtype).removeprefix('torch.')}, "
-         f"attention backend {engine.attention_backend}"),
-        (f"KV cache        {kv.gpu.num_blocks} blocks x {config.block_size} tokens = "
-         f"{kv.gpu.num_blocks * config.block_size} tokens; {kv.cpu.num_blocks} swap blocks"),
+        (
+            f"device          {engine.device}, {str(dtype).removeprefix('torch.')}, "
+            f"attention backend {engine.attention_backend}"
+        ),
+        (
+            f"KV cache        {kv.gpu.num_blocks} blocks x {config.block_size} tokens = "
+            f"{kv.gpu.num_blocks * config.block_size} tokens; {kv.cpu.num_blocks} swap blocks"
+        ),
         f"max_model_len   {engine.max_model_len} tokens",
-        (f"limits          body {limits.max_body_bytes} bytes, {limits.max_prompts} prompts, "
-         f"n <= {limits.max_n}, logprobs <= {limits.max_logprobs}, read timeout "
-         f"{limits.read_timeout_s:g} s, shutdown grace {limits.shutdown_grace_s:g} s"),
+        (
+            f"limits          body {limits.max_body_bytes} bytes, {limits.max_prompts} prompts, "
+            f"n <= {limits.max_n}, logprobs <= {limits.max_logprobs}, read timeout "
+            f"{limits.read_timeout_s:g} s, shutdown grace {limits.shutdown_grace_s:g} s"
+        ),
         f"API key         {'required' if api_key else 'none'}",
         f"allowed hosts   {', '.join(hosts) if hosts else 'any'}",
         f"listening on    http://{f'[{host}]' if ':' in host else host}:{port}",
@@ -461,9 +598,13 @@ def log_startup(engine: LLMEngine, model: str, name: str, host: str, port: int,
     logger.info("minipaged serve\n%s", "\n".join(f"  {line}" for line in lines))
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              limits: ServerLimits | None = None,
-              allowed_hosts: tuple[str, ...] | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncEngine,
+    model_name: str,
+    api_key: str | None = None,
+    limits: ServerLimits | None = None,
+    allowed_hosts: tuple[str, ...] | None = None,
+) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``; with ``api_key``, the
     ``/v1`` routes want ``Authorization: Bearer <api_key>``; ``allowed_hosts`` None
     allows any ``Host``.  ``app.state.draining`` is its `Draining`.  Stopping the app
@@ -479,9 +620,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     app = FastAPI(title="minipaged", lifespan=lifespan, redirect_slashes=False)
     serving, registry = OpenAIServing(engine, model_name, limits), make_registry(engine)
     draining = app.state.draining = Draining(engine, limits.shutdown_grace_s)
-    app.add_middleware(RequestGuard, config=GuardConfig(
-        api_key, allowed_hosts, limits.max_body_bytes, limits.read_timeout_s),
-        closing=lambda: draining.started)
+    app.add_middleware(
+        RequestGuard,
+        config=GuardConfig(api_key, allowed_hosts, limits.max_body_bytes, limits.read_timeout_s),
+        closing=lambda: draining.started,
+    )
 
     app.get("/v1/models", responses=ERROR_RESPONSES)(serving.models)
 
@@ -495,8 +638,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/health")
     def health() -> Response:
-        return Response(status_code=200 if engine.error is None and not draining.started
-                        else 503)
+        return Response(status_code=200 if engine.error is None and not draining.started else 503)
 
     @app.get("/metrics")
     def metrics() -> Response:
@@ -560,8 +702,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         where = [str(part) for part in first["loc"] if part != "body"]
         if first["type"] == "json_invalid":
             return error_response(APIError(400, f"malformed JSON: {first['msg']}"))
-        return error_response(APIError(400, f"{'.'.join(where) or 'body'}: {first['msg']}",
-                                        where[0] if where else None))
+        return error_response(
+            APIError(
+                400, f"{'.'.join(where) or 'body'}: {first['msg']}", where[0] if where else None
+            )
+        )
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, error: HTTPException) -> Response:

@@ -54,8 +54,9 @@ class ServerClosingError(RuntimeError):
 class AsyncEngine:
     """An `LLMEngine` stepped by a thread of its own, with asyncio streams of outputs."""
 
-    def __init__(self, engine: LLMEngine,
-                 on_dead: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(
+        self, engine: LLMEngine, on_dead: Callable[[BaseException], None] | None = None
+    ) -> None:
         self.engine = engine
         self.stats = engine.counters()
         self.error: BaseException | None = None
@@ -135,8 +136,9 @@ class AsyncEngine:
         """Tell each request that failed alone why (and log it: a bug to look at)."""
         for request_id, error in failed.items():
             logger.error("request %s failed in the engine", request_id, exc_info=error)
-            self._end(request_id, RequestFailedError(
-                f"the request failed in the engine: {error!r}"))
+            self._end(
+                request_id, RequestFailedError(f"the request failed in the engine: {error!r}")
+            )
 
     def _take_commands(self) -> list[tuple]:
         """Everything queued; an idle engine sleeps here until something is."""

@@ -81,9 +81,7 @@ class RequestGuard:
         closing: Callable[[], bool] = lambda: False,
     ) -> None:
         self.app, self.config, self.closing = app, config, closing
-        self.bearer = (
-            None if config.api_key is None else f"Bearer {config.api_key}".encode()
-        )
+        self.bearer = None if config.api_key is None else f"Bearer {config.api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -103,8 +101,7 @@ class RequestGuard:
         if allowed is not None and "*" not in allowed and host not in allowed:
             return error(
                 400,
-                f"the Host header {host!r} is not an allowed host "
-                "(see --allowed-hosts)",
+                f"the Host header {host!r} is not an allowed host (see --allowed-hosts)",
                 "invalid_host",
             )
         v1 = scope["path"].startswith("/v1")
@@ -112,11 +109,7 @@ class RequestGuard:
             return error(503, "the server is shutting down", "server_shutting_down")
         # Bytes, not str: a non-ASCII header must compare unequal, not raise.
         given = headers.get(b"authorization", b"")
-        if (
-            v1
-            and self.bearer is not None
-            and not secrets.compare_digest(given, self.bearer)
-        ):
+        if v1 and self.bearer is not None and not secrets.compare_digest(given, self.bearer):
             return error(
                 401,
                 "Incorrect API key provided.",
@@ -151,8 +144,7 @@ class RequestGuard:
             except TimeoutError:
                 raise HTTPException(
                     408,
-                    f"the request body did not arrive within "
-                    f"{self.config.read_timeout_s:g} s",
+                    f"the request body did not arrive within {self.config.read_timeout_s:g} s",
                 ) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
@@ -191,9 +183,7 @@ class HeadTimeoutH11Protocol(H11Protocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
         if self.conn.their_state is h11.IDLE:  # not already reading a pipelined request
-            self._head_timer = self.loop.call_later(
-                self.head_timeout_s, self._head_late
-            )
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_late)
 
     def _head_late(self) -> None:
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
@@ -202,6 +192,4 @@ class HeadTimeoutH11Protocol(H11Protocol):
 
 def h11_with_head_timeout(seconds: float) -> type[HeadTimeoutH11Protocol]:
     """The protocol class for ``uvicorn.Config(http=...)``, timing heads at ``seconds``."""
-    return type(
-        "HeadTimeoutH11Protocol", (HeadTimeoutH11Protocol,), {"head_timeout_s": seconds}
-    )
+    return type("HeadTimeoutH11Protocol", (HeadTimeoutH11Protocol,), {"head_timeout_s": seconds})

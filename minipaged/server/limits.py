@@ -38,6 +38,4 @@ class ServerLimits:
         for name in ("read_timeout_s", "shutdown_grace_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-                raise ValueError(
-                    f"{name} must be a number of seconds >= 0, got {value!r}"
-                )
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")

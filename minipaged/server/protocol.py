@@ -19,8 +19,12 @@ from pydantic import BaseModel, ConfigDict
 from minipaged.sampling_params import RequestOutputKind, SamplingParams
 
 # Options minipaged does not implement, and the values that ask for nothing.
-UNSUPPORTED = {"logit_bias": (None, {}), "suffix": (None, ""),
-               "tools": (None, []), "response_format": (None, {"type": "text"})}
+UNSUPPORTED = {
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 class StreamOptions(BaseModel):
@@ -53,8 +57,7 @@ class SamplingRequest(BaseModel):
     def unsupported(self) -> str | None:
         """The first option asked for that minipaged does not implement."""
         extra = self.model_extra or {}
-        return next((name for name, off in UNSUPPORTED.items()
-                     if extra.get(name) not in off), None)
+        return next((name for name, off in UNSUPPORTED.items() if extra.get(name) not in off), None)
 
     @property
     def include_usage(self) -> bool:
@@ -63,15 +66,32 @@ class SamplingRequest(BaseModel):
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's parameters (raises ``ValueError`` naming a bad value).  A stream
         wants each step's news (DELTA), an answer only the end (FINAL_ONLY)."""
-        optional = {name: value for name in ("temperature", "top_p", "top_k", "min_p",
-                                             "repetition_penalty", "presence_penalty",
-                                             "frequency_penalty", "min_tokens", "best_of")
-                    if (value := getattr(self, name)) is not None}
+        optional = {
+            name: value
+            for name in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "repetition_penalty",
+                "presence_penalty",
+                "frequency_penalty",
+                "min_tokens",
+                "best_of",
+            )
+            if (value := getattr(self, name)) is not None
+        }
         return SamplingParams(
-            n=self.n, seed=self.seed, max_tokens=max_tokens, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            n=self.n,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
-            **optional)
+            **optional,
+        )
 
 
 class CompletionRequest(SamplingRequest):
