@@ -85,13 +85,28 @@ def test_requests_fit_the_model_with_exact_prompt_lengths(workload, max_model_le
     assert requests == serve.make_requests(workload, 200, max_model_len, seed=1)
 
 
+def test_max_output_len_caps_outputs_and_keeps_prompts():
+    specs = synthetic_requests("alpaca", 50, seed=1, max_len=1024)
+    capped = serve.make_requests("alpaca", 50, 1024, seed=1, max_output_len=16)
+    assert [r.output_len for r in capped] == [min(s.output_len, 16) for s in specs]
+    assert any(s.output_len > 16 for s in specs)  # else the cap was not exercised
+    assert [r.prompt_token_ids for r in capped] == [
+        r.prompt_token_ids for r in serve.make_requests("alpaca", 50, 1024, seed=1)
+    ]
+
+
 def test_short_model_cuts_sharegpt_requests():
     # ShareGPT's tail is longer than 64 tokens: without the cut this test means nothing.
     assert max(s.total_len for s in synthetic_requests("sharegpt", 200, seed=1)) > 64
 
 
 @pytest.mark.parametrize(
-    "kwargs, name", [({"num_requests": 0}, "num_requests"), ({"workload": "lmsys"}, "workload")]
+    "kwargs, name",
+    [
+        ({"num_requests": 0}, "num_requests"),
+        ({"workload": "lmsys"}, "workload"),
+        ({"max_output_len": 0}, "max_output_len"),
+    ],
 )
 def test_make_requests_rejects_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):

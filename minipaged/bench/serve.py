@@ -119,16 +119,25 @@ class RequestRecord:
 
 # -- the workload ---------------------------------------------------------------------
 def make_requests(
-    workload: str, num_requests: int, max_model_len: int, seed: int = 0
+    workload: str,
+    num_requests: int,
+    max_model_len: int,
+    seed: int = 0,
+    max_output_len: int | None = None,
 ) -> list[Request]:
-    """``num_requests`` seeded requests whose prompt plus output fit ``max_model_len``."""
+    """``num_requests`` seeded requests whose prompt plus output fit ``max_model_len``;
+    ``max_output_len`` caps each output (vLLM's ``--sharegpt-output-len`` fixes it), for
+    a short run that keeps the workload's prompts."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests!r}")
+    if max_output_len is not None and max_output_len < 1:
+        raise ValueError(f"max_output_len must be >= 1 or None, got {max_output_len!r}")
     specs = synthetic_requests(workload, num_requests, seed=seed, max_len=max_model_len)
+    cap = max_output_len or max(s.output_len for s in specs)
     # A seed stream of its own, so the ids are not a function of the lengths' draws.
     rng = random.Random(f"prompts-{seed}")
     return [
-        Request([rng.randrange(PROMPT_VOCAB) for _ in range(s.prompt_len)], s.output_len)
+        Request([rng.randrange(PROMPT_VOCAB) for _ in range(s.prompt_len)], min(s.output_len, cap))
         for s in specs
     ]
 
@@ -277,6 +286,7 @@ async def benchmark(
     api_key: str | None = None,
     seed: int = 0,
     progress: bool = True,
+    max_output_len: int | None = None,
 ) -> tuple[dict, list[RequestRecord]]:
     """Run the benchmark against the server at ``base_url``; returns the summary
     (`summarize` plus the setting) and every request's record, in request order."""
@@ -298,7 +308,7 @@ async def benchmark(
     ) as client:
         card = await fetch_model(client, model)
         max_model_len = card.get("max_model_len") or DEFAULT_MAX_MODEL_LEN
-        requests = make_requests(workload, num_requests, max_model_len, seed)
+        requests = make_requests(workload, num_requests, max_model_len, seed, max_output_len)
         # One untimed token, so a wrong setup fails once and clearly, and the server has
         # compiled its kernels before the clock starts.  The first prompt reversed: as
         # long, but no prefix for a prefix cache to hand the timed request.
@@ -480,6 +490,12 @@ def add_arguments(parser) -> None:
         default=os.environ.get("MINIPAGED_API_KEY"),
         help="sent as 'Authorization: Bearer KEY' (default: $MINIPAGED_API_KEY)",
     )
+    parser.add_argument(
+        "--max-output-len",
+        type=int,
+        metavar="N",
+        help="cap every request's output at N tokens (default: the workload's lengths)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds lengths, prompts, arrivals")
     parser.add_argument(
         "--device",
@@ -504,6 +520,7 @@ def main(args) -> None:
         max_concurrency=args.max_concurrency,
         api_key=args.api_key,
         seed=args.seed,
+        max_output_len=args.max_output_len,
     )
     print_summary(summary)
     path = save_results(
