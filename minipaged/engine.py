@@ -10,8 +10,8 @@
 - **execute**: the `Executor` runs those block operations on the `CacheEngine`, then
   the `ModelRunner`'s forward pass over the batch (with ``tensor_parallel_size`` > 1,
   on every rank of the group, §4.6);
-- **sample**: the sampler picks each finished sequence's next token, after a prompt
-  with ``n`` > 1 forked into its ``n`` sequences (`BeamSearch` ranks candidates
+- **sample**: `ParallelSampling` draws each finished sequence's next token, after a
+  prompt with ``n`` > 1 forked into its ``n`` sequences (`BeamSearch` ranks candidates
   instead, forking and freeing beams, §4.4);
 - **update**: after each new token the `OutputProcessor` detokenizes and checks the
   stop conditions, freeing a finished sequence's blocks; then it builds the step's
@@ -19,13 +19,12 @@
   (``SamplingParams.output_kind``).
 
 Everything about memory is the scheduler's (and, under it, the KV cache manager's); the
-engine only ever asks it to fork, append to or free a sequence, so the event trace,
-which the scheduler records, sees every block operation.
+step's parts only ever ask it to fork, append to or free a sequence, so the event
+trace, which the scheduler records, sees every block operation.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -61,8 +60,8 @@ from minipaged.models.resolve import (
 from minipaged.ops import check_supported
 from minipaged.output_processor import OutputProcessor
 from minipaged.outputs import Output
-from minipaged.sampler import sample, seq_generator
-from minipaged.sequence import Sequence, SequenceGroup
+from minipaged.parallel_sampling import ParallelSampling
+from minipaged.sequence import SequenceGroup
 from minipaged.trace import Trace
 
 
@@ -147,6 +146,9 @@ class LLMEngine:
             self.scheduler, self.beam_search, self.eos_token_ids, self.max_model_len, self.requests
         )
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.parallel_sampling = ParallelSampling(
+            self.scheduler, self.output_processor, self.eos_token_ids, self.generator
+        )
         self.num_steps = 0
         self.num_prompt_tokens = 0  # of every request added
         self.num_generated_tokens = 0  # sampled, by every sequence and beam
@@ -211,46 +213,9 @@ class LLMEngine:
         for i, s in enumerate(sampling):
             (beams if s.group.is_beam_search else plain).append(i)
         if plain:
-            self._sample(sampling, logits, plain)
+            self.num_generated_tokens += self.parallel_sampling.sample(sampling, logits, plain)
         if beams:
             self.num_generated_tokens += self.beam_search.rank(sampling, logits, beams)
-
-    def _sample(self, sampling: list[ScheduledSeq], logits: torch.Tensor, rows: list[int]) -> None:
-        """Draw one token per sequence; a prompt with ``n`` > 1 first forks into ``n``
-        sequences, all drawing from its one row of logits."""
-        logit_rows, groups, seqs = [], [], []
-        for i in rows:
-            group, seq = sampling[i].group, sampling[i].seq
-            branch = [seq]
-            if group.params.n > 1 and len(group.seqs) == 1:
-                branch += [self._fork(group, seq) for _ in range(group.params.n - 1)]
-            logit_rows += [i] * len(branch)
-            groups += [group] * len(branch)
-            seqs += branch
-        out = sample(
-            logits[logit_rows],
-            [g.params for g in groups],
-            [s.generator for s in seqs],
-            self.generator,
-            [s.token_ids for s in seqs],
-            [s.prompt_len for s in seqs],
-            self.eos_token_ids,
-        )
-        self.num_generated_tokens += len(seqs)
-        for group, seq, token, logprob, top in zip(
-            groups, seqs, out.token_ids, out.logprobs, out.top_logprobs
-        ):
-            self.scheduler.append_token(group, seq, token, logprob)
-            if seq.logprobs is not None:
-                seq.logprobs.append(top)
-            self.output_processor.check_stop(group, seq)
-
-    def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
-        child = self.scheduler.fork(group, parent)
-        child.generator = seq_generator(group.params, child.index, self.device)
-        child.output_text = parent.output_text
-        child.detokenizer = dataclasses.replace(parent.detokenizer)
-        return child
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the engine is

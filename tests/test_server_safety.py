@@ -25,7 +25,7 @@ pytest.importorskip("fastapi")  # the server extra; the GPU machine has none
 
 import httpx
 
-import minipaged.engine as engine_module
+import minipaged.parallel_sampling as sampling_module
 from cli_helpers import run_main
 from engine_helpers import (
     assert_all_blocks_free,
@@ -87,7 +87,7 @@ def test_a_request_whose_sampling_raises_fails_alone(checkpoint, monkeypatch):
         )
     ]
     wants = [llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0] for p, sp in others]
-    monkeypatch.setattr(engine_module, "sample", failing_sample(engine_module.sample))
+    monkeypatch.setattr(sampling_module, "sample", failing_sample(sampling_module.sample))
     engine = llm.engine
     culprit = SamplingParams(temperature=1.0, seed=CULPRIT_SEED, max_tokens=8)
     engine.add_request("culprit", random_prompt(9, seed=99), culprit)
@@ -111,7 +111,7 @@ def test_without_fail_alone_the_error_propagates(checkpoint, monkeypatch):
     """LLM.generate keeps raising: the caller asked, the caller hears."""
     path = checkpoint
     llm = make_llm(path)
-    monkeypatch.setattr(engine_module, "sample", failing_sample(engine_module.sample))
+    monkeypatch.setattr(sampling_module, "sample", failing_sample(sampling_module.sample))
     with pytest.raises(RuntimeError, match="fell over"):
         llm.generate("a", SamplingParams(seed=CULPRIT_SEED, max_tokens=4), use_tqdm=False)
     assert_all_blocks_free(llm)
@@ -201,7 +201,7 @@ def test_a_failing_request_fails_alone_while_others_run(base_url, oracle, monkey
     finish exactly as LLM.generate makes them; every block is free after."""
     prompts = [random_prompt(4 + i, seed=50 + i) for i in range(6)]
     wants = [greedy_text(oracle, {"prompt_token_ids": p}, ignore_eos=True) for p in prompts]
-    monkeypatch.setattr(engine_module, "sample", failing_sample(engine_module.sample))
+    monkeypatch.setattr(sampling_module, "sample", failing_sample(sampling_module.sample))
     culprit = {"temperature": 1.0, "seed": CULPRIT_SEED}
     with ThreadPoolExecutor(8) as pool:
         others = [pool.submit(completion, base_url, prompt=p, ignore_eos=True) for p in prompts]

@@ -865,8 +865,8 @@ def _check_all_running(engine, num_seqs: int) -> None:
 
 def _phase_breakdown(engine, num_steps: int) -> dict[str, float]:
     """Time ``num_steps`` steps phase by phase: the engine's parts are wrapped on the
-    instance (the sampler, a module-level function, is patched where the engine calls it)."""
-    import minipaged.engine as engine_module
+    instance (the sampler, a module-level function, is patched where it is called)."""
+    import minipaged.parallel_sampling as sampling_module
 
     timer = _PhaseTimer(engine.device)
     engine.runner.model.timer = timer
@@ -881,7 +881,9 @@ def _phase_breakdown(engine, num_steps: int) -> dict[str, float]:
     engine.runner.execute = timer.wrap("prepare_inputs", engine.runner.execute)
     engine._update = timer.wrap("update", engine._update)
     try:
-        with mock.patch.object(engine_module, "sample", timer.wrap("sample", engine_module.sample)):
+        with mock.patch.object(
+            sampling_module, "sample", timer.wrap("sample", sampling_module.sample)
+        ):
             for _ in range(num_steps):
                 with timer.phase("other"):
                     engine.step()
