@@ -531,12 +531,16 @@ def run_hf_continuous(
     progress: bool = True,
 ) -> SystemRun:
     """``hf-continuous-batching``: transformers' continuous batching manager (the engine
-    behind ``generate_batch``) with ``attn_implementation="paged|sdpa"``; each request
-    added with its own ``max_new_tokens`` and no EOS, after a warm-up, all at once."""
+    behind ``generate_batch``) over SDPA; each request added with its own
+    ``max_new_tokens`` and no EOS, after a warm-up, all at once."""
     from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    # Older transformers name the paged SDPA "paged|sdpa"; newer ones page plain "sdpa"
+    # under continuous batching and warn about the prefix.
+    sdpa = "paged|sdpa" if "paged|sdpa" in ALL_ATTENTION_FUNCTIONS else "sdpa"
     model = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype=dtype, attn_implementation="paged|sdpa"
+        path, local_files_only=True, dtype=dtype, attn_implementation=sdpa
     )
     model = model.to(device).eval()
     config = GenerationConfig(
