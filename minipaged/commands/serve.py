@@ -1,0 +1,91 @@
+"""``minipaged serve MODEL``: `minipaged.server.app.serve` with the engine flags and the
+server's limits (docs/serving-safely.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from minipaged.bench.args import MODEL_HELP, add_engine_flags, engine_kwargs
+from minipaged.server.limits import ServerLimits
+
+NAME = "serve"
+HELP = "serve a checkpoint over an OpenAI-compatible HTTP API"
+DESCRIPTION = (
+    "Serve MODEL at /v1/completions and /v1/chat/completions (streaming "
+    "with server-sent events), /v1/models, /health and /metrics, until "
+    "interrupted.  Needs the server extra: pip install 'minipaged[server]'."
+)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    parser.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("MINIPAGED_API_KEY"),
+        help="if set, /v1 requests need 'Authorization: Bearer KEY' "
+        "(default: $MINIPAGED_API_KEY, else none)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model's name in the API (default: a directory's own name, else MODEL as given)",
+    )
+    _add_safety_flags(parser)
+    add_engine_flags(parser)
+
+
+def _add_safety_flags(parser) -> None:
+    """The server's limits (`ServerLimits`) and allowed hosts; see
+    docs/serving-safely.md."""
+    defaults = ServerLimits()
+    group = parser.add_argument_group(
+        "limits", "what one request may ask for, and how long the server waits"
+    )
+    group.add_argument(
+        "--allowed-hosts",
+        nargs="+",
+        metavar="HOST",
+        help="Host header values to answer, '*' for any (default: the "
+        "loopback names when bound to one, else any)",
+    )
+    for flag, dest, kind, help_ in [
+        ("--max-request-bytes", "max_body_bytes", int, "a request body's size (413)"),
+        ("--max-prompts", "max_prompts", int, "prompts in one completions request"),
+        ("--max-n", "max_n", int, "completions per prompt"),
+        ("--max-logprobs", "max_logprobs", int, "logprobs and top_logprobs"),
+        ("--read-timeout", "read_timeout_s", float, "seconds a request body may pause (408)"),
+        (
+            "--shutdown-grace",
+            "shutdown_grace_s",
+            float,
+            "seconds running requests may finish after a shutdown begins",
+        ),
+    ]:
+        group.add_argument(
+            flag,
+            dest=dest,
+            type=kind,
+            default=getattr(defaults, dest),
+            help=f"{help_} (default: %(default)s)",
+        )
+
+
+def main(args) -> None:
+    from minipaged.server.app import serve  # FastAPI and uvicorn: the server extra
+
+    limits = ServerLimits(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)}
+    )
+    serve(
+        args.model,
+        args.host,
+        args.port,
+        args.api_key,
+        args.served_model_name,
+        limits,
+        args.allowed_hosts,
+        **engine_kwargs(args),
+    )
