@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from minipaged.sequence import Sequence, SequenceGroup
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     """Run tokens ``[start, start + num_new_tokens)`` of ``seq`` this step."""
 

@@ -368,9 +368,9 @@ def _plan(group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
     """A running request's tokens this step: each sequence's uncomputed tokens (one for
     a decode, a chunk of a prompt), as far as the token budget goes."""
     plan = []
-    for seq in group.unfinished_seqs:
-        n = min(seq.num_uncomputed_tokens, budget)
-        if n > 0:
+    for seq in group.seqs:  # (not group.unfinished_seqs: this runs for every request)
+        n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+        if n > 0 and seq.finish_reason is None:
             plan.append((seq, n))
             budget -= n
     return plan

@@ -21,7 +21,7 @@ def snapshot(mgr):
     """Everything a refused operation must leave as it was."""
 
     def pool(a):
-        s = {"free": list(a._free), "refs": list(a._ref_counts)}
+        s = {"free": list(a._free), "refs": list(a.ref_counts)}
         if isinstance(a, PrefixCachingBlockAllocator):
             s.update(
                 evictable=list(a._evictable),

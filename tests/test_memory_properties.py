@@ -41,7 +41,7 @@ PROMPTS = st.builds(
 
 def snapshot(mgr):
     def pool(a):
-        s = [list(a._free), list(a._ref_counts)]
+        s = [list(a._free), list(a.ref_counts)]
         if isinstance(a, PrefixCachingBlockAllocator):
             s += [
                 list(a._evictable),

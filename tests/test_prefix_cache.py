@@ -19,7 +19,7 @@ def snapshot(mgr):
     return (
         mgr.stats(),
         list(gpu._free),
-        list(gpu._ref_counts),
+        list(gpu.ref_counts),
         list(gpu._evictable),
         dict(gpu._by_hash),
         dict(gpu._by_block),

@@ -35,7 +35,10 @@ class BlockAllocator:
         self.device = device
         # Popping from the end hands out low ids first, which makes pictures readable.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._ref_counts: list[int] = [0] * num_blocks
+        # Holders of each block.  Read it freely (`BlockTable` does, every decode step,
+        # where `ref_count`'s check would cost a tenth of the step); change it only
+        # through the methods.
+        self.ref_counts: list[int] = [0] * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -53,24 +56,24 @@ class BlockAllocator:
                 f"no free block left in the {self.device} pool of {self.num_blocks} blocks"
             )
         block = self._free.pop()
-        self._ref_counts[block] = 1
+        self.ref_counts[block] = 1
         return block
 
     def incref(self, block: int) -> None:
         """One more holder of an allocated block (a fork shares it)."""
         self._check_allocated(block, "incref")
-        self._ref_counts[block] += 1
+        self.ref_counts[block] += 1
 
     def free(self, block: int) -> None:
         """One holder lets go; the last one returns the block to the pool."""
         self._check_allocated(block, "free")
-        self._ref_counts[block] -= 1
-        if self._ref_counts[block] == 0:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
             self._release(block)
 
     def ref_count(self, block: int) -> int:
         self._check_id(block)
-        return self._ref_counts[block]
+        return self.ref_counts[block]
 
     def _release(self, block: int) -> None:
         """Where a block goes when nobody holds it (overridden by prefix caching)."""
@@ -85,7 +88,7 @@ class BlockAllocator:
 
     def _check_allocated(self, block: int, op: str) -> None:
         self._check_id(block)
-        if self._ref_counts[block] == 0:
+        if self.ref_counts[block] == 0:
             raise ValueError(
                 f"cannot {op} block {block}: it is not allocated "
                 f"(double free, or never allocated) in the {self.device} pool"

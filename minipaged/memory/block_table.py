@@ -104,7 +104,7 @@ class BlockTable:
         step: one token into a last block that has room and no other holder.  Returns
         its slot, or None (and changes nothing) when a new block or a copy is needed."""
         offset = len(self.token_ids) % self.block_size
-        if offset == 0 or self.allocator.ref_count(self.blocks[-1]) > 1:
+        if offset == 0 or self.allocator.ref_counts[self.blocks[-1]] > 1:
             return None
         self.token_ids.append(token_id)
         if offset == self.block_size - 1 and self._caching:

@@ -26,7 +26,7 @@ from .block_table import BlockCopy, BlockTable, blocks_for
 from .prefix_cache import PrefixCachingBlockAllocator
 
 
-@dataclass
+@dataclass(slots=True)
 class Allocation:
     """What the cache engine and the model runner need to run a sequence's new tokens."""
 

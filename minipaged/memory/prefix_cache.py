@@ -102,7 +102,7 @@ class PrefixCachingBlockAllocator(BlockAllocator):
             return super().allocate()
         block, _ = self._evictable.popitem(last=False)
         self._forget(self._by_block[block])
-        self._ref_counts[block] = 1
+        self.ref_counts[block] = 1
         return block
 
     def _release(self, block: int) -> None:
@@ -136,7 +136,7 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         if self._by_block.get(block) is not entry:
             raise ValueError(f"block {block} no longer holds cache entry {entry.entry_id}")
         self._evictable.pop(block, None)
-        self._ref_counts[block] += 1
+        self.ref_counts[block] += 1
 
     def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.num_query_tokens += num_query_tokens
