@@ -198,7 +198,7 @@ class LLMEngine:
             self.failed = update_failing_alone(self, sampling, logits)
         elif sampling:
             self._update(sampling, logits)
-        groups = dict.fromkeys(s.group for s in batch.seqs)
+        groups = dict.fromkeys([s.group for s in batch.seqs])
         outputs = self.output_processor.outputs(
             [g for g in groups if g.request_id not in self.failed]
         )

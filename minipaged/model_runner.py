@@ -56,6 +56,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             [slot for s in seqs for slot in s.slot_mapping],
+            validate=False,  # the scheduler's tables and counts
         )
         input_ids = int_tensor(
             [t for s in seqs for t in s.seq.token_ids[s.start : s.start + s.num_new_tokens]],

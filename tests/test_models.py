@@ -291,6 +291,9 @@ def test_metadata_splits_prefills_from_the_trailing_decodes():
     assert attn.decode_context_lens.tolist() == [9, 1] and attn.max_decode_context_len == 9
     assert attn.prefill_block_tables.dtype == attn.decode_context_lens.dtype == torch.int32
     assert token_positions([3, 0, 8, 0], [3, 2, 1, 1]).tolist() == [3, 4, 5, 0, 1, 8, 0]
+    # A step of decodes only (its own short path): one token each, at its cached count.
+    assert token_positions([3, 0, 8], [1, 1, 1]).tolist() == [3, 0, 8]
+    assert token_positions([3, 5], [0, 2]).tolist() == [5, 6]  # sum == count, not all 1
 
 
 def test_metadata_without_prefills_or_decodes_is_empty_on_that_side():

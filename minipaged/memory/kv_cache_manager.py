@@ -64,9 +64,10 @@ class KVCacheManager:
         return isinstance(self.gpu, PrefixCachingBlockAllocator)
 
     def _table(self, seq_id: str) -> BlockTable:
-        if seq_id not in self.tables:
-            raise ValueError(f"seq_id {seq_id!r} has no block table")
-        return self.tables[seq_id]
+        try:
+            return self.tables[seq_id]
+        except KeyError:
+            raise ValueError(f"seq_id {seq_id!r} has no block table") from None
 
     def block_table(self, seq_id: str) -> list[int]:
         return list(self._table(seq_id).blocks)
