@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from minipaged.memory.contiguous import POLICIES
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
 # The names of the memory simulation's systems (minipaged.memory.simulate.SYSTEMS).
@@ -57,8 +57,8 @@ class EngineConfig:
         max_num_batched_tokens: the most new tokens in one step; longer prompts are
             chunked.  None: ``max(2048, max_num_seqs)``.
         max_model_len: the longest sequence (prompt + output); None: the model's limit.
-        attention_backend: ``"auto"`` (the fastest available), ``"torch"``, ``"triton"``
-            or ``"cuda"``.
+        attention_backend: ``"auto"`` (the fastest available), ``"torch"``, ``"cpu"``
+            (a C++ kernel, built on first use), ``"triton"`` or ``"cuda"``.
         enforce_eager: run every decode step op by op; by default, on CUDA with the
             triton or cuda backend, decode steps replay CUDA graphs captured at start-up.
         seed: seeds the random stream of requests without a seed of their own.

@@ -76,11 +76,11 @@ def test_bandwidth_is_bytes_moved_over_time(cpu_run):
         )
 
 
-def test_cpu_times_torch_and_sdpa_and_notes_the_rest(cpu_run):
+def test_cpu_times_torch_cpp_and_sdpa_and_notes_the_rest(cpu_run):
     doc, stdout, _ = cpu_run
     for op in bench.OPS:
         timed = {r["backend"] for r in doc["results"] if r["op"] == op}
-        assert timed == {"torch", "sdpa-contiguous"}
+        assert timed == {"torch", "cpu", "sdpa-contiguous"}
     notes = "\n".join(doc["notes"])
     assert "skipped triton: on a CPU it runs only in Triton's interpreter" in notes
     assert "skipped triton-contiguous:" in notes

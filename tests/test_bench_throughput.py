@@ -81,6 +81,7 @@ def test_json_has_every_contract_field(cpu_run, tiny):
     assert doc["device"] and doc["torch"] == torch.__version__
     assert doc["command"] == f"minipaged {' '.join(CPU_ARGV)} --model {tiny} --json {path}"
     assert [r["system"] for r in doc["results"]] == [
+        "minipaged-cpu",
         "minipaged-torch",
         "hf-generate",
         "hf-generate-batch",
@@ -207,6 +208,7 @@ def test_overhead_probe_runs_every_sequence_with_the_model_stubbed(tiny):
 
 def test_available_systems_on_a_cpu_skip_interpreted_triton():
     assert bench.available_systems(torch.device("cpu")) == [
+        "minipaged-cpu",
         "minipaged-torch",
         "hf-generate",
         "hf-generate-batch",

@@ -221,12 +221,15 @@ def test_unsupported_rope_type_raises(tmp_path):
         load_model(path)
 
 
-def test_triton_backend_equals_torch(models):
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_backend_equals_torch(models, backend):
+    """Chunked prefills, prefix continuations and decodes (``SCHEDULE``) give the torch
+    backend's logits, which the tests above hold to HF's."""
     path, _, ours = models("llama")
-    triton = load_model(path, attention_backend="triton")
+    other = load_model(path, attention_backend=backend)
     sequences = {"A": random_tokens(17, seed=2), "B": random_tokens(13, seed=3)}
     expected = run_schedule(PagedRunner(ours, block_size=4), sequences)
-    actual = run_schedule(PagedRunner(triton, block_size=4), sequences)
+    actual = run_schedule(PagedRunner(other, block_size=4), sequences)
     for (*_, logits), (*_, reference) in zip(actual, expected):
         torch.testing.assert_close(logits, reference, **FP32)
 

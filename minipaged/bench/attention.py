@@ -60,6 +60,7 @@ DESCRIPTION = (
 OPS = ("decode", "prefill")
 BACKENDS = (
     "torch",
+    "cpu",
     "triton",
     "triton-contiguous",
     "cuda-v0",

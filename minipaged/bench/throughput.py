@@ -80,6 +80,7 @@ DESCRIPTION = (
 )
 SYSTEMS = (
     "minipaged-torch",
+    "minipaged-cpu",
     "minipaged-triton",
     "minipaged-cuda",
     "hf-generate",
@@ -240,7 +241,7 @@ def preset_model(preset: str, presets: dict | None = None) -> Path:
 def available_systems(device: torch.device) -> list[str]:
     """``minipaged-<backend>`` for every backend that really runs on ``device`` (on a
     CPU Triton would only be interpreted, so not there), then both HF baselines."""
-    backends = ["triton", "cuda", "torch"] if device.type == "cuda" else ["torch"]
+    backends = ["triton", "cuda", "torch"] if device.type == "cuda" else ["cpu", "torch"]
     return [f"minipaged-{b}" for b in backends if _backend_error(b, device) is None] + list(
         HF_SYSTEMS
     )

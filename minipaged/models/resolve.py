@@ -29,11 +29,12 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
-    """``"auto"``: the fastest backend that runs on ``device`` (Triton on a GPU, the
-    torch reference on a CPU, where Triton would only be interpreted)."""
+    """``"auto"``: the fastest backend that runs on ``device``: Triton on a GPU; on a CPU
+    the C++ kernel where it builds (Triton would only be interpreted), else the torch
+    reference."""
     if name != "auto":
         return name
-    candidates = ("triton", "cuda", "torch") if device.type == "cuda" else ("torch",)
+    candidates = ("triton", "cuda", "torch") if device.type == "cuda" else ("cpu", "torch")
     for candidate in candidates:
         try:
             get_backend(candidate, device)

@@ -41,7 +41,7 @@ __all__ = [
     "prefill_oracle",
 ]
 
-BACKENDS = ("torch", "triton", "cuda")
+BACKENDS = ("torch", "cpu", "triton", "cuda")
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -154,6 +154,14 @@ def get_backend(name: str, device: torch.device):
         except RuntimeError as error:
             raise BackendUnavailableError(str(error)) from None
         return triton_ops
+    if name == "cpu":
+        from minipaged.ops import cpu_ops  # the build waits for the first call
+
+        try:
+            cpu_ops.check_available(device)
+        except RuntimeError as error:
+            raise BackendUnavailableError(str(error)) from None
+        return cpu_ops
     if name == "cuda":
         from minipaged.ops import cuda_ops  # torch only: the build waits for the first call
 

@@ -33,6 +33,7 @@ KERNEL_SOURCES = (
     "paged_attention_v2.cu",
 )
 BINDING = "torch_binding.cpp"
+SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".cpp")  # what a build depends on
 # kernel<<<grid, block, shared_bytes, stream>>>(args  ->  ::emu::launch(kernel, ..., args
 LAUNCH = re.compile(r"(\w+)<<<(.*?)>>>\(")
 
@@ -44,6 +45,11 @@ def emulating() -> bool:
 
 def missing(device: torch.device) -> str | None:
     """Why the kernels cannot be built and run for ``device`` here, or ``None``."""
+    return _missing(device.type, emulating())
+
+
+@functools.cache  # asked by every layer of every step; looking runs `ninja --version`
+def _missing(device_type: str, emulated: bool) -> str | None:
     if not (KERNELS_DIR / BINDING).is_file():
         return (
             f"the 'cuda' attention backend compiles the sources in {KERNELS_DIR}, which "
@@ -53,7 +59,7 @@ def missing(device: torch.device) -> str | None:
 
     if not cpp_extension.is_ninja_available():
         return "the 'cuda' attention backend builds its kernels with ninja: pip install ninja"
-    if device.type == "cuda":
+    if device_type == "cuda":
         if torch.version.cuda is None:
             return "the 'cuda' attention backend needs a CUDA build of torch"
         if _nvcc() is None:
@@ -62,14 +68,14 @@ def missing(device: torch.device) -> str | None:
                 "needs nvcc: install the CUDA toolkit or set CUDA_HOME"
             )
         return None
-    if device.type == "cpu" and emulating():
+    if device_type == "cpu" and emulated:
         if _cuda_include() is None:
             return "the CUDA emulator needs the CUDA toolkit's headers (cuda_fp16.h): set CUDA_HOME"
         if shutil.which(os.environ.get("CXX", "c++")) is None:
             return "the CUDA emulator needs a C++ compiler (c++ on PATH, or CXX)"
         return None
     return (
-        f"the 'cuda' attention backend needs CUDA tensors (got {device.type}); on a CPU "
+        f"the 'cuda' attention backend needs CUDA tensors (got {device_type}); on a CPU "
         f"it runs in minipaged's emulator only if {EMULATE_ENV}=1"
     )
 
@@ -84,11 +90,8 @@ def _build(emulated: bool):
     from torch.utils import cpp_extension
 
     name = "minipaged_cuda_emulated" if emulated else "minipaged_cuda"
-    build_dir = CACHE_DIR / f"{name}-{_sources_hash()}"
-    for stale in CACHE_DIR.glob(f"{name}-*"):  # builds of sources since edited
-        if stale != build_dir:
-            shutil.rmtree(stale, ignore_errors=True)
-    build_dir.mkdir(parents=True, exist_ok=True)
+    sources = [p for p in sorted(KERNELS_DIR.glob("*")) if p.suffix in SOURCE_SUFFIXES]
+    build_dir = cached_build_dir(name, sources)
     print(
         f"minipaged: compiling the CUDA kernels{' for the CPU emulator' if emulated else ''}"
         f" (once; cached in {build_dir})",
@@ -128,12 +131,18 @@ def _emulated_sources(build_dir: Path) -> list[str]:
     return paths
 
 
-def _sources_hash() -> str:
+def cached_build_dir(name: str, sources: list[Path]) -> Path:
+    """The folder that caches extension ``name`` built from ``sources``, named after a
+    hash of their contents (created; builds of earlier versions of them removed)."""
     digest = hashlib.sha256()
-    for path in sorted(KERNELS_DIR.glob("*")):
-        if path.suffix in (".cu", ".cuh", ".h", ".cpp"):
-            digest.update(path.name.encode() + path.read_bytes())
-    return digest.hexdigest()[:12]
+    for path in sources:
+        digest.update(path.name.encode() + path.read_bytes())
+    build_dir = CACHE_DIR / f"{name}-{digest.hexdigest()[:12]}"
+    for stale in CACHE_DIR.glob(f"{name}-*"):  # builds of sources since edited
+        if stale != build_dir:
+            shutil.rmtree(stale, ignore_errors=True)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return build_dir
 
 
 def _cuda_homes() -> list[Path]:
