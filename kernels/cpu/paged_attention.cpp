@@ -13,7 +13,7 @@
 //
 // Built on first use by minipaged/ops/cpu_ops.py; checked against the contiguous
 // oracle by  pytest tests/test_ops_cpu.py ; timed by
-//   minipaged bench attention --device cpu --backends torch cpu
+//   minipaged bench attention --preset cpu --backends torch cpu
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>

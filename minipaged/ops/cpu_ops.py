@@ -97,7 +97,9 @@ def paged_attention_prefill(
 def _kernel():
     from torch.utils import cpp_extension
 
-    flags = ["-O3", "-fopenmp-simd"]  # vectorize the dot products' sums, no OpenMP runtime
+    # Vectorize the dot products' sums (-fopenmp-simd: the pragma, without OpenMP's
+    # runtime) over several partial sums at once (unrolled: a third faster).
+    flags = ["-O3", "-fopenmp-simd", "-funroll-loops", "-fvariable-expansion-in-unroller"]
     name = "minipaged_cpu"
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         # 8 floats an instruction instead of SSE2's 4, and fused multiply-adds; named in
