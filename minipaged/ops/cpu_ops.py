@@ -107,10 +107,11 @@ def _kernel():
         flags += ["-mavx2", "-mfma"]
         name += "_avx2"
     build_dir = cuda_build.cached_build_dir(name, [SOURCE])
-    print(
-        f"minipaged: compiling the CPU attention kernel (once; cached in {build_dir})",
-        file=sys.stderr,
-    )
+    if not (build_dir / f"{name}.so").exists():
+        print(
+            f"minipaged: compiling the CPU attention kernel (once; cached in {build_dir})",
+            file=sys.stderr,
+        )
     return cpp_extension.load(
         name, [str(SOURCE)], build_directory=str(build_dir), extra_cflags=flags
     )
