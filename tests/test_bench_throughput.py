@@ -298,3 +298,19 @@ def test_gpu_run_times_every_backend_and_both_baselines(tiny, tmp_path):
     assert rows["hf-generate"]["num_requests"] == 2
     assert rows["hf-generate-batch"]["num_requests"] == 8
     assert doc["engine_overhead_ms_per_step"] > 0
+
+
+def test_overhead_plot_stacks_bookkeeping_first_against_its_goal():
+    breakdown = {f"{p}_ms": 0.1 * (i + 1) for i, p in enumerate(bench.PHASES)}
+    bookkeeping = sum(breakdown[f"{p}_ms"] for p in bench.BOOKKEEPING)
+    row = {"system": "minipaged-cpu", "num_requests": 4, "output_tokens_per_s": 10.0}
+    fig = bench.plot_throughput([row], {"breakdown_ms": breakdown, "num_seqs": 256})
+    ax = fig.axes[1]
+    labels = [c.get_label() for c in ax.containers]
+    assert labels == [*bench.BOOKKEEPING, *(p for p in bench.PHASES if p not in bench.BOOKKEEPING)]
+    widths = [c.patches[0].get_width() for c in ax.containers]
+    assert widths == pytest.approx([breakdown[f"{p}_ms"] for p in labels])
+    # The last bookkeeping bar ends at the bookkeeping total, the figure's comparison.
+    last = ax.containers[len(bench.BOOKKEEPING) - 1].patches[0]
+    assert last.get_x() + last.get_width() == pytest.approx(bookkeeping)
+    assert ax.lines[0].get_xdata()[0] == bench.OVERHEAD_GOAL_MS

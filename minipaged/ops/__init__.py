@@ -154,22 +154,15 @@ def get_backend(name: str, device: torch.device):
         except RuntimeError as error:
             raise BackendUnavailableError(str(error)) from None
         return triton_ops
-    if name == "cpu":
-        from minipaged.ops import cpu_ops  # the build waits for the first call
-
+    if name in ("cpu", "cuda"):
+        # torch only: their C++ is built when check_available (cpu) or the first call
+        # (cuda) needs it.
+        impl = importlib.import_module(f"minipaged.ops.{name}_ops")
         try:
-            cpu_ops.check_available(device)
+            impl.check_available(device)
         except RuntimeError as error:
             raise BackendUnavailableError(str(error)) from None
-        return cpu_ops
-    if name == "cuda":
-        from minipaged.ops import cuda_ops  # torch only: the build waits for the first call
-
-        try:
-            cuda_ops.check_available(device)
-        except RuntimeError as error:
-            raise BackendUnavailableError(str(error)) from None
-        return cuda_ops
+        return impl
     raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
 
 
