@@ -95,8 +95,13 @@ void attend(const scalar_t* query, const scalar_t* key_cache, const scalar_t* va
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache,
                               torch::Tensor value_cache, torch::Tensor block_tables,
                               torch::Tensor row_table, torch::Tensor row_len, double scale) {
+  // The pool is indexed as one contiguous array; the small tensors are made so.
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "the CPU kernel reads contiguous key and value caches");
   query = query.contiguous();
   block_tables = block_tables.contiguous();
+  row_table = row_table.contiguous();
+  row_len = row_len.contiguous();
   auto out = torch::empty_like(query);
   const int64_t rows = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
