@@ -17,8 +17,6 @@ table and how many of its positions it sees.  ``write_kv`` is the torch backend'
 from __future__ import annotations
 
 import functools
-import os
-import shutil
 import sys
 
 import torch
@@ -52,7 +50,7 @@ def _unavailable() -> str | None:
 
     if not cpp_extension.is_ninja_available():
         return "the 'cpu' attention backend builds its kernel with ninja: pip install ninja"
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
+    if not cuda_build.has_cxx():
         return "the 'cpu' attention backend needs a C++ compiler (c++ on PATH, or CXX)"
     try:
         _kernel()

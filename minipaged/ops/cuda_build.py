@@ -71,13 +71,18 @@ def _missing(device_type: str, emulated: bool) -> str | None:
     if device_type == "cpu" and emulated:
         if _cuda_include() is None:
             return "the CUDA emulator needs the CUDA toolkit's headers (cuda_fp16.h): set CUDA_HOME"
-        if shutil.which(os.environ.get("CXX", "c++")) is None:
+        if not has_cxx():
             return "the CUDA emulator needs a C++ compiler (c++ on PATH, or CXX)"
         return None
     return (
         f"the 'cuda' attention backend needs CUDA tensors (got {device_type}); on a CPU "
         f"it runs in minipaged's emulator only if {EMULATE_ENV}=1"
     )
+
+
+def has_cxx() -> bool:
+    """Whether the host C++ compiler torch's extension builds use is here (CXX, or c++)."""
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
 def load(device: torch.device):
