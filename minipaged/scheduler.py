@@ -46,6 +46,25 @@ from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.trace import Trace
 
 
+def make_scheduler(
+    kv: KVCacheManager,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    preemption_mode: str = "recompute",
+    trace: Trace | None = None,
+    memory_mode: str = "paged",
+    max_model_len: int | None = None,
+) -> Scheduler:
+    """The scheduler of ``memory_mode``: vLLM's paged one, or Orca's contiguous baseline
+    (`minipaged.contiguous_scheduler`, a subclass, so imported only when asked for)."""
+    args = (kv, max_num_seqs, max_num_batched_tokens, preemption_mode, trace, max_model_len)
+    if memory_mode == "paged":
+        return Scheduler(*args)
+    from minipaged.contiguous_scheduler import ContiguousScheduler  # noqa: PLC0415
+
+    return ContiguousScheduler(*args, memory_mode=memory_mode)
+
+
 class Scheduler:
     """Queues of requests over a `KVCacheManager`; `schedule()` once per engine step.
 
@@ -71,7 +90,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
         self.trace = trace or Trace()
-        # Each queue is kept in arrival order, oldest first.
+        # Every request from `add` until it retires or is aborted, by id; each is in
+        # exactly one queue, kept in arrival order, oldest first.
+        self.requests: dict[str, SequenceGroup] = {}
         self.waiting: list[SequenceGroup] = []
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
@@ -79,6 +100,7 @@ class Scheduler:
 
     # -- the queues -------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
+        self.requests[group.request_id] = group
         _insert(self.waiting, group, SequenceStatus.WAITING)
         self.trace.record("arrive", group.request_id, num_prompt_tokens=len(group.prompt_token_ids))
 
@@ -87,19 +109,29 @@ class Scheduler:
 
     def abort(self, request_id: str) -> SequenceGroup | None:
         """Drop a request wherever it is and free its blocks; None if it is not here."""
-        for queue in (self.waiting, self.running, self.swapped):
-            for group in queue:
-                if group.request_id == request_id:
-                    queue.remove(group)
-                    self._release(group, "abort")
-                    self.trace.record("abort", request_id)
-                    return group
-        return None
+        group = self.requests.pop(request_id, None)
+        if group is None:
+            return None
+        self._queue(group.status).remove(group)
+        self._release(group, "abort")
+        group.status = SequenceStatus.FINISHED
+        self.trace.record("abort", request_id)
+        return group
 
     def retire(self, group: SequenceGroup) -> None:
         """Take a finished request off the running queue (its blocks are already free)."""
+        del self.requests[group.request_id]
         self.running.remove(group)
+        group.status = SequenceStatus.FINISHED
         self.trace.record("finish", group.request_id)
+
+    def _queue(self, status: SequenceStatus) -> list[SequenceGroup]:
+        queues = {
+            SequenceStatus.WAITING: self.waiting,
+            SequenceStatus.RUNNING: self.running,
+            SequenceStatus.SWAPPED: self.swapped,
+        }
+        return queues[status]
 
     def append_token(
         self, group: SequenceGroup, seq: Sequence, token_id: int, logprob: float
@@ -111,15 +143,7 @@ class Scheduler:
 
     def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         """A new sequence sharing all of ``parent``'s blocks, copy-on-write (§4.4)."""
-        child = Sequence(
-            group.new_seq_id(),
-            list(parent.token_ids),
-            parent.prompt_len,
-            index=len(group.seqs),
-            num_computed_tokens=parent.num_computed_tokens,
-            cumulative_logprob=parent.cumulative_logprob,
-            logprobs=None if parent.logprobs is None else list(parent.logprobs),
-        )
+        child = parent.fork(group.new_seq_id(), index=len(group.seqs))
         self.kv.fork(parent.seq_id, child.seq_id)
         group.seqs.append(child)
         self.trace.record(
