@@ -54,7 +54,7 @@ class ContiguousScheduler(Scheduler):
         )
         self.memory_mode = memory_mode
         self.reservations = ContiguousReservations(
-            memory_mode.removeprefix("contiguous-"), kv.gpu.num_blocks, kv.block_size, max_model_len
+            memory_mode.removeprefix("contiguous-"), kv.num_gpu_blocks, kv.block_size, max_model_len
         )
 
     def check_fits(self, prompt_len: int, params: SamplingParams | BeamSearchParams) -> None:
@@ -63,7 +63,7 @@ class ContiguousScheduler(Scheduler):
         super().check_fits(prompt_len, params)
         name, width = width_of(params)
         slots = self.reservations.num_slots(prompt_len, params.max_tokens, width)
-        pool = self.kv.gpu.num_blocks * self.kv.block_size
+        pool = self.kv.num_gpu_blocks * self.kv.block_size
         if slots > pool:
             raise ValueError(
                 f"memory_mode={self.memory_mode!r} reserves {slots} KV "

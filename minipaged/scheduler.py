@@ -35,7 +35,6 @@ Standard library only.
 from __future__ import annotations
 
 import bisect
-from collections import Counter
 
 from minipaged.batch import ScheduledSeq, SchedulerOutput
 from minipaged.config import PREEMPTION_MODES
@@ -176,10 +175,10 @@ class Scheduler:
         if self.max_model_len is not None:
             longest = min(longest, self.max_model_len)
         needed = width * blocks_for(longest, self.kv.block_size)
-        if needed > self.kv.gpu.num_blocks:
+        if needed > self.kv.num_gpu_blocks:
             raise ValueError(
                 f"max_tokens={params.max_tokens} with {name}={width} may need "
-                f"{needed} KV blocks, more than the pool's {self.kv.gpu.num_blocks}"
+                f"{needed} KV blocks, more than the pool's {self.kv.num_gpu_blocks}"
                 " (num_gpu_blocks)"
             )
 
@@ -328,46 +327,27 @@ class Scheduler:
     def _release(self, group: SequenceGroup, finish_reason: str | None) -> None:
         """Free every block the request holds; with a reason, its sequences end too."""
         for seq in group.unfinished_seqs:
-            if seq.seq_id in self.kv.tables:
+            if self.kv.has_block_table(seq.seq_id):
                 self.free_seq(group, seq)
             seq.num_computed_tokens = 0
             seq.finish_reason = finish_reason
 
     def _roomy(self, queue: list[SequenceGroup], budget: int) -> bool:
-        """Can every running sequence take its next tokens, whatever they are?  Each
-        needs at most one block for its first token (see `_fits`) and one more block per
-        ``block_size`` tokens after it: at most two blocks a sequence plus the budget's
-        worth.  True on most steps, which then skip checking request by request."""
-        num_seqs = sum(len(group.seqs) for group in queue)
-        return 2 * num_seqs + blocks_for(budget, self.kv.block_size) <= self.kv.gpu.num_free_blocks
+        """Can every running sequence take its next tokens, whatever they are?  True on
+        most steps, which then skip checking request by request."""
+        return self.kv.can_append_any(sum(len(group.seqs) for group in queue), budget)
 
     def _fits(self, plan: list[tuple[Sequence, int]]) -> bool:
         """Can the GPU pool take every sequence's next tokens?"""
-        free = self.kv.gpu.num_free_blocks
-        # A cheap upper bound settles most steps: n tokens take at most one block for
-        # the first (a fresh one, or a copy of a shared last block) and blocks_for(n - 1)
-        # fresh blocks for the rest.
-        if len(plan) + sum(blocks_for(n - 1, self.kv.block_size) for _, n in plan) <= free:
-            return True
-        need = sum(self.kv.blocks_to_append(seq.seq_id, n) for seq, n in plan)
-        # Each sharer of a partial last block counts a copy, but the last one to write
-        # keeps the block: one copy fewer per block only this plan's sequences hold.
-        lasts = Counter(
-            self.kv.block_table(seq.seq_id)[-1]
-            for seq, _ in plan
-            if self.kv.num_tokens(seq.seq_id) % self.kv.block_size
-        )
-        need -= sum(k > 1 and self.kv.gpu.ref_count(b) == k for b, k in lasts.items())
-        return need <= free
+        return self.kv.can_append_all([(seq.seq_id, n) for seq, n in plan])
 
     def _can_admit(self, group: SequenceGroup, budget: int) -> bool:
         """Can every sequence of a waiting request get its first chunk's tokens and
         blocks now?"""
         plan = self._admission_plan(group.unfinished_seqs, budget)
-        return plan is not None and self._blocks_to_allocate(plan) <= self.kv.gpu.num_free_blocks
-
-    def _blocks_to_allocate(self, plan: list[tuple[Sequence, int]]) -> int:
-        return sum(self.kv.blocks_to_allocate(seq.token_ids, n) for seq, n in plan)
+        return plan is not None and self.kv.can_allocate_all(
+            [(seq.token_ids, n) for seq, n in plan]
+        )
 
     def _admission_plan(self, seqs: list[Sequence], budget: int):
         """First-chunk sizes for a waiting request's sequences, or None if the token
