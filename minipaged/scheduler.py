@@ -23,7 +23,14 @@ prefill*).  One `schedule()` call, first come first served:
 
 The paper's baseline, Orca's contiguous reservations (``memory_mode`` other than
 ``"paged"``), is a subclass with one more admission rule
-(`minipaged.contiguous_scheduler`).
+(`minipaged.contiguous_scheduler`); `make_scheduler` gives an engine the one its
+``memory_mode`` asks for.
+
+The scheduler holds every request from `add` until it retires or is aborted
+(``requests``, by id), and the update phase changes memory only through it (`fork`,
+`append_token`, `free_seq`, `retire`), so the event trace sees every block operation.
+Whether tokens fit, it asks the KV cache manager (`can_append_any`, `can_append_all`,
+`can_allocate_all`), never the allocator under it.
 
 The scheduler decides; it does not touch tensors.  Its output lists the sequences to run
 and the block operations the cache engine must execute first (swap out, swap in,

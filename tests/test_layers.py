@@ -163,3 +163,19 @@ def test_serving_on_one_device_loads_no_multi_process_code():
         GROUP_OBJECT,
         "minipaged.distributed.layers",  # what the models are built from
     }
+
+
+# -- the walk through one request ------------------------------------------------------
+def test_the_request_walk_visits_each_file_once_and_counts_them():
+    """docs/architecture.md follows one request file by file: no file named twice, each
+    one real, and the number it states is the number it names."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    walk = text.split("## One request, file by file", 1)[1].split("\n## ", 1)[0]
+    files = re.findall(r"`([\w/]+\.(?:py|cpp|cu))`", walk)
+    twice = sorted({f for f in files if files.count(f) > 1})
+    assert not twice, f"visited twice: {twice}"
+    missing = [
+        f for f in files if not (ROOT / "minipaged" / f).exists() and not (ROOT / f).exists()
+    ]
+    assert not missing, f"no such files: {missing}"
+    assert f"{len(files)} files, none visited twice" in " ".join(walk.split())
