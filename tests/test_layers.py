@@ -57,13 +57,21 @@ def layer_of(module: str, layers: list[list[str]]) -> int:
     return max(matches)[1]
 
 
-def package_imports() -> dict[str, set[str]]:
-    """Each module of the package -> the minipaged modules it imports."""
-    imports = {}
+def package_modules() -> dict[str, Path]:
+    """Each module of the package (a package by its own name) -> its file."""
+    modules = {}
     for path in sorted((ROOT / "minipaged").rglob("*.py")):
         parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if path.name == "__init__.py" else parts)] = path
+    return modules
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Each module of the package -> the minipaged modules it imports, anywhere in it
+    (``from minipaged.bench import common`` imports ``minipaged.bench.common``)."""
+    modules, imports = package_modules(), {}
+    for module, path in modules.items():
         package = path.name == "__init__.py"
-        module = ".".join(parts[:-1] if package else parts)
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
@@ -75,6 +83,11 @@ def package_imports() -> dict[str, set[str]]:
                     else node.module
                 )
                 found.add(name)
+                found.update(
+                    f"{name}.{alias.name}"
+                    for alias in node.names
+                    if f"{name}.{alias.name}" in modules
+                )
             elif isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names)
         imports[module] = {name for name in found if name.split(".")[0] == "minipaged"}
@@ -104,3 +117,57 @@ def test_the_checker_orders_layers():
     layers = documented_layers()
     assert layer_of("minipaged.engine", layers) < layer_of("minipaged.memory.allocator", layers)
     assert layer_of("minipaged.bench.common", layers) < layer_of("minipaged.models.tiny", layers)
+
+
+# -- rules of their own -----------------------------------------------------------------
+def test_the_commands_and_the_demo_import_no_benchmark():
+    """The benchmarks are a library of experiments beside the ``minipaged`` commands: the
+    flags both use live below them (`minipaged.arg_utils`), so ``minipaged generate``
+    and ``make demo`` load nothing of ``minipaged.bench``."""
+    interface = ("minipaged.cli", "minipaged.commands", "minipaged.demo", "minipaged.__main__")
+    wrong = [
+        f"{module} -> {name}"
+        for module, imported in package_imports().items()
+        if module.startswith(interface)
+        for name in imported
+        if name == "minipaged.bench" or name.startswith("minipaged.bench.")
+    ]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` (module -> the modules it imports), as the modules along it
+    with the first repeated at the end, or None."""
+    done, path = set(), []
+
+    def visit(module: str) -> list[str] | None:
+        if module in path:
+            return path[path.index(module) :] + [module]
+        if module in done:
+            return None
+        path.append(module)
+        for name in sorted(graph.get(module, ())):
+            if cycle := visit(name):
+                return cycle
+        path.pop()
+        done.add(module)
+        return None
+
+    return next((c for m in sorted(graph) if (c := visit(m))), None)
+
+
+def test_the_benchmarks_import_each_other_without_a_cycle():
+    """A module of ``minipaged.bench`` is a library (presets, HF baselines, the overhead
+    probe, results) or an experiment on top of them, never both ways round."""
+    bench = {
+        module: {n for n in imported if n.startswith("minipaged.bench.")}
+        for module, imported in package_imports().items()
+        if module.startswith("minipaged.bench.")
+    }
+    assert import_cycle(bench) is None, " -> ".join(import_cycle(bench))
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycle(graph) == ["a", "b", "c", "a"]
+    assert import_cycle({"a": {"b"}, "b": set()}) is None
