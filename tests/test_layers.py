@@ -171,3 +171,37 @@ def test_the_cycle_finder_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_cycle(graph) == ["a", "b", "c", "a"]
     assert import_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# -- tests/README.md maps every module to its tests ------------------------------------
+def readme_rows() -> list[tuple[list[str], list[str]]]:
+    """The rows of tests/README.md's table: (modules under minipaged/, test files)."""
+    text = (ROOT / "tests" / "README.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    cells = [row.split(" | ")[:2] for row in rows]
+    return [(re.findall(r"`([\w/]+\.py)`", m), re.findall(r"`(\w+\.py)`", t)) for m, t in cells]
+
+
+def defines_code(path: Path) -> bool:
+    """Whether a module defines a function or class (a package's lazy ``__getattr__``,
+    PEP 562, aside): a package that only gathers names needs no row of its own."""
+    return any(
+        isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name != "__getattr__"
+        for node in ast.parse(path.read_text()).body
+    )
+
+
+def test_every_module_has_a_row_in_the_test_map():
+    rows = readme_rows()
+    mapped = {module for modules, _ in rows for module in modules}
+    package = ROOT / "minipaged"
+    missing = [
+        str(path.relative_to(package))
+        for path in sorted(package.rglob("*.py"))
+        if defines_code(path) and str(path.relative_to(package)) not in mapped
+    ]
+    assert not missing, f"modules without a row in tests/README.md: {missing}"
+    gone = [m for m in mapped if not (package / m).is_file()]
+    gone += [t for _, tests in rows for t in tests if not (ROOT / "tests" / t).is_file()]
+    assert not gone, f"tests/README.md names files that are not there: {gone}"
+    assert all(tests for _, tests in rows), "a row of tests/README.md names no test file"
