@@ -29,97 +29,29 @@ def test_memory_layer_needs_nothing_but_the_standard_library():
     assert third_party == set(), f"the memory layer pulled in {sorted(third_party)}"
 
 
-# -- every import points down the layers docs/architecture.md lists --------------------
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def documented_layers() -> list[list[str]]:
-    """The modules of each numbered layer of docs/architecture.md, top layer first."""
-    text = (ROOT / "docs" / "architecture.md").read_text()
-    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
-    items = re.split(r"\n(?=\d+\. \*\*)", section)
-    return [
-        re.findall(r"`(minipaged\.[\w.]+)`", item.split("\n\n")[0])
-        for item in items
-        if re.match(r"\d+\. \*\*", item)
-    ]
-
-
-def layer_of(module: str, layers: list[list[str]]) -> int:
-    """The layer (0 = top) of the longest documented name that ``module`` is or is in."""
-    matches = [
-        (len(name), i)
-        for i, names in enumerate(layers)
-        for name in names
-        if module == name or module.startswith(name + ".")
-    ]
-    assert matches, f"{module} is in no layer of docs/architecture.md"
-    return max(matches)[1]
-
-
-def package_modules() -> dict[str, Path]:
-    """Each module of the package (a package by its own name) -> its file."""
-    modules = {}
-    for path in sorted((ROOT / "minipaged").rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        modules[".".join(parts[:-1] if path.name == "__init__.py" else parts)] = path
-    return modules
-
-
-def package_imports() -> dict[str, set[str]]:
-    """Each module of the package -> the minipaged modules it imports, anywhere in it
-    (``from minipaged.bench import common`` imports ``minipaged.bench.common``)."""
-    modules, imports = package_modules(), {}
+# -- rules of their own -----------------------------------------------------------------
+def submodule_imports(package: str) -> dict[str, set[str]]:
+    """Each module under ``package`` -> the modules under it that it imports, anywhere in
+    it (``from minipaged.bench import common`` imports ``minipaged.bench.common``)."""
+    root = ROOT / Path(*package.split("."))
+    modules = {
+        ".".join((package, *p.relative_to(root).with_suffix("").parts)): p
+        for p in sorted(root.rglob("*.py"))
+        if p.name != "__init__.py"
+    }
+    imports = {}
     for module, path in modules.items():
-        package = path.name == "__init__.py"
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                base = (module if package else module.rsplit(".", 1)[0]).split(".")
-                base = base[: len(base) - node.level + 1] if node.level else []
-                name = (
-                    ".".join(base + [node.module] if node.module else base)
-                    if node.level
-                    else node.module
-                )
-                found.add(name)
-                found.update(
-                    f"{name}.{alias.name}"
-                    for alias in node.names
-                    if f"{name}.{alias.name}" in modules
-                )
+            if isinstance(node, ast.ImportFrom) and node.module in (package, *modules):
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
             elif isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names)
-        imports[module] = {name for name in found if name.split(".")[0] == "minipaged"}
+        imports[module] = found & modules.keys()
     return imports
 
 
-def test_the_layers_are_documented_top_down():
-    layers = documented_layers()
-    assert len(layers) == 10 and layers[0][0] == "minipaged.cli"
-    assert layers[-1] == ["minipaged.memory", "minipaged.workloads"]
-
-
-def test_every_import_points_down_the_layers():
-    layers = documented_layers()
-    upward = []
-    for module, imported in package_imports().items():
-        if module in ("minipaged", "minipaged.distributed"):  # the packages' own faces
-            continue
-        for name in imported:
-            if name != "minipaged" and layer_of(name, layers) < layer_of(module, layers):
-                upward.append(f"{module} -> {name}")
-    assert not upward, "imports pointing up the layers:\n" + "\n".join(sorted(upward))
-
-
-def test_the_checker_orders_layers():
-    """An import of the engine from the memory layer would count as pointing up."""
-    layers = documented_layers()
-    assert layer_of("minipaged.engine", layers) < layer_of("minipaged.memory.allocator", layers)
-    assert layer_of("minipaged.bench.common", layers) < layer_of("minipaged.models.tiny", layers)
-
-
-# -- rules of their own -----------------------------------------------------------------
 def test_the_commands_and_the_demo_import_no_benchmark():
     """The benchmarks are a library of experiments beside the ``minipaged`` commands: the
     flags both use live below them (`minipaged.arg_utils`), so ``minipaged generate``
@@ -159,11 +91,8 @@ def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_benchmarks_import_each_other_without_a_cycle():
     """A module of ``minipaged.bench`` is a library (presets, HF baselines, the overhead
     probe, results) or an experiment on top of them, never both ways round."""
-    bench = {
-        module: {n for n in imported if n.startswith("minipaged.bench.")}
-        for module, imported in package_imports().items()
-        if module.startswith("minipaged.bench.")
-    }
+    bench = submodule_imports("minipaged.bench")
+    assert "minipaged.bench.presets" in bench["minipaged.bench.args"]  # the finder finds
     assert import_cycle(bench) is None, " -> ".join(import_cycle(bench))
 
 
@@ -205,3 +134,80 @@ def test_every_module_has_a_row_in_the_test_map():
     gone += [t for _, tests in rows for t in tests if not (ROOT / "tests" / t).is_file()]
     assert not gone, f"tests/README.md names files that are not there: {gone}"
     assert all(tests for _, tests in rows), "a row of tests/README.md names no test file"
+
+
+# -- every import points down the layers docs/architecture.md lists --------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def documented_layers() -> list[list[str]]:
+    """The modules of each numbered layer of docs/architecture.md, top layer first."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    items = re.split(r"\n(?=\d+\. \*\*)", section)
+    return [
+        re.findall(r"`(minipaged\.[\w.]+)`", item.split("\n\n")[0])
+        for item in items
+        if re.match(r"\d+\. \*\*", item)
+    ]
+
+
+def layer_of(module: str, layers: list[list[str]]) -> int:
+    """The layer (0 = top) of the longest documented name that ``module`` is or is in."""
+    matches = [
+        (len(name), i)
+        for i, names in enumerate(layers)
+        for name in names
+        if module == name or module.startswith(name + ".")
+    ]
+    assert matches, f"{module} is in no layer of docs/architecture.md"
+    return max(matches)[1]
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Each module of the package -> the minipaged modules it imports."""
+    imports = {}
+    for path in sorted((ROOT / "minipaged").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        package = path.name == "__init__.py"
+        module = ".".join(parts[:-1] if package else parts)
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = (module if package else module.rsplit(".", 1)[0]).split(".")
+                base = base[: len(base) - node.level + 1] if node.level else []
+                name = (
+                    ".".join(base + [node.module] if node.module else base)
+                    if node.level
+                    else node.module
+                )
+                found.add(name)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        imports[module] = {name for name in found if name.split(".")[0] == "minipaged"}
+    return imports
+
+
+def test_the_layers_are_documented_top_down():
+    layers = documented_layers()
+    assert len(layers) == 10 and layers[0][0] == "minipaged.cli"
+    assert layers[-1] == ["minipaged.memory", "minipaged.workloads"]
+
+
+def test_every_import_points_down_the_layers():
+    layers = documented_layers()
+    upward = []
+    for module, imported in package_imports().items():
+        if module in ("minipaged", "minipaged.distributed"):  # the packages' own faces
+            continue
+        for name in imported:
+            if name != "minipaged" and layer_of(name, layers) < layer_of(module, layers):
+                upward.append(f"{module} -> {name}")
+    assert not upward, "imports pointing up the layers:\n" + "\n".join(sorted(upward))
+
+
+def test_the_checker_orders_layers():
+    """An import of the engine from the memory layer would count as pointing up."""
+    layers = documented_layers()
+    assert layer_of("minipaged.engine", layers) < layer_of("minipaged.memory.allocator", layers)
+    assert layer_of("minipaged.bench.common", layers) < layer_of("minipaged.models.tiny", layers)
