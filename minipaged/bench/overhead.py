@@ -203,6 +203,7 @@ def _phase_breakdown(engine, num_steps: int) -> dict[str, float]:
 
 
 def format_overhead(overhead: dict) -> str:
+    """`measure_engine_overhead`'s result in two lines: the total and where it goes."""
     parts = "  ".join(
         f"{k.removesuffix('_ms')} {v:.2f}" for k, v in overhead["breakdown_ms"].items()
     )
