@@ -129,7 +129,10 @@ def test_every_module_has_a_row_in_the_test_map():
         for path in sorted(package.rglob("*.py"))
         if defines_code(path) and str(path.relative_to(package)) not in mapped
     ]
-    assert not missing, f"modules without a row in tests/README.md: {missing}"
+    assert not missing, (
+        f"modules without a row in tests/README.md's table: {missing}; add one naming "
+        "the test file that checks each (and the oracle it checks against)"
+    )
     gone = [m for m in mapped if not (package / m).is_file()]
     gone += [t for _, tests in rows for t in tests if not (ROOT / "tests" / t).is_file()]
     assert not gone, f"tests/README.md names files that are not there: {gone}"
