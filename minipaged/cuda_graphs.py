@@ -42,11 +42,12 @@ def uses_decode_graphs(
 ) -> bool:
     """On CUDA, unless ``enforce_eager``: with the kernel backends (the torch
     reference's data-dependent shapes cannot be captured) and without a sliding
-    window (its check reads the positions on the host)."""
+    window (its check reads the positions on the host), and without LoRA."""
     return (
         device.type == "cuda"
         and not config.enforce_eager
         and config.tensor_parallel_size == 1  # collectives are not captured
+        and not config.enable_lora  # the LoRA segments are read on the host
         and attention_backend in ("triton", "cuda")
         and sliding_window(model_config) is None
     )

@@ -65,6 +65,7 @@ class Executor:
 
     def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
         self.cache_engine.execute(batch)
+        self.runner.activate_loras(batch.lora_loads)
         return self.runner.execute(batch.seqs, self.cache_engine.gpu_cache)
 
 
@@ -109,7 +110,14 @@ def start_workers(
         raise ValueError(
             f"tensor_parallel_size={size} needs {size} GPUs, torch sees {torch.cuda.device_count()}"
         )
-    return WorkerGroup.start(size, path, config.dtype, device, attention_backend, config.block_size)
+    lora = (
+        (config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+        if config.enable_lora
+        else None
+    )
+    return WorkerGroup.start(
+        size, path, config.dtype, device, attention_backend, config.block_size, lora
+    )
 
 
 def kv_memory_budget(
@@ -174,6 +182,7 @@ class WorkerGroup:
         device: torch.device,
         attention_backend: str,
         block_size: int,
+        lora: tuple[int, int, int] | None = None,
     ) -> WorkerGroup:
         """Spawn ``size - 1`` workers and form the group with them (this process is rank 0)."""
         # Not fork: a forked child of a process whose torch (or CUDA) started threads
@@ -182,7 +191,9 @@ class WorkerGroup:
         # On a CPU the ranks share its cores: as many threads each as leave none idle
         # and none fighting (OpenMP threads that compete for a core wait on each other).
         num_threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else 1
-        args = WorkerArgs(str(path), dtype, device.type, attention_backend, block_size, num_threads)
+        args = WorkerArgs(
+            str(path), dtype, device.type, attention_backend, block_size, num_threads, lora
+        )
         port, processes, conns = free_port(), [], []
         for rank in range(1, size):
             ours, theirs = context.Pipe()
