@@ -64,7 +64,7 @@ class ModelRunner:
         starts = [s.start for s in seqs]
         counts = [s.num_new_tokens for s in seqs]
         if self.lora is not None:
-            self.lora.batch.set([s.lora_slot for s in seqs], counts, self.device)
+            self.lora.batch.set([s.lora_slot for s in seqs], counts)
         attn = AttentionMetadata.build(
             [s.block_table for s in seqs],
             starts,

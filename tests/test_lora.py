@@ -23,6 +23,7 @@ from engine_helpers import as_inputs, assert_all_blocks_free, make_llm, random_p
 from lora_helpers import PeftOracle, make_adapter
 from minipaged import SamplingParams
 from minipaged.lora_request import LoRARequest
+from minipaged.memory import KVCacheManager, prefix_cache
 from minipaged.memory.lora_slots import LoRASlots
 from minipaged.models.lora import read_adapter
 from minipaged.ops.punica import bgmv, sgmv
@@ -286,3 +287,13 @@ def test_smollm2_with_adapters_equals_peft(smollm2, tmp_path):
     prompts = [tokenizer.encode(t) for t in ("The capital of France is", "def add(a, b):")] * 3
     names = ["a", "b", None, "b", "a", None]
     assert run(llm, requests, names, prompts) == expected(oracles, names, prompts)
+
+
+def test_the_prefix_cache_keeps_adapters_apart_when_hashes_collide(monkeypatch):
+    """Blocks are told apart by their extra key itself, not only by its hash."""
+    monkeypatch.setattr(prefix_cache, "hash_block", lambda parent_hash, tokens: 0)
+    kv = KVCacheManager(8, 2, enable_prefix_caching=True)
+    prompt = [1, 2, 3, 4, 5]
+    kv.allocate("a", prompt, extra_key=1)
+    assert kv.num_cached_tokens(prompt, 1) > 0
+    assert kv.num_cached_tokens(prompt, 2) == kv.num_cached_tokens(prompt) == 0

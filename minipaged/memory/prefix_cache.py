@@ -61,8 +61,13 @@ class BlockIdentity:
     entry_id: int | None
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_key=None) -> int:
-    return hash((parent_hash, token_ids, extra_key))
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+def root_hash(extra_key) -> int | None:
+    """The "parent hash" of a prompt's first block: None, or its extra key's hash."""
+    return None if extra_key is None else hash(("extra_key", extra_key))
 
 
 class PrefixCachingBlockAllocator(BlockAllocator):
@@ -125,10 +130,10 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         """
         bs = self.block_size
         matched: list[CachedBlock] = []
-        parent_hash, parent_id = None, ROOT_ID
+        parent_hash, parent_id = root_hash(extra_key), ROOT_ID
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            entry = self._by_hash.get(hash_block(parent_hash, tokens, extra_key))
+            entry = self._by_hash.get(hash_block(parent_hash, tokens))
             if (
                 entry is None
                 or entry.token_ids != tokens
@@ -166,9 +171,9 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         for the first); ``extra_key`` its request's (see `match_prefix`).  Returns the
         identity the block table should remember.
         """
-        parent_hash = parent.block_hash if parent else None
+        parent_hash = parent.block_hash if parent else root_hash(extra_key)
         parent_id = parent.entry_id if parent else ROOT_ID
-        block_hash = hash_block(parent_hash, token_ids, extra_key)
+        block_hash = hash_block(parent_hash, token_ids)
         if parent_id is None:  # the prefix before this block is uncacheable
             return BlockIdentity(block_hash, None)
         existing = self._by_hash.get(block_hash)

@@ -9,7 +9,7 @@ o, gate, up and down may carry one, from a directory in PEFT's format
 Serving many adapters (Punica, S-LoRA): each projection of the model is wrapped
 (`ColumnParallelLinearWithLoRA`, `RowParallelLinearWithLoRA`) with room for
 ``max_loras`` adapters stacked in *slots*; a step's tokens each name their slot (-1:
-the base model) and `minipaged.ops.punica` adds every token's term in one pass.  Which
+the base model) and `minipaged.ops.punica` adds every token's term (SGMV).  Which
 adapter sits in which slot is the scheduler's decision (`minipaged.memory.lora_slots`);
 `LoRAModelManager` carries it out, reading adapters from disk into an LRU of
 ``max_cpu_loras`` in host memory first.
@@ -39,7 +39,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from minipaged.distributed.layers import ColumnParallelLinear, RowParallelLinear
-from minipaged.ops.punica import bgmv, sgmv
+from minipaged.ops.punica import sgmv
 
 __all__ = [
     "LORA_MODULES",
@@ -76,9 +76,6 @@ _REFUSED = {
     "rank_pattern": None,
     "alpha_pattern": None,
 }
-# A step of at most this many tokens gathers each token's adapter (BGMV); a longer one
-# multiplies segments (SGMV), whose gathers would be big.
-BGMV_MAX_TOKENS = 32
 
 
 @dataclass
@@ -122,7 +119,7 @@ def read_adapter(path: str | Path, model_config, max_lora_rank: int) -> AdapterW
     weights = {}
     for (layer, module), ab in pairs.items():
         a, b = ab.get("A"), ab.get("B")
-        expected = _shape(model_config, module, rank)
+        expected = lora_shapes(model_config, module, rank)
         if layer >= model_config.num_hidden_layers or a is None or b is None:
             raise ValueError(f"{file}: layer {layer}'s {module} needs lora_A and lora_B")
         if (tuple(a.shape), tuple(b.shape)) != expected:
@@ -152,7 +149,7 @@ def _read_config(file: Path, max_lora_rank: int) -> dict:
     return config
 
 
-def _shape(config, module: str, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+def lora_shapes(config, module: str, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """The shapes of ``module``'s ``A`` and ``B`` in ``config``'s model at ``rank``."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     hidden, inter = config.hidden_size, config.intermediate_size
@@ -169,15 +166,18 @@ def _shape(config, module: str, rank: int) -> tuple[tuple[int, int], tuple[int, 
 
 
 class LoRABatch:
-    """Which adapter slot each token of the step uses, as both Punica ops want it:
-    ``indices [T]`` (BGMV) and ``segments``, ``(slot, start, end)`` runs (SGMV).
-    Shared by every LoRA layer of a model; the model runner sets it each step."""
+    """Which adapter slot each token of the step uses, as SGMV's ``segments``:
+    ``(slot, start, end)`` runs of tokens of one adapter.  Shared by every LoRA layer
+    of a model; the model runner sets it each step.
+
+    SGMV rather than BGMV: with at most ``max_loras`` adapters a step has at most twice
+    as many segments (its prefills', its decodes'), while BGMV gathers an ``A`` and a
+    ``B`` per token, which on a CPU costs more than the base matmul (``bench lora``)."""
 
     def __init__(self) -> None:
-        self.indices: torch.Tensor | None = None
         self.segments: list[tuple[int, int, int]] = []
 
-    def set(self, slots: list[int], counts: list[int], device: torch.device) -> None:
+    def set(self, slots: list[int], counts: list[int]) -> None:
         """``slots[i]`` for the ``counts[i]`` tokens of the step's ``i``-th sequence."""
         self.segments, start = [], 0
         for slot, count in zip(slots, counts):
@@ -187,18 +187,10 @@ class LoRABatch:
             elif slot >= 0:
                 self.segments.append((slot, start, start + count))
             start += count
-        self.indices = None
-        if self.segments and start <= BGMV_MAX_TOKENS:
-            per_token = [slot for slot, count in zip(slots, counts) for _ in range(count)]
-            self.indices = torch.tensor(per_token, device=device)
 
     def delta(self, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor):
         """The LoRA term of ``x`` (None when no token of the step has an adapter)."""
-        if not self.segments:
-            return None
-        if self.indices is not None:
-            return bgmv(x, lora_a, lora_b, self.indices)
-        return sgmv(x, lora_a, lora_b, self.segments)
+        return sgmv(x, lora_a, lora_b, self.segments) if self.segments else None
 
 
 class _WithLoRA(nn.Module):

@@ -14,6 +14,9 @@ batch in one kernel, from the adapters stacked into slots (``A [slots, r, in]``,
   segments (the model runner orders the batch so), and each segment is one matmul with
   its adapter's ``A`` and ``B``; a prompt's hundreds of tokens share one gather.
 
+The engine runs SGMV (`minipaged.models.lora.LoRABatch` says why); BGMV is the per-token
+definition, which the lessons and tests check SGMV against.
+
 Both compute the "shrink" ``x A^T`` (to rank ``r``) then the "expand" ``(x A^T) B^T``,
 in torch (Punica writes them as CUDA kernels; the arithmetic is the same).
 """
