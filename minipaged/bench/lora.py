@@ -54,8 +54,11 @@ RANK = 16
 SPREADS = (1, 4, 16)  # adapters the workload is spread over
 
 
-def write_random_adapter(path: Path, model_config, seed: int, rank: int = 16) -> Path:
-    """A PEFT-format adapter of ``rank`` on every projection, random weights."""
+def write_random_adapter(
+    path: Path, model_config, seed: int, rank: int = RANK, std: float = 0.02
+) -> Path:
+    """A PEFT-format adapter of ``rank`` on every projection, random weights of
+    standard deviation ``std``."""
     generator = torch.Generator().manual_seed(seed)
     weights = {}
     for layer in range(model_config.num_hidden_layers):
@@ -63,8 +66,8 @@ def write_random_adapter(path: Path, model_config, seed: int, rank: int = 16) ->
             block = "self_attn" if module in MODULES[:4] else "mlp"
             a_shape, b_shape = lora_shapes(model_config, module, rank)
             key = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            weights[f"{key}.lora_A.weight"] = torch.randn(a_shape, generator=generator) * 0.02
-            weights[f"{key}.lora_B.weight"] = torch.randn(b_shape, generator=generator) * 0.02
+            weights[f"{key}.lora_A.weight"] = torch.randn(a_shape, generator=generator) * std
+            weights[f"{key}.lora_B.weight"] = torch.randn(b_shape, generator=generator) * std
     path.mkdir(parents=True, exist_ok=True)
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": MODULES}
     (path / CONFIG_FILE).write_text(json.dumps(config))
