@@ -30,13 +30,15 @@ from matplotlib.figure import Figure
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from minipaged.arg_utils import add_model_flag
 from minipaged.bench import common
-from minipaged.bench.args import add_model_flag, add_output_flags, bench_model, write
+from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column, one_cpu_thread
 from minipaged.config import EngineConfig
 from minipaged.engine import LLMEngine
 from minipaged.llm import LLM
 from minipaged.lora_request import LoRARequest
+from minipaged.models.hub import resolve_model
 from minipaged.models.loader import read_config
 from minipaged.models.lora import CONFIG_FILE, WEIGHTS_FILE, lora_shapes
 from minipaged.sampling_params import SamplingParams
@@ -261,7 +263,7 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> None:
-    model = bench_model(args)
+    model = resolve_model(args.model)
     with tempfile.TemporaryDirectory(prefix="minipaged-lora-") as workdir:
         steps, workload = bench_lora(
             model,
