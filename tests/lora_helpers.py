@@ -51,3 +51,8 @@ class PeftOracle:
                 max_new_tokens=max_tokens,
             )
         return out[0, len(prompt) :].tolist()
+
+    def next_logprobs(self, tokens: list[int]) -> torch.Tensor:
+        """``log_softmax`` of the next-token logits after ``tokens`` (a full forward)."""
+        with torch.no_grad():
+            return self.model(torch.tensor([tokens])).logits[0, -1].float().log_softmax(-1)

@@ -21,12 +21,13 @@ from transformers import AutoConfig
 
 from engine_helpers import as_inputs, assert_all_blocks_free, make_llm, random_prompt
 from lora_helpers import PeftOracle, make_adapter
-from minipaged import SamplingParams
+from minipaged import BeamSearchParams, SamplingParams
 from minipaged.lora_request import LoRARequest
 from minipaged.memory import KVCacheManager, prefix_cache
 from minipaged.memory.lora_slots import LoRASlots
 from minipaged.models.lora import read_adapter
 from minipaged.ops.punica import bgmv, sgmv
+from test_beam_search import reference_beam_search
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -128,7 +129,9 @@ def test_a_mixed_batch_gives_each_request_what_it_gets_alone(lora):
     assert_all_blocks_free(llm)
 
 
-def test_mixed_adapters_under_swap_preemption_and_chunked_prefill(lora):
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_mixed_adapters_under_preemption_and_chunked_prefill(lora, mode):
+    """A preempted request gives its slot back, and gets one again to resume."""
     base, requests, oracles = lora
     llm = make_llm(
         base,
@@ -137,14 +140,28 @@ def test_mixed_adapters_under_swap_preemption_and_chunked_prefill(lora):
         max_lora_rank=16,
         block_size=4,
         num_gpu_blocks=14,  # the largest request fits, the batch does not
-        preemption_mode="swap",
+        preemption_mode=mode,
         max_num_batched_tokens=16,  # the 23- and 30-token prompts run in chunks
         max_num_seqs=8,
     )
     names = ["rs16", "all8", None, "qvd4", "all8", "rs16", "qvd4", None]
     assert run(llm, requests, names, PROMPTS) == expected(oracles, names, PROMPTS)
     stats = llm.stats()
-    assert stats["num_preemptions"] > 0 and stats["num_swapped_out_blocks"] > 0
+    assert stats["num_preemptions"] > 0
+    assert (stats["num_swapped_out_blocks"] > 0) == (mode == "swap")
+    assert_all_blocks_free(llm)
+
+
+def test_beam_search_with_adapters_equals_the_reference_on_peft(lora):
+    base, requests, oracles = lora
+    params = BeamSearchParams(beam_width=3, max_tokens=5)
+    names = ["all8", "rs16", None]
+    prompts = PROMPTS[:3]
+    expected_beams = [reference_beam_search(oracles[n], p, params) for n, p in zip(names, prompts)]
+    llm = make_llm(base, enable_lora=True, max_loras=2, max_lora_rank=16)
+    outputs = llm.beam_search(as_inputs(prompts), params, lora_request=[requests[n] for n in names])
+    for out, best in zip(outputs, expected_beams):
+        assert [s.tokens for s in out.sequences] == [t for t, _ in best]
     assert_all_blocks_free(llm)
 
 
