@@ -126,7 +126,7 @@ class TensorParallelGroup:
             return x
         out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
         with _timed("reduce_scatter", x.device):
-            dist.reduce_scatter_tensor(out, x.contiguous())
+            dist.reduce_scatter_single(out, x.contiguous())
         return out
 
     def broadcast_object(self, obj=None):
