@@ -223,3 +223,22 @@ def test_experts_must_split_under_tensor_parallelism_but_not_under_expert_parall
     with pytest.raises(ValueError, match="intermediate_size"):
         MixtralForCausalLM.check_parallel(config, 4)
     MixtralForCausalLM.check_parallel(config, 4, expert_parallel=True)
+
+
+def test_metrics_expose_the_routing(tiny):
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from minipaged.server.metrics import make_registry
+
+    path, _ = tiny("mixtral")
+    llm = make_llm(path, attention_backend="torch")
+    llm.generate([{"prompt_token_ids": random_tokens(9, seed=5)}], use_tqdm=False)
+    stats = llm.engine.counters()
+    text = generate_latest(make_registry(SimpleNamespace(stats=stats))).decode()
+    for layer, counts in enumerate(stats["expert_tokens_total"]):
+        for expert, count in enumerate(counts):
+            sample = f'minipaged:expert_tokens_total{{expert="{expert}",layer="{layer}"}} {count}.0'
+            assert sample in text
+    assert f"minipaged:expert_load_imbalance {stats['expert_load_imbalance']}" in text
