@@ -14,6 +14,7 @@ from minipaged.models.moe import FusedMoE, moe_reference, route
 
 def expert_parallel_rank(rank: int, size: int, port: int) -> None:
     """One rank of `test_expert_parallel_layer_equals_the_loop_on_four_ranks`."""
+    torch.set_num_threads(1)  # four ranks share the machine's cores
     init_tensor_parallel(rank, size, port, torch.device("cpu"))
     try:
         for backend in ("alltoall", "allgather_reducescatter"):
