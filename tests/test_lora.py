@@ -314,3 +314,9 @@ def test_the_prefix_cache_keeps_adapters_apart_when_hashes_collide(monkeypatch):
     kv.allocate("a", prompt, extra_key=1)
     assert kv.num_cached_tokens(prompt, 1) > 0
     assert kv.num_cached_tokens(prompt, 2) == kv.num_cached_tokens(prompt) == 0
+
+
+def test_a_mixture_of_experts_model_is_refused_by_name(tiny):
+    path, _ = tiny("mixtral")
+    with pytest.raises(ValueError, match="enable_lora serves dense models"):
+        make_llm(path, enable_lora=True)

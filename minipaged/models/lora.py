@@ -264,6 +264,14 @@ class LoRAModelManager:
     the scheduler names (vLLM's ``LoRAModelManager`` and ``WorkerLoRAManager``)."""
 
     def __init__(self, model, max_loras: int, max_lora_rank: int, max_cpu_loras: int) -> None:
+        if not all(
+            isinstance(getattr(layer.mlp, "gate_up_proj", None), ColumnParallelLinear)
+            for layer in model.model.layers
+        ):
+            raise ValueError(
+                f"enable_lora serves dense models; {type(model).__name__} has "
+                "mixture-of-experts layers, whose experts take no adapter here"
+            )
         self.model, self.max_lora_rank, self.max_cpu_loras = model, max_lora_rank, max_cpu_loras
         self.batch = LoRABatch()
         self.layers: list[dict[str, _WithLoRA]] = []  # per decoder layer: PEFT module -> wrapper
