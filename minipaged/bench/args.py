@@ -18,6 +18,7 @@ from pathlib import Path
 from minipaged.config import (
     ATTENTION_BACKENDS,
     DEVICES,
+    KV_CACHE_DTYPES,
     MEMORY_MODES,
     PREEMPTION_MODES,
     EngineConfig,
@@ -28,6 +29,7 @@ CHOICES = {
     "preemption_mode": PREEMPTION_MODES,
     "memory_mode": MEMORY_MODES,
     "attention_backend": ATTENTION_BACKENDS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
 }
 MODEL_CONFIG_KEYS = (
     "architectures",
