@@ -251,5 +251,11 @@ def test_bad_scales_are_refused_by_name():
 
 
 def test_cuda_kernels_refuse_a_quantized_cache():
+    """Before allocating (the engine asks), and at each op (in the CPU emulator)."""
     with pytest.raises(ValueError, match="'cuda' attention backend does not read"):
         check_supported("cuda", torch.float16, 128, 16, torch.float8_e4m3fn)
+    cache = torch.zeros(2, 16, 2, 128, dtype=torch.float8_e4m3fn)
+    query = torch.randn(1, 2, 128, dtype=torch.float16)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="'cuda' attention backend does not read"):
+        paged_attention_decode(query, cache, cache, tables, lens, 1.0, backend="cuda")

@@ -202,14 +202,10 @@ def check_supported(
     dtypes, head dims and block sizes (``cuda_ops.check_supported``), and read no
     quantized cache: an engine asks once, before it allocates anything.
     """
-    if backend == "cuda" and kv_quant.is_quantized(kv_cache_dtype or dtype):
-        raise ValueError(
-            f"the 'cuda' attention backend does not read a {kv_cache_dtype} KV cache: "
-            "use attention_backend='triton', or kv_cache_dtype='auto'"
-        )
     if backend == "cuda":
         from minipaged.ops import cuda_ops
 
+        cuda_ops.check_not_quantized(kv_cache_dtype or dtype)
         cuda_ops.check_supported(dtype, head_dim, block_size)
 
 
