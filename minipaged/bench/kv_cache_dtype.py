@@ -176,7 +176,7 @@ def measure_quality(model, dtypes, num_prompts, max_tokens) -> list[dict]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
     prompts = prompts_for_quality(num_prompts)  # plain text, no chat template
     runs = {}
-    for name in dtypes:
+    for name in tqdm(dtypes, desc="quality runs"):
         llm = LLM(model, device="cpu", kv_cache_dtype=name)
         runs[name] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     rows = []
