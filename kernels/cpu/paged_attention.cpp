@@ -17,8 +17,9 @@
 // whole dot product or value row at once, since it is the same for a position's
 // head_dim elements.
 //
-// Built on first use by minipaged/ops/cpu_ops.py; checked against the contiguous
-// oracle by  pytest tests/test_ops_cpu.py ; timed by
+// Built on first use by minipaged/ops/cpu_ops.py.  Validate (against the contiguous
+// oracle) and time (against the torch backend's gather, on this machine's cores):
+//   pytest tests/test_ops_cpu.py
 //   minipaged bench attention --preset cpu --backends torch cpu
 #include <torch/extension.h>
 
