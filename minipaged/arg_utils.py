@@ -16,6 +16,7 @@ import types
 import typing
 
 from minipaged.config import (
+    ALL2ALL_BACKENDS,
     ATTENTION_BACKENDS,
     DEVICES,
     KV_CACHE_DTYPES,
@@ -30,6 +31,7 @@ CHOICES = {
     "memory_mode": MEMORY_MODES,
     "attention_backend": ATTENTION_BACKENDS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
+    "all2all_backend": ALL2ALL_BACKENDS,
 }
 # Not flags: the model is an argument of its own; a trace needs code to read it.
 NOT_ENGINE_FLAGS = ("model", "trace")
