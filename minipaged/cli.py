@@ -35,6 +35,7 @@ BENCHES = (
     "preemption",
     "latency",
     "kv_cache_dtype",
+    "lora",
     "moe",
 )
 
