@@ -15,7 +15,7 @@ PIP    := $(PY) -m pip install --disable-pip-version-check
 
 .DEFAULT_GOAL := help
 .PHONY: help install models demo test lint kernels-check kernels-check-or-skip pytest docs \
-        docs-build gpu-test lessons clean
+        docs-build gpu-test lessons check clean
 
 help: ## list the targets
 	@echo "make TARGET, where TARGET is one of:"
@@ -78,6 +78,10 @@ docs: $(STAMP) ## serve the docs site at http://127.0.0.1:8000
 
 lessons: $(STAMP) ## re-execute every lesson in place: the outputs the docs site shows
 	$(PY) scripts/execute_lessons.py
+
+check: $(STAMP) ## LESSON=NN: that lesson's tests on your exercises/ code, passed/failed counts
+	@test -n "$(LESSON)" || { echo "make check LESSON=NN, e.g. make check LESSON=01"; exit 2; }
+	$(VENV)/bin/minipaged check $(LESSON)
 
 # On the GPU machine: use the torch that is installed there, as it is.
 gpu-test: ## the gpu-marked tests, on a GPU machine, with the torch installed there
