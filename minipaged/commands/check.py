@@ -327,7 +327,9 @@ def plain_words(report) -> str:
         return str(report.longrepr).strip().splitlines()[-1]
     message = crash.message.strip()
     # Triton's interpreter wraps the stub's error: InterpreterError("NotImplementedError('...')")
-    stub = re.search(r"NotImplementedError(?::\s*|\(\\?['\"])(.+?)(?:\\?['\"]\)|$)", message)
+    stub = re.search(
+        r"NotImplementedError(?::\s*|\(\\?['\"])(.+?)(?:\\?['\"]\)|$)", message, re.MULTILINE
+    )
     if stub:
         return f"not implemented yet ({stub.group(1)})"
     first = message.splitlines()[0]
