@@ -133,7 +133,7 @@ EXERCISES = (
         "07",
         "triton_attend_tile.py",
         {"attend_tile": "minipaged.ops.triton_kernels:_attend_tile"},
-        ("tests/test_ops_triton.py", "-k", "decode_matches_oracle and bs16"),
+        ("tests/test_ops_triton.py", "-k", "decode_matches_oracle and bs16 and not Cuda"),
     ),
 )
 
