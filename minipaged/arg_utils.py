@@ -16,6 +16,7 @@ import types
 import typing
 
 from minipaged.config import (
+    ALL2ALL_BACKENDS,
     ATTENTION_BACKENDS,
     DEVICES,
     MEMORY_MODES,
@@ -28,6 +29,7 @@ CHOICES = {
     "preemption_mode": PREEMPTION_MODES,
     "memory_mode": MEMORY_MODES,
     "attention_backend": ATTENTION_BACKENDS,
+    "all2all_backend": ALL2ALL_BACKENDS,
 }
 # Not flags: the model is an argument of its own; a trace needs code to read it.
 NOT_ENGINE_FLAGS = ("model", "trace")
