@@ -34,6 +34,7 @@ BENCHES = (
     "blocksize",
     "preemption",
     "latency",
+    "kv_cache_dtype",
     "moe",
 )
 
