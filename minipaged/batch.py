@@ -26,6 +26,8 @@ class ScheduledSeq:
     block_table: list[int]
     slot_mapping: list[int]  # the cache slot of each new token, from the KV cache manager
     samples: bool  # does this step reach the sequence's end, so its last logits are used?
+    # Positions whose logits score a prompt token (SamplingParams.prompt_logprobs).
+    prompt_logprob_positions: range = range(0)
 
 
 @dataclass

@@ -256,9 +256,9 @@ class Scheduler:
         for k, seq in enumerate(seqs):
             # Planned again per sequence: with prefix caching, a sibling allocated just
             # before may have cached more of this one's tokens.
-            cached = self.kv.num_cached_tokens(seq.token_ids)
+            cached = self.kv.num_cached_tokens(seq.token_ids, group.reads_prefix_cache)
             n = min(len(seq.token_ids) - cached, budget - used - _later(seqs, k))
-            allocation = self.kv.allocate(seq.seq_id, seq.token_ids, n)
+            allocation = self.kv.allocate(seq.seq_id, seq.token_ids, n, group.reads_prefix_cache)
             self.trace.record(
                 "allocate",
                 group.request_id,
@@ -281,7 +281,14 @@ class Scheduler:
         samples = start + n == len(seq.token_ids)
         out.seqs.append(
             ScheduledSeq(
-                seq, group, start, n, allocation.block_table, allocation.slot_mapping, samples
+                seq,
+                group,
+                start,
+                n,
+                allocation.block_table,
+                allocation.slot_mapping,
+                samples,
+                group.prompt_logprob_positions(start, n),
             )
         )
 
@@ -339,19 +346,24 @@ class Scheduler:
     def _can_admit(self, group: SequenceGroup, budget: int) -> bool:
         """Can every sequence of a waiting request get its first chunk's tokens and
         blocks now?"""
-        plan = self._admission_plan(group.unfinished_seqs, budget)
-        return plan is not None and self._blocks_to_allocate(plan) <= self.kv.gpu.num_free_blocks
+        plan = self._admission_plan(group, budget)
+        return (
+            plan is not None
+            and self._blocks_to_allocate(plan, group.reads_prefix_cache)
+            <= self.kv.gpu.num_free_blocks
+        )
 
-    def _blocks_to_allocate(self, plan: list[tuple[Sequence, int]]) -> int:
-        return sum(self.kv.blocks_to_allocate(seq.token_ids, n) for seq, n in plan)
+    def _blocks_to_allocate(self, plan: list[tuple[Sequence, int]], use_cache: bool) -> int:
+        return sum(self.kv.blocks_to_allocate(seq.token_ids, n, use_cache) for seq, n in plan)
 
-    def _admission_plan(self, seqs: list[Sequence], budget: int):
+    def _admission_plan(self, group: SequenceGroup, budget: int):
         """First-chunk sizes for a waiting request's sequences, or None if the token
         budget cannot give each of them at least one token this step."""
-        plan = []
+        plan, seqs = [], group.unfinished_seqs
         for k, seq in enumerate(seqs):
             n = min(
-                len(seq.token_ids) - self.kv.num_cached_tokens(seq.token_ids),
+                len(seq.token_ids)
+                - self.kv.num_cached_tokens(seq.token_ids, group.reads_prefix_cache),
                 budget - _later(seqs, k),
             )
             if n < 1:

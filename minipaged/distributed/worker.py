@@ -41,8 +41,9 @@ __all__ = ["StepPlan", "StepTokens", "WorkerArgs", "rank_device", "rank_kv_confi
 class StepPlan:
     """What a worker needs of one `SchedulerOutput`: no requests, no sampling."""
 
-    # Per sequence: (start, the tokens to run, block table, slot mapping, samples).
-    seqs: list[tuple[int, list[int], list[int], list[int], bool]]
+    # Per sequence: (start, the tokens to run, block table, slot mapping, samples, the
+    # positions whose logits score prompt tokens: every rank projects them).
+    seqs: list[tuple[int, list[int], list[int], list[int], bool, range]]
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
     copies: list[tuple[int, int]]
@@ -56,6 +57,7 @@ class StepPlan:
                 s.block_table,
                 s.slot_mapping,
                 s.samples,
+                s.prompt_logprob_positions,
             )
             for s in batch.seqs
         ]
@@ -72,8 +74,9 @@ class StepPlan:
                 table,
                 slots,
                 samples,
+                positions,
             )
-            for start, tokens, table, slots, samples in self.seqs
+            for start, tokens, table, slots, samples, positions in self.seqs
         ]
         return SchedulerOutput(seqs, self.swap_out, self.swap_in, self.copies)
 
