@@ -384,13 +384,9 @@ class Scheduler:
             and self._blocks_to_allocate(plan, group) <= self.kv.gpu.num_free_blocks
         )
 
-    def _blocks_to_allocate(
-        self, plan: list[tuple[Sequence, int]], group: SequenceGroup
-    ) -> int:
+    def _blocks_to_allocate(self, plan: list[tuple[Sequence, int]], group: SequenceGroup) -> int:
         return sum(
-            self.kv.blocks_to_allocate(
-                seq.token_ids, n, group.lora_id, group.reads_prefix_cache
-            )
+            self.kv.blocks_to_allocate(seq.token_ids, n, group.lora_id, group.reads_prefix_cache)
             for seq, n in plan
         )
 
@@ -401,9 +397,7 @@ class Scheduler:
         for k, seq in enumerate(seqs):
             n = min(
                 len(seq.token_ids)
-                - self.kv.num_cached_tokens(
-                    seq.token_ids, group.lora_id, group.reads_prefix_cache
-                ),
+                - self.kv.num_cached_tokens(seq.token_ids, group.lora_id, group.reads_prefix_cache),
                 budget - _later(seqs, k),
             )
             if n < 1:
