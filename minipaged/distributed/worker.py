@@ -41,8 +41,9 @@ __all__ = ["StepPlan", "StepTokens", "WorkerArgs", "rank_device", "rank_kv_confi
 class StepPlan:
     """What a worker needs of one `SchedulerOutput`: no requests, no sampling."""
 
-    # Per sequence: (start, the tokens to run, block table, slot mapping, samples).
-    seqs: list[tuple[int, list[int], list[int], list[int], bool]]
+    # Per sequence: (start, its tokens to run, block table, slot mapping, samples, and
+    # a draft's guesses run after them).
+    seqs: list[tuple[int, list[int], list[int], list[int], bool, list[int]]]
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
     copies: list[tuple[int, int]]
@@ -52,10 +53,11 @@ class StepPlan:
         seqs = [
             (
                 s.start,
-                s.seq.token_ids[s.start : s.start + s.num_new_tokens],
+                s.seq.token_ids[s.start : s.start + s.num_new_tokens - len(s.spec_token_ids)],
                 s.block_table,
                 s.slot_mapping,
                 s.samples,
+                s.spec_token_ids,
             )
             for s in batch.seqs
         ]
@@ -68,12 +70,13 @@ class StepPlan:
                 Sequence("", StepTokens(start, tokens), 0),
                 None,
                 start,
-                len(tokens),
+                len(tokens) + len(spec),
                 table,
                 slots,
                 samples,
+                spec,
             )
-            for start, tokens, table, slots, samples in self.seqs
+            for start, tokens, table, slots, samples, spec in self.seqs
         ]
         return SchedulerOutput(seqs, self.swap_out, self.swap_in, self.copies)
 

@@ -28,6 +28,13 @@ class NgramProposer:
             )
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
 
+    def propose_batch(self, seqs, ks: list[int]) -> list[list[int]]:
+        """`propose` for each sequence (anything with ``token_ids``) and its ``k``."""
+        return [self.propose(seq.token_ids, k) for seq, k in zip(seqs, ks)]
+
+    def release(self, keep: set[str]) -> None:
+        """Nothing to let go of: the proposer holds nothing per sequence."""
+
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         """The tokens that followed the latest earlier occurrence of the longest
         matching suffix n-gram, at most ``k`` (fewer near the end, none if no n-gram
