@@ -83,9 +83,9 @@ def in_process_app(path, api_key: str | None = None, **app_kwargs):
         thread.join(timeout=30)
 
 
-def subprocess_server(path):
-    """``python -m minipaged serve`` on a free port; stopped by its pid (SIGINT, as a
-    user's Ctrl-C), killed if it will not stop."""
+def subprocess_server(path, *extra_flags: str):
+    """``python -m minipaged serve`` on a free port (``FLAGS``, then ``extra_flags``);
+    stopped by its pid (SIGINT, as a user's Ctrl-C), killed if it will not stop."""
     port = free_port()
     process = subprocess.Popen(
         [
@@ -99,6 +99,7 @@ def subprocess_server(path):
             "--served-model-name",
             MODEL,
             *FLAGS,
+            *extra_flags,
         ],
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
