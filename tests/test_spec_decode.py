@@ -278,3 +278,21 @@ def test_beam_search_and_contiguous_memory_are_refused(tiny):
     assert_spec_done(llm)
     with pytest.raises(ValueError, match="memory_mode"):
         make_llm(path, memory_mode="contiguous-max", speculative_config=NGRAM)
+
+
+def test_greedy_equals_hf_with_two_ranks(tiny, proposers):
+    """Tensor parallelism: every rank runs the guesses in its step (the plan carries
+    them) and computes the same 1 + k logit rows; the draft runs on rank 0 only."""
+    path, oracle = tiny("llama")
+    prompts = workload(oracle)
+    llm = make_llm(
+        path, tensor_parallel_size=2, block_size=4, speculative_config=proposers["self-draft"][0]
+    )
+    try:
+        assert_greedy_matches_hf(
+            generate(llm, prompts, GREEDY_LOGPROBS), prompts, oracle, MAX_TOKENS, logprobs=3
+        )
+        assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+        assert_spec_done(llm)
+    finally:
+        llm.shutdown()
