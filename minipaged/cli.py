@@ -34,6 +34,7 @@ BENCHES = (
     "blocksize",
     "preemption",
     "latency",
+    "spec",
 )
 
 

@@ -23,6 +23,9 @@ committed results under ``benchmarks/results/<device>/`` are written over only w
   (paper §5.1, Fig. 18a).
 * `throughput` - offline serving throughput, minipaged vs Hugging Face ``generate``
   (paper §6.2), and the engine's own CPU time per step.
+* `spec` - speculative decoding with the n-gram proposer on and off: time per token,
+  throughput and acceptance, on a workload that repeats its context and a ShareGPT-like
+  one.
 * `serve` - online serving latency (TTFT, TPOT, ITL, E2EL) against a running
   OpenAI-compatible server (paper §6).
 """
