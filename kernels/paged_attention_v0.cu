@@ -17,7 +17,7 @@
 // a thread group.
 //
 // Validate (CPU emulator or GPU), time (GPU), and see registers and spills:
-//   pytest tests/test_ops_cuda.py -k version
+//   pytest tests/test_ops_cuda.py -k v0
 //   minipaged bench attention --ops decode --backends cuda-v0 cuda-v1 cuda-v2
 //   nvcc -c -std=c++17 -arch=sm_90 -Xptxas -v kernels/paged_attention_v0.cu -o /tmp/v0.o
 #include "common.cuh"

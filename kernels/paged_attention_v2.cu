@@ -1,10 +1,12 @@
 // paged_attention_v2.cu: decode attention over partitions, merged by log-sum-exp.
 //
 // Version 2 cuts each context into partitions of PARTITION_SIZE (512) tokens and gives
-// every (KV head x group slice, sequence, partition) its own thread block: the same
-// attend() as version 1, over one partition.  A batch of one 32k-token sequence with
-// 8 KV heads then launches 8 x 64 = 512 thread blocks instead of 8, enough to keep every
-// multiprocessor busy, and shared memory holds 512 logits per query head at most.
+// every (KV head x group slice, sequence, partition) its own thread block: version 1's
+// thread block (attend() in paged_attention_v1.cu, included below), over one partition.
+// A batch of one 32k-token sequence with 8 KV heads then launches 8 x 64 = 512 thread
+// blocks instead of 8, enough to keep every multiprocessor busy, and shared memory holds
+// 512 logits per query head at most.  What is this file's own: the partition kernel's
+// grid and outputs, and the reduce kernel that merges them.
 //
 // Each partition p leaves its normalised output o_p and lse_p = max_p + log(sum_p), the
 // log of its softmax denominator.  The reduce kernel merges them exactly:
@@ -14,10 +16,11 @@
 // the better choice when the batch alone fills the GPU.
 //
 // Validate (CPU emulator or GPU), time (GPU), and see registers and spills:
-//   pytest tests/test_ops_cuda.py -k "version or v2"
+//   pytest tests/test_ops_cuda.py -k v2
 //   minipaged bench attention --ops decode --backends cuda-v1 cuda-v2
 //   nvcc -c -std=c++17 -arch=sm_90 -Xptxas -v kernels/paged_attention_v2.cu -o /tmp/v2.o
-#include "paged_attention.cuh"
+#define MINIPAGED_V1_THREAD_BLOCK_ONLY  // version 1's device code, not its launcher
+#include "paged_attention_v1.cu"
 
 namespace minipaged {
 

@@ -23,9 +23,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .bench.memory import bench_memory, format_table
-from .memory.simulate import OPT13B_A100_SLOTS
+from .memory.simulate import OPT13B_A100_SLOTS, simulate_systems
 from .sampling_params import RequestOutputKind, SamplingParams
+from .workloads import synthetic_requests
 
 DEMO_MODEL = "smollm2"
 SYSTEM_PROMPT = "You are a helpful assistant. Answer in one or two short sentences."
@@ -278,9 +278,26 @@ def _sharing_table(shared: Served, separate: Served, n: int, num_prompts: int) -
 
 # -- the memory layer alone -----------------------------------------------------------
 def waste_report(num_requests: int = 300, seed: int = 0) -> str:
-    reports = bench_memory("sharegpt", num_requests, OPT13B_A100_SLOTS, seed=seed)
-    return (
+    """The share of the KV pool each system fills with tokens, and its mean batch, on
+    ShareGPT-like requests (`memory.simulate`, the simulation ``bench memory`` runs)."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests!r}")
+    requests = synthetic_requests("sharegpt", num_requests, seed=seed)
+    reports = simulate_systems(requests, OPT13B_A100_SLOTS)
+    paged = next(r.max_batch for r in reports if r.system == "paged")
+    lines = [
         f"KV memory while serving {num_requests} ShareGPT-like requests on "
-        f"{OPT13B_A100_SLOTS} token slots, simulated (cf. paper Fig. 2)\n"
-        f"{format_table(reports)}"
-    )
+        f"{OPT13B_A100_SLOTS} token slots, simulated (cf. paper Fig. 2)",
+        "| system            | tokens | reserved | internal | external | free "
+        "| batch | paged/this |",
+        "| :---------------- | -----: | -------: | -------: | -------: | ---: "
+        "| ----: | ---------: |",
+    ]
+    lines += [
+        f"| {r.system:<17} | {r.token_share:>6.1%} | {r.reserved_share:>8.1%} "
+        f"| {r.internal_share:>8.1%} | {r.external_share:>8.1%} | {r.free_share:>4.1%} "
+        f"| {r.max_batch:>5.1f} "
+        f"| {paged / r.max_batch:>9.1f}x |"
+        for r in reports
+    ]
+    return "\n".join(lines)

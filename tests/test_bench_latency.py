@@ -16,8 +16,8 @@ import pytest
 from cli_helpers import run_main
 from minipaged import LLM
 from minipaged.bench import latency as bench
+from minipaged.bench.presets import make_prompts
 from minipaged.bench.results import write_results
-from minipaged.bench.throughput import make_prompts
 from minipaged.config import MEMORY_MODES
 from minipaged.models import make_tiny_model
 from minipaged.sampling_params import SamplingParams

@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 
 from cli_helpers import run_main
 from minipaged.bench import preemption as bench
-from minipaged.bench.throughput import make_prompts
+from minipaged.bench.presets import make_prompts
 from minipaged.cache_engine import GIB
 from minipaged.llm import LLM
 from minipaged.models import make_tiny_model

@@ -6,11 +6,11 @@ The oracle is SmolLM2's own files: its config (vocabulary, context) and tokenize
 
 from transformers import AutoConfig, AutoTokenizer
 
-from minipaged.bench import throughput as bench
+from minipaged.bench.presets import make_workload
 
 
 def test_a_model_name_resolves_to_its_checkpoint(smollm2):
-    work = bench.make_workload("smollm2", num_requests=4, length_scale=0.05)
+    work = make_workload("smollm2", num_requests=4, length_scale=0.05)
     config = AutoConfig.from_pretrained(smollm2, local_files_only=True)
     special = set(AutoTokenizer.from_pretrained(smollm2, local_files_only=True).all_special_ids)
     assert work.config.vocab_size == config.vocab_size

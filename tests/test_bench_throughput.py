@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from cli_helpers import run_main
+from minipaged.bench import hf_baselines, presets
+from minipaged.bench import overhead as probe
 from minipaged.bench import throughput as bench
 from minipaged.cli import main
 from minipaged.models import make_tiny_model
@@ -135,11 +137,11 @@ def test_engine_overhead_is_reported_with_its_phases(cpu_run):
     overhead = doc["engine_overhead"]
     assert doc["engine_overhead_ms_per_step"] == overhead["ms_per_step"] > 0
     assert overhead["num_seqs"] == 256 and overhead["num_steps"] == 3
-    assert list(overhead["breakdown_ms"]) == [f"{p}_ms" for p in bench.PHASES]
+    assert list(overhead["breakdown_ms"]) == [f"{p}_ms" for p in probe.PHASES]
     assert all(ms >= 0 for ms in overhead["breakdown_ms"].values())
     kept = [
         overhead["breakdown_ms"][f"{p}_ms"]
-        for p in bench.PHASES
+        for p in probe.PHASES
         if p not in ("model_stub", "logits", "sample")
     ]
     assert overhead["bookkeeping_ms_per_step"] == pytest.approx(sum(kept))
@@ -165,7 +167,7 @@ def test_every_request_gets_exactly_its_wanted_tokens(tiny):
     prompts = [[(7 * i + j) % 256 for j in range(r.prompt_len)] for i, r in enumerate(requests)]
     result = bench.bench_throughput(
         tiny,
-        bench.SYSTEMS[:1] + bench.HF_SYSTEMS,
+        bench.SYSTEMS[:1] + hf_baselines.HF_SYSTEMS,
         requests,
         prompts,
         {"device": "cpu"},
@@ -181,11 +183,11 @@ def test_every_request_gets_exactly_its_wanted_tokens(tiny):
 
 
 def test_lengths_are_scaled_to_the_models_context():
-    drawn = synthetic_requests("sharegpt", 50, seed=3, max_len=bench.PAPER_CONTEXT)
-    assert bench.make_requests(50, 2048, 1.0, seed=3) == drawn
-    half = bench.make_requests(50, 1024, 1.0, seed=3)
+    drawn = synthetic_requests("sharegpt", 50, seed=3, max_len=presets.PAPER_CONTEXT)
+    assert presets.make_requests(50, 2048, 1.0, seed=3) == drawn
+    half = presets.make_requests(50, 1024, 1.0, seed=3)
     assert [r.output_len for r in half] == [max(1, round(r.output_len / 2)) for r in drawn]
-    tiny = bench.make_requests(200, 64, 1.0, seed=3)
+    tiny = presets.make_requests(200, 64, 1.0, seed=3)
     assert all(r.total_len <= 64 and r.prompt_len >= 1 and r.output_len >= 1 for r in tiny)
 
 
@@ -193,17 +195,17 @@ def test_prompts_use_ordinary_tokens_only(tiny):
     from transformers import AutoTokenizer
 
     requests = [RequestSpec(n, 1) for n in (1, 50, 300)]
-    prompts = bench.make_prompts(requests, AutoTokenizer.from_pretrained(tiny), 272)
+    prompts = presets.make_prompts(requests, AutoTokenizer.from_pretrained(tiny), 272)
     assert [len(p) for p in prompts] == [1, 50, 300]
     assert all(0 <= t < 256 and t not in (BOS_ID, EOS_ID, PAD_ID) for p in prompts for t in p)
 
 
 def test_overhead_probe_runs_every_sequence_with_the_model_stubbed(tiny):
-    result = bench.measure_engine_overhead(
+    result = probe.measure_engine_overhead(
         tiny, "cpu", num_seqs=8, prompt_len=40, num_steps=2, block_size=8
     )
     assert result["num_seqs"] == 8 and result["ms_per_step"] > 0
-    assert set(result["breakdown_ms"]) == {f"{p}_ms" for p in bench.PHASES}
+    assert set(result["breakdown_ms"]) == {f"{p}_ms" for p in probe.PHASES}
 
 
 def test_available_systems_on_a_cpu_skip_interpreted_triton():
@@ -301,16 +303,16 @@ def test_gpu_run_times_every_backend_and_both_baselines(tiny, tmp_path):
 
 
 def test_overhead_plot_stacks_bookkeeping_first_against_its_goal():
-    breakdown = {f"{p}_ms": 0.1 * (i + 1) for i, p in enumerate(bench.PHASES)}
-    bookkeeping = sum(breakdown[f"{p}_ms"] for p in bench.BOOKKEEPING)
+    breakdown = {f"{p}_ms": 0.1 * (i + 1) for i, p in enumerate(probe.PHASES)}
+    bookkeeping = sum(breakdown[f"{p}_ms"] for p in probe.BOOKKEEPING)
     row = {"system": "minipaged-cpu", "num_requests": 4, "output_tokens_per_s": 10.0}
     fig = bench.plot_throughput([row], {"breakdown_ms": breakdown, "num_seqs": 256})
     ax = fig.axes[1]
     labels = [c.get_label() for c in ax.containers]
-    assert labels == [*bench.BOOKKEEPING, *(p for p in bench.PHASES if p not in bench.BOOKKEEPING)]
+    assert labels == [*probe.BOOKKEEPING, *(p for p in probe.PHASES if p not in probe.BOOKKEEPING)]
     widths = [c.patches[0].get_width() for c in ax.containers]
     assert widths == pytest.approx([breakdown[f"{p}_ms"] for p in labels])
     # The last bookkeeping bar ends at the bookkeeping total, the figure's comparison.
-    last = ax.containers[len(bench.BOOKKEEPING) - 1].patches[0]
+    last = ax.containers[len(probe.BOOKKEEPING) - 1].patches[0]
     assert last.get_x() + last.get_width() == pytest.approx(bookkeeping)
-    assert ax.lines[0].get_xdata()[0] == bench.OVERHEAD_GOAL_MS
+    assert ax.lines[0].get_xdata()[0] == probe.OVERHEAD_GOAL_MS

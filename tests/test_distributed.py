@@ -249,7 +249,7 @@ def test_a_model_that_does_not_split_is_refused_before_any_process_starts(tiny):
     "command", [["generate", "--model", "M", "hi"], ["serve", "M"], ["bench", "throughput"]]
 )
 def test_tensor_parallel_size_flag(command):
-    from minipaged.bench.args import engine_kwargs
+    from minipaged.arg_utils import engine_kwargs
     from minipaged.cli import build_parser
 
     args = build_parser().parse_args([*command, "--tensor-parallel-size", "3"])

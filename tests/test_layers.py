@@ -29,6 +29,116 @@ def test_memory_layer_needs_nothing_but_the_standard_library():
     assert third_party == set(), f"the memory layer pulled in {sorted(third_party)}"
 
 
+# -- rules of their own -----------------------------------------------------------------
+def submodule_imports(package: str) -> dict[str, set[str]]:
+    """Each module under ``package`` -> the modules under it that it imports, anywhere in
+    it (``from minipaged.bench import common`` imports ``minipaged.bench.common``)."""
+    root = ROOT / Path(*package.split("."))
+    modules = {
+        ".".join((package, *p.relative_to(root).with_suffix("").parts)): p
+        for p in sorted(root.rglob("*.py"))
+        if p.name != "__init__.py"
+    }
+    imports = {}
+    for module, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in (package, *modules):
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        imports[module] = found & modules.keys()
+    return imports
+
+
+def test_the_commands_and_the_demo_import_no_benchmark():
+    """The benchmarks are a library of experiments beside the ``minipaged`` commands: the
+    flags both use live below them (`minipaged.arg_utils`), so ``minipaged generate``
+    and ``make demo`` load nothing of ``minipaged.bench``."""
+    interface = ("minipaged.cli", "minipaged.commands", "minipaged.demo", "minipaged.__main__")
+    wrong = [
+        f"{module} -> {name}"
+        for module, imported in package_imports().items()
+        if module.startswith(interface)
+        for name in imported
+        if name == "minipaged.bench" or name.startswith("minipaged.bench.")
+    ]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` (module -> the modules it imports), as the modules along it
+    with the first repeated at the end, or None."""
+    done, path = set(), []
+
+    def visit(module: str) -> list[str] | None:
+        if module in path:
+            return path[path.index(module) :] + [module]
+        if module in done:
+            return None
+        path.append(module)
+        for name in sorted(graph.get(module, ())):
+            if cycle := visit(name):
+                return cycle
+        path.pop()
+        done.add(module)
+        return None
+
+    return next((c for m in sorted(graph) if (c := visit(m))), None)
+
+
+def test_the_benchmarks_import_each_other_without_a_cycle():
+    """A module of ``minipaged.bench`` is a library (presets, HF baselines, the overhead
+    probe, results) or an experiment on top of them, never both ways round."""
+    bench = submodule_imports("minipaged.bench")
+    assert "minipaged.bench.presets" in bench["minipaged.bench.args"]  # the finder finds
+    assert import_cycle(bench) is None, " -> ".join(import_cycle(bench))
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycle(graph) == ["a", "b", "c", "a"]
+    assert import_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# -- tests/README.md maps every module to its tests ------------------------------------
+def readme_rows() -> list[tuple[list[str], list[str]]]:
+    """The rows of tests/README.md's table: (modules under minipaged/, test files)."""
+    text = (ROOT / "tests" / "README.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    cells = [row.split(" | ")[:2] for row in rows]
+    return [(re.findall(r"`([\w/]+\.py)`", m), re.findall(r"`(\w+\.py)`", t)) for m, t in cells]
+
+
+def defines_code(path: Path) -> bool:
+    """Whether a module defines a function or class (a package's lazy ``__getattr__``,
+    PEP 562, aside): a package that only gathers names needs no row of its own."""
+    return any(
+        isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name != "__getattr__"
+        for node in ast.parse(path.read_text()).body
+    )
+
+
+def test_every_module_has_a_row_in_the_test_map():
+    rows = readme_rows()
+    mapped = {module for modules, _ in rows for module in modules}
+    package = ROOT / "minipaged"
+    missing = [
+        str(path.relative_to(package))
+        for path in sorted(package.rglob("*.py"))
+        if defines_code(path) and str(path.relative_to(package)) not in mapped
+    ]
+    assert not missing, (
+        f"modules without a row in tests/README.md's table: {missing}; add one naming "
+        "the test file that checks each (and the oracle it checks against)"
+    )
+    gone = [m for m in mapped if not (package / m).is_file()]
+    gone += [t for _, tests in rows for t in tests if not (ROOT / "tests" / t).is_file()]
+    assert not gone, f"tests/README.md names files that are not there: {gone}"
+    assert all(tests for _, tests in rows), "a row of tests/README.md names no test file"
+
+
 # -- every import points down the layers docs/architecture.md lists --------------------
 ROOT = Path(__file__).resolve().parents[1]
 

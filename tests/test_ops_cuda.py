@@ -6,6 +6,9 @@ Without a GPU the kernels run in minipaged's CPU emulator (conftest sets
 MINIPAGED_CUDA_EMULATE): each CUDA thread a fiber, barriers and warp shuffles real, so
 a kernel that reads shared memory before it is written fails here.  The ``gpu`` tests
 repeat the suite on CUDA and add real sizes.
+
+One version's tests alone, as each kernel file's header says: ``pytest -k v1`` (the
+decode versions are the ids ``v0``, ``v1`` and ``v2``).
 """
 
 import itertools
@@ -27,6 +30,9 @@ from attention_cases import (
 )
 from minipaged.ops import cuda_build, cuda_ops, decode_oracle, paged_attention_decode
 from minipaged.ops.testing import assert_close
+
+# Every test of a decode version, once per version, selectable by id: `pytest -k v2`.
+each_version = pytest.mark.parametrize("version", [0, 1, 2], ids=lambda v: f"v{v}")
 
 
 def _compiled_for(case: Case) -> bool:
@@ -72,7 +78,7 @@ def _decode(case, version, num_heads=NUM_HEADS, **kwargs):
     return out, decode_oracle(query, kv.keys, kv.values, case.scale)
 
 
-@pytest.mark.parametrize("version", [0, 1, 2])
+@each_version
 @pytest.mark.parametrize("case", [c for c in DECODE_CASES if _compiled_for(c)], ids=str)
 def test_every_version_matches_oracle(case, version):
     assert_close(*_decode(case, version))
@@ -86,7 +92,7 @@ EVERY_INSTANCE = [
 ]
 
 
-@pytest.mark.parametrize("version", [0, 1, 2])
+@each_version
 @pytest.mark.parametrize("case", EVERY_INSTANCE, ids=str)
 def test_every_compiled_shape_and_dtype(case, version):
     """bf16 included: unlike Triton's interpreter, the emulator computes in real floats."""
@@ -95,7 +101,7 @@ def test_every_compiled_shape_and_dtype(case, version):
 
 
 # GQA groups wider than a thread block's 8 query heads are split across thread blocks.
-@pytest.mark.parametrize("version", [0, 1, 2])
+@each_version
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(12, 1), (24, 2), (32, 2)])
 def test_wide_gqa_groups_are_sliced(num_heads, num_kv_heads, version):
     case = Case((5, 600), block_size=16, num_kv_heads=num_kv_heads)
@@ -142,7 +148,7 @@ def test_unsupported_dtype_is_refused_by_name():
         _decode(DECODE_CASES[0], version=3)
 
 
-@pytest.mark.parametrize("version", [0, 1, 2])
+@each_version
 def test_an_empty_batch_launches_nothing(version):
     cache = torch.zeros(4, 16, 2, 64, device=_device())
     tables = torch.zeros(0, 2, dtype=torch.int32, device=_device())
@@ -225,7 +231,17 @@ def test_cpu_tensors_without_the_emulator_are_refused():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     "batch, context_len, version",
-    [(64, 2048, 1), (64, 2048, 2), (64, 8192, 1), (64, 8192, 2), (1, 32768, 2), (4, 40000, 2)],
+    [
+        pytest.param(batch, context_len, version, id=f"{batch}x{context_len}-v{version}")
+        for batch, context_len, version in [
+            (64, 2048, 1),
+            (64, 2048, 2),
+            (64, 8192, 1),
+            (64, 8192, 2),
+            (1, 32768, 2),
+            (4, 40000, 2),
+        ]
+    ],
 )
 def test_decode_at_real_sizes(batch, context_len, version, dtype):
     query, key_cache, value_cache, tables, lens, keys, values = real_paged_kv(

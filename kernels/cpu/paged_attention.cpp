@@ -11,8 +11,9 @@
 // Each (row, KV head) is one task over at::parallel_for, so the result does not depend
 // on the number of threads: every output element is summed by one thread, in order.
 //
-// Built on first use by minipaged/ops/cpu_ops.py; checked against the contiguous
-// oracle by  pytest tests/test_ops_cpu.py ; timed by
+// Built on first use by minipaged/ops/cpu_ops.py.  Validate (against the contiguous
+// oracle) and time (against the torch backend's gather, on this machine's cores):
+//   pytest tests/test_ops_cpu.py
 //   minipaged bench attention --preset cpu --backends torch cpu
 #include <torch/extension.h>
 

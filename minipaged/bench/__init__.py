@@ -4,9 +4,15 @@ Each benchmark is one module that measures, prints a table (`common.format_table
 saves its rows with `results.write_results`: JSON plus a PNG, so every figure in the docs
 can be traced to the run, machine and versions that made it.  Each module also declares
 its command, ``minipaged bench NAME`` (``NAME``, ``HELP``, ``add_arguments`` and
-``main``), with the flags of `args`.  A run writes into the working directory; the
-committed results under ``benchmarks/results/<device>/`` are written over only with
-``--update-committed``.
+``main``), with the engine's flags (`minipaged.arg_utils`) and the results flags of
+`args`.  A run writes into the working directory; the committed results under
+``benchmarks/results/<device>/`` are written over only with ``--update-committed``.
+
+What several benchmarks share is a small library beside them: `presets` (the presets'
+devices and synthetic models, ShareGPT-like workloads and their prompts),
+`hf_baselines` (the same requests through transformers), `overhead` (the engine's own
+time per step, with the model stubbed), `common` (timing, a system's row, tables) and
+`results`.
 
 * `memory` - where the KV cache goes, paged vs contiguous reservations (paper §3,
   Fig. 2 and 13): counts from a simulation, no model.

@@ -41,26 +41,25 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
+from minipaged.arg_utils import add_engine_flags, add_model_flag, engine_kwargs
 from minipaged.bench import common
 from minipaged.bench.args import (
     SYNTHETIC_MODEL_HELP,
-    add_engine_flags,
-    add_model_flag,
     add_output_flags,
     bench_model,
-    engine_kwargs,
     model_record,
     write,
 )
 from minipaged.bench.common import Column, free_memory, one_cpu_thread, timed
-from minipaged.bench.results import device_name
-from minipaged.bench.throughput import (
+from minipaged.bench.presets import (
     GPU_MODEL,
     PAPER_CONTEXT,
     default_preset,
     make_prompts,
     preset_device,
+    with_overrides,
 )
+from minipaged.bench.results import device_name
 from minipaged.memory.simulate import OPT13B_A100_SLOTS, MemoryReport, simulate_memory
 from minipaged.workloads import WORKLOADS, RequestSpec, synthetic_requests
 
@@ -439,12 +438,12 @@ def add_arguments(parser) -> None:
 
 def main(args) -> None:
     preset = PRESETS[args.preset]
-    device = preset_device(args.preset, args.device, PRESETS)
+    device = preset_device(args.preset, PRESETS, args.device)
     num_requests = {
         w: preset.num_requests[w] if args.num_requests is None else args.num_requests
         for w in args.workloads
     }
-    kv_slots = preset.kv_slots if args.kv_slots is None else args.kv_slots
+    kv_slots = with_overrides(preset, ("kv_slots",), vars(args))["kv_slots"]
     model = bench_model(args, PRESETS)
     engine = {**engine_kwargs(args), "device": device.type}
     rows = bench_block_size(

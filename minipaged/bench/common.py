@@ -1,4 +1,5 @@
-"""What the benchmarks share: the timing harness and the table printer.
+"""What the benchmarks share: the timing harness, a system's result row, and the table
+printer.
 
 torch is imported by the functions that use it: the memory benchmark, counts from a
 simulation, prints its table without it.
@@ -15,6 +16,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+    from minipaged.workloads import RequestSpec
 
 
 @contextlib.contextmanager
@@ -59,6 +62,52 @@ def free_memory(device: torch.device) -> None:
         import torch
 
         torch.cuda.empty_cache()
+
+
+# -- a system's run ------------------------------------------------------------------
+@dataclass
+class SystemRun:
+    """One system's result row, and how many tokens it made for each request it ran:
+    ``generated`` what it computed, ``output`` what counts (the wanted tokens)."""
+
+    row: dict
+    generated: list[int]
+    output: list[int]
+
+
+def system_row(
+    system: str, requests: Sequence[RequestSpec], output: list[int], elapsed: float, **extra
+) -> dict:
+    """A system's row: ``requests`` done in ``elapsed`` seconds, ``output`` tokens each
+    counted, rates over them, and ``extra`` columns."""
+    prompt_tokens = sum(r.prompt_len for r in requests)
+    return {
+        "system": system,
+        "num_requests": len(requests),
+        "output_tokens_per_s": sum(output) / elapsed,
+        "requests_per_s": len(requests) / elapsed,
+        "elapsed_s": elapsed,
+        "output_tokens": sum(output),
+        "prompt_tokens": prompt_tokens,
+        "total_tokens_per_s": (prompt_tokens + sum(output)) / elapsed,
+        **extra,
+    }
+
+
+def check_lengths(system: str, generated: list[int], requests: Sequence[RequestSpec]) -> None:
+    """Raise ``RuntimeError`` unless every request generated its wanted output length:
+    with ``ignore_eos`` anything else is a bug, and its tokens/s would be a lie."""
+    wrong = [
+        (i, g, r.output_len)
+        for i, (g, r) in enumerate(zip(generated, requests))
+        if g != r.output_len
+    ]
+    if wrong:
+        i, got, wanted = wrong[0]
+        raise RuntimeError(
+            f"{system}: request {i} generated {got} tokens, wanted {wanted} "
+            f"({len(wrong)} requests wrong)"
+        )
 
 
 # -- tables ---------------------------------------------------------------------------

@@ -45,26 +45,25 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from minipaged.arg_utils import add_engine_flags, add_model_flag, engine_kwargs
 from minipaged.bench import blocksize, common
 from minipaged.bench.args import (
     SYNTHETIC_MODEL_HELP,
-    add_engine_flags,
-    add_model_flag,
     add_output_flags,
     bench_model,
-    engine_kwargs,
     model_record,
     write,
 )
 from minipaged.bench.common import Column, free_memory, one_cpu_thread
-from minipaged.bench.results import device_name
-from minipaged.bench.throughput import (
+from minipaged.bench.presets import (
     GPU_MODEL,
     PAPER_CONTEXT,
     default_preset,
     make_prompts,
     preset_device,
+    with_overrides,
 )
+from minipaged.bench.results import device_name
 from minipaged.config import MEMORY_MODES
 from minipaged.memory.simulate import OPT13B_A100_SLOTS
 from minipaged.workloads import WORKLOADS, RequestSpec, arrival_times
@@ -150,10 +149,7 @@ def resolve_setting(preset: str, **overrides) -> dict:
     unknown = sorted(set(overrides) - set(SETTING))
     if unknown:
         raise ValueError(f"overrides must be among {SETTING}, got {unknown}")
-    return {
-        name: getattr(PRESETS[preset], name) if overrides.get(name) is None else overrides[name]
-        for name in SETTING
-    }
+    return with_overrides(PRESETS[preset], SETTING, overrides)
 
 
 # -- the workload ---------------------------------------------------------------------
@@ -518,7 +514,7 @@ def main(args) -> None:
         length_scale=args.length_scale,
     )
     check_setting(args.modes, setting["rates"], setting["num_requests"], setting["length_scale"])
-    device = preset_device(args.preset, args.device, PRESETS)
+    device = preset_device(args.preset, PRESETS, args.device)
     model = bench_model(args, PRESETS)
     work = make_workload(
         model,

@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from minipaged.bench import common
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column
-from minipaged.memory.simulate import OPT13B_A100_SLOTS, SYSTEMS, MemoryReport, simulate_memory
+from minipaged.memory.simulate import OPT13B_A100_SLOTS, MemoryReport, simulate_systems
 from minipaged.viz import draw_memory_shares
 from minipaged.workloads import WORKLOADS, synthetic_requests
 
@@ -48,7 +48,7 @@ def bench_memory(
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests!r}")
     requests = synthetic_requests(workload, num_requests, seed=seed, max_len=max_len)
-    return [simulate_memory(requests, system, kv_slots, block_size, max_len) for system in SYSTEMS]
+    return simulate_systems(requests, kv_slots, block_size, max_len)
 
 
 def systems(reports: list[MemoryReport]) -> dict[str, dict[str, float]]:

@@ -45,15 +45,13 @@ import torch
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
+from minipaged.arg_utils import add_engine_flags, add_model_flag, engine_kwargs
 from minipaged.batch import SchedulerOutput
 from minipaged.bench import common
 from minipaged.bench.args import (
     SYNTHETIC_MODEL_HELP,
-    add_engine_flags,
-    add_model_flag,
     add_output_flags,
     bench_model,
-    engine_kwargs,
     model_record,
     write,
 )
@@ -66,8 +64,14 @@ from minipaged.bench.blocksize import (
     run_engine,
 )
 from minipaged.bench.common import Column, free_memory, one_cpu_thread, timed
+from minipaged.bench.presets import (
+    GPU_MODEL,
+    default_preset,
+    make_prompts,
+    preset_device,
+    with_overrides,
+)
 from minipaged.bench.results import device_name
-from minipaged.bench.throughput import GPU_MODEL, default_preset, make_prompts, preset_device
 from minipaged.cache_engine import GIB, KVCaches, block_bytes
 from minipaged.config import PREEMPTION_MODES
 from minipaged.memory.block_table import blocks_for
@@ -551,12 +555,12 @@ def add_arguments(parser) -> None:
 
 def main(args) -> None:
     preset = PRESETS[args.preset]
-    device = preset_device(args.preset, args.device, PRESETS)
-    # A flag left out takes the preset's value.
-    setting = {
-        name: getattr(preset, name) if getattr(args, name) is None else getattr(args, name)
-        for name in ("num_tokens", "repeats", "warmup", "num_requests", "kv_slots", "length_scale")
-    }
+    device = preset_device(args.preset, PRESETS, args.device)
+    setting = with_overrides(
+        preset,
+        ("num_tokens", "repeats", "warmup", "num_requests", "kv_slots", "length_scale"),
+        vars(args),
+    )
     model = bench_model(args, PRESETS)
     engine = {**engine_kwargs(args), "device": device.type}
     rows = bench_preemption(

@@ -27,7 +27,7 @@ from matplotlib.figure import Figure
 from minipaged.bench import common
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column, one_cpu_thread
-from minipaged.bench.throughput import make_prompts
+from minipaged.bench.presets import make_prompts
 from minipaged.llm import LLM
 from minipaged.memory.simulate import OPT13B_A100_SLOTS
 from minipaged.models.tiny import cached_checkpoint

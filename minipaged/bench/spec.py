@@ -26,9 +26,10 @@ import time
 from matplotlib.figure import Figure
 
 from minipaged.bench import common
-from minipaged.bench.args import DEFAULT_MODEL, add_model_flag, add_output_flags, write
+from minipaged.arg_utils import DEFAULT_MODEL, add_model_flag
+from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column, one_cpu_thread
-from minipaged.bench.throughput import make_prompts
+from minipaged.bench.presets import make_prompts
 from minipaged.llm import LLM
 from minipaged.models.hub import resolve_model
 from minipaged.sampling_params import SamplingParams

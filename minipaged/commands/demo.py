@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from minipaged.bench.args import DEFAULT_MODEL, add_model_flag
+from minipaged.arg_utils import DEFAULT_MODEL, add_model_flag
 
 NAME = "demo"
 HELP = "a real model answers; the blocks paging saves, measured"
@@ -32,6 +32,6 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> None:
-    from minipaged.demo import run  # it imports a benchmark: only once the demo runs
+    from minipaged.demo import run  # the engine and torch: only once the demo runs
 
     run(args.model, args.n, args.max_tokens, args.seed, args.num_requests)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from minipaged.bench.args import DEFAULT_MODEL
+from minipaged.arg_utils import DEFAULT_MODEL
 
 NAME = "download"
 HELP = "fetch a model into the cache (SmolLM2-135M-Instruct by default)"

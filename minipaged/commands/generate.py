@@ -4,7 +4,7 @@ the completions and a memory report."""
 
 from __future__ import annotations
 
-from minipaged.bench.args import (
+from minipaged.arg_utils import (
     DEFAULT_MODEL,
     add_engine_flags,
     add_fields,

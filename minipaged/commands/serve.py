@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from minipaged.bench.args import MODEL_HELP, add_engine_flags, engine_kwargs
+from minipaged.arg_utils import MODEL_HELP, add_engine_flags, engine_kwargs
 from minipaged.server.limits import ServerLimits
 
 NAME = "serve"

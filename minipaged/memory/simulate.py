@@ -184,6 +184,13 @@ class _PagedSystem:
         return _Usage(tokens=tokens, internal=held - tokens)
 
 
+def simulate_systems(
+    requests: list[RequestSpec], num_slots: int, block_size: int = 16, max_len: int = 2048
+) -> list[MemoryReport]:
+    """`simulate_memory` of every system of `SYSTEMS` on the same ``requests``."""
+    return [simulate_memory(requests, s, num_slots, block_size, max_len) for s in SYSTEMS]
+
+
 def simulate_memory(
     requests: list[RequestSpec],
     system: str,

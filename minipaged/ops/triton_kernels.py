@@ -31,6 +31,13 @@ inputs still get vectorised loads.
 
 Exponentials are base 2 (``exp2`` is one instruction on a GPU): scores are multiplied by
 ``scale * log2(e)`` up front, and every log-sum-exp here is in base 2 as well.
+
+Validate (against the contiguous oracle; on a CPU in Triton's interpreter, which
+``tests/conftest.py`` turns on) and time (on a GPU, against the torch backend and the
+CUDA kernels)::
+
+    pytest tests/test_ops_triton.py
+    minipaged bench attention --backends torch triton cuda-v1 cuda-v2
 """
 
 from __future__ import annotations
@@ -203,7 +210,6 @@ def _attend_tile(
 @triton.jit
 def decode_kernel(
     out_ptr,
-    lse_ptr,
     query_ptr,
     key_cache_ptr,
     value_cache_ptr,
@@ -218,8 +224,6 @@ def decode_kernel(
     stride_oh,
     stride_os,
     stride_od,
-    stride_lb,
-    stride_lh,
     stride_cb,
     stride_cs,
     stride_ch,
@@ -231,8 +235,12 @@ def decode_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    # Only with more than one split: each split's log-sum-exp, [batch, num_heads, splits].
+    WRITE_LSE: tl.constexpr = False,
+    lse_ptr=None,
+    stride_lb=0,
+    stride_lh=0,
 ):
     """Program ``(b, kv_head, split)``: the ``GROUP`` query heads that read ``kv_head``
     attend to tokens ``[split * tokens_per_split, (split + 1) * tokens_per_split)`` of

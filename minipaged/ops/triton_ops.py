@@ -61,15 +61,15 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
     if num_tokens == 0:
         return
     write_kv_kernel[(num_tokens,)](
-        key,
-        value,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        *key.stride(),
-        *value.stride(),
-        *key_cache.stride(),
-        key_cache.shape[1],
+        key_ptr=key,
+        value_ptr=value,
+        key_cache_ptr=key_cache,
+        value_cache_ptr=value_cache,
+        slot_mapping_ptr=slot_mapping,
+        **_strides("k", key, "thd"),
+        **_strides("v", value, "thd"),
+        **_strides("c", key_cache, "bshd"),
+        block_size=key_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
@@ -122,7 +122,18 @@ def paged_attention_decode(
     tokens_per_split = block_n * math.ceil(max_len / (num_splits * block_n))
     out = torch.empty_like(query)
     group = num_heads // num_kv_heads
-    meta = dict(
+    args = dict(
+        query_ptr=query,
+        key_cache_ptr=key_cache,
+        value_cache_ptr=value_cache,
+        block_tables_ptr=block_tables,
+        context_lens_ptr=context_lens,
+        qk_scale=scale * LOG2E,
+        tokens_per_split=tokens_per_split,
+        **_strides("q", query, "bhd"),
+        **_strides("c", key_cache, "bshd"),
+        stride_bt=block_tables.stride(0),
+        block_size=key_cache.shape[1],
         GROUP=group,
         BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -130,53 +141,32 @@ def paged_attention_decode(
         BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(query.dtype),
     )
-    common = (key_cache, value_cache, block_tables, context_lens, scale * LOG2E, tokens_per_split)
-    cache_strides = (*key_cache.stride(), block_tables.stride(0), key_cache.shape[1])
     grid = (batch, num_kv_heads, num_splits)
-    if num_splits == 1:
-        decode_kernel[grid](
-            out,
-            out,
-            query,
-            *common,
-            *query.stride(),
-            out.stride(0),
-            out.stride(1),
-            0,
-            out.stride(2),
-            0,
-            0,
-            *cache_strides,
-            WRITE_LSE=False,
-            **meta,
-        )
+    if num_splits == 1:  # the program's result is the output: one split of [B, H, 1, D]
+        decode_kernel[grid](out_ptr=out, **_strides("o", out.unsqueeze(2), "bhsd"), **args)
         return out
     partial = torch.empty(
         batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
     )
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=query.device)
     decode_kernel[grid](
-        partial,
-        lse,
-        query,
-        *common,
-        *query.stride(),
-        *partial.stride(),
-        lse.stride(0),
-        lse.stride(1),
-        *cache_strides,
+        out_ptr=partial,
+        **_strides("o", partial, "bhsd"),
         WRITE_LSE=True,
-        **meta,
+        lse_ptr=lse,
+        stride_lb=lse.stride(0),
+        stride_lh=lse.stride(1),
+        **args,
     )
     merge_splits_kernel[(batch, num_heads)](
-        out,
-        partial,
-        lse,
-        num_splits,
-        *out.stride(),
-        *partial.stride(),
-        lse.stride(0),
-        lse.stride(1),
+        out_ptr=out,
+        partial_ptr=partial,
+        lse_ptr=lse,
+        num_splits=num_splits,
+        **_strides("o", out, "bhd"),
+        **_strides("p", partial, "bhsd"),
+        stride_lb=lse.stride(0),
+        stride_lh=lse.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim),
         BLOCK_S=triton.next_power_of_2(num_splits),
@@ -211,19 +201,19 @@ def paged_attention_prefill(
     block_q = max(1, PREFILL_ROWS // block_g)
     max_new = max_query_len or min(num_tokens, block_tables.shape[1] * key_cache.shape[1])
     prefill_kernel[(triton.cdiv(max_new, block_q), batch, num_kv_heads)](
-        out,
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        query_start_loc,
-        context_lens,
-        scale * LOG2E,
-        *query.stride(),
-        *out.stride(),
-        *key_cache.stride(),
-        block_tables.stride(0),
-        key_cache.shape[1],
+        out_ptr=out,
+        query_ptr=query,
+        key_cache_ptr=key_cache,
+        value_cache_ptr=value_cache,
+        block_tables_ptr=block_tables,
+        query_start_loc_ptr=query_start_loc,
+        context_lens_ptr=context_lens,
+        qk_scale=scale * LOG2E,
+        **_strides("q", query, "thd"),
+        **_strides("o", out, "thd"),
+        **_strides("c", key_cache, "bshd"),
+        stride_bt=block_tables.stride(0),
+        block_size=key_cache.shape[1],
         GROUP=group,
         BLOCK_G=block_g,
         BLOCK_Q=block_q,
@@ -233,6 +223,13 @@ def paged_attention_prefill(
         DOT_PRECISION=_dot_precision(query.dtype),
     )
     return out
+
+
+def _strides(name: str, tensor: torch.Tensor, dims: str) -> dict[str, int]:
+    """``tensor``'s strides as the kernels' keyword arguments: ``_strides("q", query,
+    "bhd")`` is ``{"stride_qb": ..., "stride_qh": ..., "stride_qd": ...}``."""
+    strides = zip(dims, tensor.stride(), strict=True)
+    return {f"stride_{name}{dim}": stride for dim, stride in strides}
 
 
 def _block_d(head_dim: int) -> int:
