@@ -25,8 +25,8 @@ import time
 
 from matplotlib.figure import Figure
 
-from minipaged.bench import common
 from minipaged.arg_utils import DEFAULT_MODEL, add_model_flag
+from minipaged.bench import common
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column, one_cpu_thread
 from minipaged.bench.presets import make_prompts
