@@ -17,6 +17,7 @@ import types
 import typing
 
 from minipaged.config import (
+    ALL2ALL_BACKENDS,
     ATTENTION_BACKENDS,
     DEVICES,
     MEMORY_MODES,
@@ -29,6 +30,7 @@ CHOICES = {
     "preemption_mode": PREEMPTION_MODES,
     "memory_mode": MEMORY_MODES,
     "attention_backend": ATTENTION_BACKENDS,
+    "all2all_backend": ALL2ALL_BACKENDS,
 }
 
 

@@ -35,6 +35,7 @@ BENCHES = (
     "preemption",
     "latency",
     "spec",
+    "moe",
 )
 
 

@@ -21,6 +21,9 @@ from minipaged.memory.contiguous import POLICIES
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
+# How expert parallelism moves tokens (minipaged.models.moe.ALL2ALL_BACKENDS): all-to-all
+# exchanges, or vLLM's all-gather + reduce-scatter.
+ALL2ALL_BACKENDS = ("alltoall", "allgather_reducescatter")
 # The names of the memory simulation's systems (minipaged.memory.simulate.SYSTEMS).
 MEMORY_MODES = ("paged", *(f"contiguous-{policy}" for policy in POLICIES))
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -71,6 +74,11 @@ class EngineConfig:
         speculative_config: speculative decoding, as vLLM's dict (`SpeculativeConfig`):
             ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}``
             or ``{"model": DRAFT, "num_speculative_tokens": k}``; None: off.
+        enable_expert_parallel: a mixture-of-experts model's ranks hold whole experts
+            (``num_experts / tensor_parallel_size`` each) rather than a slice of every
+            one, and tokens travel to them (`minipaged.models.moe`).
+        all2all_backend: how tokens travel under expert parallelism: ``"alltoall"``
+            (two all-to-all exchanges per layer) or ``"allgather_reducescatter"``.
     """
 
     model: str
@@ -95,12 +103,15 @@ class EngineConfig:
     cpu_kv_space: float = 1
     tensor_parallel_size: int = 1
     speculative_config: SpeculativeConfig | dict | None = None
+    enable_expert_parallel: bool = False
+    all2all_backend: str = "alltoall"
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
         _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _choice("memory_mode", self.memory_mode, MEMORY_MODES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("all2all_backend", self.all2all_backend, ALL2ALL_BACKENDS)
         _positive_int("block_size", self.block_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
@@ -124,7 +135,13 @@ class EngineConfig:
             self.tokenizer = os.fspath(self.tokenizer)
         if self.tokenizer is not None and not isinstance(self.tokenizer, str):
             raise ValueError(f"tokenizer must be a str, a path or None, got {self.tokenizer!r}")
-        for name in ("trust_remote_code", "enable_prefix_caching", "enforce_eager", "trace"):
+        for name in (
+            "trust_remote_code",
+            "enable_prefix_caching",
+            "enforce_eager",
+            "trace",
+            "enable_expert_parallel",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:

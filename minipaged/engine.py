@@ -51,6 +51,7 @@ from minipaged.model_runner import ModelRunner
 from minipaged.models.attention import head_dim
 from minipaged.models.hub import resolve_model
 from minipaged.models.loader import load_model
+from minipaged.models.moe import routing_stats
 from minipaged.models.resolve import (
     eos_token_ids,
     resolve_backend,
@@ -265,7 +266,8 @@ class LLMEngine:
 
     def counters(self) -> dict[str, float]:
         """The pools' free blocks, the queues and the counters: cheap enough to read
-        after every step (a server's ``/metrics``)."""
+        after every step (a server's ``/metrics``); for a mixture-of-experts model, the
+        last step's routing too (`routing_stats`)."""
         return {
             **self.kv.stats(),
             "num_preemptions": self.scheduler.num_preemptions,
@@ -276,4 +278,5 @@ class LLMEngine:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
             **(self.speculator.stats() if self.speculator else {}),
+            **routing_stats(self.model),
         }

@@ -113,6 +113,8 @@ class WorkerArgs:
     attention_backend: str
     block_size: int
     num_threads: int
+    expert_parallel: bool
+    all2all_backend: str
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -141,7 +143,9 @@ def worker_main(rank: int, size: int, port: int, conn, args: WorkerArgs) -> None
     try:
         conn.send(("hello", os.getpid()))
         device = rank_device(args.device, rank)
-        tp = init_tensor_parallel(rank, size, port, device)
+        tp = init_tensor_parallel(
+            rank, size, port, device, args.expert_parallel, args.all2all_backend
+        )
         model = load_model(args.path, args.dtype, device, args.attention_backend, tp)
         runner = ModelRunner(model, args.block_size, device)
         conn.send(("ok", None))

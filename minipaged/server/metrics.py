@@ -123,6 +123,27 @@ class EngineCollector:
                 if key.startswith(PER_POSITION):
                     per_position.add_metric([key.removeprefix(PER_POSITION)], value)
             yield per_position
+        if "expert_tokens_total" in stats:  # a mixture-of-experts model
+            yield from routing_metrics(stats)
+
+
+def routing_metrics(stats: dict):
+    """The experts' load: the last step's imbalance, and the (token, choice) pairs each
+    expert of each MoE layer has received, labelled by layer and expert."""
+    yield GAUGE(
+        "minipaged:expert_load_imbalance",
+        "Last step: the busiest expert's tokens over the mean, averaged over MoE layers.",
+        value=stats["expert_load_imbalance"],
+    )
+    tokens = COUNTER(
+        "minipaged:expert_tokens",
+        "Tokens routed to each expert (one per token and chosen expert).",
+        labels=["layer", "expert"],
+    )
+    for layer, counts in enumerate(stats["expert_tokens_total"]):
+        for expert, count in enumerate(counts):
+            tokens.add_metric([str(layer), str(expert)], count)
+    yield tokens
 
 
 def make_registry(engine: AsyncEngine) -> CollectorRegistry:
