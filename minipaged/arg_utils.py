@@ -20,6 +20,7 @@ from minipaged.config import (
     ALL2ALL_BACKENDS,
     ATTENTION_BACKENDS,
     DEVICES,
+    KV_CACHE_DTYPES,
     MEMORY_MODES,
     PREEMPTION_MODES,
     EngineConfig,
@@ -30,6 +31,7 @@ CHOICES = {
     "preemption_mode": PREEMPTION_MODES,
     "memory_mode": MEMORY_MODES,
     "attention_backend": ATTENTION_BACKENDS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
     "all2all_backend": ALL2ALL_BACKENDS,
 }
 

@@ -35,6 +35,7 @@ BENCHES = (
     "preemption",
     "latency",
     "spec",
+    "kv_cache_dtype",
     "moe",
 )
 

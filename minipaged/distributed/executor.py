@@ -70,15 +70,21 @@ class Executor:
 class TensorParallelExecutor(Executor):
     """The driver's side of a step over ``workers``: broadcast the plan, then run rank
     0's shard like any other rank.  The workers' pools get as many blocks as the
-    driver's (``cache_engine``), so the block tables hold on every rank."""
+    driver's (``cache_engine``), so the block tables hold on every rank, of its dtype;
+    with ``calculate_kv_scales`` each rank sets its fp8 scales from the first batch."""
 
     def __init__(
-        self, runner: ModelRunner, cache_engine: CacheEngine, workers: WorkerGroup
+        self,
+        runner: ModelRunner,
+        cache_engine: CacheEngine,
+        workers: WorkerGroup,
+        calculate_kv_scales: bool = False,
     ) -> None:
         super().__init__(runner, cache_engine)
         self.workers = workers
-        sizes = (len(cache_engine.gpu_cache[0][0]), len(cache_engine.cpu_cache[0][0]))
-        shapes = workers.call("allocate", *sizes)
+        key_cache = cache_engine.gpu_cache[0][0]
+        sizes = (len(key_cache), len(cache_engine.cpu_cache[0][0]))
+        shapes = workers.call("allocate", *sizes, key_cache.dtype, calculate_kv_scales)
         self.cache_shapes = [tuple(cache_engine.gpu_cache[0][0].shape), *shapes]
 
     def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor | None]:

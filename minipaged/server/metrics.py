@@ -41,6 +41,12 @@ METRICS = [
         lambda s: s["num_free_gpu_blocks"],
     ),
     (
+        "kv_cache_bytes",
+        GAUGE,
+        "Bytes of the GPU KV pool: its blocks times a block's bytes in kv_cache_dtype.",
+        lambda s: s["num_gpu_blocks"] * s["kv_cache_block_bytes"],
+    ),
+    (
         "cpu_kv_blocks_used",
         GAUGE,
         "CPU swap blocks holding swapped-out KV.",
