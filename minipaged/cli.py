@@ -34,6 +34,7 @@ BENCHES = (
     "blocksize",
     "preemption",
     "latency",
+    "spec",
     "kv_cache_dtype",
     "lora",
     "moe",

@@ -31,7 +31,7 @@ import torch
 from transformers import AutoTokenizer
 
 from minipaged.adapters import Adapters
-from minipaged.batch import ScheduledSeq
+from minipaged.batch import ScheduledSeq, logit_rows
 from minipaged.beam_search import BeamSearch
 from minipaged.cache_engine import CacheEngine, block_bytes, fit_max_model_len, pool_sizes
 from minipaged.config import EngineConfig
@@ -66,6 +66,7 @@ from minipaged.output_processor import OutputProcessor
 from minipaged.outputs import Output
 from minipaged.parallel_sampling import ParallelSampling
 from minipaged.sequence import SequenceGroup
+from minipaged.spec_decode.speculator import Speculator, make_proposer
 from minipaged.trace import Trace
 
 
@@ -169,6 +170,7 @@ class LLMEngine:
             self.scheduler,
             self.requests,
             self.device,
+            speculative=config.speculative_config is not None,
         )
         self.output_processor = OutputProcessor(
             self.scheduler, self.beam_search, self.eos_token_ids, self.max_model_len, self.requests
@@ -177,6 +179,26 @@ class LLMEngine:
         self.parallel_sampling = ParallelSampling(
             self.scheduler, self.output_processor, self.eos_token_ids, self.generator
         )
+        self.speculator = None
+        if spec := config.speculative_config:
+            self.speculator = Speculator(
+                spec,
+                self.scheduler,
+                self.output_processor,
+                self.eos_token_ids,
+                self.generator,
+                self.max_model_len,
+                make_proposer(
+                    spec,
+                    self.vocab_size,
+                    self.max_model_len,
+                    num_gpu_blocks,
+                    config.block_size,
+                    config.dtype,
+                    self.device,
+                    self.attention_backend,
+                ),
+            )
         self.num_steps = 0
         self.num_prompt_tokens = 0  # of every request added
         self.num_generated_tokens = 0  # sampled, by every sequence and beam
@@ -247,6 +269,8 @@ class LLMEngine:
         the caller, while the others go on.  Without it (``LLM.generate``) the error
         propagates to the caller."""
         self.failed = {}
+        if self.speculator:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         sampling, logits = self.executor.execute(batch)
         if sampling and fail_alone:
@@ -257,13 +281,24 @@ class LLMEngine:
         outputs = self.output_processor.outputs(
             [g for g in groups if g.request_id not in self.failed]
         )
+        if self.speculator:
+            self.speculator.release(self.scheduler.running)
         self.num_steps += 1
         self.trace.step = self.num_steps  # arrivals and aborts from now on belong to it
         return outputs
 
     def _update(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> None:
-        """Each row of ``logits`` is a sequence that reached its end: sample its next
-        token, or for beam search rank its candidates."""
+        """Each sequence of ``sampling`` reached its end: sample its next token from its
+        row of ``logits``, or for beam search rank its candidates, or verify the guesses
+        it ran (with one more row each, `logit_rows`)."""
+        if any(s.spec_token_ids for s in sampling):
+            rows = logit_rows(sampling)
+            spec = [i for i, s in enumerate(sampling) if s.spec_token_ids]
+            self.num_generated_tokens += self.speculator.verify(
+                [sampling[i] for i in spec], [logits[rows[i].start : rows[i].stop] for i in spec]
+            )
+            rest = [i for i, s in enumerate(sampling) if not s.spec_token_ids]
+            sampling, logits = [sampling[i] for i in rest], logits[[rows[i][0] for i in rest]]
         plain, beams = [], []
         for i, s in enumerate(sampling):
             (beams if s.group.is_beam_search else plain).append(i)
@@ -297,5 +332,6 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
+            **(self.speculator.stats() if self.speculator else {}),
             **routing_stats(self.model),
         }

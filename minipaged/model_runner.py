@@ -6,7 +6,10 @@ their positions, and `AttentionMetadata` tells every layer where their keys and 
 go and what they attend to (paper §4.3).  Only the last token of a sequence that reached
 its end is projected to logits; a chunk that stops mid-prompt samples nothing.  The
 rows of a request that asked for its prompt's logprobs are projected too, a chunk at a
-time, and scored into the request (`minipaged.prompt_logprobs`).
+time, and scored into the request (`minipaged.prompt_logprobs`).  With speculative
+decoding, a sequence's new tokens are its last token and a draft's guesses, and each of
+their positions is projected: the target's verdict on every guess, in one pass
+(`minipaged.spec_decode`).
 With `capture_decode_graphs`, a step of decodes only replays a CUDA graph instead
 (`minipaged.cuda_graphs`).  With `enable_lora`, each token also gets its adapter's
 LoRA term (`minipaged.models.lora`): the batch is ordered by adapter slot within its
@@ -59,7 +62,8 @@ class ModelRunner:
     def execute(
         self, seqs: list[ScheduledSeq], kv_caches
     ) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
-        """Run ``seqs``; returns those that sample, and their logits ``[N, vocab]``."""
+        """Run ``seqs``; returns those that sample, and their logits: one row each, and
+        one more per guess it verifies (`minipaged.batch.logit_rows`)."""
         if not seqs:
             return [], None
         # Prefills first: the trailing run of one-token sequences goes to the decode op.
@@ -78,9 +82,7 @@ class ModelRunner:
             validate=False,  # the scheduler's tables and counts
         )
         input_ids = int_tensor(
-            [t for s in seqs for t in s.seq.token_ids[s.start : s.start + s.num_new_tokens]],
-            self.device,
-            torch.long,
+            [t for s in seqs for t in s.input_token_ids()], self.device, torch.long
         )
         positions = token_positions(starts, counts, self.device)
         hidden = self.graphs.run(input_ids, positions, attn) if self.graphs else None
@@ -91,9 +93,9 @@ class ModelRunner:
         sampling, last_rows, end = [], [], 0
         for s in seqs:
             end += s.num_new_tokens
-            if s.samples:
+            if s.samples:  # the last token's row, after those of the guesses it verifies
                 sampling.append(s)
-                last_rows.append(end - 1)
+                last_rows += range(end - s.num_logit_rows, end)
         if not sampling:
             return [], None
         rows = int_tensor(last_rows, self.device, torch.long)

@@ -264,16 +264,20 @@ class Scheduler:
         used = 0
         for seq, n in plan:
             start = seq.num_computed_tokens
-            allocation = self.kv.append(seq.seq_id, seq.token_ids[start : start + n])
+            # Past the sequence's own tokens: a draft's guesses, in lookahead slots.
+            spec = seq.spec_token_ids[: max(0, start + n - len(seq.token_ids))]
+            tokens = seq.token_ids[start : start + n - len(spec)] + spec
+            allocation = self.kv.append(seq.seq_id, tokens, len(spec))
             if self.trace.enabled:
                 self.trace.record(
                     "append",
                     group.request_id,
                     seq.seq_id,
                     num_tokens=n,
+                    num_lookahead=len(spec),
                     blocks=allocation.block_table,
                 )
-            self._run(group, seq, start, n, allocation, out)
+            self._run(group, seq, start, n, allocation, out, spec)
             used += n
         return used
 
@@ -301,14 +305,16 @@ class Scheduler:
             used += n
         return used
 
-    def _run(self, group, seq, start, n, allocation: Allocation, out) -> None:
+    def _run(self, group, seq, start, n, allocation: Allocation, out, spec=()) -> None:
         """Put ``n`` tokens of ``seq`` from ``start`` on in this step's batch, with the
-        slots and copy-on-write copies the KV cache manager gave them."""
+        slots and copy-on-write copies the KV cache manager gave them; the last of
+        them may be the guesses ``spec`` (which `rollback` later keeps or gives back)."""
         for src, dst in allocation.copies:
             out.copies.append((src, dst))
             self.trace.record("cow", group.request_id, seq.seq_id, src=src, dst=dst)
-        seq.num_computed_tokens = start + n  # the step computes them before anyone reads
-        samples = start + n == len(seq.token_ids)
+        # The step computes them before anyone reads (the guesses: see rollback).
+        seq.num_computed_tokens = start + n - len(spec)
+        samples = seq.num_computed_tokens == len(seq.token_ids)
         out.seqs.append(
             ScheduledSeq(
                 seq,
@@ -320,8 +326,24 @@ class Scheduler:
                 samples,
                 self.lora_slots.slot_of.get(group.lora_id, -1),
                 group.prompt_logprob_positions(start, n),
+                list(spec),
             )
         )
+
+    def rollback(self, group: SequenceGroup, seq: Sequence, num_accepted: int) -> None:
+        """After verification: keep the KV of the first ``num_accepted`` guesses ``seq``
+        ran this step (now its tokens, computed), give back the slots of the rest."""
+        seq.num_computed_tokens += num_accepted
+        released = self.kv.rollback(seq.seq_id, seq.num_computed_tokens)
+        if self.trace.enabled:
+            self.trace.record(
+                "rollback",
+                group.request_id,
+                seq.seq_id,
+                num_accepted=num_accepted,
+                num_released_blocks=released,
+                blocks=self.kv.block_table(seq.seq_id),
+            )
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Evict a whole request (§4.5): swap it out if asked and the CPU pool has room,
@@ -412,11 +434,15 @@ class Scheduler:
 
 def _plan(group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
     """A running request's tokens this step: each sequence's uncomputed tokens (one for
-    a decode, a chunk of a prompt), as far as the token budget goes."""
+    a decode, a chunk of a prompt), as far as the token budget goes; a decode also runs
+    its draft's guesses, each a token of the budget (vLLM cuts them to fit too)."""
     plan = []
     for seq in group.seqs:  # (not group.unfinished_seqs: this runs for every request)
-        n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+        uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+        n = min(uncomputed, budget)
         if n > 0 and seq.finish_reason is None:
+            if uncomputed == 1 and seq.spec_token_ids:
+                n += min(len(seq.spec_token_ids), budget - 1)
             plan.append((seq, n))
             budget -= n
     return plan

@@ -54,6 +54,9 @@ class Sequence:
     num_reported_chars: int = 0
     # Beam search: this beam's best next (token, logprob) pairs, until the group ranks them.
     beam_candidates: list[tuple[int, float]] | None = None
+    # Speculative decoding: a draft's guesses at the tokens after its last one, for the
+    # next step to verify (`minipaged.spec_decode`); never part of ``token_ids``.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def output_token_ids(self) -> list[int]:

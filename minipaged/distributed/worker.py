@@ -41,9 +41,10 @@ __all__ = ["StepPlan", "StepTokens", "WorkerArgs", "rank_device", "rank_kv_confi
 class StepPlan:
     """What a worker needs of one `SchedulerOutput`: no requests, no sampling."""
 
-    # Per sequence: (start, the tokens to run, block table, slot mapping, samples,
-    # LoRA slot, the positions whose logits score prompt tokens: every rank projects them).
-    seqs: list[tuple[int, list[int], list[int], list[int], bool, int, range]]
+    # Per sequence: (start, its tokens to run, block table, slot mapping, samples,
+    # LoRA slot, the positions whose logits score prompt tokens (every rank projects
+    # them), and a draft's guesses run after the tokens).
+    seqs: list[tuple[int, list[int], list[int], list[int], bool, int, range, list[int]]]
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
     copies: list[tuple[int, int]]
@@ -54,12 +55,13 @@ class StepPlan:
         seqs = [
             (
                 s.start,
-                s.seq.token_ids[s.start : s.start + s.num_new_tokens],
+                s.seq.token_ids[s.start : s.start + s.num_new_tokens - len(s.spec_token_ids)],
                 s.block_table,
                 s.slot_mapping,
                 s.samples,
                 s.lora_slot,
                 s.prompt_logprob_positions,
+                s.spec_token_ids,
             )
             for s in batch.seqs
         ]
@@ -72,14 +74,15 @@ class StepPlan:
                 Sequence("", StepTokens(start, tokens), 0),
                 None,
                 start,
-                len(tokens),
+                len(tokens) + len(spec),
                 table,
                 slots,
                 samples,
                 lora_slot,
                 positions,
+                spec,
             )
-            for start, tokens, table, slots, samples, lora_slot, positions in self.seqs
+            for start, tokens, table, slots, samples, lora_slot, positions, spec in self.seqs
         ]
         return SchedulerOutput(
             seqs, self.swap_out, self.swap_in, self.copies, lora_loads=self.lora_loads

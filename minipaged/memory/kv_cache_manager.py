@@ -180,13 +180,26 @@ class KVCacheManager:
         writes in place), which errs on the safe side."""
         return self._table(seq_id).num_blocks_needed(num_new_tokens)
 
-    def append(self, seq_id: str, token_ids: list[int]) -> Allocation:
-        """Slots for a running sequence's next tokens (a decode token or a prefill chunk)."""
+    def append(self, seq_id: str, token_ids: list[int], num_lookahead: int = 0) -> Allocation:
+        """Slots for a running sequence's next tokens (a decode token or a prefill chunk);
+        the last ``num_lookahead`` are a draft's guesses, kept until `rollback`."""
         table = self._table(seq_id)
         if table.allocator is not self.gpu:
             raise ValueError(f"seq_id {seq_id!r} is swapped out; swap it in first")
-        slots, copies = table.append_tokens(token_ids)
+        if not isinstance(num_lookahead, int) or not 0 <= num_lookahead < max(len(token_ids), 1):
+            raise ValueError(
+                f"num_lookahead must be an int in [0, {len(token_ids)}), got {num_lookahead!r}"
+            )
+        slots, copies = table.append_tokens(token_ids, num_lookahead)
         return Allocation(slots, list(table.blocks), copies)
+
+    def rollback(self, seq_id: str, num_tokens: int) -> int:
+        """Keep the first ``num_tokens`` of a running sequence's tokens, giving back the
+        slots of the rest (a draft's rejected guesses); returns the blocks released."""
+        table = self._table(seq_id)
+        if table.allocator is not self.gpu:
+            raise ValueError(f"seq_id {seq_id!r} is swapped out; only a running one rolls back")
+        return table.truncate(num_tokens)
 
     # -- sharing and freeing ----------------------------------------------------------
     def fork(self, parent_id: str, child_id: str) -> None:
