@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from minipaged.lora_request import LoRARequest
 from minipaged.sequence import Sequence, SequenceGroup
 
 
@@ -32,6 +33,32 @@ class ScheduledSeq:
     block_table: list[int]
     slot_mapping: list[int]  # the cache slot of each new token, from the KV cache manager
     samples: bool  # does this step reach the sequence's end, so its last logits are used?
+    lora_slot: int = -1  # the slot of its LoRA adapter (minipaged.memory.lora_slots); -1: none
+    # Positions whose logits score a prompt token (SamplingParams.prompt_logprobs).
+    prompt_logprob_positions: range = range(0)
+    # A draft's guesses, run after the sequence's real tokens (the last ones of the
+    # step's ``num_new_tokens``) to be verified: their slots are lookahead slots.
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    def input_token_ids(self) -> list[int]:
+        """The tokens this step runs: the sequence's, then the guesses."""
+        end = self.start + self.num_new_tokens - len(self.spec_token_ids)
+        return self.seq.token_ids[self.start : end] + self.spec_token_ids
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Logit rows the step returns for it: its last token's, and one per guess."""
+        return 1 + len(self.spec_token_ids) if self.samples else 0
+
+
+def logit_rows(sampling: list[ScheduledSeq]) -> list[range]:
+    """The rows of a step's logits that each sampling sequence owns, in order: one, or
+    one more per guess under verification."""
+    rows, start = [], 0
+    for s in sampling:
+        rows.append(range(start, start + s.num_logit_rows))
+        start += s.num_logit_rows
+    return rows
 
 
 @dataclass
@@ -43,6 +70,8 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on the GPU
     preempted: list[SequenceGroup] = field(default_factory=list)
+    # (slot, adapter): load each adapter into its slot before the forward pass.
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -66,6 +95,22 @@ class Sample:
 
 
 @dataclass
+class Verified:
+    """What verifying ``seq``'s ``num_guesses`` guesses chose: the accepted ones and the
+    token after them (``token_ids``), with their logprobs.  The update phase keeps the
+    accepted guesses' slots, rolls back the rest, and appends the tokens up to a stop
+    (``num_appended``)."""
+
+    group: SequenceGroup
+    seq: Sequence
+    num_guesses: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float] | None]
+    num_appended: int = 0
+
+
+@dataclass
 class StepSamples:
     """What the sample phase chose this step, for the update phase to apply."""
 
@@ -75,7 +120,17 @@ class StepSamples:
     # ... and live beams that no kept extension continues.
     dropped_beams: list[tuple[SequenceGroup, Sequence]] = field(default_factory=list)
 
+    # Speculative decoding: each verified sequence's tokens (its accepted guesses and
+    # one more), applied after its guesses' slots are rolled back.
+    verified: list[Verified] = field(default_factory=list)
+
+    @property
+    def num_appended(self) -> int:
+        """Tokens the update phase appended (after `update_from_output`)."""
+        return len(self.tokens) + sum(v.num_appended for v in self.verified)
+
     def extend(self, other: StepSamples) -> None:
         self.tokens += other.tokens
+        self.verified += other.verified
         self.finished_beams += other.finished_beams
         self.dropped_beams += other.dropped_beams

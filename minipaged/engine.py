@@ -31,32 +31,37 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from minipaged.batch import ScheduledSeq, StepSamples
+from minipaged.adapters import Adapters
+from minipaged.batch import ScheduledSeq, StepSamples, logit_rows
 from minipaged.beam_search import BeamSearch
-from minipaged.cache_engine import block_bytes, pool_sizes
+from minipaged.cache_engine import block_bytes, fit_max_model_len, pool_sizes
 from minipaged.config import EngineConfig
 from minipaged.cuda_graphs import capture_decode_graphs, uses_decode_graphs
 from minipaged.distributed.parallel_state import SINGLE
 from minipaged.executor import Executor
 from minipaged.fail_alone import sample_failing_alone
 from minipaged.input_processor import InputProcessor, Params
+from minipaged.lora_request import LoRARequest
 from minipaged.memory import KVCacheManager
+from minipaged.memory.lora_slots import LoRASlots
 from minipaged.model_runner import ModelRunner
-from minipaged.models.attention import head_dim
+from minipaged.models.attention import calculate_kv_scales_on_next_batch, head_dim
 from minipaged.models.hub import resolve_model
-from minipaged.models.loader import load_model
+from minipaged.models.loader import load_model, model_class, read_config
+from minipaged.models.moe import routing_stats
 from minipaged.models.resolve import (
     eos_token_ids,
     resolve_backend,
     resolve_device,
     resolve_max_model_len,
 )
-from minipaged.ops import check_supported
+from minipaged.ops import check_supported, kv_quant
 from minipaged.output_processor import OutputProcessor
 from minipaged.outputs import Output
 from minipaged.parallel_sampling import ParallelSampling
 from minipaged.scheduler import make_scheduler
 from minipaged.sequence import SequenceGroup
+from minipaged.spec_decode.speculator import Speculator, make_proposer
 from minipaged.trace import Trace
 
 
@@ -92,26 +97,44 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.model.config)
         self.vocab_size = self.model.config.vocab_size
         self.runner = ModelRunner(self.model, config.block_size, self.device)
+        if config.enable_lora:
+            self.runner.enable_lora(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         self.executor = (
-            self.workers.executor(self.runner) if self.workers else Executor(self.runner)
+            self.workers.executor(self.runner, config.calculate_kv_scales)
+            if self.workers
+            else Executor(self.runner)
         )
 
     def _build_kv_cache(self) -> None:
-        """The KV pools, as many blocks as the memory allows (§4.5), on every rank; the
-        KV cache manager over their block ids (§4.2); the decode graphs that replay over
-        them (CUDA only)."""
+        """The KV pools, as many blocks as the memory allows (§4.5), on every rank, of
+        ``kv_cache_dtype``; the KV cache manager over their block ids (§4.2); the decode
+        graphs that replay over them (CUDA only)."""
         config, dtype = self.config, self.model.model.embed_tokens.weight.dtype
+        self.kv_cache_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, dtype)
         check_supported(
-            self.attention_backend, dtype, head_dim(self.model.config), config.block_size
+            self.attention_backend,
+            dtype,
+            head_dim(self.model.config),
+            config.block_size,
+            self.kv_cache_dtype,
+        )
+        # The pool is sized in bytes: a byte per element (fp8, int8) fits twice the blocks.
+        self.block_bytes = block_bytes(
+            self.executor.kv_config, config.block_size, self.kv_cache_dtype
         )
         num_gpu_blocks, num_cpu_blocks = pool_sizes(
             config,
             self.max_model_len,
             self.device,
-            block_bytes(self.executor.kv_config, config.block_size, dtype),
+            self.block_bytes,
             lambda: self.executor.kv_memory_budget(config, self.max_model_len),
         )
-        self.cache_engine = self.executor.allocate(num_gpu_blocks, num_cpu_blocks)
+        self.max_model_len = fit_max_model_len(
+            self.max_model_len, config.max_model_len, num_gpu_blocks, config.block_size
+        )
+        self.cache_engine = self.executor.allocate(
+            num_gpu_blocks, num_cpu_blocks, self.kv_cache_dtype
+        )
         self.kv = KVCacheManager(
             num_gpu_blocks, config.block_size, num_cpu_blocks, config.enable_prefix_caching
         )
@@ -119,10 +142,12 @@ class LLMEngine:
             capture_decode_graphs(
                 self.runner, self.cache_engine.gpu_cache, config.max_num_seqs, self.max_model_len
             )
+        if config.calculate_kv_scales:  # after the capture's dummy batches
+            calculate_kv_scales_on_next_batch(self.model)
 
     def _build_step_parts(self) -> None:
         """What each phase of a step asks: the scheduler (which records the trace), the
-        input processor, the two samplers and the output processor."""
+        input processor, the two samplers, the speculator and the output processor."""
         config = self.config
         self.trace = Trace(config.trace)
         self.scheduler = make_scheduler(
@@ -134,8 +159,18 @@ class LLMEngine:
             config.memory_mode,
             self.max_model_len,
         )
+        if config.enable_lora:
+            self.scheduler.lora_slots = LoRASlots(config.max_loras)
+        self.adapters = Adapters(
+            self.runner.lora, self.scheduler.lora_slots, self.scheduler.requests
+        )
         self.input_processor = InputProcessor(
-            self.tokenizer, self.vocab_size, self.max_model_len, self.scheduler, self.device
+            self.tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            self.scheduler,
+            self.device,
+            speculative=config.speculative_config is not None,
         )
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.parallel_sampling = ParallelSampling(self.eos_token_ids, self.generator)
@@ -143,6 +178,25 @@ class LLMEngine:
         self.output_processor = OutputProcessor(
             self.scheduler, self.beam_search, self.eos_token_ids, self.max_model_len
         )
+        self.speculator = None
+        if spec := config.speculative_config:
+            self.speculator = Speculator(
+                spec,
+                self.scheduler,
+                self.eos_token_ids,
+                self.generator,
+                self.max_model_len,
+                make_proposer(
+                    spec,
+                    self.vocab_size,
+                    self.max_model_len,
+                    self.kv.num_gpu_blocks,
+                    config.block_size,
+                    config.dtype,
+                    self.device,
+                    self.attention_backend,
+                ),
+            )
         self.num_steps = 0
         self.num_prompt_tokens = 0  # of every request added
         self.num_generated_tokens = 0  # sampled, by every sequence and beam
@@ -160,16 +214,43 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: Params,
         prompt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request.  Raises ``ValueError`` (changing nothing) if it is malformed
-        or could never fit the KV pool."""
+        """Queue a request, with ``lora_request``'s adapter if given.  Raises
+        ``ValueError`` (changing nothing) if it is malformed or could never fit the KV
+        pool."""
+        self.adapters.check(lora_request)
         group = self.input_processor.process(request_id, prompt_token_ids, params, prompt)
+        if lora_request is not None:
+            self.adapters.add(lora_request)
+            group.lora_request = lora_request
         self.scheduler.add(group)
         self.num_prompt_tokens += len(prompt_token_ids)
 
-    def check_request(self, request_id: str, prompt_token_ids: list[int], params: Params) -> None:
+    def check_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: Params,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
         """Raise ``ValueError`` if `add_request` would refuse the request."""
+        self.adapters.check(lora_request)
         self.input_processor.check(request_id, prompt_token_ids, params)
+
+    # -- adapters (vLLM's names) ------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter and make it known (`list_loras`) before any request uses
+        it; False if it was known."""
+        return self.adapters.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter that no unfinished request uses (``ValueError`` if one
+        does), freeing its slot and host copy; False if it is unknown."""
+        return self.adapters.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.adapters.by_id.values())
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks (between steps)."""
@@ -187,6 +268,8 @@ class LLMEngine:
         alone: it is aborted, its blocks freed, and its error left in ``failed`` for
         the caller, while the others go on.  Without it (``LLM.generate``) the error
         propagates to the caller."""
+        if self.speculator:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         sampling, logits = self.executor.execute(batch)
         samples, self.failed = StepSamples(), {}
@@ -199,19 +282,31 @@ class LLMEngine:
         elif sampling:
             samples = self.sample(sampling, logits)
         outputs = self.output_processor.update_from_output(batch, samples)
-        self.num_generated_tokens += len(samples.tokens)
+        self.num_generated_tokens += samples.num_appended
+        if self.speculator:
+            self.speculator.count(samples.verified)
+            self.speculator.release(self.scheduler.running)
         self.num_steps += 1
         self.trace.step = self.num_steps  # arrivals and aborts from now on belong to it
         return outputs
 
     def sample(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> StepSamples:
-        """The sample phase: row ``i`` of ``logits`` is ``sampling[i]``, a sequence that
-        reached its end; choose its next token, or for beam search rank its candidates.
-        Changes no request (`OutputProcessor.update_from_output` applies the choice)."""
+        """The sample phase: each sequence of ``sampling`` reached its end; choose its
+        next token from its row of ``logits``, or for beam search rank its candidates, or
+        verify the guesses it ran (with one more row each, `logit_rows`).  Changes no
+        request (`OutputProcessor.update_from_output` applies the choice)."""
+        samples = StepSamples()
+        if any(s.spec_token_ids for s in sampling):
+            rows = logit_rows(sampling)
+            spec = [i for i, s in enumerate(sampling) if s.spec_token_ids]
+            samples.verified = self.speculator.verify(
+                [sampling[i] for i in spec], [logits[rows[i].start : rows[i].stop] for i in spec]
+            )
+            rest = [i for i, s in enumerate(sampling) if not s.spec_token_ids]
+            sampling, logits = [sampling[i] for i in rest], logits[[rows[i][0] for i in rest]]
         plain, beams = [], []
         for i, s in enumerate(sampling):
             (beams if s.group.is_beam_search else plain).append(i)
-        samples = StepSamples()
         if plain:
             samples.tokens = self.parallel_sampling.sample(sampling, logits, plain)
         if beams:
@@ -231,9 +326,11 @@ class LLMEngine:
 
     def counters(self) -> dict[str, float]:
         """The pools' free blocks, the queues and the counters: cheap enough to read
-        after every step (a server's ``/metrics``)."""
+        after every step (a server's ``/metrics``); for a mixture-of-experts model, the
+        last step's routing too (`routing_stats`)."""
         return {
             **self.kv.stats(),
+            "kv_cache_block_bytes": self.block_bytes,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -241,6 +338,8 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
+            **(self.speculator.stats() if self.speculator else {}),
+            **routing_stats(self.model),
         }
 
 
@@ -249,6 +348,8 @@ def start_workers(config: EngineConfig, path: Path, device: torch.device, attent
     their shards while this process loads its own; None on one device, whose path never
     enters ``minipaged.distributed`` but for the group object."""
     if config.tensor_parallel_size == 1:
+        model_config = read_config(path)  # experts asked to split that are not there
+        model_class(model_config).check_parallel(model_config, 1, config.enable_expert_parallel)
         return None
     from minipaged.distributed.executor import start_workers as start  # noqa: PLC0415
 

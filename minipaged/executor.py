@@ -40,14 +40,17 @@ class Executor:
             config.gpu_memory_utilization, config.max_num_batched_tokens, max_model_len
         )
 
-    def allocate(self, num_gpu_blocks: int, num_cpu_blocks: int) -> CacheEngine:
-        """The GPU and CPU KV pools of ``num_gpu_blocks`` and ``num_cpu_blocks`` blocks."""
+    def allocate(
+        self, num_gpu_blocks: int, num_cpu_blocks: int, kv_cache_dtype: torch.dtype
+    ) -> CacheEngine:
+        """The GPU and CPU KV pools of ``num_gpu_blocks`` and ``num_cpu_blocks`` blocks,
+        of ``kv_cache_dtype`` (the model's, or fp8/int8 for a quantized cache)."""
         self.cache_engine = CacheEngine(
             self.kv_config,
             num_gpu_blocks,
             num_cpu_blocks,
             self.runner.block_size,
-            self.runner.model.model.embed_tokens.weight.dtype,
+            kv_cache_dtype,
             self.runner.device,
         )
         return self.cache_engine
@@ -55,4 +58,5 @@ class Executor:
     def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
         """Run ``batch``; returns the sequences that sample, and their logits."""
         self.cache_engine.execute(batch)
+        self.runner.activate_loras(batch.lora_loads)
         return self.runner.execute(batch.seqs, self.cache_engine.gpu_cache)

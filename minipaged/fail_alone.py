@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from minipaged.batch import ScheduledSeq, StepSamples
+from minipaged.batch import ScheduledSeq, StepSamples, logit_rows
 from minipaged.sequence import SequenceGroup
 
 SamplePhase = Callable[[list[ScheduledSeq], torch.Tensor], StepSamples]
@@ -42,10 +42,16 @@ def sample_failing_alone(
     rows: dict[SequenceGroup, list[int]] = defaultdict(list)
     for i, scheduled in enumerate(sampling):
         rows[scheduled.group].append(i)
+    spans = logit_rows(sampling)  # one row each, more where guesses are verified
     chosen, failed = StepSamples(), {}
     for group, group_rows in rows.items():
         try:
-            chosen.extend(sample([sampling[i] for i in group_rows], logits[group_rows]))
+            chosen.extend(
+                sample(
+                    [sampling[i] for i in group_rows],
+                    logits[[row for i in group_rows for row in spans[i]]],
+                )
+            )
         except Exception as error:  # noqa: BLE001  the engine aborts it
             failed[group.request_id] = error
     return chosen, failed

@@ -21,7 +21,7 @@ end.
 
 from __future__ import annotations
 
-from minipaged.batch import Sample, SchedulerOutput, StepSamples
+from minipaged.batch import Sample, SchedulerOutput, StepSamples, Verified
 from minipaged.beam_search import BeamSearch
 from minipaged.outputs import CompletionOutput, Output, RequestOutput
 from minipaged.sampling_params import RequestOutputKind, SamplingParams
@@ -48,6 +48,8 @@ class OutputProcessor:
         """Apply what the sample phase chose for ``batch``, and return the step's outputs:
         the requests that finished, and the news of those that stream.  A request
         aborted since ``batch`` was scheduled (one that failed alone) is left out."""
+        for v in samples.verified:  # speculative decoding's accepted guesses and more
+            self._apply_verified(v)
         for s in samples.finished_beams:  # from the beam as it was when ranked
             s.group.completed_beams.append(
                 (s.seq.token_ids + [s.token_id], s.seq.cumulative_logprob + s.logprob)
@@ -63,6 +65,21 @@ class OutputProcessor:
                 seq.logprobs.append(s.top_logprobs)
             self.check_stop(s.group, seq)
         return self.outputs(list(dict.fromkeys(s.group for s in batch.seqs)))
+
+    def _apply_verified(self, v: Verified) -> None:
+        """Keep the slots of ``v``'s accepted guesses, give back the rest, and append its
+        tokens one at a time, each checked for a stop (the tokens after one are dropped)."""
+        group, seq = v.group, v.seq
+        self.scheduler.rollback(group, seq, len(v.token_ids) - 1)
+        seq.spec_token_ids = []
+        for token, logprob, top in zip(v.token_ids, v.logprobs, v.top_logprobs):
+            self.scheduler.append_token(group, seq, token, logprob)
+            v.num_appended += 1
+            if seq.logprobs is not None:
+                seq.logprobs.append(top)
+            self.check_stop(group, seq)
+            if seq.is_finished:
+                break
 
     def _fork(self, sample: Sample) -> Sequence:
         child = self.scheduler.fork(sample.group, sample.seq)
@@ -142,6 +159,7 @@ class OutputProcessor:
         last output, and None if nothing is."""
         delta = group.params.output_kind is RequestOutputKind.DELTA
         seqs = sorted(group.seqs, key=lambda s: s.index)
+        first = not any(s.num_reported_tokens for s in seqs)  # a stream's first output
         completions = [
             completion(s, group.params, delta)
             for s in seqs
@@ -150,7 +168,12 @@ class OutputProcessor:
         if not completions:
             return None
         return RequestOutput(
-            group.request_id, group.prompt, group.prompt_token_ids, completions, group.is_finished
+            group.request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            completions,
+            group.is_finished,
+            group.prompt_logprobs if first or not delta else None,
         )
 
 

@@ -35,8 +35,7 @@ from minipaged.distributed.parallel_state import (
 from minipaged.distributed.worker import StepPlan, WorkerArgs, rank_kv_config, worker_main
 from minipaged.executor import Executor
 from minipaged.model_runner import ModelRunner
-from minipaged.models.llama import check_tensor_parallel
-from minipaged.models.loader import read_config
+from minipaged.models.loader import model_class, read_config
 
 __all__ = ["TensorParallelExecutor", "WorkerGroup", "on_all_ranks", "start_workers"]
 
@@ -54,11 +53,15 @@ SPAWN_HINT = (
 class TensorParallelExecutor(Executor):
     """The driver's side of a step over ``workers``: broadcast the plan, then run rank
     0's shard like any other rank.  The workers' pools get as many blocks as the
-    driver's, so the block tables hold on every rank."""
+    driver's, so the block tables hold on every rank, of its dtype; with
+    ``calculate_kv_scales`` each rank sets its fp8 scales from the first batch."""
 
-    def __init__(self, runner: ModelRunner, workers: WorkerGroup) -> None:
+    def __init__(
+        self, runner: ModelRunner, workers: WorkerGroup, calculate_kv_scales: bool = False
+    ) -> None:
         super().__init__(runner)
         self.workers = workers
+        self.calculate_kv_scales = calculate_kv_scales
         self.cache_shapes: list[tuple[int, ...]] = []  # each rank's GPU pool, from allocate
 
     @property
@@ -79,9 +82,13 @@ class TensorParallelExecutor(Executor):
             )
         )
 
-    def allocate(self, num_gpu_blocks: int, num_cpu_blocks: int) -> CacheEngine:
-        cache_engine = super().allocate(num_gpu_blocks, num_cpu_blocks)
-        shapes = self.workers.call("allocate", num_gpu_blocks, num_cpu_blocks)
+    def allocate(
+        self, num_gpu_blocks: int, num_cpu_blocks: int, kv_cache_dtype: torch.dtype
+    ) -> CacheEngine:
+        cache_engine = super().allocate(num_gpu_blocks, num_cpu_blocks, kv_cache_dtype)
+        shapes = self.workers.call(
+            "allocate", num_gpu_blocks, num_cpu_blocks, kv_cache_dtype, self.calculate_kv_scales
+        )
         self.cache_shapes = [tuple(cache_engine.gpu_cache[0][0].shape), *shapes]
         return cache_engine
 
@@ -103,14 +110,36 @@ def start_workers(
     config: EngineConfig, path, device: torch.device, attention_backend: str
 ) -> WorkerGroup:
     """Ranks 1..N-1 of ``tensor_parallel_size`` N > 1 (this process is rank 0), once
-    the model is known to split N ways."""
+    the model is known to split N ways (its experts too, with
+    ``enable_expert_parallel``)."""
     size = config.tensor_parallel_size
-    check_tensor_parallel(read_config(path), size)
+    model_config = read_config(path)
+    model_class(model_config).check_parallel(model_config, size, config.enable_expert_parallel)
     if device.type == "cuda" and size > torch.cuda.device_count():
         raise ValueError(
             f"tensor_parallel_size={size} needs {size} GPUs, torch sees {torch.cuda.device_count()}"
         )
-    return WorkerGroup.start(size, path, config.dtype, device, attention_backend, config.block_size)
+    args = WorkerArgs(
+        str(path),
+        config.dtype,
+        device.type,
+        attention_backend,
+        config.block_size,
+        num_threads(device, size),
+        config.enable_expert_parallel,
+        config.all2all_backend,
+        (config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+        if config.enable_lora
+        else None,
+    )
+    return WorkerGroup.start(size, args, device)
+
+
+def num_threads(device: torch.device, size: int) -> int:
+    """Threads per rank.  On a CPU the ranks share its cores: as many threads each as
+    leave none idle and none fighting (OpenMP threads that compete for a core wait on
+    each other)."""
+    return max(1, torch.get_num_threads() // size) if device.type == "cpu" else 1
 
 
 def on_all_ranks(workers: WorkerGroup | None, runner: ModelRunner, method: str, *args) -> list:
@@ -150,23 +179,12 @@ class WorkerGroup:
         )
 
     @classmethod
-    def start(
-        cls,
-        size: int,
-        path,
-        dtype: str,
-        device: torch.device,
-        attention_backend: str,
-        block_size: int,
-    ) -> WorkerGroup:
-        """Spawn ``size - 1`` workers and form the group with them (this process is rank 0)."""
+    def start(cls, size: int, args: WorkerArgs, device: torch.device) -> WorkerGroup:
+        """Spawn ``size - 1`` workers that build their shards as ``args`` says, and form
+        the group with them (this process is rank 0)."""
         # Not fork: a forked child of a process whose torch (or CUDA) started threads
         # may deadlock on locks those threads held.
         context = multiprocessing.get_context("spawn")
-        # On a CPU the ranks share its cores: as many threads each as leave none idle
-        # and none fighting (OpenMP threads that compete for a core wait on each other).
-        num_threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else 1
-        args = WorkerArgs(str(path), dtype, device.type, attention_backend, block_size, num_threads)
         port, processes, conns = free_port(), [], []
         for rank in range(1, size):
             ours, theirs = context.Pipe()
@@ -180,21 +198,25 @@ class WorkerGroup:
             theirs.close()
             processes.append(process)
             conns.append(ours)
-        group = cls(processes, conns, num_threads)
+        group = cls(processes, conns, args.num_threads)
         try:
             try:  # every worker has started, so joining cannot wait on a dead one
                 group.receive()
             except RuntimeError as error:
                 raise RuntimeError(f"{error}, before it started: {SPAWN_HINT}") from None
-            group.tp = init_tensor_parallel(0, size, port, device)
+            group.tp = init_tensor_parallel(
+                0, size, port, device, args.expert_parallel, args.all2all_backend
+            )
         except BaseException as error:
             group.fail(error)
             raise
         return group
 
-    def executor(self, runner: ModelRunner) -> TensorParallelExecutor:
+    def executor(
+        self, runner: ModelRunner, calculate_kv_scales: bool = False
+    ) -> TensorParallelExecutor:
         """The driver's executor over this group, rank 0's shard run by ``runner``."""
-        return TensorParallelExecutor(runner, self)
+        return TensorParallelExecutor(runner, self, calculate_kv_scales)
 
     def wait_loaded(self) -> None:
         """Wait for every worker to have loaded its shard."""

@@ -36,9 +36,10 @@ __all__ = [
 ]
 
 # What ``load_targets(kind)`` returns for the parameter ``kind`` ("weight", "bias"): HF
-# tensor -> (index into our parameter, index into the checkpoint tensor).  The key "" is
-# the parameter's own name; a merged layer has one key per HF projection.
-LoadTargets = dict[str, tuple[tuple[slice, ...], tuple[slice, ...]]]
+# tensor -> (index into our parameter, index into the checkpoint tensor), or None for a
+# tensor the rank does not read (under expert parallelism, another rank's expert).  The
+# key "" is the parameter's own name; a merged layer has one key per HF projection.
+LoadTargets = dict[str, tuple[tuple[slice, ...], tuple[slice, ...]] | None]
 ALL = (slice(None),)
 
 
@@ -121,7 +122,12 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return self.reduce(F.linear(x, self.weight))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The ranks' partial outputs summed, plus the bias (a LoRA term joins the
+        partial output first, `minipaged.models.lora`)."""
+        out = self.tp.all_reduce(partial)
         return out if self.bias is None else out + self.bias
 
     def load_targets(self, kind: str) -> LoadTargets:
