@@ -12,10 +12,10 @@ Large Language Model Serving with PagedAttention" (SOSP 2023).  The layers, bott
 - ``minipaged.sequence``, ``minipaged.scheduler`` (and ``minipaged.contiguous_scheduler``,
   the paper's baseline) - requests and which of their tokens run each step (standard
   library only);
-- ``minipaged.cache_engine``, ``minipaged.model_runner``, ``minipaged.input_processor``,
-  ``minipaged.output_processor``, ``minipaged.engine`` and ``minipaged.llm`` - the KV
-  tensors, the forward pass, requests in and outputs out, the step loop and the ``LLM``
-  API;
+- ``minipaged.cache_engine``, ``minipaged.model_runner``, ``minipaged.executor``,
+  ``minipaged.input_processor``, ``minipaged.output_processor``, ``minipaged.engine`` and
+  ``minipaged.llm`` - the KV tensors, the forward pass, where a step runs, requests in
+  and outputs out (the update phase), the step loop and the ``LLM`` API;
 - ``minipaged.distributed`` - tensor parallelism (§4.6): the parallel layers the models
   are built from, and the executor that runs a step over a group of processes;
 - ``minipaged.viz`` and ``minipaged.workloads`` - pictures and synthetic requests for the

@@ -1,9 +1,14 @@
-"""What one engine step runs: the scheduler's decision, as data (paper §4.5).
+"""What one engine step runs and what it chose, as data (paper §4.5).
 
 `SchedulerOutput` is what `Scheduler.schedule` hands down: the sequences to run, each a
 `ScheduledSeq` (which of its tokens, and its block table), and the block operations the
 cache engine must carry out before the forward pass.  The cache engine, the model runner
 and the tensor-parallel workers read it; none of them needs the scheduler itself.
+
+`StepSamples` is what the sample phase hands back up: each new token as a `Sample`
+(parallel sampling's draws, beam search's kept extensions), and beam search's finished
+and dropped beams.  Choosing changes no request; `OutputProcessor.update_from_output`
+applies the choice (vLLM's ``Scheduler.update_from_output``).
 
 Standard library only.
 """
@@ -11,6 +16,7 @@ Standard library only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from minipaged.lora_request import LoRARequest
 from minipaged.sequence import Sequence, SequenceGroup
@@ -70,3 +76,61 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.seqs)
+
+
+@dataclass(slots=True)
+class Sample:
+    """A token chosen this step for ``seq`` of ``group``.  With ``fork`` it is the first
+    token of a new sequence forked from ``seq`` (a prompt with ``n`` > 1, a beam kept
+    more than once), which draws from ``generator`` from then on (a seeded request's
+    completion ``i`` has its own stream)."""
+
+    group: SequenceGroup
+    seq: Sequence
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float] | None = None
+    fork: bool = False
+    generator: Any = None
+
+
+@dataclass
+class Verified:
+    """What verifying ``seq``'s ``num_guesses`` guesses chose: the accepted ones and the
+    token after them (``token_ids``), with their logprobs.  The update phase keeps the
+    accepted guesses' slots, rolls back the rest, and appends the tokens up to a stop
+    (``num_appended``)."""
+
+    group: SequenceGroup
+    seq: Sequence
+    num_guesses: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float] | None]
+    num_appended: int = 0
+
+
+@dataclass
+class StepSamples:
+    """What the sample phase chose this step, for the update phase to apply."""
+
+    tokens: list[Sample] = field(default_factory=list)
+    # Beam search: extensions that end in EOS (set aside whole: they take no blocks)...
+    finished_beams: list[Sample] = field(default_factory=list)
+    # ... and live beams that no kept extension continues.
+    dropped_beams: list[tuple[SequenceGroup, Sequence]] = field(default_factory=list)
+
+    # Speculative decoding: each verified sequence's tokens (its accepted guesses and
+    # one more), applied after its guesses' slots are rolled back.
+    verified: list[Verified] = field(default_factory=list)
+
+    @property
+    def num_appended(self) -> int:
+        """Tokens the update phase appended (after `update_from_output`)."""
+        return len(self.tokens) + sum(v.num_appended for v in self.verified)
+
+    def extend(self, other: StepSamples) -> None:
+        self.tokens += other.tokens
+        self.verified += other.verified
+        self.finished_beams += other.finished_beams
+        self.dropped_beams += other.dropped_beams

@@ -7,8 +7,10 @@ freed.  Extensions ending in EOS are set aside as finished candidates, and at
 ``max_tokens`` the live beams join them; the best ``beam_width`` candidates, by
 `beam_score`, are the request's output.
 
-`BeamSearch` is the engine's update phase for beam search requests: it asks the
-scheduler to fork and free beams, so the event trace sees every block operation.
+`BeamSearch` is the sample phase for beam search requests, as `ParallelSampling` is for
+sampling: it only chooses (`StepSamples`); forking the beams kept more than once,
+freeing the others, the length limit and the output are the update phase's
+(`OutputProcessor.update_from_output`).
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ from collections import defaultdict
 
 import torch
 
-from minipaged.batch import ScheduledSeq
+from minipaged.batch import Sample, ScheduledSeq, StepSamples
 from minipaged.outputs import BeamSearchOutput, BeamSearchSequence
 from minipaged.sampler import beam_candidates
-from minipaged.scheduler import Scheduler
 from minipaged.sequence import SequenceGroup
 
 
@@ -37,43 +38,40 @@ def beam_score(
 class BeamSearch:
     """Ranks beam search requests' candidates and builds their outputs."""
 
-    def __init__(
-        self, scheduler: Scheduler, eos_token_ids: set[int], max_model_len: int, tokenizer
-    ) -> None:
-        self.scheduler = scheduler
+    def __init__(self, eos_token_ids: set[int], tokenizer) -> None:
         self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
         self.tokenizer = tokenizer
 
-    def rank(self, sampling: list[ScheduledSeq], logits: torch.Tensor, rows: list[int]) -> int:
-        """Give every beam that reached its end its best next tokens; a request whose
-        live beams all have theirs moves on to the next step's beams.  Returns the
-        number of tokens the kept beams gained."""
+    def rank(
+        self, sampling: list[ScheduledSeq], logits: torch.Tensor, rows: list[int]
+    ) -> StepSamples:
+        """Give every beam that reached its end its best next tokens; for each request
+        whose live beams all have theirs, choose the next step's beams."""
         width = max(sampling[i].group.params.beam_width for i in rows)
         top = beam_candidates(logits[rows], width)
         ids, logprobs = top.token_ids.tolist(), top.logprobs.tolist()
         for j, i in enumerate(rows):
             k = 2 * sampling[i].group.params.beam_width
+            # Kept on the beam until it grows: after a recompute, beams may finish their
+            # prompts in different steps.
             sampling[i].seq.beam_candidates = list(zip(ids[j][:k], logprobs[j][:k]))
-        generated = 0
+        out = StepSamples()
         for group in dict.fromkeys(sampling[i].group for i in rows):
-            # After a recompute, beams may finish their prompts in different steps.
             if all(b.beam_candidates is not None for b in group.unfinished_seqs):
-                generated += self._extend(group)
-        return generated
+                self._extend(group, out)
+        return out
 
-    def _extend(self, group: SequenceGroup) -> int:
-        """Keep the ``beam_width`` best extensions of all beams; returns how many."""
+    def _extend(self, group: SequenceGroup, out: StepSamples) -> None:
+        """The ``beam_width`` best extensions of all beams: a beam kept more than once
+        forks, one not kept is dropped, one ending in EOS is set aside finished."""
         params = group.params
         live, eos = [], set() if params.ignore_eos else self.eos_token_ids
         for beam in group.unfinished_seqs:
             for token, logprob in beam.beam_candidates:
-                score = beam.cumulative_logprob + logprob
                 if token in eos:
-                    group.completed_beams.append((beam.token_ids + [token], score))
+                    out.finished_beams.append(Sample(group, beam, token, logprob))
                 else:
-                    live.append((score, beam, token, logprob))
-            beam.beam_candidates = None
+                    live.append((beam.cumulative_logprob + logprob, beam, token, logprob))
         live.sort(
             key=lambda c: (
                 -beam_score(
@@ -81,34 +79,15 @@ class BeamSearch:
                 )
             )
         )
-        children = defaultdict(list)
+        kept = defaultdict(list)
         for _, beam, token, logprob in live[: params.beam_width]:
-            children[beam].append((token, logprob))
+            kept[beam].append((token, logprob))
         for beam in group.unfinished_seqs:
-            if beam not in children:
-                self.scheduler.free_seq(group, beam)
-                group.seqs.remove(beam)
+            if beam not in kept:
+                out.dropped_beams.append((group, beam))
                 continue
-            first, *rest = children[beam]
-            for token, logprob in rest:  # fork before the parent grows
-                self.scheduler.fork(group, beam).append_token(token, logprob)
-            beam.append_token(*first)
-        self._maybe_finish(group)
-        return min(params.beam_width, len(live))
-
-    def _maybe_finish(self, group: SequenceGroup) -> None:
-        """At ``max_tokens`` (or ``max_model_len``) the live beams join the finished
-        candidates and give their blocks back."""
-        beams = group.unfinished_seqs
-        if beams and (
-            beams[0].num_output_tokens < group.params.max_tokens
-            and len(beams[0].token_ids) < self.max_model_len
-        ):
-            return
-        for beam in beams:
-            group.completed_beams.append((list(beam.token_ids), beam.cumulative_logprob))
-            self.scheduler.free_seq(group, beam)
-            beam.finish_reason = "length"
+            for k, (token, logprob) in enumerate(kept[beam]):
+                out.tokens.append(Sample(group, beam, token, logprob, fork=k > 0))
 
     def output(self, group: SequenceGroup) -> BeamSearchOutput:
         """The request's best ``beam_width`` finished candidates, best first."""

@@ -9,7 +9,7 @@ waiting request is admitted only if its range can be placed first-fit
 The ranges cover every token their requests can write, so nothing is ever preempted.
 The KV stays paged underneath: the range decides who runs, never what is computed.
 
-`make_scheduler` picks the scheduler a ``memory_mode`` asks for.
+`minipaged.scheduler.make_scheduler` gives it to an engine whose ``memory_mode`` asks for it.
 
 Standard library only.
 """
@@ -25,22 +25,6 @@ from minipaged.sequence import SequenceGroup
 from minipaged.trace import Trace
 
 CONTIGUOUS_MODES = tuple(mode for mode in MEMORY_MODES if mode != "paged")
-
-
-def make_scheduler(
-    kv: KVCacheManager,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    preemption_mode: str = "recompute",
-    trace: Trace | None = None,
-    memory_mode: str = "paged",
-    max_model_len: int | None = None,
-) -> Scheduler:
-    """The scheduler of ``memory_mode``: vLLM's paged one, or Orca's contiguous baseline."""
-    args = (kv, max_num_seqs, max_num_batched_tokens, preemption_mode, trace, max_model_len)
-    if memory_mode == "paged":
-        return Scheduler(*args)
-    return ContiguousScheduler(*args, memory_mode=memory_mode)
 
 
 class ContiguousScheduler(Scheduler):
@@ -70,7 +54,7 @@ class ContiguousScheduler(Scheduler):
         )
         self.memory_mode = memory_mode
         self.reservations = ContiguousReservations(
-            memory_mode.removeprefix("contiguous-"), kv.gpu.num_blocks, kv.block_size, max_model_len
+            memory_mode.removeprefix("contiguous-"), kv.num_gpu_blocks, kv.block_size, max_model_len
         )
 
     def check_fits(self, prompt_len: int, params: SamplingParams | BeamSearchParams) -> None:
@@ -79,7 +63,7 @@ class ContiguousScheduler(Scheduler):
         super().check_fits(prompt_len, params)
         name, width = width_of(params)
         slots = self.reservations.num_slots(prompt_len, params.max_tokens, width)
-        pool = self.kv.gpu.num_blocks * self.kv.block_size
+        pool = self.kv.num_gpu_blocks * self.kv.block_size
         if slots > pool:
             raise ValueError(
                 f"memory_mode={self.memory_mode!r} reserves {slots} KV "

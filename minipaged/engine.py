@@ -10,17 +10,18 @@
 - **execute**: the `Executor` runs those block operations on the `CacheEngine`, then
   the `ModelRunner`'s forward pass over the batch (with ``tensor_parallel_size`` > 1,
   on every rank of the group, §4.6);
-- **sample**: `ParallelSampling` draws each finished sequence's next token, after a
-  prompt with ``n`` > 1 forked into its ``n`` sequences (`BeamSearch` ranks candidates
-  instead, forking and freeing beams, §4.4);
-- **update**: after each new token the `OutputProcessor` detokenizes and checks the
-  stop conditions, freeing a finished sequence's blocks; then it builds the step's
-  outputs: each finished request's, and what the step added to requests that stream
-  (``SamplingParams.output_kind``).
+- **sample**: `ParallelSampling` draws each finished sequence's next token (a prompt
+  with ``n`` > 1 draws one for each of its ``n`` completions), `BeamSearch` ranks the
+  beams' candidates instead (§4.4); both only choose (`StepSamples`);
+- **update**: `OutputProcessor.update_from_output` applies the choice: it forks, appends
+  each new token, checks the stop conditions, frees a finished sequence's blocks and
+  retires a finished request; then it builds the step's outputs: each finished
+  request's, and what the step added to requests that stream (``output_kind``).
 
 Everything about memory is the scheduler's (and, under it, the KV cache manager's); the
-step's parts only ever ask it to fork, append to or free a sequence, so the event
-trace, which the scheduler records, sees every block operation.
+update only ever asks it to fork, append to or free a sequence, so the event trace,
+which the scheduler records, sees every block operation.  The scheduler also owns the
+requests (`Scheduler.requests`), from `add_request` until they retire or are aborted.
 """
 
 from __future__ import annotations
@@ -31,21 +32,14 @@ import torch
 from transformers import AutoTokenizer
 
 from minipaged.adapters import Adapters
-from minipaged.batch import ScheduledSeq, logit_rows
+from minipaged.batch import ScheduledSeq, StepSamples, logit_rows
 from minipaged.beam_search import BeamSearch
-from minipaged.cache_engine import CacheEngine, block_bytes, fit_max_model_len, pool_sizes
+from minipaged.cache_engine import block_bytes, fit_max_model_len, pool_sizes
 from minipaged.config import EngineConfig
-from minipaged.contiguous_scheduler import make_scheduler
 from minipaged.cuda_graphs import capture_decode_graphs, uses_decode_graphs
-from minipaged.distributed.executor import (
-    Executor,
-    TensorParallelExecutor,
-    kv_memory_budget,
-    start_workers,
-)
 from minipaged.distributed.parallel_state import SINGLE
-from minipaged.distributed.worker import rank_kv_config
-from minipaged.fail_alone import update_failing_alone
+from minipaged.executor import Executor
+from minipaged.fail_alone import sample_failing_alone
 from minipaged.input_processor import InputProcessor, Params
 from minipaged.lora_request import LoRARequest
 from minipaged.memory import KVCacheManager
@@ -53,7 +47,7 @@ from minipaged.memory.lora_slots import LoRASlots
 from minipaged.model_runner import ModelRunner
 from minipaged.models.attention import calculate_kv_scales_on_next_batch, head_dim
 from minipaged.models.hub import resolve_model
-from minipaged.models.loader import load_model
+from minipaged.models.loader import load_model, model_class, read_config
 from minipaged.models.moe import routing_stats
 from minipaged.models.resolve import (
     eos_token_ids,
@@ -65,6 +59,7 @@ from minipaged.ops import check_supported, kv_quant
 from minipaged.output_processor import OutputProcessor
 from minipaged.outputs import Output
 from minipaged.parallel_sampling import ParallelSampling
+from minipaged.scheduler import make_scheduler
 from minipaged.sequence import SequenceGroup
 from minipaged.spec_decode.speculator import Speculator, make_proposer
 from minipaged.trace import Trace
@@ -80,12 +75,16 @@ class LLMEngine:
         self.attention_backend = resolve_backend(config.attention_backend, self.device)
         self.workers = start_workers(config, path, self.device, self.attention_backend)
         try:
-            self._build(path)
+            self._load_model(path)
+            self._build_kv_cache()
+            self._build_step_parts()
         except BaseException:
             self.shutdown()
             raise
 
-    def _build(self, path: Path) -> None:
+    def _load_model(self, path: Path) -> None:
+        """The model (this rank's shard of it, with tensor parallelism), its tokenizer,
+        what it settles (EOS tokens, ``max_model_len``), and the executor that runs it."""
         config = self.config
         tp = self.workers.tp if self.workers else SINGLE
         self.model = load_model(path, config.dtype, self.device, self.attention_backend, tp)
@@ -100,7 +99,17 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config.block_size, self.device)
         if config.enable_lora:
             self.runner.enable_lora(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
-        dtype = self.model.model.embed_tokens.weight.dtype
+        self.executor = (
+            self.workers.executor(self.runner, config.calculate_kv_scales)
+            if self.workers
+            else Executor(self.runner)
+        )
+
+    def _build_kv_cache(self) -> None:
+        """The KV pools, as many blocks as the memory allows (§4.5), on every rank, of
+        ``kv_cache_dtype``; the KV cache manager over their block ids (§4.2); the decode
+        graphs that replay over them (CUDA only)."""
+        config, dtype = self.config, self.model.model.embed_tokens.weight.dtype
         self.kv_cache_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, dtype)
         check_supported(
             self.attention_backend,
@@ -109,33 +118,22 @@ class LLMEngine:
             config.block_size,
             self.kv_cache_dtype,
         )
-        kv_config = rank_kv_config(self.model.config, tp.size)  # this rank's KV heads
         # The pool is sized in bytes: a byte per element (fp8, int8) fits twice the blocks.
-        self.block_bytes = block_bytes(kv_config, config.block_size, self.kv_cache_dtype)
+        self.block_bytes = block_bytes(
+            self.executor.kv_config, config.block_size, self.kv_cache_dtype
+        )
         num_gpu_blocks, num_cpu_blocks = pool_sizes(
             config,
             self.max_model_len,
             self.device,
             self.block_bytes,
-            lambda: kv_memory_budget(self.workers, self.runner, config, self.max_model_len),
+            lambda: self.executor.kv_memory_budget(config, self.max_model_len),
         )
         self.max_model_len = fit_max_model_len(
             self.max_model_len, config.max_model_len, num_gpu_blocks, config.block_size
         )
-        self.cache_engine = CacheEngine(
-            kv_config,
-            num_gpu_blocks,
-            num_cpu_blocks,
-            config.block_size,
-            self.kv_cache_dtype,
-            self.device,
-        )
-        self.executor = (
-            TensorParallelExecutor(
-                self.runner, self.cache_engine, self.workers, config.calculate_kv_scales
-            )
-            if self.workers
-            else Executor(self.runner, self.cache_engine)
+        self.cache_engine = self.executor.allocate(
+            num_gpu_blocks, num_cpu_blocks, self.kv_cache_dtype
         )
         self.kv = KVCacheManager(
             num_gpu_blocks, config.block_size, num_cpu_blocks, config.enable_prefix_caching
@@ -146,6 +144,11 @@ class LLMEngine:
             )
         if config.calculate_kv_scales:  # after the capture's dummy batches
             calculate_kv_scales_on_next_batch(self.model)
+
+    def _build_step_parts(self) -> None:
+        """What each phase of a step asks: the scheduler (which records the trace), the
+        input processor, the two samplers, the speculator and the output processor."""
+        config = self.config
         self.trace = Trace(config.trace)
         self.scheduler = make_scheduler(
             self.kv,
@@ -156,35 +159,30 @@ class LLMEngine:
             config.memory_mode,
             self.max_model_len,
         )
-        self.beam_search = BeamSearch(
-            self.scheduler, self.eos_token_ids, self.max_model_len, self.tokenizer
-        )
-        self.requests: dict[str, SequenceGroup] = {}
         if config.enable_lora:
             self.scheduler.lora_slots = LoRASlots(config.max_loras)
-        self.adapters = Adapters(self.runner.lora, self.scheduler.lora_slots, self.requests)
+        self.adapters = Adapters(
+            self.runner.lora, self.scheduler.lora_slots, self.scheduler.requests
+        )
         self.input_processor = InputProcessor(
             self.tokenizer,
             self.vocab_size,
             self.max_model_len,
             self.scheduler,
-            self.requests,
             self.device,
             speculative=config.speculative_config is not None,
         )
-        self.output_processor = OutputProcessor(
-            self.scheduler, self.beam_search, self.eos_token_ids, self.max_model_len, self.requests
-        )
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.parallel_sampling = ParallelSampling(
-            self.scheduler, self.output_processor, self.eos_token_ids, self.generator
+        self.parallel_sampling = ParallelSampling(self.eos_token_ids, self.generator)
+        self.beam_search = BeamSearch(self.eos_token_ids, self.tokenizer)
+        self.output_processor = OutputProcessor(
+            self.scheduler, self.beam_search, self.eos_token_ids, self.max_model_len
         )
         self.speculator = None
         if spec := config.speculative_config:
             self.speculator = Speculator(
                 spec,
                 self.scheduler,
-                self.output_processor,
                 self.eos_token_ids,
                 self.generator,
                 self.max_model_len,
@@ -192,7 +190,7 @@ class LLMEngine:
                     spec,
                     self.vocab_size,
                     self.max_model_len,
-                    num_gpu_blocks,
+                    self.kv.num_gpu_blocks,
                     config.block_size,
                     config.dtype,
                     self.device,
@@ -203,6 +201,11 @@ class LLMEngine:
         self.num_prompt_tokens = 0  # of every request added
         self.num_generated_tokens = 0  # sampled, by every sequence and beam
         self.failed: dict[str, Exception] = {}  # the last step's, with fail_alone
+
+    @property
+    def requests(self) -> dict[str, SequenceGroup]:
+        """The requests not finished yet, by id (the scheduler's: read, never change)."""
+        return self.scheduler.requests
 
     # -- requests ---------------------------------------------------------------------
     def add_request(
@@ -221,7 +224,6 @@ class LLMEngine:
         if lora_request is not None:
             self.adapters.add(lora_request)
             group.lora_request = lora_request
-        self.requests[request_id] = group
         self.scheduler.add(group)
         self.num_prompt_tokens += len(prompt_token_ids)
 
@@ -252,9 +254,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks (between steps)."""
-        group = self.scheduler.abort(request_id)
-        if group is not None:
-            del self.requests[request_id]
+        self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -268,33 +268,38 @@ class LLMEngine:
         alone: it is aborted, its blocks freed, and its error left in ``failed`` for
         the caller, while the others go on.  Without it (``LLM.generate``) the error
         propagates to the caller."""
-        self.failed = {}
         if self.speculator:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         sampling, logits = self.executor.execute(batch)
+        samples, self.failed = StepSamples(), {}
         if sampling and fail_alone:
-            self.failed = update_failing_alone(self, sampling, logits)
+            samples, self.failed = sample_failing_alone(
+                self.sample, sampling, logits, self.generator
+            )
+            for request_id in self.failed:
+                self.abort_request(request_id)
         elif sampling:
-            self._update(sampling, logits)
-        groups = dict.fromkeys([s.group for s in batch.seqs])
-        outputs = self.output_processor.outputs(
-            [g for g in groups if g.request_id not in self.failed]
-        )
+            samples = self.sample(sampling, logits)
+        outputs = self.output_processor.update_from_output(batch, samples)
+        self.num_generated_tokens += samples.num_appended
         if self.speculator:
+            self.speculator.count(samples.verified)
             self.speculator.release(self.scheduler.running)
         self.num_steps += 1
         self.trace.step = self.num_steps  # arrivals and aborts from now on belong to it
         return outputs
 
-    def _update(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> None:
-        """Each sequence of ``sampling`` reached its end: sample its next token from its
-        row of ``logits``, or for beam search rank its candidates, or verify the guesses
-        it ran (with one more row each, `logit_rows`)."""
+    def sample(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> StepSamples:
+        """The sample phase: each sequence of ``sampling`` reached its end; choose its
+        next token from its row of ``logits``, or for beam search rank its candidates, or
+        verify the guesses it ran (with one more row each, `logit_rows`).  Changes no
+        request (`OutputProcessor.update_from_output` applies the choice)."""
+        samples = StepSamples()
         if any(s.spec_token_ids for s in sampling):
             rows = logit_rows(sampling)
             spec = [i for i, s in enumerate(sampling) if s.spec_token_ids]
-            self.num_generated_tokens += self.speculator.verify(
+            samples.verified = self.speculator.verify(
                 [sampling[i] for i in spec], [logits[rows[i].start : rows[i].stop] for i in spec]
             )
             rest = [i for i, s in enumerate(sampling) if not s.spec_token_ids]
@@ -303,9 +308,10 @@ class LLMEngine:
         for i, s in enumerate(sampling):
             (beams if s.group.is_beam_search else plain).append(i)
         if plain:
-            self.num_generated_tokens += self.parallel_sampling.sample(sampling, logits, plain)
+            samples.tokens = self.parallel_sampling.sample(sampling, logits, plain)
         if beams:
-            self.num_generated_tokens += self.beam_search.rank(sampling, logits, beams)
+            samples.extend(self.beam_search.rank(sampling, logits, beams))
+        return samples
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the engine is
@@ -335,3 +341,16 @@ class LLMEngine:
             **(self.speculator.stats() if self.speculator else {}),
             **routing_stats(self.model),
         }
+
+
+def start_workers(config: EngineConfig, path: Path, device: torch.device, attention_backend: str):
+    """With ``tensor_parallel_size`` N > 1, ranks 1..N-1 of the group (§4.6), loading
+    their shards while this process loads its own; None on one device, whose path never
+    enters ``minipaged.distributed`` but for the group object."""
+    if config.tensor_parallel_size == 1:
+        model_config = read_config(path)  # experts asked to split that are not there
+        model_class(model_config).check_parallel(model_config, 1, config.enable_expert_parallel)
+        return None
+    from minipaged.distributed.executor import start_workers as start  # noqa: PLC0415
+
+    return start(config, path, device, attention_backend)

@@ -1,82 +1,70 @@
-"""A step's update in which a request whose sampling raises fails alone.
+"""A step's sample phase in which a request whose sampling raises fails alone.
 
 A server batches many clients' requests into one step; an error while sampling one of
 them (a bug, or sampling parameters the checks let through) must not fail the others.
-`update_failing_alone` runs the engine's update over the whole batch, as usual; only if
-that raises does it undo what the update began (`UpdateSnapshot`: forks, random draws)
-and update each request on its own, aborting those that raise again.  `LLM.generate`
-does not ask for this: its caller hears the error.
+`sample_failing_alone` runs the sample phase over the whole batch, as usual; only if
+that raises does it draw again request by request, and report those that raise again.
+The sample phase changes no request (the update phase applies what it chose), so a
+retry only needs the random streams put back where the failed attempt found them
+(`RandomStreams`).  The engine aborts the requests that failed, through its public
+`LLMEngine.abort_request`; `LLM.generate` does not ask for any of this: its caller hears
+the error.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
-from minipaged.batch import ScheduledSeq, logit_rows
+from minipaged.batch import ScheduledSeq, StepSamples, logit_rows
 from minipaged.sequence import SequenceGroup
 
+SamplePhase = Callable[[list[ScheduledSeq], torch.Tensor], StepSamples]
 
-def update_failing_alone(
-    engine, sampling: list[ScheduledSeq], logits: torch.Tensor
-) -> dict[str, Exception]:
-    """``engine._update`` over the whole batch (the fast path); if it raises, undo what
-    it began and update each request on its own.  Returns the requests that raised, by
-    id, each aborted (its blocks freed).  An error after tokens were appended cannot be
-    undone and propagates."""
-    saved = UpdateSnapshot(engine, sampling)
+
+def sample_failing_alone(
+    sample: SamplePhase,
+    sampling: list[ScheduledSeq],
+    logits: torch.Tensor,
+    generator: torch.Generator,
+) -> tuple[StepSamples, dict[str, Exception]]:
+    """``sample(sampling, logits)`` over the whole batch (the fast path); if it raises,
+    over each request's rows on its own.  Returns what the requests that did not raise
+    chose, and the errors of those that did, by request id.  ``generator``: the stream
+    of the requests without a seed."""
+    streams = RandomStreams(sampling, generator)
     try:
-        engine._update(sampling, logits)
-        return {}
-    except Exception:
-        if not saved.restore():
-            raise
+        return sample(sampling, logits), {}
+    except Exception:  # noqa: BLE001  any error; each request is tried alone below
+        streams.restore()
     rows: dict[SequenceGroup, list[int]] = defaultdict(list)
     for i, scheduled in enumerate(sampling):
         rows[scheduled.group].append(i)
     spans = logit_rows(sampling)  # one row each, more where guesses are verified
-    failed = {}
+    chosen, failed = StepSamples(), {}
     for group, group_rows in rows.items():
         try:
-            engine._update(
-                [sampling[i] for i in group_rows],
-                logits[[row for i in group_rows for row in spans[i]]],
+            chosen.extend(
+                sample(
+                    [sampling[i] for i in group_rows],
+                    logits[[row for i in group_rows for row in spans[i]]],
+                )
             )
-        except Exception as error:  # noqa: BLE001  any error; the abort frees its blocks
+        except Exception as error:  # noqa: BLE001  the engine aborts it
             failed[group.request_id] = error
-            engine.abort_request(group.request_id)
-    return failed
+    return chosen, failed
 
 
-class UpdateSnapshot:
-    """What `LLMEngine._update` changes before it appends a token, saved so a batch
-    that raised can be replayed request by request: each request's sequences (a prompt
-    with ``n`` > 1 forks) and the random generators' states (draws already made)."""
+class RandomStreams:
+    """The states of the generators a batch draws from (each seeded sequence's own, and
+    the shared one), saved so a failed attempt's draws can be taken back."""
 
-    def __init__(self, engine, sampling: list[ScheduledSeq]) -> None:
-        self.engine = engine
-        self.groups = {s.group: list(s.group.seqs) for s in sampling}
-        seqs = [seq for group_seqs in self.groups.values() for seq in group_seqs]
-        self.lengths = [len(seq.token_ids) for seq in seqs]
-        self.generators = [
-            (seq.generator, seq.generator.get_state()) for seq in seqs if seq.generator is not None
-        ]
-        self.generators.append((engine.generator, engine.generator.get_state()))
-        self.num_generated_tokens = engine.num_generated_tokens
+    def __init__(self, sampling: list[ScheduledSeq], generator: torch.Generator) -> None:
+        generators = [s.seq.generator for s in sampling if s.seq.generator is not None]
+        self.states = [(g, g.get_state()) for g in [*generators, generator]]
 
-    def restore(self) -> bool:
-        """Put everything back; False (changing nothing) if a token was appended."""
-        seqs = [seq for group_seqs in self.groups.values() for seq in group_seqs]
-        if [len(seq.token_ids) for seq in seqs] != self.lengths or any(
-            group.seqs[: len(kept)] != kept for group, kept in self.groups.items()
-        ):
-            return False
-        for group, kept in self.groups.items():
-            for child in group.seqs[len(kept) :]:  # forked by the failed attempt
-                self.engine.scheduler.free_seq(group, child)
-            del group.seqs[len(kept) :]
-        for generator, state in self.generators:
+    def restore(self) -> None:
+        for generator, state in self.states:
             generator.set_state(state)
-        self.engine.num_generated_tokens = self.num_generated_tokens
-        return True

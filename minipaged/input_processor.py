@@ -28,8 +28,8 @@ Params = SamplingParams | BeamSearchParams
 
 
 class InputProcessor:
-    """Checks requests against the model and the scheduler, and builds their groups;
-    ``requests``: the engine's, by id (a new id must not be one of them)."""
+    """Checks requests against the model and the scheduler (whose requests a new id must
+    not be one of), and builds their groups."""
 
     def __init__(
         self,
@@ -37,7 +37,6 @@ class InputProcessor:
         vocab_size: int,
         max_model_len: int,
         scheduler: Scheduler,
-        requests: dict[str, SequenceGroup],
         device: torch.device,
         speculative: bool = False,
     ) -> None:
@@ -46,7 +45,6 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.scheduler = scheduler
-        self.requests = requests
         self.device = device
         self._arrivals = itertools.count()
 
@@ -86,7 +84,7 @@ class InputProcessor:
                 "beam search cannot run with speculative_config (neither can it in vLLM); "
                 "start an LLM without speculative_config for it"
             )
-        if request_id in self.requests:
+        if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty (it has no tokens)")

@@ -23,6 +23,8 @@ import torch
 from minipaged.batch import ScheduledSeq
 from minipaged.cuda_graphs import DecodeGraphs
 from minipaged.lora_request import LoRARequest
+from minipaged.memory import KVCacheManager
+from minipaged.memory.block_table import blocks_for
 from minipaged.models.attention import (
     AttentionMetadata,
     allocate_kv_caches,
@@ -78,7 +80,7 @@ class ModelRunner:
             counts,
             self.block_size,
             self.device,
-            [slot for s in seqs for slot in s.slot_mapping],
+            slot_mapping=[slot for s in seqs for slot in s.slot_mapping],
             validate=False,  # the scheduler's tables and counts
         )
         input_ids = int_tensor(
@@ -118,17 +120,20 @@ class ModelRunner:
             min(max_model_len, max_num_batched_tokens - start)
             for start in range(0, max_num_batched_tokens, max_model_len)
         ]
-        tables, next_block = [], 0
-        for length in lengths:
-            num = -(-length // self.block_size)
-            tables.append(list(range(next_block, next_block + num)))
-            next_block += num
+        num_blocks = sum(blocks_for(length, self.block_size) for length in lengths)
+        kv = KVCacheManager(num_blocks, self.block_size)
+        prompts = [kv.allocate(str(i), [0] * length) for i, length in enumerate(lengths)]
         config = self.model.config
         dtype = self.model.model.embed_tokens.weight.dtype
-        caches = allocate_kv_caches(config, next_block, self.block_size, dtype, self.device)
+        caches = allocate_kv_caches(config, num_blocks, self.block_size, dtype, self.device)
         cache_bytes = sum(k.nbytes + v.nbytes for k, v in caches)
         attn = AttentionMetadata.build(
-            tables, [0] * len(lengths), lengths, self.block_size, self.device
+            [p.block_table for p in prompts],
+            [0] * len(lengths),
+            lengths,
+            self.block_size,
+            self.device,
+            slot_mapping=[slot for p in prompts for slot in p.slot_mapping],
         )
         input_ids = torch.zeros(sum(lengths), dtype=torch.long, device=self.device)
         positions = token_positions([0] * len(lengths), lengths, self.device)

@@ -1,30 +1,36 @@
-"""The output processor: sampled tokens become text, stops and `RequestOutput`s (paper §4.5).
+"""The output processor: the step's update phase, from sampled tokens to `RequestOutput`s
+(paper §4.5).
 
-After the sampler appends a token to a sequence, `OutputProcessor.check_stop` decides
-whether the sequence is done, in vLLM's order: EOS (unless ``ignore_eos``), a stop token,
-a stop string (its text cut where the string begins), then ``max_tokens`` or
-``max_model_len``.  A sequence that stops gives its blocks back at once, through the
-scheduler; shared blocks only lose a holder.
+`OutputProcessor.update_from_output` is the one place a step changes its requests, as
+vLLM's ``Scheduler.update_from_output`` is: the sample phase only chose tokens
+(`StepSamples`); here each one is appended (a prompt with ``n`` > 1, or a beam kept
+more than once, forking first), the stop conditions are checked, a finished sequence
+gives its blocks back, and a finished request retires.  The stop conditions, in vLLM's
+order: EOS (unless ``ignore_eos``), a stop token, a stop string (its text cut where the
+string begins), then ``max_tokens`` or ``max_model_len``; a beam search request only
+has the last two (its EOS extensions were set aside when ranked).  A sequence that
+stops gives its blocks back at once, through the scheduler; shared blocks only lose a
+holder.
 
-At the end of a step, `OutputProcessor.outputs` turns the step's requests into what
-`LLMEngine.step` returns: each finished request's output (its last sequence done, it
-leaves the scheduler), and, for requests that stream (``output_kind`` other than
-``FINAL_ONLY``), what the step added.  Text is decoded incrementally
-(`minipaged.detokenizer`), and only where it is needed before the end.
+Then it turns the step's requests into what `LLMEngine.step` returns: each finished
+request's output (its last sequence done, it leaves the scheduler), and, for requests
+that stream (``output_kind`` other than ``FINAL_ONLY``), what the step added.  Text is
+decoded incrementally (`minipaged.detokenizer`), and only where it is needed before the
+end.
 """
 
 from __future__ import annotations
 
+from minipaged.batch import Sample, SchedulerOutput, StepSamples, Verified
 from minipaged.beam_search import BeamSearch
 from minipaged.outputs import CompletionOutput, Output, RequestOutput
 from minipaged.sampling_params import RequestOutputKind, SamplingParams
 from minipaged.scheduler import Scheduler
-from minipaged.sequence import Sequence, SequenceGroup
+from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 class OutputProcessor:
-    """Stop checks and outputs for the requests in ``requests`` (the engine's, by id:
-    a request leaves it when its output is final)."""
+    """The update phase over the scheduler's requests, and the outputs it builds."""
 
     def __init__(
         self,
@@ -32,19 +38,64 @@ class OutputProcessor:
         beam_search: BeamSearch,
         eos_token_ids: set[int],
         max_model_len: int,
-        requests: dict[str, SequenceGroup],
     ) -> None:
         self.scheduler = scheduler
         self.beam_search = beam_search
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.requests = requests
+
+    def update_from_output(self, batch: SchedulerOutput, samples: StepSamples) -> list[Output]:
+        """Apply what the sample phase chose for ``batch``, and return the step's outputs:
+        the requests that finished, and the news of those that stream.  A request
+        aborted since ``batch`` was scheduled (one that failed alone) is left out."""
+        for v in samples.verified:  # speculative decoding's accepted guesses and more
+            self._apply_verified(v)
+        for s in samples.finished_beams:  # from the beam as it was when ranked
+            s.group.completed_beams.append(
+                (s.seq.token_ids + [s.token_id], s.seq.cumulative_logprob + s.logprob)
+            )
+        for group, beam in samples.dropped_beams:
+            self.scheduler.free_seq(group, beam)
+            group.seqs.remove(beam)
+        # Every fork before any sequence grows: a child starts from its parent as it was.
+        seqs = [self._fork(s) if s.fork else s.seq for s in samples.tokens]
+        for s, seq in zip(samples.tokens, seqs):
+            self.scheduler.append_token(s.group, seq, s.token_id, s.logprob)
+            if seq.logprobs is not None:
+                seq.logprobs.append(s.top_logprobs)
+            self.check_stop(s.group, seq)
+        return self.outputs(list(dict.fromkeys(s.group for s in batch.seqs)))
+
+    def _apply_verified(self, v: Verified) -> None:
+        """Keep the slots of ``v``'s accepted guesses, give back the rest, and append its
+        tokens one at a time, each checked for a stop (the tokens after one are dropped)."""
+        group, seq = v.group, v.seq
+        self.scheduler.rollback(group, seq, len(v.token_ids) - 1)
+        seq.spec_token_ids = []
+        for token, logprob, top in zip(v.token_ids, v.logprobs, v.top_logprobs):
+            self.scheduler.append_token(group, seq, token, logprob)
+            v.num_appended += 1
+            if seq.logprobs is not None:
+                seq.logprobs.append(top)
+            self.check_stop(group, seq)
+            if seq.is_finished:
+                break
+
+    def _fork(self, sample: Sample) -> Sequence:
+        child = self.scheduler.fork(sample.group, sample.seq)
+        child.generator = sample.generator
+        return child
 
     # -- stop checks ------------------------------------------------------------------
     def check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
         """Decide whether ``seq`` is done after its new token, detokenizing as it goes
         where text is needed before the end (stop strings, streaming)."""
         params, token = group.params, seq.token_ids[-1]
+        if group.is_beam_search:
+            if self._at_length(params, seq):  # the beam joins the finished candidates
+                group.completed_beams.append((list(seq.token_ids), seq.cumulative_logprob))
+                self._end(group, seq, "length", None)
+            return
         eos = not params.ignore_eos and token in self.eos_token_ids
         if eos or token in params.stop_token_ids:
             # The stop token stays in the token ids but not in the text (vLLM).
@@ -59,8 +110,13 @@ class OutputProcessor:
             ):
                 self._end(group, seq, "stop", hit)
                 return
-        if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if self._at_length(params, seq):
             self._end(group, seq, "length", None, seq.output_token_ids)
+
+    def _at_length(self, params, seq: Sequence) -> bool:
+        return (
+            seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len
+        )
 
     def _end(
         self,
@@ -84,6 +140,8 @@ class OutputProcessor:
         of those that stream."""
         outputs = []
         for group in groups:
+            if group.status is SequenceStatus.FINISHED:  # aborted
+                continue
             if group.is_finished:
                 outputs.append(self._finish(group))
             elif streams(group) and (output := self.request_output(group)):
@@ -91,7 +149,6 @@ class OutputProcessor:
         return outputs
 
     def _finish(self, group: SequenceGroup) -> Output:
-        del self.requests[group.request_id]
         self.scheduler.retire(group)
         if group.is_beam_search:
             return self.beam_search.output(group)

@@ -27,7 +27,14 @@ requests may pass it; a swapped one comes back only with its slot.
 
 The paper's baseline, Orca's contiguous reservations (``memory_mode`` other than
 ``"paged"``), is a subclass with one more admission rule
-(`minipaged.contiguous_scheduler`).
+(`minipaged.contiguous_scheduler`); `make_scheduler` gives an engine the one its
+``memory_mode`` asks for.
+
+The scheduler holds every request from `add` until it retires or is aborted
+(``requests``, by id), and the update phase changes memory only through it (`fork`,
+`append_token`, `free_seq`, `retire`), so the event trace sees every block operation.
+Whether tokens fit, it asks the KV cache manager (`can_append_any`, `can_append_all`,
+`can_allocate_all`), never the allocator under it.
 
 The scheduler decides; it does not touch tensors.  Its output lists the sequences to run
 and the block operations the cache engine must execute first (swap out, swap in,
@@ -39,7 +46,6 @@ Standard library only.
 from __future__ import annotations
 
 import bisect
-from collections import Counter
 
 from minipaged.batch import ScheduledSeq, SchedulerOutput
 from minipaged.config import PREEMPTION_MODES
@@ -49,6 +55,25 @@ from minipaged.memory.lora_slots import LoRASlots
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.trace import Trace
+
+
+def make_scheduler(
+    kv: KVCacheManager,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    preemption_mode: str = "recompute",
+    trace: Trace | None = None,
+    memory_mode: str = "paged",
+    max_model_len: int | None = None,
+) -> Scheduler:
+    """The scheduler of ``memory_mode``: vLLM's paged one, or Orca's contiguous baseline
+    (`minipaged.contiguous_scheduler`, a subclass, so imported only when asked for)."""
+    args = (kv, max_num_seqs, max_num_batched_tokens, preemption_mode, trace, max_model_len)
+    if memory_mode == "paged":
+        return Scheduler(*args)
+    from minipaged.contiguous_scheduler import ContiguousScheduler  # noqa: PLC0415
+
+    return ContiguousScheduler(*args, memory_mode=memory_mode)
 
 
 class Scheduler:
@@ -76,7 +101,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
         self.trace = trace or Trace()
-        # Each queue is kept in arrival order, oldest first.
+        # Every request from `add` until it retires or is aborted, by id; each is in
+        # exactly one queue, kept in arrival order, oldest first.
+        self.requests: dict[str, SequenceGroup] = {}
         self.waiting: list[SequenceGroup] = []
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
@@ -85,6 +112,7 @@ class Scheduler:
 
     # -- the queues -------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
+        self.requests[group.request_id] = group
         _insert(self.waiting, group, SequenceStatus.WAITING)
         self.trace.record("arrive", group.request_id, num_prompt_tokens=len(group.prompt_token_ids))
 
@@ -93,22 +121,32 @@ class Scheduler:
 
     def abort(self, request_id: str) -> SequenceGroup | None:
         """Drop a request wherever it is and free its blocks; None if it is not here."""
-        for queue in (self.waiting, self.running, self.swapped):
-            for group in queue:
-                if group.request_id == request_id:
-                    queue.remove(group)
-                    if queue is self.running:
-                        self.lora_slots.release(group.lora_id)
-                    self._release(group, "abort")
-                    self.trace.record("abort", request_id)
-                    return group
-        return None
+        group = self.requests.pop(request_id, None)
+        if group is None:
+            return None
+        if group.status is SequenceStatus.RUNNING:
+            self.lora_slots.release(group.lora_id)
+        self._queue(group.status).remove(group)
+        self._release(group, "abort")
+        group.status = SequenceStatus.FINISHED
+        self.trace.record("abort", request_id)
+        return group
 
     def retire(self, group: SequenceGroup) -> None:
         """Take a finished request off the running queue (its blocks are already free)."""
+        del self.requests[group.request_id]
         self.running.remove(group)
+        group.status = SequenceStatus.FINISHED
         self.lora_slots.release(group.lora_id)
         self.trace.record("finish", group.request_id)
+
+    def _queue(self, status: SequenceStatus) -> list[SequenceGroup]:
+        queues = {
+            SequenceStatus.WAITING: self.waiting,
+            SequenceStatus.RUNNING: self.running,
+            SequenceStatus.SWAPPED: self.swapped,
+        }
+        return queues[status]
 
     def append_token(
         self, group: SequenceGroup, seq: Sequence, token_id: int, logprob: float
@@ -120,15 +158,7 @@ class Scheduler:
 
     def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         """A new sequence sharing all of ``parent``'s blocks, copy-on-write (§4.4)."""
-        child = Sequence(
-            group.new_seq_id(),
-            list(parent.token_ids),
-            parent.prompt_len,
-            index=len(group.seqs),
-            num_computed_tokens=parent.num_computed_tokens,
-            cumulative_logprob=parent.cumulative_logprob,
-            logprobs=None if parent.logprobs is None else list(parent.logprobs),
-        )
+        child = parent.fork(group.new_seq_id(), index=len(group.seqs))
         self.kv.fork(parent.seq_id, child.seq_id)
         group.seqs.append(child)
         self.trace.record(
@@ -161,10 +191,10 @@ class Scheduler:
         if self.max_model_len is not None:
             longest = min(longest, self.max_model_len)
         needed = width * blocks_for(longest, self.kv.block_size)
-        if needed > self.kv.gpu.num_blocks:
+        if needed > self.kv.num_gpu_blocks:
             raise ValueError(
                 f"max_tokens={params.max_tokens} with {name}={width} may need "
-                f"{needed} KV blocks, more than the pool's {self.kv.gpu.num_blocks}"
+                f"{needed} KV blocks, more than the pool's {self.kv.num_gpu_blocks}"
                 " (num_gpu_blocks)"
             )
 
@@ -365,51 +395,26 @@ class Scheduler:
     def _release(self, group: SequenceGroup, finish_reason: str | None) -> None:
         """Free every block the request holds; with a reason, its sequences end too."""
         for seq in group.unfinished_seqs:
-            if seq.seq_id in self.kv.tables:
+            if self.kv.has_block_table(seq.seq_id):
                 self.free_seq(group, seq)
             seq.num_computed_tokens = 0
             seq.finish_reason = finish_reason
 
     def _roomy(self, queue: list[SequenceGroup], budget: int) -> bool:
-        """Can every running sequence take its next tokens, whatever they are?  Each
-        needs at most one block for its first token (see `_fits`) and one more block per
-        ``block_size`` tokens after it: at most two blocks a sequence plus the budget's
-        worth.  True on most steps, which then skip checking request by request."""
-        num_seqs = sum(len(group.seqs) for group in queue)
-        return 2 * num_seqs + blocks_for(budget, self.kv.block_size) <= self.kv.gpu.num_free_blocks
+        """Can every running sequence take its next tokens, whatever they are?  True on
+        most steps, which then skip checking request by request."""
+        return self.kv.can_append_any(sum(len(group.seqs) for group in queue), budget)
 
     def _fits(self, plan: list[tuple[Sequence, int]]) -> bool:
         """Can the GPU pool take every sequence's next tokens?"""
-        free = self.kv.gpu.num_free_blocks
-        # A cheap upper bound settles most steps: n tokens take at most one block for
-        # the first (a fresh one, or a copy of a shared last block) and blocks_for(n - 1)
-        # fresh blocks for the rest.
-        if len(plan) + sum(blocks_for(n - 1, self.kv.block_size) for _, n in plan) <= free:
-            return True
-        need = sum(self.kv.blocks_to_append(seq.seq_id, n) for seq, n in plan)
-        # Each sharer of a partial last block counts a copy, but the last one to write
-        # keeps the block: one copy fewer per block only this plan's sequences hold.
-        lasts = Counter(
-            self.kv.block_table(seq.seq_id)[-1]
-            for seq, _ in plan
-            if self.kv.num_tokens(seq.seq_id) % self.kv.block_size
-        )
-        need -= sum(k > 1 and self.kv.gpu.ref_count(b) == k for b, k in lasts.items())
-        return need <= free
+        return self.kv.can_append_all([(seq.seq_id, n) for seq, n in plan])
 
     def _can_admit(self, group: SequenceGroup, budget: int) -> bool:
         """Can every sequence of a waiting request get its first chunk's tokens and
         blocks now?"""
         plan = self._admission_plan(group, budget)
-        return (
-            plan is not None
-            and self._blocks_to_allocate(plan, group) <= self.kv.gpu.num_free_blocks
-        )
-
-    def _blocks_to_allocate(self, plan: list[tuple[Sequence, int]], group: SequenceGroup) -> int:
-        return sum(
-            self.kv.blocks_to_allocate(seq.token_ids, n, group.lora_id, group.reads_prefix_cache)
-            for seq, n in plan
+        return plan is not None and self.kv.can_allocate_all(
+            [(seq.token_ids, n) for seq, n in plan], group.lora_id, group.reads_prefix_cache
         )
 
     def _admission_plan(self, group: SequenceGroup, budget: int):

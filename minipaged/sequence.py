@@ -17,6 +17,7 @@ Standard library only: the scheduler, which uses these, is torch-free.
 
 from __future__ import annotations
 
+import copy
 import enum
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,24 @@ class Sequence:
     def append_token(self, token_id: int, logprob: float) -> None:
         self.token_ids.append(token_id)
         self.cumulative_logprob += logprob
+        # A beam's candidates were for the token it just got; a sampled sequence has none.
+        self.beam_candidates = None
+
+    def fork(self, seq_id: str, index: int) -> Sequence:
+        """A copy that goes on from here as completion ``index``: the same tokens, KV
+        progress, logprobs and text so far (its blocks are shared by the KV cache
+        manager, §4.4; its random stream is its own, set by whoever forks it)."""
+        return Sequence(
+            seq_id,
+            list(self.token_ids),
+            self.prompt_len,
+            index=index,
+            num_computed_tokens=self.num_computed_tokens,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            output_text=self.output_text,
+            detokenizer=copy.copy(self.detokenizer),
+        )
 
 
 @dataclass(eq=False)

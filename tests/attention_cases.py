@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from minipaged.memory.block_table import slot_mapping
 from minipaged.ops import (
     decode_oracle,
     paged_attention_decode,
@@ -159,11 +160,11 @@ def make_paged_kv(case: Case, generator: torch.Generator, device: str) -> PagedK
 
 
 def slots_of(kv: PagedKV, block_size: int) -> torch.Tensor:
-    """The slot of every token of every sequence, packed (§4.3): the block table entry
-    of its logical block, times block_size, plus its offset."""
+    """The slot of every token of every sequence, packed (§4.3), as the memory layer
+    translates a block table (the one place it is computed)."""
     slots = []
     for table, length in zip(kv.block_tables.tolist(), kv.context_lens.tolist()):
-        slots += [table[i // block_size] * block_size + i % block_size for i in range(length)]
+        slots += slot_mapping(table, block_size, 0, length)
     return torch.tensor(slots, dtype=torch.int64, device=kv.key_cache.device)
 
 

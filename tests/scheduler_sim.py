@@ -6,9 +6,10 @@ Written from the scheduler's and the KV cache manager's contracts (not from
 1. ``schedule()``;
 2. the step's block operations run on a *shadow* KV store, in the contract's order
    (swap out, swap in, copy-on-write copies), each batch as one gather-then-scatter; then
-   every scheduled token's KV is written to the slot its ``ScheduledSeq.block_table``
-   gives.  A slot holds an interned id standing for "the KV of this token after exactly
-   this prefix", so equal ids mean equal KV;
+   every scheduled token's KV is written to the slot its ``ScheduledSeq.slot_mapping``
+   gives (the KV cache manager's, checked against its block table).  A slot holds an
+   interned id standing for "the KV of this token after exactly this prefix", so equal
+   ids mean equal KV;
 3. every sequence that holds blocks reads its computed tokens back through its block
    table (running: GPU store, swapped: CPU store).  A wrong swap mapping, a missing or
    wrong copy, a write into another sequence's block or a wrong prefix-cache hit makes
@@ -184,8 +185,8 @@ class SchedulerSim:
         self._copy(out.copies, gpu, gpu)
         for s in out.seqs:
             ids = self._content_ids(s.seq.token_ids[: s.start + s.num_new_tokens])
-            for p in range(s.start, s.start + s.num_new_tokens):
-                gpu[s.block_table[p // self.bs] * self.bs + p % self.bs] = ids[p]
+            for p, slot in zip(range(s.start, s.start + s.num_new_tokens), s.slot_mapping):
+                gpu[slot] = ids[p]
 
     def _copy(self, pairs, src, dst) -> None:
         """Block ``a`` of ``src`` -> block ``b`` of ``dst`` for all pairs: gather, then scatter."""
@@ -304,6 +305,8 @@ class SchedulerSim:
             assert seq.num_computed_tokens == s.start + s.num_new_tokens
             assert kv.num_tokens(sid) == seq.num_computed_tokens
             assert s.block_table == kv.block_table(sid)
+            positions = range(s.start, s.start + s.num_new_tokens)  # the slots, by hand (§4.2)
+            assert s.slot_mapping == [s.block_table[p // bs] * bs + p % bs for p in positions]
         # Block operations: swaps move exactly the groups' distinct blocks.
         out_groups = [g for g in out.preempted if q.swapped and g in q.swapped]
         self._check_swap(out.swap_out, out_groups, before, on_cpu=True, step=step)

@@ -73,8 +73,8 @@ def search_and_compare(llm, oracle, prompts, params):
 
 def prompts_where_the_penalty_matters(oracle, params, count=3):
     """``count`` prompts of different lengths; the first is one whose best beams under
-    ``params.length_penalty`` differ from those under another penalty (which needs beams
-    finished at EOS, of other lengths, competing with the live ones), so the test
+    ``params.length_penalty`` differ from those under another penalty and include one
+    that ended in EOS (shorter than the live ones, competing with them), so the test
     sees the length normalisation and not only the cumulative logprob."""
     contrast = dataclasses.replace(
         params, length_penalty=1.0 if params.length_penalty == 0 else 0.0
@@ -83,11 +83,11 @@ def prompts_where_the_penalty_matters(oracle, params, count=3):
     def beams(p, prm):
         return [t for t, _ in reference_beam_search(oracle, p, prm)]
 
-    decisive = next(
-        p
-        for p in (random_prompt(1 + s % 12, seed=s) for s in range(60))
-        if beams(p, params) != beams(p, contrast)
-    )
+    def decides(p):
+        best = beams(p, params)
+        return any(t[-1] == EOS for t in best) and best != beams(p, contrast)
+
+    decisive = next(p for p in (random_prompt(1 + s % 12, seed=s) for s in range(60)) if decides(p))
     return [decisive] + [random_prompt(n, seed=200 + n) for n in (17, 30)][: count - 1]
 
 
@@ -110,6 +110,7 @@ def test_beam_search_equals_naive_reference(tiny, arch, beam_width, length_penal
     llm = make_llm(path, block_size=8)
     outputs = search_and_compare(llm, oracle, prompts, params)
     assert all(len(o.sequences) == beam_width for o in outputs)
+    assert any(s.tokens[-1] == EOS for s in outputs[0].sequences)  # a finished beam ranked
     assert_all_blocks_free(llm)
 
 

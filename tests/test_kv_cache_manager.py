@@ -6,7 +6,11 @@ counted from the tables; and, for every refused operation, a full snapshot of th
 before and after.
 """
 
+import copy
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memory_shadow import Shadow, ceil_div
 from minipaged.memory import (
@@ -275,6 +279,37 @@ def test_can_append_predicts_append_exactly():
                 assert snapshot(mgr) == before
         sh.check()
     assert refused > 0 and mgr.gpu.num_free_blocks == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_can_append_all_predicts_appending_them_one_after_another(data):
+    """What the scheduler asks each step of a request whose forks share blocks: the
+    oracle appends every sequence's tokens in turn, on a copy of the manager."""
+    bs = data.draw(st.integers(1, 4), label="block_size")
+    mgr = KVCacheManager(16, bs, enable_prefix_caching=data.draw(st.booleans()))
+    mgr.allocate("s0", list(range(data.draw(st.integers(1, 3 * bs), label="prompt"))))
+    for k in range(1, data.draw(st.integers(1, 4), label="forks")):
+        mgr.fork(f"s{data.draw(st.integers(0, k - 1))}", f"s{k}")
+        grow = data.draw(st.integers(0, bs), label="grow")
+        if grow and mgr.can_append(f"s{k}", grow):
+            mgr.append(f"s{k}", [50 + k] * grow)
+    leave = data.draw(st.integers(0, 4), label="free blocks left")
+    while mgr.num_free_gpu_blocks > leave:  # others' blocks, so the pool runs short
+        mgr.allocate(f"other{mgr.num_free_gpu_blocks}", [200 + mgr.num_free_gpu_blocks] * bs)
+    forks = [sid for sid in sorted(mgr.tables) if sid.startswith("s")]
+    seqs = data.draw(st.lists(st.sampled_from(forks), min_size=1, unique=True))
+    appends = [(sid, data.draw(st.integers(1, bs), label=sid)) for sid in seqs]
+    oracle = copy.deepcopy(mgr)
+    try:
+        for sid, n in appends:
+            oracle.append(sid, [7] * n)
+        fits = True
+    except NoFreeBlocksError:
+        fits = False
+    assert mgr.can_append_all(appends) == fits
+    if mgr.can_append_any(len(appends), sum(n for _, n in appends)):
+        assert fits  # the cheap bound never says yes wrongly
 
 
 # -- swapping groups -------------------------------------------------------------------------

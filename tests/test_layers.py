@@ -167,15 +167,26 @@ def layer_of(module: str, layers: list[list[str]]) -> int:
     return max(matches)[1]
 
 
-def package_imports() -> dict[str, set[str]]:
-    """Each module of the package -> the minipaged modules it imports."""
+def outside_functions(node: ast.AST):
+    """The nodes under ``node`` that run when its module is imported: not the bodies
+    of functions and methods."""
+    for child in ast.iter_child_nodes(node):
+        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            yield child
+            yield from outside_functions(child)
+
+
+def package_imports(at_import: bool = False) -> dict[str, set[str]]:
+    """Each module of the package -> the minipaged modules it imports (``at_import``:
+    only those importing it loads, not those a function imports when it runs)."""
     imports = {}
     for path in sorted((ROOT / "minipaged").rglob("*.py")):
         parts = path.relative_to(ROOT).with_suffix("").parts
         package = path.name == "__init__.py"
         module = ".".join(parts[:-1] if package else parts)
         found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        for node in outside_functions(tree) if at_import else ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
                 base = (module if package else module.rsplit(".", 1)[0]).split(".")
                 base = base[: len(base) - node.level + 1] if node.level else []
@@ -214,3 +225,67 @@ def test_the_checker_orders_layers():
     layers = documented_layers()
     assert layer_of("minipaged.engine", layers) < layer_of("minipaged.memory.allocator", layers)
     assert layer_of("minipaged.bench.common", layers) < layer_of("minipaged.models.tiny", layers)
+
+
+# -- one device never runs the multi-process code ------------------------------------
+GROUP_OBJECT = "minipaged.distributed.parallel_state"  # the process group, SINGLE on one device
+# The models are built from distributed/'s parallel layers, which are plain layers on one
+# device; everything else above them is the single-device path.
+BUILT_FROM_PARALLEL_LAYERS = ("minipaged.distributed", "minipaged.models")
+
+
+def single_device_modules(imports: dict[str, set[str]]) -> list[str]:
+    return [m for m in imports if not m.startswith(BUILT_FROM_PARALLEL_LAYERS)]
+
+
+def test_single_device_modules_import_only_the_group_object_from_distributed():
+    imports = package_imports(at_import=True)
+    entering = [
+        f"{module} -> {name}"
+        for module in single_device_modules(imports)
+        for name in imports[module]
+        if name.startswith("minipaged.distributed") and name != GROUP_OBJECT
+    ]
+    assert not entering, "single-device modules importing distributed/:\n" + "\n".join(entering)
+
+
+def test_the_engine_enters_distributed_in_one_place():
+    """`engine.start_workers` (tensor_parallel_size > 1) is the one function of the
+    single-device path that imports the multi-process executor."""
+    at_import, every = package_imports(at_import=True), package_imports()
+    lazy = sorted(
+        f"{module} -> {name}"
+        for module in single_device_modules(every)
+        for name in every[module] - at_import[module]
+        if name.startswith("minipaged.distributed") and name != GROUP_OBJECT
+    )
+    assert lazy == ["minipaged.engine -> minipaged.distributed.executor"]
+
+
+def test_serving_on_one_device_loads_no_multi_process_code():
+    code = (
+        "import sys, minipaged.llm, minipaged.server.app; "
+        "print(' '.join(m for m in sys.modules if m.startswith('minipaged.distributed')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert set(out.stdout.split()) <= {
+        "minipaged.distributed",
+        GROUP_OBJECT,
+        "minipaged.distributed.layers",  # what the models are built from
+    }
+
+
+# -- the walk through one request ------------------------------------------------------
+def test_the_request_walk_visits_each_file_once_and_counts_them():
+    """docs/architecture.md follows one request file by file: no file named twice, each
+    one real, and the number it states is the number it names."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    walk = text.split("## One request, file by file", 1)[1].split("\n## ", 1)[0]
+    files = re.findall(r"`([\w/]+\.(?:py|cpp|cu))`", walk)
+    twice = sorted({f for f in files if files.count(f) > 1})
+    assert not twice, f"visited twice: {twice}"
+    missing = [
+        f for f in files if not (ROOT / "minipaged" / f).exists() and not (ROOT / f).exists()
+    ]
+    assert not missing, f"no such files: {missing}"
+    assert f"{len(files)} files, none visited twice" in " ".join(walk.split())

@@ -26,11 +26,10 @@ from engine_helpers import (
 )
 from minipaged import BeamSearchParams, SamplingParams
 from minipaged.config import MEMORY_MODES
-from minipaged.contiguous_scheduler import make_scheduler
 from minipaged.memory import KVCacheManager
 from minipaged.memory.contiguous import ContiguousReservations
 from minipaged.memory.simulate import SYSTEMS
-from minipaged.scheduler import Scheduler
+from minipaged.scheduler import Scheduler, make_scheduler
 from scheduler_sim import SchedulerSim, ceil_div
 
 CONTIGUOUS = [m for m in MEMORY_MODES if m != "paged"]

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from minipaged.memory import KVCacheManager
+from minipaged.memory.block_table import slot_mapping
 from minipaged.models import (
     MODELS,
     AttentionMetadata,
@@ -60,34 +61,50 @@ def hf_logits(hf, tokens):
 
 
 class PagedRunner:
-    """The least an engine does: give sequences blocks from a shuffled pool, build one
-    step's metadata from plain lists, run the model, split the logits per sequence."""
+    """The least an engine does: a KV cache manager over a shuffled pool gives each
+    sequence its blocks and slots, one step's metadata is built from them, the model
+    runs, and the logits are split per sequence."""
 
-    def __init__(self, model, block_size, num_blocks=64, seed=0):
+    def __init__(self, model, block_size, num_blocks=64, seed=0, prefix_caching=False):
         self.model, self.block_size = model, block_size
         dtype = model.model.embed_tokens.weight.dtype
         self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, "cpu")
         for key_cache, value_cache in self.kv_caches:
             key_cache.fill_(float("nan"))
             value_cache.fill_(float("nan"))
-        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
-        self.free = self.free.tolist()
-        self.tables = {}
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+        # Take every block, then give them back in a random order: the pool hands them
+        # out shuffled, so no sequence's blocks are neighbours.
+        for i in range(num_blocks):
+            self.kv.allocate(f"shuffle{i}", [1000 + i])
+        for i in torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)):
+            self.kv.free(f"shuffle{i}")
 
     def step(self, chunks):
-        """``chunks``: ``(seq, new_tokens, num_cached)`` each -> logits ``[n_new, vocab]`` each."""
+        """``chunks``: ``(seq, new_tokens, num_cached)`` each -> logits ``[n_new, vocab]``
+        each.  A sequence's first chunk is its prompt: with prefix caching, only what
+        follows the cached prefix runs (and gets logits)."""
+        tables, num_cached, num_new, slots, ids = [], [], [], [], []
         for seq, tokens, cached in chunks:
-            table = self.tables.setdefault(seq, [])
-            while len(table) * self.block_size < cached + len(tokens):
-                table.append(self.free.pop())
-        num_cached = [cached for _, _, cached in chunks]
-        num_new = [len(tokens) for _, tokens, _ in chunks]
+            if self.kv.has_block_table(seq):
+                allocation = self.kv.append(seq, tokens)
+            else:
+                allocation = self.kv.allocate(seq, tokens)
+                cached, tokens = (
+                    allocation.num_cached_tokens,
+                    tokens[allocation.num_cached_tokens :],
+                )
+            tables.append(allocation.block_table)
+            num_cached.append(cached)
+            num_new.append(len(tokens))
+            slots += allocation.slot_mapping
+            ids += tokens
         attn = AttentionMetadata.build(
-            [self.tables[seq] for seq, _, _ in chunks], num_cached, num_new, self.block_size
+            tables, num_cached, num_new, self.block_size, slot_mapping=slots
         )
-        ids = torch.tensor([t for _, tokens, _ in chunks for t in tokens])
         with torch.no_grad():
-            hidden = self.model(ids, token_positions(num_cached, num_new), self.kv_caches, attn)
+            positions = token_positions(num_cached, num_new)
+            hidden = self.model(torch.tensor(ids), positions, self.kv_caches, attn)
             return self.model.compute_logits(hidden).split(num_new)
 
 
@@ -149,10 +166,10 @@ def test_prefix_cache_hit_reads_the_shared_blocks(models):
     _, hf, ours = models("qwen3")
     a = random_tokens(13, seed=4)
     b = a[:8] + random_tokens(6, seed=5)  # shares A's first two blocks of 4
-    runner = PagedRunner(ours, block_size=4)
+    runner = PagedRunner(ours, block_size=4, prefix_caching=True)
     runner.step([("A", a, 0)])
-    runner.tables["B"] = runner.tables["A"][:2]  # what a prefix-cache hit hands B
-    (logits,) = runner.step([("B", b[8:], 8)])
+    (logits,) = runner.step([("B", b, 0)])  # the manager serves A's two blocks
+    assert runner.kv.block_table("B")[:2] == runner.kv.block_table("A")[:2]
     torch.testing.assert_close(logits, hf_logits(hf, b)[8:], **FP32)
 
 
@@ -272,11 +289,19 @@ def test_sliding_window_within_it_equals_hf_beyond_it_raises(models):
         PagedRunner(ours, block_size=4).step([("A", tokens, 0)])
 
 
+def build(tables, num_cached, num_new, block_size):
+    """The metadata of ``tables`` by hand, with the slots the memory layer gives."""
+    slots = [
+        slot
+        for table, c, n in zip(tables, num_cached, num_new)
+        for slot in slot_mapping(table, block_size, c, c + n)
+    ]
+    return AttentionMetadata.build(tables, num_cached, num_new, block_size, slot_mapping=slots)
+
+
 def test_metadata_splits_prefills_from_the_trailing_decodes():
     # Sequence 0: 3 cached + 3 new (a chunk), 1: a 2-token prompt, 2 and 3: decodes.
-    attn = AttentionMetadata.build(
-        [[7, 2], [5], [1, 4, 6], [3]], [3, 0, 8, 0], [3, 2, 1, 1], block_size=4
-    )
+    attn = build([[7, 2], [5], [1, 4, 6], [3]], [3, 0, 8, 0], [3, 2, 1, 1], block_size=4)
     assert attn.slot_mapping.tolist() == [
         7 * 4 + 3,
         2 * 4,
@@ -300,11 +325,11 @@ def test_metadata_splits_prefills_from_the_trailing_decodes():
 
 
 def test_metadata_without_prefills_or_decodes_is_empty_on_that_side():
-    only_decodes = AttentionMetadata.build([[0], [1]], [2, 3], [1, 1], block_size=4)
+    only_decodes = build([[0], [1]], [2, 3], [1, 1], block_size=4)
     assert only_decodes.num_prefill_tokens == 0
     assert tuple(only_decodes.prefill_block_tables.shape) == (0, 1)
     assert only_decodes.prefill_query_start_loc.tolist() == [0]
-    only_prefill = AttentionMetadata.build([[0, 1]], [0], [5], block_size=4)
+    only_prefill = build([[0, 1]], [0], [5], block_size=4)
     assert only_prefill.num_prefill_tokens == 5 and only_prefill.max_decode_context_len == 0
     assert tuple(only_prefill.decode_block_tables.shape) == (0, 1)
 
@@ -320,8 +345,6 @@ def test_metadata_takes_the_kv_cache_managers_slots_as_given():
     assert slots == oracle
     given = AttentionMetadata.build(tables, [0, 1], [6, 1], 4, slot_mapping=slots)
     assert given.slot_mapping.tolist() == slots
-    derived = AttentionMetadata.build(tables, [0, 1], [6, 1], 4)
-    assert derived.slot_mapping.tolist() == oracle
     with pytest.raises(
         ValueError, match="slot_mapping must have one slot per new token \\(7\\), got 6"
     ):
@@ -339,7 +362,7 @@ def test_metadata_takes_the_kv_cache_managers_slots_as_given():
 )
 def test_metadata_rejects_bad_sequences(args, message):
     with pytest.raises(ValueError, match=message):
-        AttentionMetadata.build(*args)
+        AttentionMetadata.build(*args, slot_mapping=[0] * sum(args[2]))
 
 
 def test_allocate_kv_caches_follows_the_layout_contract(models):
@@ -358,7 +381,7 @@ def test_allocate_kv_caches_follows_the_layout_contract(models):
 
 def test_forward_needs_one_cache_pair_per_layer(models):
     _, _, ours = models("llama")
-    attn = AttentionMetadata.build([[0]], [0], [1], 4)
+    attn = build([[0]], [0], [1], 4)
     caches = allocate_kv_caches(ours, 1, 4, torch.float32, "cpu")[:1]
     with pytest.raises(
         ValueError, match="one \\(key_cache, value_cache\\) pair per layer \\(2\\), got 1"

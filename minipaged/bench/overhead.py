@@ -181,12 +181,17 @@ def _phase_breakdown(engine, num_steps: int) -> dict[str, float]:
         "scheduler.schedule": engine.scheduler.schedule,
         "cache_engine.execute": engine.cache_engine.execute,
         "runner.execute": engine.runner.execute,
-        "_update": engine._update,
+        "sample": engine.sample,
+        "output_processor.update_from_output": engine.output_processor.update_from_output,
     }
     engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
     engine.cache_engine.execute = timer.wrap("block_ops", engine.cache_engine.execute)
     engine.runner.execute = timer.wrap("prepare_inputs", engine.runner.execute)
-    engine._update = timer.wrap("update", engine._update)
+    # The update: choosing tokens around the sampler's own work, then applying them.
+    engine.sample = timer.wrap("update", engine.sample)
+    engine.output_processor.update_from_output = timer.wrap(
+        "update", engine.output_processor.update_from_output
+    )
     try:
         with mock.patch.object(
             sampling_module, "sample", timer.wrap("sample", sampling_module.sample)

@@ -4,8 +4,10 @@
 - `layers`: column- and row-parallel linear layers, the vocabulary-parallel embedding
   and LM head, which the models build from;
 - `worker`: a worker process, one rank's shard of the model and of the KV cache;
-- `executor`: how the engine runs a step, on one process or over a group of them.
+- `executor`: the driver's side, running each step over the group of processes.
 
 The first two sit below the models; the last two above the model runner and cache
-engine, beside the engine (``docs/architecture.md``).  Import the modules directly.
+engine, beside the engine (``docs/architecture.md``).  One device runs nothing here but
+the parallel layers (plain layers then) and passes the group object (`parallel_state`)
+around; its executor is `minipaged.executor`.  Import the modules directly.
 """

@@ -1,12 +1,13 @@
-"""Executors: how the engine runs a scheduled step on the model (paper §4.6).
+"""The multi-process executor: a step over a tensor-parallel group (paper §4.6).
 
-`Executor` is one process: the cache engine's block operations, then the model
-runner's forward pass.  `TensorParallelExecutor` is the paper's distributed execution:
-the engine (scheduler, KV cache manager, sampler) runs once, in the driver, which is
-also rank 0; `WorkerGroup` starts ranks 1..N-1 as processes of their own.  Each step the
-driver broadcasts the step's plan, then every rank runs the same step on its shard and
-the driver alone receives the logits, gathered.  So the engine's step still reads
-schedule -> execute -> sample -> update, whatever the number of ranks.
+`TensorParallelExecutor` is the paper's distributed execution: the engine (scheduler,
+KV cache manager, sampler) runs once, in the driver, which is also rank 0;
+`WorkerGroup` starts ranks 1..N-1 as processes of their own.  It answers what the
+single-device `minipaged.executor.Executor` answers, for every rank: the tightest rank's
+KV memory budget, each rank's pools, and each step, after the driver broadcasts the
+step's plan, the same step on every shard, the driver alone receiving the logits,
+gathered.  So the engine's step still reads schedule -> execute -> sample -> update,
+whatever the number of ranks.
 
 The workers live as long as their `WorkerGroup`: `WorkerGroup.shutdown` (also run when
 the group is garbage collected, and at exit) stops them; a worker that dies makes the
@@ -31,18 +32,12 @@ from minipaged.distributed.parallel_state import (
     free_port,
     init_tensor_parallel,
 )
-from minipaged.distributed.worker import StepPlan, WorkerArgs, worker_main
+from minipaged.distributed.worker import StepPlan, WorkerArgs, rank_kv_config, worker_main
+from minipaged.executor import Executor
 from minipaged.model_runner import ModelRunner
 from minipaged.models.loader import model_class, read_config
 
-__all__ = [
-    "Executor",
-    "TensorParallelExecutor",
-    "WorkerGroup",
-    "on_all_ranks",
-    "start_workers",
-    "kv_memory_budget",
-]
+__all__ = ["TensorParallelExecutor", "WorkerGroup", "on_all_ranks", "start_workers"]
 
 # Seconds a worker gets to answer at start-up (loading a shard, profiling memory), to
 # leave after the driver's goodbye, and to die after SIGTERM.
@@ -55,38 +50,47 @@ SPAWN_HINT = (
 )
 
 
-class Executor:
-    """A step on one process: block operations (swap out, swap in, copy), then the
-    forward pass; returns the sequences that sample and their logits."""
-
-    def __init__(self, runner: ModelRunner, cache_engine: CacheEngine) -> None:
-        self.runner, self.cache_engine = runner, cache_engine
-
-    def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
-        self.cache_engine.execute(batch)
-        self.runner.activate_loras(batch.lora_loads)
-        return self.runner.execute(batch.seqs, self.cache_engine.gpu_cache)
-
-
 class TensorParallelExecutor(Executor):
     """The driver's side of a step over ``workers``: broadcast the plan, then run rank
     0's shard like any other rank.  The workers' pools get as many blocks as the
-    driver's (``cache_engine``), so the block tables hold on every rank, of its dtype;
-    with ``calculate_kv_scales`` each rank sets its fp8 scales from the first batch."""
+    driver's, so the block tables hold on every rank, of its dtype; with
+    ``calculate_kv_scales`` each rank sets its fp8 scales from the first batch."""
 
     def __init__(
-        self,
-        runner: ModelRunner,
-        cache_engine: CacheEngine,
-        workers: WorkerGroup,
-        calculate_kv_scales: bool = False,
+        self, runner: ModelRunner, workers: WorkerGroup, calculate_kv_scales: bool = False
     ) -> None:
-        super().__init__(runner, cache_engine)
+        super().__init__(runner)
         self.workers = workers
-        key_cache = cache_engine.gpu_cache[0][0]
-        sizes = (len(key_cache), len(cache_engine.cpu_cache[0][0]))
-        shapes = workers.call("allocate", *sizes, key_cache.dtype, calculate_kv_scales)
+        self.calculate_kv_scales = calculate_kv_scales
+        self.cache_shapes: list[tuple[int, ...]] = []  # each rank's GPU pool, from allocate
+
+    @property
+    def kv_config(self):
+        """The model's config as one rank's KV cache sees it: its share of the KV heads."""
+        return rank_kv_config(self.runner.model.config, self.workers.tp.size)
+
+    def kv_memory_budget(self, config: EngineConfig, max_model_len: int) -> int:
+        """Every rank profiles its own GPU, and the tightest sets the blocks of all."""
+        return min(
+            on_all_ranks(
+                self.workers,
+                self.runner,
+                "kv_memory_budget",
+                config.gpu_memory_utilization,
+                config.max_num_batched_tokens,
+                max_model_len,
+            )
+        )
+
+    def allocate(
+        self, num_gpu_blocks: int, num_cpu_blocks: int, kv_cache_dtype: torch.dtype
+    ) -> CacheEngine:
+        cache_engine = super().allocate(num_gpu_blocks, num_cpu_blocks, kv_cache_dtype)
+        shapes = self.workers.call(
+            "allocate", num_gpu_blocks, num_cpu_blocks, kv_cache_dtype, self.calculate_kv_scales
+        )
         self.cache_shapes = [tuple(cache_engine.gpu_cache[0][0].shape), *shapes]
+        return cache_engine
 
     def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
         self.workers.check()
@@ -104,15 +108,13 @@ class TensorParallelExecutor(Executor):
 
 def start_workers(
     config: EngineConfig, path, device: torch.device, attention_backend: str
-) -> WorkerGroup | None:
-    """With ``tensor_parallel_size`` N > 1, ranks 1..N-1 (this process is rank 0),
-    once the model is known to split N ways (its experts too, with
-    ``enable_expert_parallel``); None for one rank."""
+) -> WorkerGroup:
+    """Ranks 1..N-1 of ``tensor_parallel_size`` N > 1 (this process is rank 0), once
+    the model is known to split N ways (its experts too, with
+    ``enable_expert_parallel``)."""
     size = config.tensor_parallel_size
     model_config = read_config(path)
     model_class(model_config).check_parallel(model_config, size, config.enable_expert_parallel)
-    if size == 1:
-        return None
     if device.type == "cuda" and size > torch.cuda.device_count():
         raise ValueError(
             f"tensor_parallel_size={size} needs {size} GPUs, torch sees {torch.cuda.device_count()}"
@@ -138,23 +140,6 @@ def num_threads(device: torch.device, size: int) -> int:
     leave none idle and none fighting (OpenMP threads that compete for a core wait on
     each other)."""
     return max(1, torch.get_num_threads() // size) if device.type == "cpu" else 1
-
-
-def kv_memory_budget(
-    workers: WorkerGroup | None, runner: ModelRunner, config: EngineConfig, max_model_len: int
-) -> int:
-    """Bytes of GPU memory for KV blocks (`ModelRunner.kv_memory_budget`): every rank
-    profiles its own GPU, and the tightest sets the blocks of all."""
-    return min(
-        on_all_ranks(
-            workers,
-            runner,
-            "kv_memory_budget",
-            config.gpu_memory_utilization,
-            config.max_num_batched_tokens,
-            max_model_len,
-        )
-    )
 
 
 def on_all_ranks(workers: WorkerGroup | None, runner: ModelRunner, method: str, *args) -> list:
@@ -226,6 +211,12 @@ class WorkerGroup:
             group.fail(error)
             raise
         return group
+
+    def executor(
+        self, runner: ModelRunner, calculate_kv_scales: bool = False
+    ) -> TensorParallelExecutor:
+        """The driver's executor over this group, rank 0's shard run by ``runner``."""
+        return TensorParallelExecutor(runner, self, calculate_kv_scales)
 
     def wait_loaded(self) -> None:
         """Wait for every worker to have loaded its shard."""

@@ -19,6 +19,7 @@ The contract with the engine, per step:
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from .allocator import BlockAllocator, NoFreeBlocksError
@@ -60,6 +61,15 @@ class KVCacheManager:
         self.num_swapped_in_blocks = 0
 
     @property
+    def num_gpu_blocks(self) -> int:
+        return self.gpu.num_blocks
+
+    @property
+    def num_free_gpu_blocks(self) -> int:
+        """Blocks the GPU pool can hand out now (with prefix caching, evictable ones too)."""
+        return self.gpu.num_free_blocks
+
+    @property
     def prefix_caching(self) -> bool:
         return isinstance(self.gpu, PrefixCachingBlockAllocator)
 
@@ -68,6 +78,9 @@ class KVCacheManager:
             return self.tables[seq_id]
         except KeyError:
             raise ValueError(f"seq_id {seq_id!r} has no block table") from None
+
+    def has_block_table(self, seq_id: str) -> bool:
+        return seq_id in self.tables
 
     def block_table(self, seq_id: str) -> list[int]:
         return list(self._table(seq_id).blocks)
@@ -167,6 +180,17 @@ class KVCacheManager:
         revived = sum(self.gpu.ref_count(e.block) == 0 for e in entries)
         return blocks_for(num_new_tokens, self.block_size) + revived
 
+    def can_allocate_all(
+        self, prompts: list[tuple[list[int], int]], extra_key=None, use_cache: bool = True
+    ) -> bool:
+        """Would `allocate()` find the blocks for every ``(prompt_token_ids,
+        num_new_tokens)`` of ``prompts`` (a request's sequences, admitted together, under
+        one ``extra_key`` and ``use_cache``)?"""
+        need = sum(
+            self.blocks_to_allocate(tokens, n, extra_key, use_cache) for tokens, n in prompts
+        )
+        return need <= self.gpu.num_free_blocks
+
     def can_append(self, seq_id: str, num_new_tokens: int = 1) -> bool:
         """Would `append()` succeed now?  Never for a swapped-out sequence."""
         table = self._table(seq_id)
@@ -175,10 +199,36 @@ class KVCacheManager:
         return table.num_blocks_needed(num_new_tokens) <= self.gpu.num_free_blocks
 
     def blocks_to_append(self, seq_id: str, num_new_tokens: int = 1) -> int:
-        """Free blocks `append()` would take, copy-on-write included.  Summed over the
-        forks of a group this may count one copy too many (the last sharer of a block
-        writes in place), which errs on the safe side."""
+        """Free blocks `append()` would take, copy-on-write included (alone: see
+        `can_append_all` for sequences that share blocks)."""
         return self._table(seq_id).num_blocks_needed(num_new_tokens)
+
+    def can_append_any(self, num_seqs: int, num_new_tokens: int) -> bool:
+        """Could any ``num_seqs`` running sequences take ``num_new_tokens`` new tokens
+        between them, whatever their tables?  Each takes at most one block for its first
+        token (a fresh one, or a copy of a shared last block) and one per ``block_size``
+        tokens after it.  Cheap: a scheduler asks it first, every step."""
+        worst = 2 * num_seqs + blocks_for(num_new_tokens, self.block_size)
+        return worst <= self.gpu.num_free_blocks
+
+    def can_append_all(self, appends: list[tuple[str, int]]) -> bool:
+        """Would `append()` succeed for every ``(seq_id, num_new_tokens)`` of
+        ``appends``, one after the other?  The copy-on-write rule for sequences that
+        share a partial last block (forks): each sharer that writes first copies it, but
+        the last one to write keeps the block, so a block held only by sequences of
+        ``appends`` costs one copy fewer than its holders."""
+        free = self.gpu.num_free_blocks
+        # A cheap upper bound settles most steps: n tokens take at most one block for
+        # the first and blocks_for(n - 1) fresh blocks for the rest.
+        if len(appends) + sum(blocks_for(n - 1, self.block_size) for _, n in appends) <= free:
+            return True
+        tables = [(self._table(seq_id), n) for seq_id, n in appends]
+        need = sum(table.num_blocks_needed(n) for table, n in tables)
+        lasts = Counter(
+            table.blocks[-1] for table, n in tables if n and table.num_tokens % self.block_size
+        )
+        need -= sum(k > 1 and self.gpu.ref_count(b) == k for b, k in lasts.items())
+        return need <= free
 
     def append(self, seq_id: str, token_ids: list[int], num_lookahead: int = 0) -> Allocation:
         """Slots for a running sequence's next tokens (a decode token or a prefill chunk);

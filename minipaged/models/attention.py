@@ -7,7 +7,8 @@ hit) come first, decode sequences (one new token each) last.  ``AttentionMetadat
 where each token's key and value go in the cache and which sequence each row belongs to;
 ``PagedAttention`` writes the new keys and values, then runs the prefill op on the first
 part and the decode op on the rest.  ``AttentionMetadata.build`` derives all of it from
-plain block tables and token counts, so neither tests nor the engine repeat that logic.
+plain block tables, token counts and the KV cache manager's slot mapping, so neither
+tests nor the engine repeat that logic.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minipaged.memory.block_table import slot_mapping as block_slots
 from minipaged.ops import BACKENDS, get_backend, kv_quant
 
 __all__ = [
@@ -61,21 +61,22 @@ class AttentionMetadata:
         num_new: list[int],
         block_size: int,
         device: torch.device | str = "cpu",
-        slot_mapping: list[int] | None = None,
+        *,
+        slot_mapping: list[int],
         validate: bool = True,
     ) -> AttentionMetadata:
         """The metadata of a step that runs ``num_new[i]`` tokens of sequence ``i``,
         the ``num_cached[i]`` before them being in the cache already.
 
         ``slot_mapping`` is where the new tokens' keys and values go, packed in batch
-        order: the engine passes the slots the KV cache manager gave them; without it
-        they are translated from the block tables the same way (paper §4.2).  The
-        trailing run of sequences with one new token is the decode part; every other
-        sequence is a prefill, which covers chunked prefill and prefix-cache hits (new
-        tokens after a cached prefix).  Order the batch prefills first to send all
-        decodes to the decode op.  ``validate=False`` skips checking the sequences,
-        for a caller whose lists are well formed by construction (the model runner's
-        come from the scheduler; the check costs a tenth of preparing a step's inputs).
+        order: the slots the KV cache manager gave them (its `Allocation`s; the one
+        place a slot is computed, §4.2).  The trailing run of sequences with one new
+        token is the decode part; every other sequence is a prefill, which covers
+        chunked prefill and prefix-cache hits (new tokens after a cached prefix).  Order
+        the batch prefills first to send all decodes to the decode op.
+        ``validate=False`` skips checking the sequences, for a caller whose lists are
+        well formed by construction (the model runner's come from the scheduler; the
+        check costs a tenth of preparing a step's inputs).
         """
         if validate:
             _check_sequences(block_tables, num_cached, num_new, block_size)
@@ -83,22 +84,14 @@ class AttentionMetadata:
         while split > 0 and num_new[split - 1] == 1:
             split -= 1
         context_lens = [c + n for c, n in zip(num_cached, num_new)]
-        if slot_mapping is None:
-            slots = [
-                slot
-                for table, c, n in zip(block_tables, num_cached, num_new)
-                for slot in block_slots(table, block_size, c, c + n)
-            ]
-        elif len(slot_mapping) == sum(num_new):
-            slots = slot_mapping
-        else:
+        if len(slot_mapping) != sum(num_new):
             raise ValueError(
                 f"slot_mapping must have one slot per new token ({sum(num_new)}),"
                 f" got {len(slot_mapping)}"
             )
         starts = [0, *itertools.accumulate(num_new[:split])]
         return cls(
-            slot_mapping=int_tensor(slots, device, torch.long),
+            slot_mapping=int_tensor(slot_mapping, device, torch.long),
             num_prefill_tokens=starts[-1],
             prefill_block_tables=_pad(block_tables[:split], device),
             prefill_query_start_loc=int_tensor(starts, device),

@@ -14,8 +14,10 @@ al. 2023).  Per step, for every running sequence that decodes:
 3. **verify**: the model runner returns the target's logits at all ``1 + k`` positions,
    each with the real tokens and the guesses before it in context; modified rejection
    sampling (`rejection_sample`) keeps a prefix of the guesses and adds one token;
-4. **roll back**: the KV of the kept guesses stays, the slots of the rejected ones are
-   given back and blocks they alone filled return to the pool (`Scheduler.rollback`);
+4. **roll back**, in the step's update phase (`OutputProcessor.update_from_output`,
+   which applies `Speculator.verify`'s choice): the KV of the kept guesses stays, the
+   slots of the rejected ones are given back and blocks they alone filled return to the
+   pool (`Scheduler.rollback`);
    then the new tokens are appended one at a time, each checked for a stop exactly as
    without speculation, so no token after a stop is ever kept.
 
@@ -33,12 +35,11 @@ from __future__ import annotations
 
 import torch
 
-from minipaged.batch import ScheduledSeq
+from minipaged.batch import ScheduledSeq, Verified
 from minipaged.config import SpeculativeConfig
 from minipaged.models.hub import resolve_model
 from minipaged.models.loader import load_model
 from minipaged.models.resolve import resolve_max_model_len
-from minipaged.output_processor import OutputProcessor
 from minipaged.sampler import logprobs_of, processed_logits, target_probs
 from minipaged.scheduler import Scheduler
 from minipaged.sequence import SequenceGroup
@@ -86,7 +87,6 @@ class Speculator:
         self,
         config: SpeculativeConfig,
         scheduler: Scheduler,
-        output_processor: OutputProcessor,
         eos_token_ids: set[int],
         generator: torch.Generator,
         max_model_len: int,
@@ -95,7 +95,6 @@ class Speculator:
         self.k = config.num_speculative_tokens
         self.proposer = proposer
         self.scheduler = scheduler
-        self.output_processor = output_processor
         self.eos_token_ids = eos_token_ids
         self.generator = generator
         self.max_model_len = max_model_len
@@ -133,10 +132,11 @@ class Speculator:
         self.proposer.release({s.seq_id for g in groups for s in g.unfinished_seqs})
 
     # -- verify -----------------------------------------------------------------------
-    def verify(self, sampling: list[ScheduledSeq], logits: list[torch.Tensor]) -> int:
+    def verify(self, sampling: list[ScheduledSeq], logits: list[torch.Tensor]) -> list[Verified]:
         """Accept or reject each sequence's guesses from its ``1 + k`` rows of target
-        logits, roll back the rest, append the new tokens with their stop checks.
-        Returns the number of tokens appended."""
+        logits: the tokens each keeps (the accepted guesses and one more), for the update
+        phase to apply (`OutputProcessor.update_from_output` rolls back the rest and
+        appends them with their stop checks).  Changes no request."""
         rows = [(s, i) for s in sampling for i in range(len(s.spec_token_ids) + 1)]
         params = [s.group.params for s, _ in rows]
         raw = torch.cat(logits).float()
@@ -147,33 +147,30 @@ class Speculator:
         probs = target_probs(
             processed_logits(raw, params, histories, prompt_lens, self.eos_token_ids), params
         )
-        # Every draw first, then every change: an error while drawing changes nothing.
-        verdicts, start = [], 0
+        verified, start = [], 0
         for s in sampling:
             end = start + len(s.spec_token_ids) + 1
             generator = s.seq.generator or self.generator
             tokens = rejection_sample(probs[start:end], s.spec_token_ids, None, generator)
             kept = slice(start, start + len(tokens))
-            verdicts.append((tokens, logprobs_of(raw[kept], tokens, params[kept])))
+            out = logprobs_of(raw[kept], tokens, params[kept])
+            verified.append(
+                Verified(
+                    s.group,
+                    s.seq,
+                    len(s.spec_token_ids),
+                    tokens,
+                    list(out.logprobs),
+                    list(out.top_logprobs),
+                )
+            )
             start = end
-        return sum(self._apply(s, *verdict) for s, verdict in zip(sampling, verdicts))
+        return verified
 
-    def _apply(self, s: ScheduledSeq, tokens: list[int], out) -> int:
-        group, seq = s.group, s.seq
-        num_accepted = len(tokens) - 1
-        self._count(len(s.spec_token_ids), num_accepted)
-        self.scheduler.rollback(group, seq, num_accepted)
-        seq.spec_token_ids = []
-        appended = 0
-        for token, logprob, top in zip(tokens, out.logprobs, out.top_logprobs):
-            self.scheduler.append_token(group, seq, token, logprob)
-            appended += 1
-            if seq.logprobs is not None:
-                seq.logprobs.append(top)
-            self.output_processor.check_stop(group, seq)
-            if seq.is_finished:  # the tokens after a stop are dropped
-                break
-        return appended
+    def count(self, verified: list[Verified]) -> None:
+        """Count what the update phase applied (vLLM's acceptance counters)."""
+        for v in verified:
+            self._count(v.num_guesses, len(v.token_ids) - 1)
 
     def _count(self, num_guesses: int, num_accepted: int) -> None:
         self.num_drafts += 1
