@@ -16,8 +16,10 @@ import types
 import typing
 
 from minipaged.config import (
+    ALL2ALL_BACKENDS,
     ATTENTION_BACKENDS,
     DEVICES,
+    KV_CACHE_DTYPES,
     MEMORY_MODES,
     PREEMPTION_MODES,
     EngineConfig,
@@ -28,6 +30,8 @@ CHOICES = {
     "preemption_mode": PREEMPTION_MODES,
     "memory_mode": MEMORY_MODES,
     "attention_backend": ATTENTION_BACKENDS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
+    "all2all_backend": ALL2ALL_BACKENDS,
 }
 # Not flags: the model is an argument of its own; a trace needs code to read it.
 NOT_ENGINE_FLAGS = ("model", "trace")

@@ -8,6 +8,11 @@ ids; this is where a block id becomes bytes.  Each step it runs the step's opera
 the order the KV cache manager's contract gives (swap out, swap in, copy-on-write), each
 as one batched gather/scatter per layer rather than one copy per block.
 
+A quantized cache (``kv_cache_dtype`` fp8 or int8, `minipaged.ops.kv_quant`) stores a
+byte per element, so a block takes half the bytes of bf16 and the same budget holds
+twice the blocks.  Its layers carry ``k_scale, v_scale`` too: int8's, one per block and
+KV head, travel with their blocks (swap, copy-on-write); fp8's, one per layer, stay.
+
 How many blocks each pool gets is decided once, at start-up (`pool_sizes`).
 """
 
@@ -23,7 +28,8 @@ from minipaged.config import EngineConfig
 from minipaged.memory.block_table import blocks_for
 from minipaged.models.attention import allocate_kv_caches, head_dim
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+# Per layer (key_cache, value_cache), and k_scale, v_scale for a quantized cache.
+KVCaches = list[tuple[torch.Tensor, ...]]
 GIB = 1 << 30
 # The share of the host's available memory the KV pools in it (the CPU device's pool, the
 # swap pool) may take: the rest is for activations, the tokenizer and everyone else.
@@ -31,9 +37,11 @@ HOST_KV_SHARE = 0.5
 
 
 def block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes over all layers: keys and values of ``block_size`` tokens."""
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config)
-    return per_token * block_size * dtype.itemsize
+    """Bytes one block takes over all layers: keys and values of ``block_size`` tokens
+    in the cache's ``dtype``, and int8's float32 scale per KV head of each."""
+    heads = 2 * config.num_hidden_layers * config.num_key_value_heads
+    scales = heads * torch.float32.itemsize if dtype == torch.int8 else 0
+    return heads * head_dim(config) * block_size * dtype.itemsize + scales
 
 
 def pool_sizes(
@@ -103,14 +111,9 @@ class CacheEngine:
         # Uninitialised: a CPU block is only ever read after a swap-out wrote it, and
         # untouched pages of a large pool cost no memory.  Pinned, so copies to and
         # from the GPU run at full bus speed.
-        shape = (num_cpu_blocks, *self.gpu_cache[0][0].shape[1:])
-        pin = device.type == "cuda"
         self.cpu_cache: KVCaches = [
-            (
-                torch.empty(shape, dtype=dtype, pin_memory=pin),
-                torch.empty(shape, dtype=dtype, pin_memory=pin),
-            )
-            for _ in range(config.num_hidden_layers)
+            tuple(_cpu_twin(t, num_cpu_blocks, device.type == "cuda") for t in layer)
+            for layer in self.gpu_cache
         ]
 
     def execute(self, out: SchedulerOutput) -> None:
@@ -123,13 +126,25 @@ class CacheEngine:
             _copy_blocks(self.gpu_cache, self.gpu_cache, out.copies)
 
 
+def _cpu_twin(tensor: torch.Tensor, num_blocks: int, pin: bool) -> torch.Tensor:
+    """The swap pool's counterpart of a GPU pool tensor: ``num_blocks`` rows of a
+    per-block tensor (a cache, int8's scales); a per-layer scale (fp8's) is shared."""
+    if tensor.dim() == 0:
+        return tensor
+    shape = (num_blocks, *tensor.shape[1:])
+    return torch.empty(shape, dtype=tensor.dtype, pin_memory=pin)
+
+
 def _copy_blocks(src: KVCaches, dst: KVCaches, pairs: list[tuple[int, int]]) -> None:
-    """``dst[d] = src[s]`` for every ``(s, d)`` pair, in every layer, keys and values."""
+    """``dst[d] = src[s]`` for every ``(s, d)`` pair, in every layer: keys and values,
+    and the scales that belong to blocks (int8's)."""
     src_device, dst_device = src[0][0].device, dst[0][0].device
     src_ids = torch.tensor([s for s, _ in pairs], device=src_device)
     dst_ids = torch.tensor([d for _, d in pairs], device=dst_device)
     for src_layer, dst_layer in zip(src, dst):
         for src_cache, dst_cache in zip(src_layer, dst_layer):
+            if src_cache.dim() == 0:  # a scale of the whole layer: no block's own
+                continue
             # The gather finishes before the scatter, so overlapping pairs are safe.  A
             # blocking copy: the CPU side must not read a device-to-host copy in flight.
             dst_cache[dst_ids] = src_cache[src_ids].to(dst_device)

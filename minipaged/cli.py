@@ -34,6 +34,8 @@ BENCHES = (
     "blocksize",
     "preemption",
     "latency",
+    "kv_cache_dtype",
+    "moe",
 )
 
 

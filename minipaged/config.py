@@ -20,6 +20,11 @@ from minipaged.memory.contiguous import POLICIES
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
+# vLLM's names (fp8 is fp8_e4m3), and our int8 (`minipaged.ops.kv_quant`).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# How expert parallelism moves tokens (minipaged.models.moe.ALL2ALL_BACKENDS): all-to-all
+# exchanges, or vLLM's all-gather + reduce-scatter.
+ALL2ALL_BACKENDS = ("alltoall", "allgather_reducescatter")
 # The names of the memory simulation's systems (minipaged.memory.simulate.SYSTEMS).
 MEMORY_MODES = ("paged", *(f"contiguous-{policy}" for policy in POLICIES))
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -38,6 +43,12 @@ class EngineConfig:
         device: ``"auto"`` (CUDA if available), ``"cuda"`` or ``"cpu"``.
         dtype: ``"auto"`` (the checkpoint's), ``"float32"``, ``"float16"`` or ``"bfloat16"``.
         block_size: token slots per KV block (§4.2).
+        kv_cache_dtype: what the KV cache stores: ``"auto"`` (the model's dtype),
+            ``"fp8"`` / ``"fp8_e4m3"``, ``"fp8_e5m2"`` (vLLM's, a scale per layer), or
+            ``"int8"`` (ours, a scale per block and KV head): a byte per element, so
+            the same memory holds twice the blocks of bf16 (`minipaged.ops.kv_quant`).
+        calculate_kv_scales: fp8 only: set each layer's ``k_scale`` and ``v_scale``
+            from the first batch (vLLM's), instead of 1.0.
         num_gpu_blocks: the KV pool's size in blocks; None sizes it from
             ``gpu_memory_utilization`` on CUDA (after a profiling step), or from
             ``cpu_kv_space`` GiB on the CPU, never beyond what ``max_num_seqs`` sequences
@@ -67,6 +78,11 @@ class EngineConfig:
             ``VLLM_CPU_KVCACHE_SPACE``).
         tensor_parallel_size: processes to split the model over (§4.6), one per GPU on
             CUDA; on a CPU they share its cores.
+        enable_expert_parallel: a mixture-of-experts model's ranks hold whole experts
+            (``num_experts / tensor_parallel_size`` each) rather than a slice of every
+            one, and tokens travel to them (`minipaged.models.moe`).
+        all2all_backend: how tokens travel under expert parallelism: ``"alltoall"``
+            (two all-to-all exchanges per layer) or ``"allgather_reducescatter"``.
     """
 
     model: str
@@ -75,6 +91,8 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     num_gpu_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     swap_space: float = 4
@@ -90,12 +108,16 @@ class EngineConfig:
     trace: bool = False
     cpu_kv_space: float = 1
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    all2all_backend: str = "alltoall"
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
         _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _choice("memory_mode", self.memory_mode, MEMORY_MODES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice("all2all_backend", self.all2all_backend, ALL2ALL_BACKENDS)
         _positive_int("block_size", self.block_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
@@ -119,9 +141,21 @@ class EngineConfig:
             self.tokenizer = os.fspath(self.tokenizer)
         if self.tokenizer is not None and not isinstance(self.tokenizer, str):
             raise ValueError(f"tokenizer must be a str, a path or None, got {self.tokenizer!r}")
-        for name in ("trust_remote_code", "enable_prefix_caching", "enforce_eager", "trace"):
+        for name in (
+            "trust_remote_code",
+            "enable_prefix_caching",
+            "enforce_eager",
+            "trace",
+            "calculate_kv_scales",
+            "enable_expert_parallel",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError(
+                "calculate_kv_scales sets fp8's per-layer scales; kv_cache_dtype "
+                f"{self.kv_cache_dtype!r} has none to set"
+            )
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
 

@@ -41,14 +41,16 @@ def uses_decode_graphs(
     config: EngineConfig, device: torch.device, attention_backend: str, model_config
 ) -> bool:
     """On CUDA, unless ``enforce_eager``: with the kernel backends (the torch
-    reference's data-dependent shapes cannot be captured) and without a sliding
-    window (its check reads the positions on the host)."""
+    reference's data-dependent shapes cannot be captured), without a sliding window
+    (its check reads the positions on the host), and for a dense model (a mixture of
+    experts counts each expert's tokens on the host to group them)."""
     return (
         device.type == "cuda"
         and not config.enforce_eager
         and config.tensor_parallel_size == 1  # collectives are not captured
         and attention_backend in ("triton", "cuda")
         and sliding_window(model_config) is None
+        and getattr(model_config, "num_experts", None) is None
     )
 
 

@@ -48,16 +48,17 @@ from minipaged.fail_alone import update_failing_alone
 from minipaged.input_processor import InputProcessor, Params
 from minipaged.memory import KVCacheManager
 from minipaged.model_runner import ModelRunner
-from minipaged.models.attention import head_dim
+from minipaged.models.attention import calculate_kv_scales_on_next_batch, head_dim
 from minipaged.models.hub import resolve_model
 from minipaged.models.loader import load_model
+from minipaged.models.moe import routing_stats
 from minipaged.models.resolve import (
     eos_token_ids,
     resolve_backend,
     resolve_device,
     resolve_max_model_len,
 )
-from minipaged.ops import check_supported
+from minipaged.ops import check_supported, kv_quant
 from minipaged.output_processor import OutputProcessor
 from minipaged.outputs import Output
 from minipaged.parallel_sampling import ParallelSampling
@@ -94,22 +95,36 @@ class LLMEngine:
         self.vocab_size = self.model.config.vocab_size
         self.runner = ModelRunner(self.model, config.block_size, self.device)
         dtype = self.model.model.embed_tokens.weight.dtype
+        self.kv_cache_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, dtype)
         check_supported(
-            self.attention_backend, dtype, head_dim(self.model.config), config.block_size
+            self.attention_backend,
+            dtype,
+            head_dim(self.model.config),
+            config.block_size,
+            self.kv_cache_dtype,
         )
         kv_config = rank_kv_config(self.model.config, tp.size)  # this rank's KV heads
+        # The pool is sized in bytes: a byte per element (fp8, int8) fits twice the blocks.
+        self.block_bytes = block_bytes(kv_config, config.block_size, self.kv_cache_dtype)
         num_gpu_blocks, num_cpu_blocks = pool_sizes(
             config,
             self.max_model_len,
             self.device,
-            block_bytes(kv_config, config.block_size, dtype),
+            self.block_bytes,
             lambda: kv_memory_budget(self.workers, self.runner, config, self.max_model_len),
         )
         self.cache_engine = CacheEngine(
-            kv_config, num_gpu_blocks, num_cpu_blocks, config.block_size, dtype, self.device
+            kv_config,
+            num_gpu_blocks,
+            num_cpu_blocks,
+            config.block_size,
+            self.kv_cache_dtype,
+            self.device,
         )
         self.executor = (
-            TensorParallelExecutor(self.runner, self.cache_engine, self.workers)
+            TensorParallelExecutor(
+                self.runner, self.cache_engine, self.workers, config.calculate_kv_scales
+            )
             if self.workers
             else Executor(self.runner, self.cache_engine)
         )
@@ -120,6 +135,8 @@ class LLMEngine:
             capture_decode_graphs(
                 self.runner, self.cache_engine.gpu_cache, config.max_num_seqs, self.max_model_len
             )
+        if config.calculate_kv_scales:  # after the capture's dummy batches
+            calculate_kv_scales_on_next_batch(self.model)
         self.trace = Trace(config.trace)
         self.scheduler = make_scheduler(
             self.kv,
@@ -230,9 +247,11 @@ class LLMEngine:
 
     def counters(self) -> dict[str, float]:
         """The pools' free blocks, the queues and the counters: cheap enough to read
-        after every step (a server's ``/metrics``)."""
+        after every step (a server's ``/metrics``); for a mixture-of-experts model, the
+        last step's routing too (`routing_stats`)."""
         return {
             **self.kv.stats(),
+            "kv_cache_block_bytes": self.block_bytes,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -240,4 +259,5 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
+            **routing_stats(self.model),
         }

@@ -10,7 +10,7 @@ import pytest
 
 from cli_helpers import run_main
 from minipaged.bench import results
-from minipaged.bench.memory import bench_memory
+from minipaged.bench.memory import bench_memory, slots_for
 from minipaged.memory.simulate import SYSTEMS, simulate_memory
 from minipaged.workloads import synthetic_requests
 
@@ -47,6 +47,20 @@ def test_results_file_holds_the_contract_and_the_simulation(tmp_path):
         assert got == pytest.approx({k: getattr(want, k) for k in KEYS})
     assert [row["system"] for row in document["results"]] == list(SYSTEMS)
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_byte_per_element_holds_twice_the_tokens(tmp_path):
+    out = tmp_path / "memory.json"
+    argv = ["bench", "memory", "--workload", "alpaca", "--num-requests", "200"]
+    assert (
+        run_main([*argv, "--kv-slots", "4000", "--kv-cache-dtype", "fp8", "--json", str(out)]) == 0
+    )
+    document = json.loads(out.read_text())
+    assert document["kv_slots"] == 8000 and document["kv_cache_dtype"] == "fp8"
+    want = simulate_memory(synthetic_requests("alpaca", 200, seed=0), "paged", 8000)
+    assert document["systems"]["paged"]["max_batch"] == want.max_batch
+    # int8's scales: 4 bytes per block of 16 tokens and head of 128 (2048 bytes of fp8).
+    assert slots_for(4000, "int8") == int(8000 / (1 + 4 / 2048))
 
 
 def test_the_paper_shape_on_sharegpt():

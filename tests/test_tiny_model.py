@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers.core_model_loading import revert_weight_conversion
 
 from minipaged.models import make_tiny_model
 from minipaged.models.tiny import BOS_ID, EOS_ID, PAD_ID
@@ -18,6 +19,9 @@ ARCH_CLASSES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 TEXT = "héllo 世界 🙂\n\tspaces  and tabs"
 
@@ -65,8 +69,13 @@ def test_transformers_loads_every_weight(checkpoint):
     # Nothing left to transformers' random init: every weight came from our file.
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     saved = tensors(path)
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.data, saved[name], rtol=0, atol=0)
+    # Under the Hub's names: transformers 5 fuses a MoE layer's experts in memory.
+    loaded = revert_weight_conversion(
+        model, {name: param.detach() for name, param in model.named_parameters()}
+    )
+    assert loaded.keys() == saved.keys()
+    for name, tensor in loaded.items():
+        torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0)
 
 
 def test_forward_gives_finite_logits(checkpoint):
@@ -134,16 +143,26 @@ def test_architecture_specific_tensors(checkpoint):
     attn = "model.layers.0.self_attn"
     assert saved[f"{attn}.q_proj.weight"].shape == (4 * head_dim, 64)
     assert saved[f"{attn}.k_proj.weight"].shape == (2 * head_dim, 64)  # GQA: 2 KV heads
-    has_bias = arch == "qwen2"
+    has_bias = arch in ("qwen2", "qwen2_moe")
     for proj in ("q_proj", "k_proj", "v_proj"):
         assert (f"{attn}.{proj}.bias" in saved) == has_bias
     assert f"{attn}.o_proj.bias" not in saved
-    has_qk_norm = arch == "qwen3"
+    has_qk_norm = arch in ("qwen3", "olmoe")  # per head in Qwen3, over all heads in OLMoE
     assert (f"{attn}.q_norm.weight" in saved) == has_qk_norm
     assert (f"{attn}.k_norm.weight" in saved) == has_qk_norm
     # A tied LM head is the embedding matrix, so the checkpoint leaves it out.
     assert ("lm_head.weight" in saved) == (not config["tie_word_embeddings"])
     assert config["tie_word_embeddings"] == (arch == "qwen2")
+    # Experts are stored one tensor per expert and projection, as on the Hub.
+    moe = {"mixtral": ("block_sparse_moe", "w1", 5), "qwen2_moe": ("mlp", "gate_proj", 7)}
+    moe["olmoe"] = ("mlp", "gate_proj", 6)
+    if arch in moe:
+        block, gate, experts = moe[arch]
+        assert saved[f"model.layers.0.{block}.gate.weight"].shape == (experts, 64)
+        assert saved[f"model.layers.0.{block}.experts.{experts - 1}.{gate}.weight"].shape == (
+            32,
+            64,
+        )
 
 
 def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
@@ -169,7 +188,8 @@ def test_overrides_change_the_config(tmp_path):
     [
         (
             {"arch": "gpt2"},
-            "arch must be one of ['llama', 'mistral', 'qwen2', 'qwen3'], got 'gpt2'",
+            "arch must be one of ['llama', 'mistral', 'mixtral', 'olmoe', 'qwen2', "
+            "'qwen2_moe', 'qwen3'], got 'gpt2'",
         ),
         ({"seed": -1}, "seed must be a non-negative int, got -1"),
     ],

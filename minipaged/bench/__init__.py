@@ -25,10 +25,15 @@ time per step, with the model stubbed), `common` (timing, a system's row, tables
 * `preemption` - swap vs recompute per block size (paper §7.3, Fig. 19).
 * `latency` - normalized latency against request rate, paged vs contiguous memory
   modes of the engine (paper §6.2, Fig. 12).
+* `moe` - a mixture of experts shaped like OLMoE, scaled down, against a dense model
+  with the same active parameters: step time ratio and the experts' load.
 * `attention` - the attention ops per backend against the GPU's own read bandwidth
   (paper §5.1, Fig. 18a).
 * `throughput` - offline serving throughput, minipaged vs Hugging Face ``generate``
   (paper §6.2), and the engine's own CPU time per step.
+* `kv_cache_dtype` - a quantized KV cache (fp8, int8) against ``auto``: blocks and
+  requests/s under one KV budget, the C++ kernel's dequantization cost, greedy
+  agreement on SmolLM2.
 * `serve` - online serving latency (TTFT, TPOT, ITL, E2EL) against a running
   OpenAI-compatible server (paper §6).
 """

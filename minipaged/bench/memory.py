@@ -7,7 +7,8 @@ and the contiguous reservations of Orca (Max: every request reserves ``max_len``
 Pow2: the next power of two above its final length; Oracle: exactly its final length).
 These are counts, not times, so the benchmark runs anywhere in seconds.  The default
 pool is the paper's: OPT-13B on an A100-40GB leaves room for about 15.7K tokens of KV
-(§6.1).
+(§6.1), in fp16; ``--kv-cache-dtype`` fp8 or int8 (`minipaged.ops.kv_quant`) stores a
+byte per element, so the same bytes hold about twice the tokens (`slots_for`).
 
 The paper's numbers: contiguous systems keep 20.4-38.2% of their KV memory as token
 states, vLLM 96.3% (Fig. 2); on ShareGPT vLLM batches 2.2x more requests than Orca
@@ -21,6 +22,7 @@ from matplotlib.figure import Figure
 from minipaged.bench import common
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column
+from minipaged.config import KV_CACHE_DTYPES
 from minipaged.memory.simulate import OPT13B_A100_SLOTS, MemoryReport, simulate_systems
 from minipaged.viz import draw_memory_shares
 from minipaged.workloads import WORKLOADS, synthetic_requests
@@ -34,6 +36,19 @@ DESCRIPTION = (
     "and the mean number of requests resident.  Counts, not times."
 )
 SHARES = ("token_share", "reserved_share", "internal_share", "external_share")
+OPT13B_HEAD_DIM = 128
+
+
+def slots_for(fp16_slots: int, kv_cache_dtype: str, block_size: int = 16) -> int:
+    """The tokens that the bytes of ``fp16_slots`` fp16 tokens hold in ``kv_cache_dtype``:
+    a byte per element for fp8 and int8, plus int8's float32 scale per block and head
+    (`minipaged.cache_engine.block_bytes`), for OPT-13B's heads of 128."""
+    if kv_cache_dtype == "auto":
+        return fp16_slots
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    scales = 4 / (block_size * OPT13B_HEAD_DIM) if kv_cache_dtype == "int8" else 0
+    return int(fp16_slots * 2 / (1 + scales))
 
 
 def bench_memory(
@@ -138,19 +153,28 @@ def add_arguments(parser) -> None:
         metavar="N",
         help="the model's context: what Orca Max reserves (default: %(default)s)",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="what the pool stores: auto (fp16, the paper's) or a byte per element "
+        "(fp8, int8): --kv-slots fp16 tokens' bytes then hold about twice the tokens "
+        "(default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     add_output_flags(parser, "memory-<workload>")
 
 
 def main(args) -> None:
+    kv_slots = slots_for(args.kv_slots, args.kv_cache_dtype, args.block_size)
     reports = bench_memory(
-        args.workload, args.num_requests, args.kv_slots, args.block_size, args.max_len, args.seed
+        args.workload, args.num_requests, kv_slots, args.block_size, args.max_len, args.seed
     )
-    print(f"{args.num_requests} {args.workload}-like requests on {args.kv_slots} KV slots")
+    pool = f"{kv_slots} KV slots ({args.kv_cache_dtype})"
+    print(f"{args.num_requests} {args.workload}-like requests on {pool}")
     print(format_table(reports))
     title = (
-        f"{args.num_requests} {args.workload}-like requests, {args.kv_slots} KV slots, "
-        f"blocks of {args.block_size}"
+        f"{args.num_requests} {args.workload}-like requests, {pool}, blocks of {args.block_size}"
     )
     # Counts, not times: the same on any machine, so always under cpu/.
     write(
@@ -161,7 +185,8 @@ def main(args) -> None:
         plot_memory(reports, title),
         workload=args.workload,
         systems=systems(reports),
-        kv_slots=args.kv_slots,
+        kv_slots=kv_slots,
+        kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
         max_len=args.max_len,
         num_requests=args.num_requests,

@@ -33,8 +33,7 @@ from minipaged.distributed.parallel_state import (
 )
 from minipaged.distributed.worker import StepPlan, WorkerArgs, worker_main
 from minipaged.model_runner import ModelRunner
-from minipaged.models.llama import check_tensor_parallel
-from minipaged.models.loader import read_config
+from minipaged.models.loader import model_class, read_config
 
 __all__ = [
     "Executor",
@@ -71,15 +70,21 @@ class Executor:
 class TensorParallelExecutor(Executor):
     """The driver's side of a step over ``workers``: broadcast the plan, then run rank
     0's shard like any other rank.  The workers' pools get as many blocks as the
-    driver's (``cache_engine``), so the block tables hold on every rank."""
+    driver's (``cache_engine``), so the block tables hold on every rank, of its dtype;
+    with ``calculate_kv_scales`` each rank sets its fp8 scales from the first batch."""
 
     def __init__(
-        self, runner: ModelRunner, cache_engine: CacheEngine, workers: WorkerGroup
+        self,
+        runner: ModelRunner,
+        cache_engine: CacheEngine,
+        workers: WorkerGroup,
+        calculate_kv_scales: bool = False,
     ) -> None:
         super().__init__(runner, cache_engine)
         self.workers = workers
-        sizes = (len(cache_engine.gpu_cache[0][0]), len(cache_engine.cpu_cache[0][0]))
-        shapes = workers.call("allocate", *sizes)
+        key_cache = cache_engine.gpu_cache[0][0]
+        sizes = (len(key_cache), len(cache_engine.cpu_cache[0][0]))
+        shapes = workers.call("allocate", *sizes, key_cache.dtype, calculate_kv_scales)
         self.cache_shapes = [tuple(cache_engine.gpu_cache[0][0].shape), *shapes]
 
     def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
@@ -100,16 +105,35 @@ def start_workers(
     config: EngineConfig, path, device: torch.device, attention_backend: str
 ) -> WorkerGroup | None:
     """With ``tensor_parallel_size`` N > 1, ranks 1..N-1 (this process is rank 0),
-    once the model is known to split N ways; None for one rank."""
+    once the model is known to split N ways (its experts too, with
+    ``enable_expert_parallel``); None for one rank."""
     size = config.tensor_parallel_size
+    model_config = read_config(path)
+    model_class(model_config).check_parallel(model_config, size, config.enable_expert_parallel)
     if size == 1:
         return None
-    check_tensor_parallel(read_config(path), size)
     if device.type == "cuda" and size > torch.cuda.device_count():
         raise ValueError(
             f"tensor_parallel_size={size} needs {size} GPUs, torch sees {torch.cuda.device_count()}"
         )
-    return WorkerGroup.start(size, path, config.dtype, device, attention_backend, config.block_size)
+    args = WorkerArgs(
+        str(path),
+        config.dtype,
+        device.type,
+        attention_backend,
+        config.block_size,
+        num_threads(device, size),
+        config.enable_expert_parallel,
+        config.all2all_backend,
+    )
+    return WorkerGroup.start(size, args, device)
+
+
+def num_threads(device: torch.device, size: int) -> int:
+    """Threads per rank.  On a CPU the ranks share its cores: as many threads each as
+    leave none idle and none fighting (OpenMP threads that compete for a core wait on
+    each other)."""
+    return max(1, torch.get_num_threads() // size) if device.type == "cpu" else 1
 
 
 def kv_memory_budget(
@@ -166,23 +190,12 @@ class WorkerGroup:
         )
 
     @classmethod
-    def start(
-        cls,
-        size: int,
-        path,
-        dtype: str,
-        device: torch.device,
-        attention_backend: str,
-        block_size: int,
-    ) -> WorkerGroup:
-        """Spawn ``size - 1`` workers and form the group with them (this process is rank 0)."""
+    def start(cls, size: int, args: WorkerArgs, device: torch.device) -> WorkerGroup:
+        """Spawn ``size - 1`` workers that build their shards as ``args`` says, and form
+        the group with them (this process is rank 0)."""
         # Not fork: a forked child of a process whose torch (or CUDA) started threads
         # may deadlock on locks those threads held.
         context = multiprocessing.get_context("spawn")
-        # On a CPU the ranks share its cores: as many threads each as leave none idle
-        # and none fighting (OpenMP threads that compete for a core wait on each other).
-        num_threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else 1
-        args = WorkerArgs(str(path), dtype, device.type, attention_backend, block_size, num_threads)
         port, processes, conns = free_port(), [], []
         for rank in range(1, size):
             ours, theirs = context.Pipe()
@@ -196,13 +209,15 @@ class WorkerGroup:
             theirs.close()
             processes.append(process)
             conns.append(ours)
-        group = cls(processes, conns, num_threads)
+        group = cls(processes, conns, args.num_threads)
         try:
             try:  # every worker has started, so joining cannot wait on a dead one
                 group.receive()
             except RuntimeError as error:
                 raise RuntimeError(f"{error}, before it started: {SPAWN_HINT}") from None
-            group.tp = init_tensor_parallel(0, size, port, device)
+            group.tp = init_tensor_parallel(
+                0, size, port, device, args.expert_parallel, args.all2all_backend
+            )
         except BaseException as error:
             group.fail(error)
             raise

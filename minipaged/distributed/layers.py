@@ -36,9 +36,10 @@ __all__ = [
 ]
 
 # What ``load_targets(kind)`` returns for the parameter ``kind`` ("weight", "bias"): HF
-# tensor -> (index into our parameter, index into the checkpoint tensor).  The key "" is
-# the parameter's own name; a merged layer has one key per HF projection.
-LoadTargets = dict[str, tuple[tuple[slice, ...], tuple[slice, ...]]]
+# tensor -> (index into our parameter, index into the checkpoint tensor), or None for a
+# tensor the rank does not read (under expert parallelism, another rank's expert).  The
+# key "" is the parameter's own name; a merged layer has one key per HF projection.
+LoadTargets = dict[str, tuple[tuple[slice, ...], tuple[slice, ...]] | None]
 ALL = (slice(None),)
 
 

@@ -4,7 +4,10 @@ Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) splits every layer over
 ``tensor_parallel_size`` ranks, one process each.  A rank computes with its slice of the
 weights and meets the others only in collectives: an **all-reduce** that sums the
 partial outputs of a row-parallel layer, a **gather** of the vocabulary slices of the
-logits to the driver, and a **broadcast** of each step's plan from the driver.
+logits to the driver, and a **broadcast** of each step's plan from the driver.  Expert
+parallelism (vLLM's ``enable_expert_parallel``) splits a mixture-of-experts layer's
+experts over the same ranks instead of slicing each one, and moves tokens to them: an
+**all-to-all**, or an **all-gather** then a **reduce-scatter** (``all2all_backend``).
 
 One tensor-parallel group per process: ``torch.distributed``'s default group, over
 ``gloo`` on a CPU and ``nccl`` on CUDA.  `TensorParallelGroup` is what a layer holds: its
@@ -64,7 +67,9 @@ COMM = CommStats()
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
-    """This process's place in the tensor-parallel group: ``rank`` of ``size``.
+    """This process's place in the tensor-parallel group: ``rank`` of ``size``, and
+    whether its mixture-of-experts layers split their experts over the group
+    (``expert_parallel``) and move tokens with ``all2all_backend``.
 
     The default, ``TensorParallelGroup()``, is no parallelism at all.  Collectives block
     until every rank has called them; on CUDA they are timed after a device sync, so
@@ -73,6 +78,8 @@ class TensorParallelGroup:
 
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False
+    all2all_backend: str = "alltoall"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over all ranks, in place (Megatron's ``g`` operator)."""
@@ -90,6 +97,37 @@ class TensorParallelGroup:
             parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
             dist.gather(x.contiguous(), parts, dst=0)
         return torch.cat(parts, dim=dim) if self.rank == 0 else None
+
+    def all_to_all(
+        self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+    ) -> torch.Tensor:
+        """Rows ``x[sum(send_counts[:r]) : ...]`` go to rank ``r``; returns the rows every
+        rank sent here, in rank order (``recv_counts[r]`` from rank ``r``)."""
+        if self.size == 1:
+            return x
+        out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+        with _timed("all_to_all", x.device):
+            dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts)
+        return out
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` (same shape on all) stacked along dim 0, on every rank."""
+        if self.size == 1:
+            return x
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+        with _timed("all_gather", x.device):
+            dist.all_gather_single(out, x.contiguous())
+        return out
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over all ranks, split along dim 0 in ``size`` equal parts:
+        rank ``r`` gets part ``r``."""
+        if self.size == 1:
+            return x
+        out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
+        with _timed("reduce_scatter", x.device):
+            dist.reduce_scatter_single(out, x.contiguous())
+        return out
 
     def broadcast_object(self, obj=None):
         """Rank 0's ``obj`` (any picklable object), on every rank."""
@@ -132,7 +170,12 @@ def free_port() -> int:
 
 
 def init_tensor_parallel(
-    rank: int, size: int, port: int, device: torch.device
+    rank: int,
+    size: int,
+    port: int,
+    device: torch.device,
+    expert_parallel: bool = False,
+    all2all_backend: str = "alltoall",
 ) -> TensorParallelGroup:
     """Join the group of ``size`` processes that meet at ``127.0.0.1:port`` (rank 0
     listens there); blocks until all have joined."""
@@ -150,7 +193,7 @@ def init_tensor_parallel(
         world_size=size,
         timeout=TIMEOUT,
     )
-    return TensorParallelGroup(rank, size)
+    return TensorParallelGroup(rank, size, expert_parallel, all2all_backend)
 
 
 def destroy_tensor_parallel() -> None:

@@ -30,7 +30,7 @@ from minipaged.distributed.parallel_state import (
     kv_heads_per_rank,
 )
 from minipaged.model_runner import ModelRunner
-from minipaged.models.attention import head_dim
+from minipaged.models.attention import calculate_kv_scales_on_next_batch, head_dim
 from minipaged.models.loader import load_model
 from minipaged.sequence import Sequence
 
@@ -110,6 +110,8 @@ class WorkerArgs:
     attention_backend: str
     block_size: int
     num_threads: int
+    expert_parallel: bool
+    all2all_backend: str
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -138,7 +140,9 @@ def worker_main(rank: int, size: int, port: int, conn, args: WorkerArgs) -> None
     try:
         conn.send(("hello", os.getpid()))
         device = rank_device(args.device, rank)
-        tp = init_tensor_parallel(rank, size, port, device)
+        tp = init_tensor_parallel(
+            rank, size, port, device, args.expert_parallel, args.all2all_backend
+        )
         model = load_model(args.path, args.dtype, device, args.attention_backend, tp)
         runner = ModelRunner(model, args.block_size, device)
         conn.send(("ok", None))
@@ -159,13 +163,18 @@ def _set_up(
     conn, runner: ModelRunner, tp: TensorParallelGroup, block_size: int, device: torch.device
 ) -> CacheEngine:
     """Answer ``(method, args)`` calls on the runner until ``("allocate", (num_gpu_blocks,
-    num_cpu_blocks))``, which builds this rank's pools and ends the set-up."""
+    num_cpu_blocks, kv_cache_dtype, calculate_kv_scales))``, which builds this rank's
+    pools and ends the set-up."""
     while True:
         method, call_args = conn.recv()
         if method == "allocate":
             config = rank_kv_config(runner.model.config, tp.size)
-            dtype = runner.model.model.embed_tokens.weight.dtype
-            cache_engine = CacheEngine(config, *call_args, block_size, dtype, device)
+            num_gpu_blocks, num_cpu_blocks, dtype, calculate_kv_scales = call_args
+            cache_engine = CacheEngine(
+                config, num_gpu_blocks, num_cpu_blocks, block_size, dtype, device
+            )
+            if calculate_kv_scales:
+                calculate_kv_scales_on_next_batch(runner.model)
             conn.send(("ok", tuple(cache_engine.gpu_cache[0][0].shape)))
             return cache_engine
         conn.send(("ok", getattr(runner, method)(*call_args)))

@@ -20,12 +20,13 @@ import torch
 from torch import nn
 
 from minipaged.memory.block_table import slot_mapping as block_slots
-from minipaged.ops import BACKENDS, get_backend
+from minipaged.ops import BACKENDS, get_backend, kv_quant
 
 __all__ = [
     "AttentionMetadata",
     "PagedAttention",
     "allocate_kv_caches",
+    "calculate_kv_scales_on_next_batch",
     "check_backend",
     "head_dim",
     "token_positions",
@@ -169,13 +170,16 @@ class PagedAttention(nn.Module):
 
     Calls the unchecked ops of ``get_backend(backend, device)`` directly: the metadata
     is built once per step and is well formed by construction, so the per-op checks of
-    ``minipaged.ops`` would only cost host syncs in every layer.
+    ``minipaged.ops`` would only cost host syncs in every layer.  A quantized cache
+    comes with its layer's ``k_scale`` and ``v_scale`` (`allocate_kv_caches`); with
+    ``calculate_kv_scales`` set, the first batch sets fp8's (vLLM's, `kv_quant`).
     """
 
     def __init__(self, scale: float, backend: str = "torch") -> None:
         super().__init__()
         _check_name(backend)
         self.scale, self.backend = scale, backend
+        self.calculate_kv_scales = False
 
     def forward(
         self,
@@ -188,9 +192,12 @@ class PagedAttention(nn.Module):
         """``query [T, num_heads, D]``, ``key, value [T, num_kv_heads, D]`` ->
         ``[T, num_heads, D]``; the new keys and values land in ``kv_cache`` first, so
         every token also sees itself and the tokens before it in the same step."""
-        key_cache, value_cache = kv_cache
+        key_cache, value_cache, *scales = kv_cache
+        if self.calculate_kv_scales:
+            kv_quant.calculate_kv_scales(key, value, *scales)
+            self.calculate_kv_scales = False
         impl = get_backend(self.backend, key_cache.device)
-        impl.write_kv(key, value, key_cache, value_cache, attn.slot_mapping)
+        impl.write_kv(key, value, key_cache, value_cache, attn.slot_mapping, *scales)
         n = attn.num_prefill_tokens
         out = torch.empty_like(query)
         if n > 0:
@@ -202,6 +209,7 @@ class PagedAttention(nn.Module):
                 attn.prefill_query_start_loc,
                 attn.prefill_context_lens,
                 self.scale,
+                *scales,
                 max_query_len=attn.max_prefill_query_len,
             )
         if n < query.shape[0]:
@@ -212,12 +220,21 @@ class PagedAttention(nn.Module):
                 attn.decode_block_tables,
                 attn.decode_context_lens,
                 self.scale,
+                *scales,
                 max_context_len=attn.max_decode_context_len,
             )
         return out
 
     def extra_repr(self) -> str:
         return f"scale={self.scale:.4g}, backend={self.backend!r}"
+
+
+def calculate_kv_scales_on_next_batch(model: nn.Module) -> None:
+    """Have every attention layer of ``model`` set its fp8 ``k_scale, v_scale`` from
+    the next batch it runs (vLLM's ``calculate_kv_scales``: its first real batch)."""
+    for module in model.modules():
+        if isinstance(module, PagedAttention):
+            module.calculate_kv_scales = True
 
 
 def check_backend(attention_backend: str, device: torch.device | str) -> None:
@@ -244,19 +261,22 @@ def allocate_kv_caches(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+) -> list[tuple[torch.Tensor, ...]]:
     """Zeroed ``(key_cache, value_cache)`` per layer, each ``[num_blocks, block_size,
     num_kv_heads, head_dim]`` (the layout every backend uses); ``config_or_model`` is an
-    HF config or a model with a ``.config``."""
+    HF config or a model with a ``.config``.  A quantized ``dtype`` (fp8, int8) adds the
+    layer's ``k_scale, v_scale`` (`kv_quant.new_scales`)."""
     config = getattr(config_or_model, "config", config_or_model)
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     shape = (num_blocks, block_size, config.num_key_value_heads, head_dim(config))
+    scales = kv_quant.is_quantized(dtype)
     return [
         (
             torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device),
+            *(kv_quant.new_scales(dtype, num_blocks, shape[2], device) if scales else ()),
         )
         for _ in range(config.num_hidden_layers)
     ]

@@ -183,11 +183,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU (Shazeer 2020): ``down(act(gate(x)) * up(x))``, act being SiLU here."""
+    """SwiGLU (Shazeer 2020): ``down(act(gate(x)) * up(x))``, act being SiLU here;
+    ``intermediate_size`` replaces the config's (Qwen2-MoE's shared expert)."""
 
-    def __init__(self, config, bias: bool, tp: TensorParallelGroup) -> None:
+    def __init__(
+        self, config, bias: bool, tp: TensorParallelGroup, intermediate_size: int | None = None
+    ) -> None:
         super().__init__()
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(
             config.hidden_size, {"gate_proj": size, "up_proj": size}, bias=bias, tp=tp
         )
@@ -200,14 +203,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``, with the
+    family's attention and MLP (`LlamaForCausalLM.make_layer`)."""
 
-    def __init__(
-        self, config, arch: ArchOptions, attention_backend: str, tp: TensorParallelGroup
-    ) -> None:
+    def __init__(self, config, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, arch, attention_backend, tp)
-        self.mlp = LlamaMLP(config, arch.mlp_bias, tp)
+        self.self_attn = self_attn
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -239,15 +241,10 @@ def sliding_window(config) -> int | None:
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm: token ids -> last hidden states."""
 
-    def __init__(
-        self, config, arch: ArchOptions, attention_backend: str, tp: TensorParallelGroup
-    ) -> None:
+    def __init__(self, config, layers: list[nn.Module], tp: TensorParallelGroup) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, arch, attention_backend, tp)
-            for _ in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         self.sliding_window = sliding_window(config)
@@ -299,13 +296,41 @@ class LlamaForCausalLM(nn.Module):
         self, config, attention_backend: str = "torch", tp: TensorParallelGroup = SINGLE
     ) -> None:
         super().__init__()
-        check_tensor_parallel(config, tp.size)
+        self.check_parallel(config, tp.size, tp.expert_parallel)
         self.config, self.tp = config, tp
-        self.model = LlamaModel(config, self.arch_options(config), attention_backend, tp)
+        arch = self.arch_options(config)
+        layers = [
+            self.make_layer(config, i, arch, attention_backend, tp)
+            for i in range(config.num_hidden_layers)
+        ]
+        self.model = LlamaModel(config, layers, tp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             # One parameter under two names, as in HF; checkpoints store it once.
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def check_parallel(cls, config, size: int, expert_parallel: bool = False) -> None:
+        """Raise ``ValueError`` unless ``size`` ranks can split this family's ``config``
+        (`check_tensor_parallel`); a dense model has no experts to split."""
+        if expert_parallel:
+            raise ValueError(
+                f"enable_expert_parallel needs a mixture-of-experts model, and "
+                f"{cls.__name__} has no experts"
+            )
+        check_tensor_parallel(config, size)
+
+    @classmethod
+    def make_layer(
+        cls, config, layer_idx: int, arch: ArchOptions, attention_backend: str, tp
+    ) -> nn.Module:
+        """Decoder layer ``layer_idx``: Llama's attention and SwiGLU MLP (the
+        mixture-of-experts families put experts in the MLP's place)."""
+        return LlamaDecoderLayer(
+            config,
+            LlamaAttention(config, arch, attention_backend, tp),
+            LlamaMLP(config, arch.mlp_bias, tp),
+        )
 
     @classmethod
     def arch_options(cls, config) -> ArchOptions:
@@ -334,17 +359,17 @@ class LlamaForCausalLM(nn.Module):
         return None if logits is None else logits.float()
 
 
-def check_tensor_parallel(config, size: int) -> None:
+def check_tensor_parallel(
+    config, size: int, split: tuple[str, ...] = ("intermediate_size",)
+) -> None:
     """Raise ``ValueError`` unless ``size`` ranks can split ``config``'s model: the query
-    heads and the MLP's intermediate size evenly, and the KV heads evenly or (more ranks
-    than KV heads) each one over a whole number of ranks."""
+    heads and the ``split`` sizes (the MLP's intermediate size) evenly, and the KV heads
+    evenly or (more ranks than KV heads) each one over a whole number of ranks."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size must be an int >= 1, got {size!r}")
     kv = config.num_key_value_heads
-    for what, total in (
-        ("num_attention_heads", config.num_attention_heads),
-        ("intermediate_size", config.intermediate_size),
-    ):
+    for what in ("num_attention_heads", *split):
+        total = getattr(config, what)
         if total % size:
             raise ValueError(
                 f"tensor_parallel_size={size} must divide the model's {what} ({total})"

@@ -24,8 +24,8 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from minipaged.distributed.parallel_state import SINGLE, TensorParallelGroup
+from minipaged.models import llama, moe_models
 from minipaged.models.attention import check_backend
-from minipaged.models.llama import MODELS
 
 __all__ = [
     "DTYPES",
@@ -42,6 +42,8 @@ SINGLE_FILE = "model.safetensors"
 # Tensors some real checkpoints carry that no model needs: RoPE frequencies saved by old
 # Llama conversions (they are computed, not learned; vLLM skips them too).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# config.architectures[0] -> class.
+MODELS = {**llama.MODELS, **moe_models.MODELS}
 
 
 def load_model(
@@ -119,14 +121,20 @@ def load_weights(model, files: list[Path]) -> None:
     Names and shapes are all checked, from the files' headers, before any data is read:
     missing or unexpected weights raise ``ValueError`` listing them, so does a shape
     that does not fit (under tensor parallelism: the model's slice against the file's).
+    A model's ``checkpoint_renames`` (old -> new substrings) map the files' names to
+    the HF names it uses.
     """
     targets = _targets(model)
-    shapes = {}
+    shapes = {}  # by the model's name for each tensor
     for file in files:
         with safe_open(file, framework="pt") as f:
-            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+            for name in f.keys():
+                shapes[_renamed(model, name)] = tuple(f.get_slice(name).get_shape())
     _check_names(model, targets.keys(), shapes.keys())
-    for name, (param, ours, theirs) in targets.items():
+    for name, target in targets.items():
+        if target is None:  # another rank's (an expert it holds)
+            continue
+        param, ours, theirs = target
         full = torch.empty(shapes[name], device="meta")
         if full[theirs].shape != param[ours].shape:
             raise ValueError(
@@ -137,15 +145,23 @@ def load_weights(model, files: list[Path]) -> None:
     with torch.no_grad():
         for file in files:
             with safe_open(file, framework="pt") as f:
-                for name in targets.keys() & f.keys():
-                    param, ours, theirs = targets[name]
+                for name in f.keys():
+                    if (target := targets.get(_renamed(model, name))) is None:
+                        continue
+                    param, ours, theirs = target
                     # Reads only the slice; copy_ casts to the model's dtype and device.
                     param[ours].copy_(f.get_slice(name)[theirs])
 
 
-def _targets(model) -> dict[str, tuple[torch.Tensor, tuple, tuple]]:
+def _renamed(model, name: str) -> str:
+    for old, new in getattr(model, "checkpoint_renames", {}).items():
+        name = name.replace(old, new)
+    return name
+
+
+def _targets(model) -> dict[str, tuple[torch.Tensor, tuple, tuple] | None]:
     """HF tensor name -> (parameter, the index of it that tensor fills, the index of
-    the tensor this rank reads)."""
+    the tensor this rank reads), or None for a tensor this rank does not read at all."""
     targets = {}
     # named_parameters() lists a tied parameter once, under its first name (the embedding).
     for name, param in model.named_parameters():
@@ -155,8 +171,8 @@ def _targets(model) -> dict[str, tuple[torch.Tensor, tuple, tuple]]:
             targets[name] = (param, (slice(None),), (slice(None),))
             continue
         parent = module_name.rsplit(".", 1)[0]
-        for part, (ours, theirs) in module.load_targets(kind).items():
-            targets[f"{parent}.{part}.{kind}" if part else name] = (param, ours, theirs)
+        for part, target in module.load_targets(kind).items():
+            targets[f"{parent}.{part}.{kind}" if part else name] = target and (param, *target)
     return targets
 
 

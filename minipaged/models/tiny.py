@@ -10,7 +10,8 @@ real checkpoint on disk, point ``model=`` at it instead.
 
 The weights are random, so the text is gibberish, but what sets the architectures apart
 is all there: GQA, RoPE, q/k/v biases, q/k norms, an explicit head_dim, tied and untied
-LM heads, a padded vocabulary.  The same seed always writes byte-identical weights::
+LM heads, a padded vocabulary, experts (top-2 of 5 to 7).  The same seed always
+writes byte-identical weights::
 
     path = make_tiny_model("/tmp/tiny-qwen3", arch="qwen3", seed=0)
     # or: minipaged make-tiny-model /tmp/tiny-qwen3 --arch qwen3 --seed 0
@@ -85,6 +86,37 @@ ARCHS = {
         head_dim=32,
         tie_word_embeddings=False,
     ),
+    # Mixtures of experts, top-2 of an expert count that 2 or 4 ranks cannot split
+    # evenly (expert parallelism must cope); each expert's MLP is 32 wide.
+    "mixtral": dict(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        num_local_experts=5,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ),
+    "qwen2_moe": dict(
+        architectures=["Qwen2MoeForCausalLM"],
+        model_type="qwen2_moe",
+        num_experts=7,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        norm_topk_prob=False,
+        use_sliding_window=False,
+        tie_word_embeddings=False,
+    ),
+    "olmoe": dict(
+        architectures=["OlmoeForCausalLM"],
+        model_type="olmoe",
+        num_experts=6,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        norm_topk_prob=False,
+        tie_word_embeddings=False,
+    ),
 }
 # Far larger than the usual 0.02: at 0.02 a 64-wide model's logits are nearly flat (top
 # token ~1%), greedy picks hinge on rounding noise and some models repeat one token forever.
@@ -125,6 +157,7 @@ def _write_weights(path: Path, seed: int) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
 
     # On the meta device the model has names and shapes but no storage and no init cost;
     # transformers itself thus decides which tensors a checkpoint of this config holds.
@@ -137,6 +170,9 @@ def _write_weights(path: Path, seed: int) -> None:
         # Norm scales near 1 rather than exactly 1, so a loader that forgets them is caught.
         mean = 1.0 if "norm" in name else 0.0
         tensors[name] = torch.empty(param.shape).normal_(mean, INIT_STD, generator=generator)
+    # Under the names the Hub's checkpoints use: transformers 5 fuses each MoE layer's
+    # experts into one tensor in memory, but saves (and reads) one tensor per expert.
+    tensors = revert_weight_conversion(model, tensors)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
 
 

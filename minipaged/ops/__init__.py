@@ -11,6 +11,11 @@ keys and for values; slot ``s`` is block ``s // block_size``, offset ``s % block
 Arguments are checked here, once, so every backend may assume well-formed input.
 The contiguous oracle the backends are tested against is exported beside them.
 
+A quantized cache (fp8 or int8, `kv_quant`) holds bytes that mean ``q * scale``: its
+ops take the layer's ``k_scale`` and ``v_scale`` too, and the query and new keys keep the
+model's dtype.  fp8's scales default to 1.0; int8's, one per block and KV head, are
+required.
+
 Backends: ``torch`` (``torch_ref``, gather then attend: short and slow), ``triton``
 (``triton_ops`` launching ``triton_kernels``: online softmax over blocks, GQA groups,
 split-KV), ``cuda`` (``cuda_ops`` launching the CUDA C++ kernels of ``kernels/``, built
@@ -25,7 +30,7 @@ import importlib
 
 import torch
 
-from minipaged.ops import torch_ref
+from minipaged.ops import kv_quant, torch_ref
 from minipaged.ops.oracle import attention_oracle, decode_oracle, prefill_oracle
 
 __all__ = [
@@ -49,10 +54,14 @@ class BackendUnavailableError(RuntimeError):
     """The requested attention backend cannot run here."""
 
 
-def write_kv(key, value, key_cache, value_cache, slot_mapping, backend="torch") -> None:
+def write_kv(
+    key, value, key_cache, value_cache, slot_mapping, backend="torch", k_scale=None, v_scale=None
+) -> None:
     """Store ``key, value [T, num_kv_heads, head_dim]`` in the cache slots
-    ``slot_mapping [T]``, in place; a slot of -1 skips that token."""
+    ``slot_mapping [T]``, in place; a slot of -1 skips that token.  A quantized cache
+    stores them over ``k_scale`` and ``v_scale`` (int8: which grow as needed)."""
     _check_cache(key_cache, value_cache)
+    scales = _check_scales(key_cache, k_scale, v_scale)
     impl = get_backend(backend, key_cache.device)
     _require(
         key.dim() == 3 and key.shape[1:] == key_cache.shape[2:],
@@ -64,9 +73,9 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, backend="torch") 
         f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}",
     )
     _require(
-        key.dtype == value.dtype == key_cache.dtype,
-        f"key and value dtype must equal "
-        f"key_cache dtype {key_cache.dtype}, got {key.dtype} and {value.dtype}",
+        key.dtype == value.dtype and _computes_in(key.dtype, key_cache),
+        f"key and value dtype must be key_cache's {_compute_dtypes(key_cache)}, "
+        f"got {key.dtype} and {value.dtype}",
     )
     _check_index("slot_mapping", slot_mapping, 1, (key.shape[0],))
     _check_device(key_cache, key=key, value=value, slot_mapping=slot_mapping)
@@ -77,21 +86,30 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, backend="torch") 
         raise ValueError(
             f"slot_mapping[{i}] = {int(slot_mapping[i])} is not -1 or a slot in [0, {num_slots})"
         )
-    impl.write_kv(key, value, key_cache, value_cache, slot_mapping)
+    impl.write_kv(key, value, key_cache, value_cache, slot_mapping, *scales)
 
 
 def paged_attention_decode(
-    query, key_cache, value_cache, block_tables, context_lens, scale, backend="torch"
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    scale,
+    backend="torch",
+    k_scale=None,
+    v_scale=None,
 ) -> torch.Tensor:
     """``query [B, num_heads, head_dim]``, one new token per sequence, attends to the
     ``context_lens[b]`` tokens of its sequence in the cache -> ``[B, num_heads, head_dim]``."""
     _check_cache(key_cache, value_cache)
+    scales = _check_scales(key_cache, k_scale, v_scale)
     impl = get_backend(backend, key_cache.device)
     _check_query(query, key_cache)
     _check_tables(block_tables, context_lens, query.shape[0], key_cache)
     _check_context_lens(context_lens, 1, block_tables.shape[1] * key_cache.shape[1])
     return impl.paged_attention_decode(
-        query, key_cache, value_cache, block_tables, context_lens, scale
+        query, key_cache, value_cache, block_tables, context_lens, scale, *scales
     )
 
 
@@ -104,11 +122,14 @@ def paged_attention_prefill(
     context_lens,
     scale,
     backend="torch",
+    k_scale=None,
+    v_scale=None,
 ) -> torch.Tensor:
     """Causal attention for the new tokens of several sequences packed in
     ``query [T, num_heads, head_dim]``; sequence ``b`` owns rows
     ``query_start_loc[b]:query_start_loc[b+1]`` -> ``[T, num_heads, head_dim]``."""
     _check_cache(key_cache, value_cache)
+    scales = _check_scales(key_cache, k_scale, v_scale)
     impl = get_backend(backend, key_cache.device)
     _check_query(query, key_cache)
     batch = block_tables.shape[0] if block_tables.dim() == 2 else -1
@@ -126,7 +147,7 @@ def paged_attention_prefill(
         context_lens, query_start_loc.diff(), block_tables.shape[1] * key_cache.shape[1]
     )
     return impl.paged_attention_prefill(
-        query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale
+        query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, *scales
     )
 
 
@@ -134,8 +155,9 @@ def get_backend(name: str, device: torch.device):
     """The module implementing backend ``name`` for tensors on ``device``.
 
     Its ``write_kv``, ``paged_attention_decode`` and ``paged_attention_prefill`` take the
-    same arguments as the ops here, plus the optional host-side hints
-    ``max_context_len`` (decode) and ``max_query_len`` (prefill), but check none of them,
+    same arguments as the ops here (the scales positional, None for a cache that is not
+    quantized), plus the optional host-side hints ``max_context_len`` (decode) and
+    ``max_query_len`` (prefill), but check none of them,
     and the Triton ones never wait for the GPU: for hot loops (a model's layers, a
     benchmark) whose caller validated its inputs once.  Raises
     ``BackendUnavailableError`` if it cannot run on ``device``.
@@ -166,16 +188,24 @@ def get_backend(name: str, device: torch.device):
     raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
 
 
-def check_supported(backend: str, dtype: torch.dtype, head_dim: int, block_size: int) -> None:
-    """Raise ``ValueError`` if ``backend`` cannot attend over a cache of these shapes.
+def check_supported(
+    backend: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    kv_cache_dtype: torch.dtype | None = None,
+) -> None:
+    """Raise ``ValueError`` if ``backend`` cannot attend over a cache of these shapes,
+    computing in ``dtype`` over a cache of ``kv_cache_dtype`` (default: ``dtype``).
 
-    The torch and Triton backends take any; the CUDA kernels are compiled for a few
-    dtypes, head dims and block sizes (``cuda_ops.check_supported``), which an engine
-    asks about once, before it allocates anything.
+    The torch, CPU and Triton backends take any; the CUDA kernels are compiled for a few
+    dtypes, head dims and block sizes (``cuda_ops.check_supported``), and read no
+    quantized cache: an engine asks once, before it allocates anything.
     """
     if backend == "cuda":
         from minipaged.ops import cuda_ops
 
+        cuda_ops.check_not_quantized(kv_cache_dtype or dtype)
         cuda_ops.check_supported(dtype, head_dim, block_size)
 
 
@@ -214,10 +244,60 @@ def _check_query(query, key_cache):
         f"query num_heads {num_heads} must be a multiple of key_cache num_kv_heads {num_kv_heads}",
     )
     _require(
-        query.dtype == key_cache.dtype,
-        f"query dtype {query.dtype} must equal key_cache dtype {key_cache.dtype}",
+        _computes_in(query.dtype, key_cache),
+        f"query dtype {query.dtype} must be key_cache's {_compute_dtypes(key_cache)}",
     )
     _check_device(key_cache, query=query)
+
+
+_COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _computes_in(dtype, key_cache) -> bool:
+    """A quantized cache is read and written in any float dtype, the model's; another
+    cache in its own."""
+    return dtype in _compute_dtypes(key_cache)
+
+
+def _compute_dtypes(key_cache):
+    return _COMPUTE_DTYPES if kv_quant.is_quantized(key_cache.dtype) else (key_cache.dtype,)
+
+
+def _check_scales(key_cache, k_scale, v_scale):
+    """The ``(k_scale, v_scale)`` a backend gets: None for a cache that is not
+    quantized, fp8's default 1.0, each a float32 number or ``[num_blocks, num_kv_heads]``
+    on the cache's device (int8's must be the latter)."""
+    if not kv_quant.is_quantized(key_cache.dtype):
+        _require(
+            k_scale is None and v_scale is None,
+            f"k_scale and v_scale are for a quantized cache, not {key_cache.dtype}",
+        )
+        return None, None
+    per_block = (key_cache.shape[0], key_cache.shape[2])
+    shapes = [per_block] if key_cache.dtype == torch.int8 else [(), (1,), per_block]
+    scales = []
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None and key_cache.dtype != torch.int8:
+            scale = torch.ones((), device=key_cache.device)
+        _require(
+            isinstance(scale, torch.Tensor)
+            and scale.dtype == torch.float32
+            and tuple(scale.shape) in shapes,
+            f"{name} for a {key_cache.dtype} cache must be a float32 tensor of shape "
+            f"{' or '.join(map(str, shapes))}, got {_describe(scale)}",
+        )
+        _check_device(key_cache, **{name: scale})
+        scales.append(scale.view(()) if scale.numel() == 1 and scale.dim() == 1 else scale)
+    _require(
+        scales[0].shape == scales[1].shape,
+        f"k_scale and v_scale must have one shape, got {tuple(scales[0].shape)} "
+        f"and {tuple(scales[1].shape)}",
+    )
+    return tuple(scales)
+
+
+def _describe(x):
+    return f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else repr(x)
 
 
 def _check_tables(block_tables, context_lens, batch, key_cache):

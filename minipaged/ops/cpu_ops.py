@@ -10,7 +10,8 @@ kernels (`cuda_build.cached_build_dir`).
 
 Decode and prefill are the same kernel: each query row names its sequence's block
 table and how many of its positions it sees.  ``write_kv`` is the torch backend's
-(one ``index_copy_`` per tensor, already in place).  Arguments are checked in
+(one ``index_copy_`` per tensor, already in place; it quantizes for an fp8 or int8
+cache, which the kernel widens back element by element, `kv_quant`).  Arguments are checked in
 ``minipaged.ops``; these functions assume well-formed input.
 """
 
@@ -21,7 +22,7 @@ import sys
 
 import torch
 
-from minipaged.ops import cuda_build
+from minipaged.ops import cuda_build, kv_quant
 from minipaged.ops.torch_ref import write_kv
 
 __all__ = ["check_available", "paged_attention_decode", "paged_attention_prefill", "write_kv"]
@@ -60,12 +61,27 @@ def _unavailable() -> str | None:
 
 
 def paged_attention_decode(
-    query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    scale,
+    k_scale=None,
+    v_scale=None,
+    max_context_len=None,
 ):
     """One new token per sequence attends to its ``context_lens[b]`` cached tokens."""
     rows = torch.arange(query.shape[0], dtype=torch.int32)
     return _kernel().paged_attention(
-        query, key_cache, value_cache, block_tables.int(), rows, context_lens.int(), scale
+        query,
+        key_cache,
+        value_cache,
+        block_tables.int(),
+        rows,
+        context_lens.int(),
+        scale,
+        *_block_scales(key_cache, k_scale, v_scale),
     )
 
 
@@ -77,6 +93,8 @@ def paged_attention_prefill(
     query_start_loc,
     context_lens,
     scale,
+    k_scale=None,
+    v_scale=None,
     max_query_len=None,
 ):
     """Sequence ``b``'s new tokens are rows ``query_start_loc[b]:query_start_loc[b+1]``,
@@ -87,8 +105,22 @@ def paged_attention_prefill(
     j = torch.arange(query.shape[0]) - query_start_loc[:-1].repeat_interleave(num_new)
     visible = (context_lens - num_new)[seq] + j + 1
     return _kernel().paged_attention(
-        query, key_cache, value_cache, block_tables.int(), seq, visible.int(), scale
+        query,
+        key_cache,
+        value_cache,
+        block_tables.int(),
+        seq,
+        visible.int(),
+        scale,
+        *_block_scales(key_cache, k_scale, v_scale),
     )
+
+
+def _block_scales(key_cache, k_scale, v_scale):
+    """The kernel's ``[num_blocks, num_kv_heads]`` scales (views), or None, None."""
+    if k_scale is None:
+        return None, None
+    return kv_quant.block_scales(k_scale, key_cache), kv_quant.block_scales(v_scale, key_cache)
 
 
 @functools.cache

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from minipaged.ops import cuda_build
+from minipaged.ops import cuda_build, kv_quant
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128)
@@ -56,9 +56,20 @@ def check_supported(dtype: torch.dtype, head_dim: int, block_size: int) -> None:
         _check_one(name, value, allowed)
 
 
-def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
+def check_not_quantized(cache_dtype: torch.dtype) -> None:
+    """The CUDA kernels read a cache of the query's dtype: raise ``ValueError`` for an
+    fp8 or int8 one (`kv_quant`), which the torch, CPU and Triton backends read."""
+    if kv_quant.is_quantized(cache_dtype):
+        raise ValueError(
+            f"the 'cuda' attention backend does not read a {cache_dtype} KV cache: "
+            "use attention_backend='triton', or kv_cache_dtype='auto'"
+        )
+
+
+def write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Scatter ``key, value [T, num_kv_heads, head_dim]`` into their slots (§4.3); the
     kernel copies rows of any shape, so only the dtype matters."""
+    check_not_quantized(key_cache.dtype)
     _check_one("dtype", key_cache.dtype, DTYPES)
     cuda_build.load(key_cache.device).write_kv(
         key, value, key_cache, value_cache, slot_mapping.to(torch.int64)
@@ -96,6 +107,8 @@ def paged_attention_decode(
     block_tables,
     context_lens,
     scale,
+    k_scale=None,
+    v_scale=None,
     max_context_len: int | None = None,
     version: int | None = None,
 ):
@@ -108,6 +121,7 @@ def paged_attention_decode(
     """
     batch, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    check_not_quantized(key_cache.dtype)
     check_supported(query.dtype, head_dim, block_size)
     ext = cuda_build.load(query.device)
     max_len = max_context_len or block_tables.shape[1] * block_size
@@ -145,9 +159,12 @@ def paged_attention_prefill(
     query_start_loc,
     context_lens,
     scale,
+    k_scale=None,
+    v_scale=None,
     max_query_len: int | None = None,
 ):
     """Causal attention of packed new tokens: the Triton kernel, on the same cache."""
+    check_not_quantized(key_cache.dtype)
     from minipaged.ops import triton_ops
 
     return triton_ops.paged_attention_prefill(

@@ -14,12 +14,17 @@ a fresh buffer of tens of megabytes costs the kernel a page fault per 4 KB, whic
 CPU took longer than the copy itself.  And each KV head's scores are one ``bmm`` over
 strided views of the gathered K/V, with no copy to reorder them.
 
+A quantized cache (fp8, int8: `kv_quant`) is written by `kv_quant.write_kv`, and
+gathered as its bytes, then widened to float32 and multiplied by each position's scale.
+
 Arguments are checked in ``minipaged.ops``; these functions assume well-formed input.
 """
 
 from __future__ import annotations
 
 import torch
+
+from minipaged.ops import kv_quant
 
 
 def write_kv(
@@ -28,12 +33,17 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Store each new token's key and value in its cache slot, in place (paper §4.3).
 
     Slot ``s`` is block ``s // block_size``, offset ``s % block_size``.  A slot of -1
     means "do not store": padding tokens, or tokens whose KV is already cached.
     """
+    if kv_quant.is_quantized(key_cache.dtype):
+        kv_quant.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+        return
     slots = slot_mapping.long()
     if bool((slots < 0).any()):
         keep = slots >= 0
@@ -51,6 +61,8 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     max_context_len: int | None = None,
 ) -> torch.Tensor:
     """One new token per sequence attends to its whole context (paper §4.1).
@@ -60,7 +72,9 @@ def paged_attention_decode(
     host, spares reading it back from the device.  Returns ``[B, num_heads, D]``.
     """
     max_len = max_context_len or int(context_lens.max())
-    k, v, valid = _gather_kv(key_cache, value_cache, block_tables, context_lens, max_len)
+    k, v, valid = _gather_kv(
+        key_cache, value_cache, block_tables, context_lens, max_len, k_scale, v_scale
+    )
     # The new token is the last position, so it may see every valid one: no causal mask.
     return _attend(query[:, None], k, v, valid[:, None], scale)[:, 0]
 
@@ -73,6 +87,8 @@ def paged_attention_prefill(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention for a packed chunk of new tokens per sequence (paper §4.1, §4.5).
@@ -87,7 +103,13 @@ def paged_attention_prefill(
     starts = query_start_loc.tolist()
     for b, (start, end, length) in enumerate(zip(starts, starts[1:], context_lens.tolist())):
         k, v, _ = _gather_kv(
-            key_cache, value_cache, block_tables[b : b + 1], context_lens[b : b + 1], length
+            key_cache,
+            value_cache,
+            block_tables[b : b + 1],
+            context_lens[b : b + 1],
+            length,
+            k_scale,
+            v_scale,
         )
         key_pos = torch.arange(length, device=query.device)
         query_pos = key_pos[length - (end - start) :]
@@ -96,7 +118,9 @@ def paged_attention_prefill(
     return out
 
 
-def _gather_kv(key_cache, value_cache, block_tables, context_lens, max_len):
+def _gather_kv(
+    key_cache, value_cache, block_tables, context_lens, max_len, k_scale=None, v_scale=None
+):
     """Read the first ``max_len`` positions of each sequence through its block table.
 
     Position ``i`` of sequence ``b`` lives in physical block ``block_tables[b, i //
@@ -105,7 +129,8 @@ def _gather_kv(key_cache, value_cache, block_tables, context_lens, max_len):
     read its position 0 instead: block-table entries past its last block, and slots past
     its last token, may hold anything (even NaN), and a zero attention weight times NaN
     would still be NaN.  Both tensors live in `_workspace` buffers, valid until the
-    next call.
+    next call; from a quantized cache they are new float32 tensors, each position
+    times its block's scale.
     """
     block_size = key_cache.shape[1]
     pos = torch.arange(max_len, device=key_cache.device)
@@ -119,6 +144,12 @@ def _gather_kv(key_cache, value_cache, block_tables, context_lens, max_len):
         ).view(shape)
         for name, cache in (("key", key_cache), ("value", value_cache))
     )
+    if kv_quant.is_quantized(key_cache.dtype):
+        blocks = slots // block_size
+        k, v = (
+            kv_quant.dequantize(x, kv_quant.block_scales(s, cache)[blocks].view(*shape[:3], 1))
+            for x, s, cache in ((k, k_scale, key_cache), (v, v_scale, value_cache))
+        )
     return k, v, valid
 
 

@@ -104,11 +104,16 @@ def _load_kv_tile(
     stride_cs,
     stride_ch,
     stride_cd,
+    scale_ptr,
+    stride_sb,
+    stride_sh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     """Load keys (or values) of token positions ``n [BLOCK_N]`` of one sequence and one
-    KV head -> ``[BLOCK_N, BLOCK_D]``.
+    KV head -> ``[BLOCK_N, BLOCK_D]``; from a ``QUANTIZED`` cache (fp8, int8:
+    ``kv_quant``), float32, each row times its block's scale, ``scale[block, kv_head]``.
 
     Position ``n`` is in logical block ``n // block_size``; the block table maps that to
     a physical block, and the token sits at offset ``n % block_size`` inside it (§4.1).
@@ -123,7 +128,15 @@ def _load_kv_tile(
     d = tl.arange(0, BLOCK_D)
     ptrs = cache_ptr + row[:, None] + kv_head * stride_ch + d[None, :] * stride_cd
     mask = in_context[:, None] & (d < HEAD_DIM)[None, :]
-    return tl.load(ptrs, mask=mask, other=0.0)
+    tile = tl.load(ptrs, mask=mask, other=0.0)
+    if QUANTIZED:
+        scale = tl.load(
+            scale_ptr + physical.to(tl.int64) * stride_sb + kv_head * stride_sh,
+            mask=in_context,
+            other=0.0,
+        )
+        tile = tile.to(tl.float32) * scale[:, None]
+    return tile
 
 
 # 3. One step of the online softmax --------------------------------------------------------
@@ -146,10 +159,15 @@ def _attend_tile(
     stride_cs,
     stride_ch,
     stride_cd,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_sb,
+    stride_sh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     """Fold keys ``n0 .. n0 + BLOCK_N - 1`` (those below ``kv_end``) into the running
     softmax of every query row.
@@ -176,10 +194,14 @@ def _attend_tile(
         stride_cs,
         stride_ch,
         stride_cd,
+        k_scale_ptr,
+        stride_sb,
+        stride_sh,
         HEAD_DIM,
         BLOCK_D,
+        QUANTIZED,
     )
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
     visible = in_context[None, :] & (n[None, :] <= query_pos[:, None])
     scores = tl.where(visible, scores, float("-inf"))
 
@@ -197,10 +219,16 @@ def _attend_tile(
         stride_cs,
         stride_ch,
         stride_cd,
+        v_scale_ptr,
+        stride_sb,
+        stride_sh,
         HEAD_DIM,
         BLOCK_D,
+        QUANTIZED,
     )
-    # The tensor cores take P in the storage dtype, as FlashAttention does; fp32 stays fp32.
+    # The tensor cores take P in the query's dtype, as FlashAttention does (dequantized
+    # keys and values too); fp32 stays fp32.
+    v = v.to(q.dtype)
     acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     l_i = l_i * rescale + tl.sum(p, axis=1)
     return m_new, l_i, acc
@@ -230,12 +258,17 @@ def decode_kernel(
     stride_cd,
     stride_bt,
     block_size,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_sb,
+    stride_sh,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
     # Only with more than one split: each split's log-sum-exp, [batch, num_heads, splits].
     WRITE_LSE: tl.constexpr = False,
     lse_ptr=None,
@@ -293,10 +326,15 @@ def decode_kernel(
             stride_cs,
             stride_ch,
             stride_cd,
+            k_scale_ptr,
+            v_scale_ptr,
+            stride_sb,
+            stride_sh,
             HEAD_DIM,
             BLOCK_D,
             BLOCK_N,
             DOT_PRECISION,
+            QUANTIZED,
         )
 
     # A split past the end of a short sequence saw no key: l = 0, lse = -inf, output 0,
@@ -392,6 +430,10 @@ def prefill_kernel(
     stride_cd,
     stride_bt,
     block_size,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_sb,
+    stride_sh,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -399,6 +441,7 @@ def prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     """Program ``(tile, b, kv_head)``: new tokens ``tile * BLOCK_Q ...`` of sequence ``b``,
     with every query head of ``kv_head``'s group, attend causally.
@@ -461,10 +504,15 @@ def prefill_kernel(
             stride_cs,
             stride_ch,
             stride_cd,
+            k_scale_ptr,
+            v_scale_ptr,
+            stride_sb,
+            stride_sh,
             HEAD_DIM,
             BLOCK_D,
             BLOCK_N,
             DOT_PRECISION,
+            QUANTIZED,
         )
 
     out = acc / l_i[:, None]

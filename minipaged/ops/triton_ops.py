@@ -18,6 +18,7 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
+from minipaged.ops import kv_quant
 from minipaged.ops.triton_kernels import (
     LOG2E,
     decode_kernel,
@@ -55,8 +56,12 @@ def check_available(device: torch.device) -> None:
     )
 
 
-def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """Scatter ``key, value [T, num_kv_heads, head_dim]`` into their slots (§4.3)."""
+def write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Scatter ``key, value [T, num_kv_heads, head_dim]`` into their slots (§4.3); into a
+    quantized cache, with ``kv_quant.write_kv`` (torch)."""
+    if kv_quant.is_quantized(key_cache.dtype):
+        kv_quant.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+        return
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -101,6 +106,8 @@ def paged_attention_decode(
     block_tables,
     context_lens,
     scale,
+    k_scale=None,
+    v_scale=None,
     max_context_len: int | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
@@ -140,6 +147,7 @@ def paged_attention_decode(
         BLOCK_D=_block_d(head_dim),
         BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(query.dtype),
+        **_scale_args(key_cache, k_scale, v_scale),
     )
     grid = (batch, num_kv_heads, num_splits)
     if num_splits == 1:  # the program's result is the output: one split of [B, H, 1, D]
@@ -182,6 +190,8 @@ def paged_attention_prefill(
     query_start_loc,
     context_lens,
     scale,
+    k_scale=None,
+    v_scale=None,
     max_query_len: int | None = None,
     block_n: int | None = None,
 ):
@@ -221,8 +231,28 @@ def paged_attention_prefill(
         BLOCK_D=_block_d(head_dim),
         BLOCK_N=block_n or BLOCK_N,
         DOT_PRECISION=_dot_precision(query.dtype),
+        **_scale_args(key_cache, k_scale, v_scale),
     )
     return out
+
+
+def _scale_args(key_cache, k_scale, v_scale) -> dict:
+    """The kernels' scale arguments: ``scale[block, kv_head]`` of a quantized cache
+    (one layout, strides 0 for fp8's per-layer scale), or none to read."""
+    if k_scale is None:
+        # Never read: QUANTIZED is a compile-time False.
+        return dict(
+            k_scale_ptr=key_cache, v_scale_ptr=key_cache, stride_sb=0, stride_sh=0, QUANTIZED=False
+        )
+    # One pair of strides for both: ``minipaged.ops`` checks they have one shape.
+    k_scale, v_scale = (kv_quant.block_scales(s, key_cache) for s in (k_scale, v_scale))
+    return dict(
+        k_scale_ptr=k_scale,
+        v_scale_ptr=v_scale,
+        stride_sb=k_scale.stride(0),
+        stride_sh=k_scale.stride(1),
+        QUANTIZED=True,
+    )
 
 
 def _strides(name: str, tensor: torch.Tensor, dims: str) -> dict[str, int]:

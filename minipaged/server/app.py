@@ -585,6 +585,12 @@ def log_startup(
             f"KV cache        {kv.gpu.num_blocks} blocks x {config.block_size} tokens = "
             f"{kv.gpu.num_blocks * config.block_size} tokens; {kv.cpu.num_blocks} swap blocks"
         ),
+        (
+            f"KV dtype        {config.kv_cache_dtype} "
+            f"({str(engine.kv_cache_dtype).removeprefix('torch.')}): "
+            f"{engine.block_bytes} bytes a block, "
+            f"{kv.gpu.num_blocks * engine.block_bytes / 2**20:.1f} MiB"
+        ),
         f"max_model_len   {engine.max_model_len} tokens",
         (
             f"limits          body {limits.max_body_bytes} bytes, {limits.max_prompts} prompts, "

@@ -40,6 +40,12 @@ METRICS = [
         lambda s: s["num_free_gpu_blocks"],
     ),
     (
+        "kv_cache_bytes",
+        GAUGE,
+        "Bytes of the GPU KV pool: its blocks times a block's bytes in kv_cache_dtype.",
+        lambda s: s["num_gpu_blocks"] * s["kv_cache_block_bytes"],
+    ),
+    (
         "cpu_kv_blocks_used",
         GAUGE,
         "CPU swap blocks holding swapped-out KV.",
@@ -90,6 +96,27 @@ class EngineCollector:
         stats = self.engine.stats
         for name, family, help_, value in METRICS:
             yield family(f"minipaged:{name}", help_, value=value(stats))
+        if "expert_tokens_total" in stats:  # a mixture-of-experts model
+            yield from routing_metrics(stats)
+
+
+def routing_metrics(stats: dict):
+    """The experts' load: the last step's imbalance, and the (token, choice) pairs each
+    expert of each MoE layer has received, labelled by layer and expert."""
+    yield GAUGE(
+        "minipaged:expert_load_imbalance",
+        "Last step: the busiest expert's tokens over the mean, averaged over MoE layers.",
+        value=stats["expert_load_imbalance"],
+    )
+    tokens = COUNTER(
+        "minipaged:expert_tokens",
+        "Tokens routed to each expert (one per token and chosen expert).",
+        labels=["layer", "expert"],
+    )
+    for layer, counts in enumerate(stats["expert_tokens_total"]):
+        for expert, count in enumerate(counts):
+            tokens.add_metric([str(layer), str(expert)], count)
+    yield tokens
 
 
 def make_registry(engine: AsyncEngine) -> CollectorRegistry:
