@@ -152,6 +152,7 @@ def base_url(tiny):
             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}},
         )
     except Exception as error:  # Ray raises a bare Exception when its node times out
+        ray.shutdown()  # the processes it did start
         pytest.skip(f"Ray could not start a local cluster here: {error}")
     try:
         port = free_port()
