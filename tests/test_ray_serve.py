@@ -266,14 +266,17 @@ def test_a_killed_replica_fails_only_its_requests_and_ray_restarts_it(base_url):
     def stream(i: int) -> str | None:
         """The error the client saw, or None if the stream ran to its end."""
         with client(base_url) as c:
-            raw = c.completions.with_raw_response.create(
-                model=MODEL,
-                prompt=prompts[i],
-                max_tokens=100,
-                temperature=0,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            )
+            try:
+                raw = c.completions.with_raw_response.create(
+                    model=MODEL,
+                    prompt=prompts[i],
+                    max_tokens=100,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+            except openai.APIStatusError as error:  # a replica that died before answering
+                return str(error)
             replicas[i] = raw.headers[REPLICA]
             try:
                 chunks = 0
@@ -290,10 +293,13 @@ def test_a_killed_replica_fails_only_its_requests_and_ray_restarts_it(base_url):
         victim = replicas[min(replicas)]
         os.kill(replica_pid(victim), signal.SIGKILL)
         errors = [r.result() for r in results]
-    failed = {i for i, e in enumerate(errors) if e is not None}
+    failed = [i for i, e in enumerate(errors) if e is not None]
     assert failed, "the kill came too late to fail anything"
-    assert {replicas[i] for i in failed} == {victim}, errors  # only the victim's requests
-    assert all("replica" in errors[i] for i in failed), errors  # in OpenAI's error shape
+    # Only the victim's requests fail (or one sent to it as it died, before it answered),
+    # each in OpenAI's error shape; the other replica's are served to the end.
+    assert all(replicas.get(i) in (victim, None) for i in failed), (replicas, errors)
+    assert all("replica" in errors[i] for i in failed), errors
+    assert any(replicas.get(i) not in (victim, None) for i in range(len(prompts)))
     # Ray Serve starts a new replica; requests keep succeeding and reach both again.
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
