@@ -141,8 +141,9 @@ def test_a_replica_dying_mid_stream_ends_it_with_an_error_event_and_frees_its_bl
 def base_url(tiny):
     """Two replicas of the tiny model behind Ray Serve's proxy on a free loopback port."""
     path, _ = tiny("llama")
-    # Ray's 30 s for a raylet to register is short on a busy small machine.
+    # Ray's waits for a raylet and its agents to start are short on a busy small machine.
     os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "300000")
     try:
         ray.init(
             num_cpus=2,
