@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from minipaged.lora_request import LoRARequest
 from minipaged.sequence import Sequence, SequenceGroup
 
 
@@ -26,6 +27,7 @@ class ScheduledSeq:
     block_table: list[int]
     slot_mapping: list[int]  # the cache slot of each new token, from the KV cache manager
     samples: bool  # does this step reach the sequence's end, so its last logits are used?
+    lora_slot: int = -1  # the slot of its LoRA adapter (minipaged.memory.lora_slots); -1: none
 
 
 @dataclass
@@ -37,6 +39,8 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on the GPU
     preempted: list[SequenceGroup] = field(default_factory=list)
+    # (slot, adapter): load each adapter into its slot before the forward pass.
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 # The modules behind `minipaged COMMAND` and `minipaged bench NAME`, in the order the
 # help lists them.
-COMMANDS = ("make_tiny_model", "download", "generate", "demo", "serve", "serve_ray")
+COMMANDS = ("make_tiny_model", "download", "generate", "demo", "serve", "serve_ray", "check")
 BENCHES = (
     "memory",
     "sharing",
@@ -35,6 +35,7 @@ BENCHES = (
     "preemption",
     "latency",
     "kv_cache_dtype",
+    "lora",
     "moe",
 )
 

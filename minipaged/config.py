@@ -83,6 +83,13 @@ class EngineConfig:
             one, and tokens travel to them (`minipaged.models.moe`).
         all2all_backend: how tokens travel under expert parallelism: ``"alltoall"``
             (two all-to-all exchanges per layer) or ``"allgather_reducescatter"``.
+        enable_lora: serve LoRA adapters beside the base model (`minipaged.models.lora`),
+            a request's ``lora_request`` naming its own.
+        max_loras: adapters on the device at once (their slots); a step's batch mixes
+            at most this many.
+        max_lora_rank: the highest adapter rank served (every slot is this big).
+        max_cpu_loras: adapters kept in host memory, read from disk again when evicted;
+            None: ``max_loras``.
     """
 
     model: str
@@ -110,6 +117,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     all2all_backend: str = "alltoall"
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
@@ -121,6 +132,15 @@ class EngineConfig:
         _positive_int("block_size", self.block_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _positive_int("max_loras", self.max_loras)
+        _positive_int("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _positive_int("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
         for name in ("num_gpu_blocks", "max_model_len", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
@@ -148,6 +168,7 @@ class EngineConfig:
             "trace",
             "calculate_kv_scales",
             "enable_expert_parallel",
+            "enable_lora",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from minipaged.adapters import Adapters
 from minipaged.batch import ScheduledSeq
 from minipaged.beam_search import BeamSearch
 from minipaged.cache_engine import CacheEngine, block_bytes, pool_sizes
@@ -46,7 +47,9 @@ from minipaged.distributed.parallel_state import SINGLE
 from minipaged.distributed.worker import rank_kv_config
 from minipaged.fail_alone import update_failing_alone
 from minipaged.input_processor import InputProcessor, Params
+from minipaged.lora_request import LoRARequest
 from minipaged.memory import KVCacheManager
+from minipaged.memory.lora_slots import LoRASlots
 from minipaged.model_runner import ModelRunner
 from minipaged.models.attention import calculate_kv_scales_on_next_batch, head_dim
 from minipaged.models.hub import resolve_model
@@ -94,6 +97,8 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.model.config)
         self.vocab_size = self.model.config.vocab_size
         self.runner = ModelRunner(self.model, config.block_size, self.device)
+        if config.enable_lora:
+            self.runner.enable_lora(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         dtype = self.model.model.embed_tokens.weight.dtype
         self.kv_cache_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, dtype)
         check_supported(
@@ -151,6 +156,9 @@ class LLMEngine:
             self.scheduler, self.eos_token_ids, self.max_model_len, self.tokenizer
         )
         self.requests: dict[str, SequenceGroup] = {}
+        if config.enable_lora:
+            self.scheduler.lora_slots = LoRASlots(config.max_loras)
+        self.adapters = Adapters(self.runner.lora, self.scheduler.lora_slots, self.requests)
         self.input_processor = InputProcessor(
             self.tokenizer,
             self.vocab_size,
@@ -178,17 +186,44 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: Params,
         prompt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request.  Raises ``ValueError`` (changing nothing) if it is malformed
-        or could never fit the KV pool."""
+        """Queue a request, with ``lora_request``'s adapter if given.  Raises
+        ``ValueError`` (changing nothing) if it is malformed or could never fit the KV
+        pool."""
+        self.adapters.check(lora_request)
         group = self.input_processor.process(request_id, prompt_token_ids, params, prompt)
+        if lora_request is not None:
+            self.adapters.add(lora_request)
+            group.lora_request = lora_request
         self.requests[request_id] = group
         self.scheduler.add(group)
         self.num_prompt_tokens += len(prompt_token_ids)
 
-    def check_request(self, request_id: str, prompt_token_ids: list[int], params: Params) -> None:
+    def check_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: Params,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
         """Raise ``ValueError`` if `add_request` would refuse the request."""
+        self.adapters.check(lora_request)
         self.input_processor.check(request_id, prompt_token_ids, params)
+
+    # -- adapters (vLLM's names) ------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter and make it known (`list_loras`) before any request uses
+        it; False if it was known."""
+        return self.adapters.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter that no unfinished request uses (``ValueError`` if one
+        does), freeing its slot and host copy; False if it is unknown."""
+        return self.adapters.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.adapters.by_id.values())
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks (between steps)."""

@@ -6,7 +6,9 @@ their positions, and `AttentionMetadata` tells every layer where their keys and 
 go and what they attend to (paper §4.3).  Only the last token of a sequence that reached
 its end is projected to logits; a chunk that stops mid-prompt samples nothing.
 With `capture_decode_graphs`, a step of decodes only replays a CUDA graph instead
-(`minipaged.cuda_graphs`).
+(`minipaged.cuda_graphs`).  With `enable_lora`, each token also gets its adapter's
+LoRA term (`minipaged.models.lora`): the batch is ordered by adapter slot within its
+prefills and its decodes, so each adapter's tokens form few segments.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import torch
 
 from minipaged.batch import ScheduledSeq
 from minipaged.cuda_graphs import DecodeGraphs
+from minipaged.lora_request import LoRARequest
 from minipaged.models.attention import (
     AttentionMetadata,
     allocate_kv_caches,
     int_tensor,
     token_positions,
 )
+from minipaged.models.lora import LoRAModelManager
 
 
 class ModelRunner:
@@ -29,6 +33,16 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.graphs: DecodeGraphs | None = None
+        self.lora: LoRAModelManager | None = None
+
+    def enable_lora(self, max_loras: int, max_lora_rank: int, max_cpu_loras: int) -> None:
+        """Wrap the model's projections with ``max_loras`` adapter slots."""
+        self.lora = LoRAModelManager(self.model, max_loras, max_lora_rank, max_cpu_loras)
+
+    def activate_loras(self, loads: list[tuple[int, LoRARequest]]) -> None:
+        """Load each ``(slot, adapter)`` the scheduler asked for into its slot."""
+        if loads:
+            self.lora.activate(loads)
 
     def capture_decode_graphs(self, kv_caches, max_num_seqs: int, max_model_len: int) -> None:
         """Record the decode forward as CUDA graphs over ``kv_caches`` (which must
@@ -46,9 +60,11 @@ class ModelRunner:
         if not seqs:
             return [], None
         # Prefills first: the trailing run of one-token sequences goes to the decode op.
-        seqs = sorted(seqs, key=lambda s: s.num_new_tokens == 1)
+        seqs = sorted(seqs, key=lambda s: (s.num_new_tokens == 1, s.lora_slot))
         starts = [s.start for s in seqs]
         counts = [s.num_new_tokens for s in seqs]
+        if self.lora is not None:
+            self.lora.batch.set([s.lora_slot for s in seqs], counts)
         attn = AttentionMetadata.build(
             [s.block_table for s in seqs],
             starts,

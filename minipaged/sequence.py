@@ -21,6 +21,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from minipaged.lora_request import LoRARequest
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -90,6 +91,7 @@ class SequenceGroup:
     # Beam search: beams that ended with EOS, kept as (tokens, cum_logprob) (no blocks).
     completed_beams: list[tuple[list[int], float]] = field(default_factory=list)
     next_seq_index: int = 1
+    lora_request: LoRARequest | None = None  # its adapter; None: the base model
 
     # Set once: every step asks it of every running request.
     is_beam_search: bool = field(init=False)
@@ -125,3 +127,8 @@ class SequenceGroup:
         seq_id = f"{self.request_id}.{self.next_seq_index}"
         self.next_seq_index += 1
         return seq_id
+
+    @property
+    def lora_id(self) -> int | None:
+        """Its adapter's id (the prefix cache's extra key, its slot's owner), or None."""
+        return None if self.lora_request is None else self.lora_request.lora_int_id

@@ -36,4 +36,6 @@ time per step, with the model stubbed), `common` (timing, a system's row, tables
   agreement on SmolLM2.
 * `serve` - online serving latency (TTFT, TPOT, ITL, E2EL) against a running
   OpenAI-compatible server (paper §6).
+* `lora` - a decode step mixing LoRA adapters against the base model's, and a workload
+  spread over 1, 4 and 16 adapters (Punica, S-LoRA).
 """

@@ -11,4 +11,5 @@ reads from the source without importing the module), ``add_arguments(parser)`` a
 * `demo` - ``minipaged demo``: a real model answers, and the blocks paging saves.
 * `serve` - ``minipaged serve MODEL``: the OpenAI-compatible HTTP server.
 * `serve_ray` - ``minipaged serve-ray MODEL``: its replicas under Ray Serve.
+* `check` - ``minipaged check NN``: a lesson's tests, run on the learner's exercise.
 """

@@ -36,11 +36,12 @@ def slot_mapping(blocks: list[int], block_size: int, start: int, end: int) -> li
 class BlockTable:
     """The logical -> physical block list of one sequence, and the token ids it holds."""
 
-    def __init__(self, block_size: int, allocator: BlockAllocator) -> None:
+    def __init__(self, block_size: int, allocator: BlockAllocator, extra_key=None) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size
         self.allocator = allocator
+        self.extra_key = extra_key  # what the prefix cache keys its blocks on, beside tokens
         self.blocks: list[int] = []
         self.token_ids: list[int] = []
         # One identity per full block, kept only when the allocator caches prefixes.
@@ -121,7 +122,9 @@ class BlockTable:
     def _register_block(self, index: int) -> None:
         parent = self.identities[-1] if self.identities else None
         tokens = tuple(self.token_ids[index * self.block_size : (index + 1) * self.block_size])
-        self.identities.append(self.allocator.register(self.blocks[index], tokens, parent))
+        self.identities.append(
+            self.allocator.register(self.blocks[index], tokens, parent, self.extra_key)
+        )
 
     def adopt_cached_prefix(self, entries: list[CachedBlock]) -> None:
         """Start an empty table with blocks found in the prefix cache (§4.4)."""
@@ -135,7 +138,7 @@ class BlockTable:
 
     def fork(self) -> BlockTable:
         """A child table sharing every physical block (parallel sampling, beam search)."""
-        child = BlockTable(self.block_size, self.allocator)
+        child = BlockTable(self.block_size, self.allocator, self.extra_key)
         for block in self.blocks:
             self.allocator.incref(block)
         child.blocks = list(self.blocks)

@@ -79,25 +79,31 @@ class KVCacheManager:
         return self._table(seq_id).allocator is self.cpu
 
     # -- admission and growth ---------------------------------------------------------
-    def num_cached_tokens(self, prompt_token_ids: list[int]) -> int:
+    # ``extra_key``: what besides its tokens sets a prompt's KV apart, the request's LoRA
+    # adapter (None: the base model); the prefix cache shares blocks only under one key.
+    def num_cached_tokens(self, prompt_token_ids: list[int], extra_key=None) -> int:
         """How many leading prompt tokens the prefix cache could serve (read-only)."""
         if not self.prefix_caching:
             return 0
-        return len(self.gpu.match_prefix(prompt_token_ids)) * self.block_size
+        return len(self.gpu.match_prefix(prompt_token_ids, extra_key)) * self.block_size
 
     def can_allocate(self, prompt_token_ids: list[int], num_new_tokens: int | None = None) -> bool:
         """Would `allocate()` find the blocks it needs right now?"""
         return self.blocks_to_allocate(prompt_token_ids, num_new_tokens) <= self.gpu.num_free_blocks
 
     def blocks_to_allocate(
-        self, prompt_token_ids: list[int], num_new_tokens: int | None = None
+        self, prompt_token_ids: list[int], num_new_tokens: int | None = None, extra_key=None
     ) -> int:
         """Free blocks `allocate()` would take (a scheduler sums them over a group)."""
-        entries, end = self._plan(prompt_token_ids, num_new_tokens)
+        entries, end = self._plan(prompt_token_ids, num_new_tokens, extra_key)
         return self._blocks_needed(entries, end - len(entries) * self.block_size)
 
     def allocate(
-        self, seq_id: str, prompt_token_ids: list[int], num_new_tokens: int | None = None
+        self,
+        seq_id: str,
+        prompt_token_ids: list[int],
+        num_new_tokens: int | None = None,
+        extra_key=None,
     ) -> Allocation:
         """Start a sequence: reuse its cached prefix, then give slots to the next tokens.
 
@@ -106,14 +112,14 @@ class KVCacheManager:
         """
         if seq_id in self.tables:
             raise ValueError(f"seq_id {seq_id!r} already has a block table")
-        entries, end = self._plan(prompt_token_ids, num_new_tokens)
+        entries, end = self._plan(prompt_token_ids, num_new_tokens, extra_key)
         cached = len(entries) * self.block_size
         needed = self._blocks_needed(entries, end - cached)
         if needed > self.gpu.num_free_blocks:
             raise NoFreeBlocksError(
                 f"starting {seq_id!r} needs {needed} blocks, {self.gpu.num_free_blocks} free"
             )
-        table = BlockTable(self.block_size, self.gpu)
+        table = BlockTable(self.block_size, self.gpu, extra_key)
         if entries:
             table.adopt_cached_prefix(entries)
         slots, copies = table.append_tokens(prompt_token_ids[cached:end])
@@ -122,11 +128,11 @@ class KVCacheManager:
         self.tables[seq_id] = table
         return Allocation(slots, list(table.blocks), copies, cached)
 
-    def _plan(self, prompt_token_ids: list[int], num_new_tokens: int | None):
+    def _plan(self, prompt_token_ids: list[int], num_new_tokens: int | None, extra_key=None):
         """The cached prefix a new sequence would reuse, and where its first chunk ends."""
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
-        entries = self.gpu.match_prefix(prompt_token_ids) if self.prefix_caching else []
+        entries = self.gpu.match_prefix(prompt_token_ids, extra_key) if self.prefix_caching else []
         cached = len(entries) * self.block_size
         if num_new_tokens is None:
             return entries, len(prompt_token_ids)

@@ -1,13 +1,15 @@
 """An OpenAI-compatible HTTP server over the engine (FastAPI): ``minipaged serve DIR``.
 
-    GET  /v1/models             the one model served
+    GET  /v1/models             the model served, and its LoRA adapters
     POST /v1/completions        prompt(s) -> text; streamed as server-sent events if asked
     POST /v1/chat/completions   messages -> the chat template -> a reply
     GET  /health                200 while the engine runs
     GET  /metrics               Prometheus text: queues, KV blocks, preemptions, tokens
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   adapters by name (--enable-lora)
 
 Every prompt of a request becomes one engine request; `AsyncEngine` runs them in the
-same batch as everyone else's.  A stream sends each step's new text as it is made
+same batch as everyone else's; a request whose ``model`` names a LoRA adapter runs
+with it (`minipaged.server.lora`).  A stream sends each step's new text as it is made
 (``data: {...}`` chunks, then ``data: [DONE]``); a client that hangs up mid-stream
 aborts its requests, which frees their blocks.  Errors have OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``, with a 4xx status for anything the
@@ -38,12 +40,13 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from minipaged.config import EngineConfig
 from minipaged.engine import LLMEngine
+from minipaged.lora_request import LoRARequest
 from minipaged.outputs import CompletionOutput, RequestOutput
 from minipaged.server.async_engine import (
     AsyncEngine,
@@ -58,12 +61,15 @@ from minipaged.server.guard import (
     h11_with_head_timeout,
 )
 from minipaged.server.limits import ServerLimits
+from minipaged.server.lora import ServedAdapters, UnknownAdapterError
 from minipaged.server.metrics import make_registry
 from minipaged.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     SamplingRequest,
+    UnloadLoRAAdapterRequest,
 )
 
 logger = logging.getLogger("minipaged.server")
@@ -145,24 +151,35 @@ class OpenAIServing:
         self.max_prompt_chars = self.max_model_len * longest
         # One thread: tokenizing never blocks the event loop, and never runs twice at once.
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="minipaged-tokenize")
+        self.adapters = ServedAdapters(engine.engine)
 
     def models(self) -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.model_name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "minipaged",
-                    "max_model_len": self.max_model_len,
-                }
-            ],
+        created = int(time.time())
+        base = {
+            "id": self.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "minipaged",
+            "max_model_len": self.max_model_len,
         }
+        return {"object": "list", "data": [base, *self.adapters.cards(self.model_name, created)]}
+
+    # -- LoRA adapters (vLLM's endpoints) ---------------------------------------------
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
+        """Read the adapter (off the event loop) and serve it as ``lora_name``."""
+        await self._off_loop(
+            lambda: self.adapters.load(body.lora_name, body.lora_path, self.model_name)
+        )
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
+        lora_request = self.adapters.unload(body.lora_name)
+        self.engine.remove_lora(lora_request.lora_int_id)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     # -- completions ------------------------------------------------------------------
     async def completions(self, body: CompletionRequest) -> Response:
-        self._check(body)
+        lora_request = self._check(body)
         if body.echo and body.logprobs is not None:
             raise APIError(
                 400,
@@ -185,7 +202,7 @@ class OpenAIServing:
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         outputs = self.engine.generate(
             [
-                (rid, token_ids, params[i], text)
+                (rid, token_ids, params[i], text, lora_request)
                 for i, (rid, (token_ids, text)) in enumerate(zip(ids, prompts))
             ]
         )
@@ -193,7 +210,7 @@ class OpenAIServing:
             "id": request_id,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": body.model or self.model_name,
         }
         usage = Usage([token_ids for token_ids, _ in prompts])
         echoes = {rid: self._prompt_text(p) if body.echo else "" for rid, p in zip(ids, prompts)}
@@ -270,7 +287,7 @@ class OpenAIServing:
 
     # -- chat -------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest) -> Response:
-        self._check(body)
+        lora_request = self._check(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
         self._check_logprobs(body.top_logprobs, "top_logprobs")
@@ -281,12 +298,12 @@ class OpenAIServing:
         top = body.top_logprobs or 0
         params = body.sampling_params(max_tokens, top if body.logprobs else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = self.engine.generate([(request_id, token_ids, params, None)])
+        outputs = self.engine.generate([(request_id, token_ids, params, None, lora_request)])
         head = {
             "id": request_id,
             "object": "chat.completion.chunk" if body.stream else "chat.completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": body.model or self.model_name,
         }
         usage, started = Usage([token_ids]), set()
 
@@ -355,7 +372,9 @@ class OpenAIServing:
         }
 
     # -- shared -----------------------------------------------------------------------
-    def _check(self, body: SamplingRequest) -> None:
+    def _check(self, body: SamplingRequest) -> LoRARequest | None:
+        """Refuse what the request may not ask; returns the LoRA adapter its ``model``
+        names (None: the base model)."""
         # First: no message below may quote a string that cannot be encoded.
         if name := unencodable_field(body.model_dump()):
             raise APIError(
@@ -364,16 +383,14 @@ class OpenAIServing:
                 "(UTF-16 halves must come in pairs)",
                 name,
             )
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(
-                404, f"The model `{body.model}` does not exist.", "model", "model_not_found"
-            )
+        lora_request = self.adapters.resolve(body.model, self.model_name)
         if name := body.unsupported():
             raise APIError(400, f"{name} is not supported by minipaged", name)
         if body.n > self.limits.max_n:
             raise APIError(
                 400, f"n must be at most {self.limits.max_n} (--max-n), got {body.n}", "n"
             )
+        return lora_request
 
     def _check_logprobs(self, asked: int | None, param: str) -> None:
         if asked is not None and asked > self.limits.max_logprobs:
@@ -516,10 +533,12 @@ def serve(
     served_model_name: str | None = None,
     limits: ServerLimits | None = None,
     allowed_hosts: list[str] | None = None,
+    lora_modules: list[str] | None = None,
     **engine_kwargs,
 ) -> None:
     """Load ``model`` into an engine (``engine_kwargs``: `EngineConfig`'s) and serve it
-    over HTTP, as ``served_model_name`` (default: `default_model_name`), until stopped.
+    over HTTP, as ``served_model_name`` (default: `default_model_name`), until stopped,
+    with the LoRA adapters ``lora_modules`` (``name=path``) beside it.
     ``allowed_hosts`` defaults to the loopback names when bound to one, else any.  If
     the engine's loop dies, the server stops and this raises ``SystemExit(1)``, so a
     supervisor can restart it."""
@@ -534,7 +553,7 @@ def serve(
 
     engine = AsyncEngine(LLMEngine(EngineConfig(model=str(model), **engine_kwargs)), on_dead)
     name = served_model_name or default_model_name(model)
-    app = build_app(engine, name, api_key, limits, hosts)
+    app = build_app(engine, name, api_key, limits, hosts, lora_modules)
     server = Server(uvicorn_config(app, host, port, limits), app.state.draining)
     log_startup(engine.engine, model, name, host, port, api_key, limits, hosts)
     try:
@@ -610,11 +629,13 @@ def build_app(
     api_key: str | None = None,
     limits: ServerLimits | None = None,
     allowed_hosts: tuple[str, ...] | None = None,
+    lora_modules: list[str] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``; with ``api_key``, the
     ``/v1`` routes want ``Authorization: Bearer <api_key>``; ``allowed_hosts`` None
-    allows any ``Host``.  ``app.state.draining`` is its `Draining`.  Stopping the app
-    stops the engine's thread."""
+    allows any ``Host``; ``lora_modules``: adapters to serve, ``name=path`` each.
+    ``app.state.draining`` is its `Draining`.  Stopping the app stops the engine's
+    thread."""
     limits = limits or ServerLimits()
 
     @asynccontextmanager
@@ -625,6 +646,8 @@ def build_app(
     # No trailing-slash redirects: they would send clients to the Host they named.
     app = FastAPI(title="minipaged", lifespan=lifespan, redirect_slashes=False)
     serving, registry = OpenAIServing(engine, model_name, limits), make_registry(engine)
+    for name, path in serving.adapters.parse_modules(lora_modules or []):
+        serving.adapters.load(name, path, model_name)
     draining = app.state.draining = Draining(engine, limits.shutdown_grace_s)
     app.add_middleware(
         RequestGuard,
@@ -641,6 +664,9 @@ def build_app(
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         return await cancel_on_disconnect(request, serving.chat(body))
+
+    app.post("/v1/load_lora_adapter", responses=ERROR_RESPONSES)(serving.load_lora_adapter)
+    app.post("/v1/unload_lora_adapter", responses=ERROR_RESPONSES)(serving.unload_lora_adapter)
 
     @app.get("/health")
     def health() -> Response:
@@ -719,6 +745,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         response = error_response(APIError(error.status_code, str(error.detail)))
         response.headers.update(error.headers or {})  # a 405's Allow, for one
         return response
+
+    @app.exception_handler(UnknownAdapterError)
+    async def unknown_model(_: Request, error: UnknownAdapterError) -> Response:
+        return error_response(APIError(404, str(error), "model", "model_not_found"))
 
     @app.exception_handler(ValueError)  # SamplingParams and the engine name the argument
     async def bad_value(_: Request, error: ValueError) -> Response:

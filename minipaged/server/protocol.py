@@ -27,6 +27,21 @@ UNSUPPORTED = {
 }
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter``, as vLLM's."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter``, as vLLM's (``lora_int_id`` is accepted, unused:
+    the name says which)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
