@@ -33,7 +33,7 @@ from transformers import AutoTokenizer
 from minipaged.adapters import Adapters
 from minipaged.batch import ScheduledSeq
 from minipaged.beam_search import BeamSearch
-from minipaged.cache_engine import CacheEngine, block_bytes, pool_sizes
+from minipaged.cache_engine import CacheEngine, block_bytes, fit_max_model_len, pool_sizes
 from minipaged.config import EngineConfig
 from minipaged.contiguous_scheduler import make_scheduler
 from minipaged.cuda_graphs import capture_decode_graphs, uses_decode_graphs
@@ -117,6 +117,9 @@ class LLMEngine:
             self.device,
             self.block_bytes,
             lambda: kv_memory_budget(self.workers, self.runner, config, self.max_model_len),
+        )
+        self.max_model_len = fit_max_model_len(
+            self.max_model_len, config.max_model_len, num_gpu_blocks, config.block_size
         )
         self.cache_engine = CacheEngine(
             kv_config,

@@ -4,7 +4,9 @@ A step is one forward pass over a flat batch of tokens, no padding: each schedul
 sequence contributes its new tokens (a prompt, a chunk of one, or one decode token) at
 their positions, and `AttentionMetadata` tells every layer where their keys and values
 go and what they attend to (paper §4.3).  Only the last token of a sequence that reached
-its end is projected to logits; a chunk that stops mid-prompt samples nothing.
+its end is projected to logits; a chunk that stops mid-prompt samples nothing.  The
+rows of a request that asked for its prompt's logprobs are projected too, a chunk at a
+time, and scored into the request (`minipaged.prompt_logprobs`).
 With `capture_decode_graphs`, a step of decodes only replays a CUDA graph instead
 (`minipaged.cuda_graphs`).  With `enable_lora`, each token also gets its adapter's
 LoRA term (`minipaged.models.lora`): the batch is ordered by adapter slot within its
@@ -25,6 +27,7 @@ from minipaged.models.attention import (
     token_positions,
 )
 from minipaged.models.lora import LoRAModelManager
+from minipaged.prompt_logprobs import compute_prompt_logprobs
 
 
 class ModelRunner:
@@ -83,6 +86,8 @@ class ModelRunner:
         hidden = self.graphs.run(input_ids, positions, attn) if self.graphs else None
         if hidden is None:
             hidden = self.model(input_ids, positions, kv_caches, attn)
+        if any(s.prompt_logprob_positions for s in seqs):
+            compute_prompt_logprobs(self.model, hidden, seqs)
         sampling, last_rows, end = [], [], 0
         for s in seqs:
             end += s.num_new_tokens

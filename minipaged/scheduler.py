@@ -282,9 +282,13 @@ class Scheduler:
         for k, seq in enumerate(seqs):
             # Planned again per sequence: with prefix caching, a sibling allocated just
             # before may have cached more of this one's tokens.
-            cached = self.kv.num_cached_tokens(seq.token_ids, group.lora_id)
+            cached = self.kv.num_cached_tokens(
+                seq.token_ids, group.lora_id, group.reads_prefix_cache
+            )
             n = min(len(seq.token_ids) - cached, budget - used - _later(seqs, k))
-            allocation = self.kv.allocate(seq.seq_id, seq.token_ids, n, group.lora_id)
+            allocation = self.kv.allocate(
+                seq.seq_id, seq.token_ids, n, group.lora_id, group.reads_prefix_cache
+            )
             self.trace.record(
                 "allocate",
                 group.request_id,
@@ -315,6 +319,7 @@ class Scheduler:
                 allocation.slot_mapping,
                 samples,
                 self.lora_slots.slot_of.get(group.lora_id, -1),
+                group.prompt_logprob_positions(start, n),
             )
         )
 
@@ -376,11 +381,18 @@ class Scheduler:
         plan = self._admission_plan(group, budget)
         return (
             plan is not None
-            and self._blocks_to_allocate(plan, group.lora_id) <= self.kv.gpu.num_free_blocks
+            and self._blocks_to_allocate(plan, group) <= self.kv.gpu.num_free_blocks
         )
 
-    def _blocks_to_allocate(self, plan: list[tuple[Sequence, int]], extra_key=None) -> int:
-        return sum(self.kv.blocks_to_allocate(seq.token_ids, n, extra_key) for seq, n in plan)
+    def _blocks_to_allocate(
+        self, plan: list[tuple[Sequence, int]], group: SequenceGroup
+    ) -> int:
+        return sum(
+            self.kv.blocks_to_allocate(
+                seq.token_ids, n, group.lora_id, group.reads_prefix_cache
+            )
+            for seq, n in plan
+        )
 
     def _admission_plan(self, group: SequenceGroup, budget: int):
         """First-chunk sizes for a waiting request's sequences, or None if the token
@@ -388,7 +400,10 @@ class Scheduler:
         plan, seqs = [], group.unfinished_seqs
         for k, seq in enumerate(seqs):
             n = min(
-                len(seq.token_ids) - self.kv.num_cached_tokens(seq.token_ids, group.lora_id),
+                len(seq.token_ids)
+                - self.kv.num_cached_tokens(
+                    seq.token_ids, group.lora_id, group.reads_prefix_cache
+                ),
                 budget - _later(seqs, k),
             )
             if n < 1:

@@ -92,12 +92,33 @@ class SequenceGroup:
     completed_beams: list[tuple[list[int], float]] = field(default_factory=list)
     next_seq_index: int = 1
     lora_request: LoRARequest | None = None  # its adapter; None: the base model
+    # With SamplingParams.prompt_logprobs: one entry per prompt token computed so far
+    # ({token_id: logprob}, the prompt token first), None for the first token.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     # Set once: every step asks it of every running request.
     is_beam_search: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.is_beam_search = isinstance(self.params, BeamSearchParams)
+        if getattr(self.params, "prompt_logprobs", None) is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """A request that wants its prompt's logprobs computes every prompt token, as
+        vLLM's does: a block served from the prefix cache would have no logits."""
+        return self.prompt_logprobs is None
+
+    def prompt_logprob_positions(self, start: int, num_new_tokens: int) -> range:
+        """The positions, of tokens ``[start, start + num_new_tokens)`` run this step,
+        whose logits give a prompt token's logprob not collected yet: position ``p``
+        scores prompt token ``p + 1``.  Empty for most steps, and for every step after a
+        recompute preemption re-runs a prompt whose entries are all in."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        first = max(start, len(self.prompt_logprobs) - 1)
+        return range(first, min(start + num_new_tokens, len(self.prompt_token_ids) - 1))
 
     @property
     def width(self) -> int:

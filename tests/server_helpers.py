@@ -86,9 +86,9 @@ def in_process_app(path, api_key: str | None = None, engine_kwargs=None, **app_k
         thread.join(timeout=30)
 
 
-def subprocess_server(path):
-    """``python -m minipaged serve`` on a free port; stopped by its pid (SIGINT, as a
-    user's Ctrl-C), killed if it will not stop."""
+def subprocess_server(path, name: str = MODEL, flags: list[str] = FLAGS):
+    """``python -m minipaged serve`` on a free port, as ``name`` with ``flags``; stopped
+    by its pid (SIGINT, as a user's Ctrl-C), killed if it will not stop."""
     port = free_port()
     process = subprocess.Popen(
         [
@@ -100,8 +100,8 @@ def subprocess_server(path):
             "--port",
             str(port),
             "--served-model-name",
-            MODEL,
-            *FLAGS,
+            name,
+            *flags,
         ],
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )

@@ -42,8 +42,8 @@ class StepPlan:
     """What a worker needs of one `SchedulerOutput`: no requests, no sampling."""
 
     # Per sequence: (start, the tokens to run, block table, slot mapping, samples,
-    # LoRA slot).
-    seqs: list[tuple[int, list[int], list[int], list[int], bool, int]]
+    # LoRA slot, the positions whose logits score prompt tokens: every rank projects them).
+    seqs: list[tuple[int, list[int], list[int], list[int], bool, int, range]]
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
     copies: list[tuple[int, int]]
@@ -59,6 +59,7 @@ class StepPlan:
                 s.slot_mapping,
                 s.samples,
                 s.lora_slot,
+                s.prompt_logprob_positions,
             )
             for s in batch.seqs
         ]
@@ -76,8 +77,9 @@ class StepPlan:
                 slots,
                 samples,
                 lora_slot,
+                positions,
             )
-            for start, tokens, table, slots, samples, lora_slot in self.seqs
+            for start, tokens, table, slots, samples, lora_slot, positions in self.seqs
         ]
         return SchedulerOutput(
             seqs, self.swap_out, self.swap_in, self.copies, lora_loads=self.lora_loads

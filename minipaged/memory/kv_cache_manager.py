@@ -81,9 +81,12 @@ class KVCacheManager:
     # -- admission and growth ---------------------------------------------------------
     # ``extra_key``: what besides its tokens sets a prompt's KV apart, the request's LoRA
     # adapter (None: the base model); the prefix cache shares blocks only under one key.
-    def num_cached_tokens(self, prompt_token_ids: list[int], extra_key=None) -> int:
-        """How many leading prompt tokens the prefix cache could serve (read-only)."""
-        if not self.prefix_caching:
+    def num_cached_tokens(
+        self, prompt_token_ids: list[int], extra_key=None, use_cache: bool = True
+    ) -> int:
+        """How many leading prompt tokens the prefix cache could serve (read-only).
+        ``use_cache=False`` (a sequence that must compute its whole prompt) reads none."""
+        if not (self.prefix_caching and use_cache):
             return 0
         return len(self.gpu.match_prefix(prompt_token_ids, extra_key)) * self.block_size
 
@@ -92,10 +95,14 @@ class KVCacheManager:
         return self.blocks_to_allocate(prompt_token_ids, num_new_tokens) <= self.gpu.num_free_blocks
 
     def blocks_to_allocate(
-        self, prompt_token_ids: list[int], num_new_tokens: int | None = None, extra_key=None
+        self,
+        prompt_token_ids: list[int],
+        num_new_tokens: int | None = None,
+        extra_key=None,
+        use_cache: bool = True,
     ) -> int:
         """Free blocks `allocate()` would take (a scheduler sums them over a group)."""
-        entries, end = self._plan(prompt_token_ids, num_new_tokens, extra_key)
+        entries, end = self._plan(prompt_token_ids, num_new_tokens, extra_key, use_cache)
         return self._blocks_needed(entries, end - len(entries) * self.block_size)
 
     def allocate(
@@ -104,15 +111,17 @@ class KVCacheManager:
         prompt_token_ids: list[int],
         num_new_tokens: int | None = None,
         extra_key=None,
+        use_cache: bool = True,
     ) -> Allocation:
         """Start a sequence: reuse its cached prefix, then give slots to the next tokens.
 
         ``num_new_tokens`` (default: the rest of the prompt) lets chunked prefill take a
-        prompt in pieces; later pieces go through `append()`.  All or nothing.
+        prompt in pieces; later pieces go through `append()`.  ``use_cache=False``
+        reuses nothing (its full blocks still join the cache).  All or nothing.
         """
         if seq_id in self.tables:
             raise ValueError(f"seq_id {seq_id!r} already has a block table")
-        entries, end = self._plan(prompt_token_ids, num_new_tokens, extra_key)
+        entries, end = self._plan(prompt_token_ids, num_new_tokens, extra_key, use_cache)
         cached = len(entries) * self.block_size
         needed = self._blocks_needed(entries, end - cached)
         if needed > self.gpu.num_free_blocks:
@@ -123,16 +132,23 @@ class KVCacheManager:
         if entries:
             table.adopt_cached_prefix(entries)
         slots, copies = table.append_tokens(prompt_token_ids[cached:end])
-        if self.prefix_caching:
+        if self.prefix_caching and use_cache:
             self.gpu.record_lookup(len(prompt_token_ids), cached)
         self.tables[seq_id] = table
         return Allocation(slots, list(table.blocks), copies, cached)
 
-    def _plan(self, prompt_token_ids: list[int], num_new_tokens: int | None, extra_key=None):
+    def _plan(
+        self,
+        prompt_token_ids: list[int],
+        num_new_tokens: int | None,
+        extra_key=None,
+        use_cache: bool = True,
+    ):
         """The cached prefix a new sequence would reuse, and where its first chunk ends."""
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
-        entries = self.gpu.match_prefix(prompt_token_ids, extra_key) if self.prefix_caching else []
+        reads = self.prefix_caching and use_cache
+        entries = self.gpu.match_prefix(prompt_token_ids, extra_key) if reads else []
         cached = len(entries) * self.block_size
         if num_new_tokens is None:
             return entries, len(prompt_token_ids)

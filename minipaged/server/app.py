@@ -3,6 +3,9 @@
     GET  /v1/models             the model served, and its LoRA adapters
     POST /v1/completions        prompt(s) -> text; streamed as server-sent events if asked
     POST /v1/chat/completions   messages -> the chat template -> a reply
+    POST /tokenize              text or messages -> token ids (vLLM's)
+    POST /detokenize            token ids -> text (vLLM's)
+    GET  /tokenizer_info        the tokenizer's configuration (vLLM's)
     GET  /health                200 while the engine runs
     GET  /metrics               Prometheus text: queues, KV blocks, preemptions, tokens
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter   adapters by name (--enable-lora)
@@ -66,9 +69,12 @@ from minipaged.server.metrics import make_registry
 from minipaged.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
     LoadLoRAAdapterRequest,
     SamplingRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     UnloadLoRAAdapterRequest,
 )
 
@@ -180,14 +186,9 @@ class OpenAIServing:
     # -- completions ------------------------------------------------------------------
     async def completions(self, body: CompletionRequest) -> Response:
         lora_request = self._check(body)
-        if body.echo and body.logprobs is not None:
-            raise APIError(
-                400,
-                "echo with logprobs needs the prompt's logprobs, which minipaged does not compute",
-                "echo",
-            )
         self._check_logprobs(body.logprobs, "logprobs")
-        prompts = await self._completion_prompts(body.prompt)
+        prompt_logprobs = body.wanted_prompt_logprobs
+        prompts = await self._completion_prompts(body.prompt, body.add_special_tokens)
         params = {}
         for i, (token_ids, _) in enumerate(prompts):
             # max_tokens null: up to the context's end, as OpenAI does.
@@ -197,7 +198,7 @@ class OpenAIServing:
                 else max(1, self.max_model_len - len(token_ids))
             )
             self._check_context(len(token_ids), max_tokens, "prompt")
-            params[i] = body.sampling_params(max_tokens, body.logprobs)
+            params[i] = body.sampling_params(max_tokens, body.logprobs, prompt_logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         outputs = self.engine.generate(
@@ -215,34 +216,42 @@ class OpenAIServing:
         usage = Usage([token_ids for token_ids, _ in prompts])
         echoes = {rid: self._prompt_text(p) if body.echo else "" for rid, p in zip(ids, prompts)}
         offsets: dict[int, int] = {}  # choice -> characters of text sent so far
+        scored: dict[str, list] = {}  # request -> its prompt logprobs (a stream's first output)
 
-        def choice(request_id: str, completion: CompletionOutput) -> dict:
-            index = ids.index(request_id) * body.n + completion.index
-            text = completion.text
+        def choice(output: RequestOutput, completion: CompletionOutput) -> dict:
+            index = ids.index(output.request_id) * body.n + completion.index
+            if output.prompt_logprobs is not None:
+                scored[output.request_id] = output.prompt_logprobs
+            text, tokens, logprobs = completion.text, completion.token_ids, completion.logprobs
             if index not in offsets:
-                text, offsets[index] = echoes[request_id] + text, 0
-            logprobs = (
-                None
-                if completion.logprobs is None
-                else self._completion_logprobs(
-                    completion.token_ids, completion.logprobs, offsets[index]
-                )
-            )
-            offsets[index] += len(text)
-            return {
+                offsets[index] = 0
+                if body.echo:  # the prompt first, with its logprobs if asked (vLLM)
+                    text = echoes[output.request_id] + text
+                    if logprobs is not None:
+                        tokens = output.prompt_token_ids + tokens
+                        logprobs = scored[output.request_id] + logprobs
+            answer = {
                 "index": index,
                 "text": text,
-                "logprobs": logprobs,
+                "logprobs": None
+                if logprobs is None
+                else self._completion_logprobs(tokens, logprobs, offsets[index]),
                 "finish_reason": completion.finish_reason,
                 "stop_reason": completion.stop_reason,
             }
+            offsets[index] += len(text)
+            if body.prompt_logprobs is not None and not body.stream:
+                answer["prompt_logprobs"] = self._prompt_logprobs(output, body.prompt_logprobs)
+            return answer
 
         if body.stream:
             return self._stream(outputs, head, choice, usage, body.include_usage)
         choices = await self._collect(outputs, choice, usage)
         return JSONResponse({**head, "choices": choices, "usage": usage.as_dict()})
 
-    async def _completion_prompts(self, prompt) -> list[tuple[list[int], str | None]]:
+    async def _completion_prompts(
+        self, prompt, add_special_tokens: bool = True
+    ) -> list[tuple[list[int], str | None]]:
         """(token ids, text) per prompt: ``prompt`` is a str, a list of str, a list of
         token ids, or a list of those.  Counted and measured first, tokenized off the
         event loop."""
@@ -262,7 +271,10 @@ class OpenAIServing:
                 self._check_chars(len(p), "prompt")
         return await self._off_loop(
             lambda: [
-                (self.tokenizer.encode(p), p) if isinstance(p, str) else (p, None) for p in prompt
+                (self.tokenizer.encode(p, add_special_tokens=add_special_tokens), p)
+                if isinstance(p, str)
+                else (p, None)
+                for p in prompt
             ]
         )
 
@@ -271,18 +283,43 @@ class OpenAIServing:
         return text if text is not None else self.tokenizer.decode(token_ids)
 
     def _completion_logprobs(
-        self, token_ids: list[int], logprobs: list[dict[int, float]], offset: int
+        self, token_ids: list[int], logprobs: list[dict[int, float] | None], offset: int
     ) -> dict:
-        """The legacy completions format: parallel lists, one entry per token."""
+        """The legacy completions format: parallel lists, one entry per token (null
+        for an echoed prompt's first token, which nothing scores)."""
         tokens = [self.tokenizer.decode([t]) for t in token_ids]
         starts = [offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
         return {
             "tokens": tokens,
-            "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs)],
+            "token_logprobs": [None if lp is None else lp[t] for t, lp in zip(token_ids, logprobs)],
             "top_logprobs": [
-                {self.tokenizer.decode([k]): v for k, v in lp.items()} for lp in logprobs
+                None if lp is None else {self.tokenizer.decode([k]): v for k, v in lp.items()}
+                for lp in logprobs
             ],
             "text_offset": starts,
+        }
+
+    def _prompt_logprobs(self, output: RequestOutput, k: int) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs`` field: per prompt token, null for the first, then
+        ``{token_id: {"logprob", "rank", "decoded_token"}}``, the prompt token first,
+        then its ``k`` best alternatives.  ``rank`` counts from 1 for the best; the
+        prompt token's is null when it is not among the ``k`` best (only they are
+        known)."""
+        return [
+            None if entry is None else self._ranked(entry, k) for entry in output.prompt_logprobs
+        ]
+
+    def _ranked(self, entry: dict[int, float], k: int) -> dict:
+        best_first = sorted(entry, key=lambda t: -entry[t])
+        outside = next(iter(entry)) if len(entry) > k else None  # the prompt token, unranked
+        ranks = {t: r for r, t in enumerate((t for t in best_first if t != outside), start=1)}
+        return {
+            str(t): {
+                "logprob": v,
+                "rank": ranks.get(t),
+                "decoded_token": self.tokenizer.decode([t]),
+            }
+            for t, v in entry.items()
         }
 
     # -- chat -------------------------------------------------------------------------
@@ -296,7 +333,9 @@ class OpenAIServing:
         max_tokens = asked[0] if asked else max(1, self.max_model_len - len(token_ids))
         self._check_context(len(token_ids), max_tokens, "messages")
         top = body.top_logprobs or 0
-        params = body.sampling_params(max_tokens, top if body.logprobs else None)
+        params = body.sampling_params(
+            max_tokens, top if body.logprobs else None, body.prompt_logprobs
+        )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         outputs = self.engine.generate([(request_id, token_ids, params, None, lora_request)])
         head = {
@@ -307,7 +346,7 @@ class OpenAIServing:
         }
         usage, started = Usage([token_ids]), set()
 
-        def choice(_: str, completion: CompletionOutput) -> dict:
+        def choice(_: RequestOutput, completion: CompletionOutput) -> dict:
             message = {"content": completion.text}
             if completion.index not in started:  # a stream names the role once
                 message = {"role": "assistant", **message}
@@ -327,8 +366,12 @@ class OpenAIServing:
 
         if body.stream:
             return self._stream(outputs, head, choice, usage, body.include_usage)
-        choices = await self._collect(outputs, choice, usage)
-        return JSONResponse({**head, "choices": choices, "usage": usage.as_dict()})
+        finals: list[RequestOutput] = []
+        choices = await self._collect(outputs, choice, usage, finals)
+        answer = {**head, "choices": choices, "usage": usage.as_dict()}
+        if body.prompt_logprobs is not None:  # vLLM: beside the choices
+            answer["prompt_logprobs"] = self._prompt_logprobs(finals[0], body.prompt_logprobs)
+        return JSONResponse(answer)
 
     async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         if not body.messages:
@@ -337,20 +380,28 @@ class OpenAIServing:
             raise APIError(
                 400, "this model's tokenizer has no chat template; use /v1/completions", "messages"
             )
-        messages = [m.as_template_input() for m in body.messages]
-        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
-        return await self._off_loop(lambda: self._render_chat(messages))
+        return await self._render_chat(body.messages, add_special_tokens=body.add_special_tokens)
 
-    def _render_chat(self, messages: list[dict]) -> list[int]:
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as error:  # a template raises what it likes
-            raise APIError(
-                400, f"the chat template refused the messages: {error}", "messages"
-            ) from error
-        return self.tokenizer.encode(text, add_special_tokens=False)  # the template has them
+    async def _render_chat(
+        self, messages: list, add_generation_prompt: bool = True, add_special_tokens: bool = False
+    ) -> list[int]:
+        """The messages through the chat template, tokenized off the event loop (the
+        template has the special tokens already, unless ``add_special_tokens``)."""
+        messages = [m.as_template_input() for m in messages]
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+
+        def render() -> list[int]:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                )
+            except Exception as error:  # a template raises what it likes
+                raise APIError(
+                    400, f"the chat template refused the messages: {error}", "messages"
+                ) from error
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        return await self._off_loop(render)
 
     def _chat_logprobs(
         self, token_ids: list[int], logprobs: list[dict[int, float]], top: int
@@ -371,11 +422,73 @@ class OpenAIServing:
             ]
         }
 
+    # -- the tokenizer (vLLM's endpoints) ----------------------------------------------
+    async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+        """The token ids of a text or of templated messages, as the engine would see
+        them; refused, as a prompt is, past ``max_model_len``."""
+        self._check_text(body)
+        self._check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            if name := body.unsupported():
+                raise APIError(400, f"{name} is not supported by minipaged", name)
+            if self.tokenizer.chat_template is None:
+                raise APIError(400, "this model's tokenizer has no chat template", "messages")
+            tokens = await self._render_chat(
+                body.messages, body.add_generation_prompt, body.add_special_tokens
+            )
+            param = "messages"
+        else:
+            self._check_chars(len(body.prompt), "prompt")
+            add = body.add_special_tokens
+            tokens = await self._off_loop(
+                lambda: self.tokenizer.encode(body.prompt, add_special_tokens=add)
+            )
+            param = "prompt"
+        if len(tokens) > self.max_model_len:
+            raise APIError(
+                400,
+                f"the {param} has {len(tokens)} tokens, more than this model's maximum "
+                f"context length of {self.max_model_len}",
+                param,
+            )
+        strs = self.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return {
+            "count": len(tokens),
+            "max_model_len": self.max_model_len,
+            "tokens": tokens,
+            "token_strs": strs,
+        }
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        self._check_model(body.model)
+        vocab = self.engine.engine.vocab_size
+        if bad := [t for t in body.tokens if not 0 <= t < vocab]:
+            raise APIError(400, f"tokens must be ids in [0, {vocab}), got {bad[0]}", "tokens")
+        return {"prompt": await self._off_loop(lambda: self.tokenizer.decode(body.tokens))}
+
+    def tokenizer_info(self) -> dict:
+        """vLLM's ``/tokenizer_info``: the tokenizer's settings (``init_kwargs``, less
+        the paths of its files), its class and its chat template."""
+        info = {
+            name: json_safe(value)
+            for name, value in self.tokenizer.init_kwargs.items()
+            if name not in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")
+        }
+        info["tokenizer_class"] = type(self.tokenizer).__name__
+        if self.tokenizer.chat_template:
+            info["chat_template"] = self.tokenizer.chat_template
+        return info
+
     # -- shared -----------------------------------------------------------------------
-    def _check(self, body: SamplingRequest) -> LoRARequest | None:
-        """Refuse what the request may not ask; returns the LoRA adapter its ``model``
-        names (None: the base model)."""
-        # First: no message below may quote a string that cannot be encoded.
+    def _check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names (None: the base model); an unknown name is
+        a 404."""
+        return self.adapters.resolve(model, self.model_name)
+
+    @staticmethod
+    def _check_text(body) -> None:
+        """Refuse a body holding a string that cannot be encoded (first: no message
+        may quote one)."""
         if name := unencodable_field(body.model_dump()):
             raise APIError(
                 400,
@@ -383,9 +496,19 @@ class OpenAIServing:
                 "(UTF-16 halves must come in pairs)",
                 name,
             )
-        lora_request = self.adapters.resolve(body.model, self.model_name)
+
+    def _check(self, body: SamplingRequest) -> LoRARequest | None:
+        """Refuse what the request may not ask; returns the LoRA adapter its ``model``
+        names (None: the base model)."""
+        self._check_text(body)
+        lora_request = self._check_model(body.model)
         if name := body.unsupported():
             raise APIError(400, f"{name} is not supported by minipaged", name)
+        self._check_logprobs(body.prompt_logprobs, "prompt_logprobs")
+        if body.stream and body.prompt_logprobs is not None:
+            raise APIError(
+                400, "prompt_logprobs is not available with stream (as in vLLM)", "prompt_logprobs"
+            )
         if body.n > self.limits.max_n:
             raise APIError(
                 400, f"n must be at most {self.limits.max_n} (--max-n), got {body.n}", "n"
@@ -429,13 +552,18 @@ class OpenAIServing:
             )
 
     @staticmethod
-    async def _collect(outputs: AsyncIterator[RequestOutput], choice, usage: Usage) -> list:
+    async def _collect(
+        outputs: AsyncIterator[RequestOutput], choice, usage: Usage, finals: list | None = None
+    ) -> list:
+        """Every request's final output as choices, by index (the outputs themselves
+        into ``finals``, if given)."""
+        finals = [] if finals is None else finals
         try:
             async with aclosing(outputs):  # closing it (a cancelled task) aborts the rest
-                finals = [output async for output in outputs]  # FINAL_ONLY: one each
+                finals += [output async for output in outputs]  # FINAL_ONLY: one each
         except (EngineDeadError, RequestFailedError, ServerClosingError) as error:
             raise server_error(error) from error
-        choices = [choice(o.request_id, c) for o in finals for c in o.outputs]
+        choices = [choice(o, c) for o in finals for c in o.outputs]
         usage.completion_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
         return sorted(choices, key=lambda c: c["index"])
 
@@ -449,7 +577,7 @@ class OpenAIServing:
                     async for output in outputs:
                         for completion in output.outputs:
                             usage.completion_tokens += len(completion.token_ids)
-                            yield sse({**head, "choices": [choice(output.request_id, completion)]})
+                            yield sse({**head, "choices": [choice(output, completion)]})
                 if include_usage:
                     yield sse({**head, "choices": [], "usage": usage.as_dict()})
             except ValueError as error:
@@ -477,6 +605,18 @@ def unencodable_field(body: dict) -> str | None:
         return isinstance(value, list) and any(map(bad, value))
 
     return next((name for name, value in body.items() if bad(value)), None)
+
+
+def json_safe(value):
+    """``value`` as JSON can hold it: a tokenizer's ``AddedToken`` as its text, other
+    objects as their ``str``."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return getattr(value, "content", None) or str(value)
 
 
 def default_model_name(model: str) -> str:
@@ -667,6 +807,16 @@ def build_app(
 
     app.post("/v1/load_lora_adapter", responses=ERROR_RESPONSES)(serving.load_lora_adapter)
     app.post("/v1/unload_lora_adapter", responses=ERROR_RESPONSES)(serving.unload_lora_adapter)
+
+    @app.post("/tokenize", responses=ERROR_RESPONSES)
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+        return await serving.tokenize(body)
+
+    @app.post("/detokenize", responses=ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        return await serving.detokenize(body)
+
+    app.get("/tokenizer_info")(serving.tokenizer_info)
 
     @app.get("/health")
     def health() -> Response:
