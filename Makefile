@@ -26,8 +26,8 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "==> torch, CPU build (about 200 MB; pinned: a bare torch would pull the CUDA build)"
 	$(PIP) -c constraints-cpu.txt torch 2>&1 | grep -Ev "$(PIP_NOISE)"; exit $${PIPESTATUS[0]}
-	@echo "==> minipaged and its dependencies (transformers, gguf, server, docs, tests)"
-	$(PIP) -c constraints-cpu.txt -e ".[dev,docs,server]" 2>&1 | grep -Ev "$(PIP_NOISE)"; \
+	@echo "==> minipaged and its dependencies (transformers, gguf, server, Ray Serve, docs, tests)"
+	$(PIP) -c constraints-cpu.txt -e ".[dev,docs,server,ray]" 2>&1 | grep -Ev "$(PIP_NOISE)"; \
 		exit $${PIPESTATUS[0]}
 	touch $(STAMP)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 # The modules behind `minipaged COMMAND` and `minipaged bench NAME`, in the order the
 # help lists them.
-COMMANDS = ("make_tiny_model", "download", "generate", "demo", "serve", "check")
+COMMANDS = ("make_tiny_model", "download", "generate", "demo", "serve", "serve_ray", "check")
 BENCHES = (
     "memory",
     "sharing",

@@ -80,19 +80,21 @@ def _add_safety_flags(parser) -> None:
         )
 
 
+def server_limits(args) -> ServerLimits:
+    """The limits flags of parsed ``args``."""
+    return ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
+
+
 def main(args) -> None:
     from minipaged.server.app import serve  # FastAPI and uvicorn: the server extra
 
-    limits = ServerLimits(
-        **{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)}
-    )
     serve(
         args.model,
         args.host,
         args.port,
         args.api_key,
         args.served_model_name,
-        limits,
+        server_limits(args),
         args.allowed_hosts,
         args.lora_modules,
         **engine_kwargs(args),
