@@ -15,7 +15,7 @@ PIP    := $(PY) -m pip install --disable-pip-version-check
 
 .DEFAULT_GOAL := help
 .PHONY: help install models demo test lint kernels-check kernels-check-or-skip pytest docs \
-        docs-build gpu-test lessons clean
+        docs-build site-check gpu-test lessons check clean
 
 help: ## list the targets
 	@echo "make TARGET, where TARGET is one of:"
@@ -39,7 +39,7 @@ models: $(STAMP) ## fetch SmolLM2-135M-Instruct into the cache (the hub, else a 
 demo: $(STAMP) ## SmolLM2 answers, streamed; parallel sampling + a shared prefix, blocks saved
 	$(VENV)/bin/minipaged demo
 
-test: lint kernels-check-or-skip pytest docs-build ## lint, nvcc compile check (if any), tests, lessons, docs
+test: lint kernels-check-or-skip pytest docs-build site-check ## lint, nvcc check (if any), tests, lessons, docs, browser
 
 lint: $(STAMP) ## ruff check and ruff format --check (the config is in pyproject.toml)
 	$(VENV)/bin/ruff check .
@@ -68,16 +68,25 @@ kernels-check-or-skip: ## kernels-check where nvcc is installed (or REQUIRE_NVCC
 pytest: $(STAMP) ## unit and property tests, the real-weights tests, every lesson notebook
 	@$(VENV)/bin/minipaged download smollm2 || \
 		echo "*** SmolLM2 could not be fetched: the tests on real weights will skip"
-	$(PY) -m pytest -q tests --doctest-modules minipaged/memory --nbmake lessons --nbmake-timeout=120
+	$(PY) -m pytest -q -m "not site" tests --doctest-modules minipaged/memory --nbmake lessons \
+		--nbmake-timeout=120
 
 docs-build: $(STAMP) ## build the docs site into site/ (strict: a broken link fails)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+
+# Needs Chromium (Debian: apt-get install chromium; CHROMIUM=PATH elsewhere): skips without.
+site-check: $(STAMP) ## open every page of the built site in headless Chromium; screenshots
+	MINIPAGED_SITE_DIR=site $(PY) -m pytest -q -m site tests/test_site.py
 
 docs: $(STAMP) ## serve the docs site at http://127.0.0.1:8000
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
 lessons: $(STAMP) ## re-execute every lesson in place: the outputs the docs site shows
 	$(PY) scripts/execute_lessons.py
+
+check: $(STAMP) ## LESSON=NN: that lesson's tests on your exercises/ code, passed/failed counts
+	@test -n "$(LESSON)" || { echo "make check LESSON=NN, e.g. make check LESSON=01"; exit 2; }
+	$(VENV)/bin/minipaged check $(LESSON)
 
 # On the GPU machine: use the torch that is installed there, as it is.
 gpu-test: ## the gpu-marked tests, on a GPU machine, with the torch installed there

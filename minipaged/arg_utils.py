@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import json
 import re
 import types
 import typing
@@ -33,6 +34,21 @@ CHOICES = {
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "all2all_backend": ALL2ALL_BACKENDS,
 }
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object, as vLLM's ``--speculative-config '{"method": "ngram", ...}'``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+# Fields whose flag parses its value other than by the field's type.
+TYPES = {"speculative_config": json_object}
 # Not flags: the model is an argument of its own; a trace needs code to read it.
 NOT_ENGINE_FLAGS = ("model", "trace")
 # vLLM's convention: `serve MODEL`, `--model MODEL` everywhere else; each resolved by
@@ -73,7 +89,9 @@ def add_fields(group, cls, names, flags: dict[str, str] | None = None) -> dict[s
     for name in names:
         flag = (flags or {}).get(name, name.replace("_", "-"))
         kind = hints[name]
-        if isinstance(kind, types.UnionType):  # int | None: an optional int
+        if name in TYPES:
+            kind = TYPES[name]
+        elif isinstance(kind, types.UnionType):  # int | None: an optional int
             kind = next(k for k in typing.get_args(kind) if k is not type(None))
         help_ = f"{docs.get(name, '')} (default: %(default)s)"
         if kind is bool:
@@ -99,7 +117,7 @@ def add_fields(group, cls, names, flags: dict[str, str] | None = None) -> dict[s
 def _metavar(name, kind) -> str | None:
     if name in CHOICES:
         return None  # argparse shows {a,b,c}
-    return {int: "N", float: "X"}.get(kind, name.upper())
+    return {int: "N", float: "X", json_object: "JSON"}.get(kind, name.upper())
 
 
 def field_kwargs(args, dests: dict[str, str]) -> dict:

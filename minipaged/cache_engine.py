@@ -18,6 +18,7 @@ How many blocks each pool gets is decided once, at start-up (`pool_sizes`).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
@@ -27,6 +28,8 @@ from minipaged.batch import SchedulerOutput
 from minipaged.config import EngineConfig
 from minipaged.memory.block_table import blocks_for
 from minipaged.models.attention import allocate_kv_caches, head_dim
+
+logger = logging.getLogger("minipaged")
 
 # Per layer (key_cache, value_cache), and k_scale, v_scale for a quantized cache.
 KVCaches = list[tuple[torch.Tensor, ...]]
@@ -67,6 +70,37 @@ def pool_sizes(
     if device.type == "cpu":  # both pools share the host's memory
         host = max(0, host - num_gpu_blocks)
     return num_gpu_blocks, min(int(config.swap_space * GIB // per_block), most, host)
+
+
+def fit_max_model_len(
+    max_model_len: int, asked: int | None, num_gpu_blocks: int, block_size: int
+) -> int:
+    """``max_model_len`` if one sequence that long fits the GPU pool (vLLM's start-up
+    check).  If not: asked for (``asked``, the ``max_model_len`` setting), a
+    ``ValueError`` naming both numbers and the settings that fix it, as vLLM raises;
+    taken from the model, the pool's length instead, with a warning (as vLLM's
+    ``--max-model-len auto``), so a small pool serves what it can hold."""
+    capacity = num_gpu_blocks * block_size
+    if max_model_len <= capacity:
+        return max_model_len
+    if asked is not None:
+        raise ValueError(
+            f"max_model_len={max_model_len} does not fit the KV cache: one sequence that "
+            f"long needs {blocks_for(max_model_len, block_size)} blocks of {block_size} "
+            f"tokens, and the pool has {num_gpu_blocks} ({capacity} tokens); lower "
+            "max_model_len (--max-model-len) or give the pool more blocks "
+            "(--num-gpu-blocks, --gpu-memory-utilization on CUDA, --cpu-kv-space on a CPU)"
+        )
+    logger.warning(
+        "max_model_len lowered from the model's %d to %d tokens: the KV pool of %d "
+        "blocks of %d tokens holds no longer sequence (--num-gpu-blocks or "
+        "--max-model-len to choose)",
+        max_model_len,
+        capacity,
+        num_gpu_blocks,
+        block_size,
+    )
+    return capacity
 
 
 def _cuda_num_gpu_blocks(config: EngineConfig, budget: int, per_block: int) -> int:

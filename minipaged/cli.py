@@ -22,7 +22,7 @@ from pathlib import Path
 
 # The modules behind `minipaged COMMAND` and `minipaged bench NAME`, in the order the
 # help lists them.
-COMMANDS = ("make_tiny_model", "download", "generate", "demo", "serve")
+COMMANDS = ("make_tiny_model", "download", "generate", "demo", "serve", "check")
 BENCHES = (
     "memory",
     "sharing",
@@ -34,7 +34,9 @@ BENCHES = (
     "blocksize",
     "preemption",
     "latency",
+    "spec",
     "kv_cache_dtype",
+    "lora",
     "moe",
 )
 

@@ -11,6 +11,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -78,11 +79,21 @@ class EngineConfig:
             ``VLLM_CPU_KVCACHE_SPACE``).
         tensor_parallel_size: processes to split the model over (§4.6), one per GPU on
             CUDA; on a CPU they share its cores.
+        speculative_config: speculative decoding, as vLLM's dict (`SpeculativeConfig`):
+            ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}``
+            or ``{"model": DRAFT, "num_speculative_tokens": k}``; None: off.
         enable_expert_parallel: a mixture-of-experts model's ranks hold whole experts
             (``num_experts / tensor_parallel_size`` each) rather than a slice of every
             one, and tokens travel to them (`minipaged.models.moe`).
         all2all_backend: how tokens travel under expert parallelism: ``"alltoall"``
             (two all-to-all exchanges per layer) or ``"allgather_reducescatter"``.
+        enable_lora: serve LoRA adapters beside the base model (`minipaged.models.lora`),
+            a request's ``lora_request`` naming its own.
+        max_loras: adapters on the device at once (their slots); a step's batch mixes
+            at most this many.
+        max_lora_rank: the highest adapter rank served (every slot is this big).
+        max_cpu_loras: adapters kept in host memory, read from disk again when evicted;
+            None: ``max_loras``.
     """
 
     model: str
@@ -108,8 +119,13 @@ class EngineConfig:
     trace: bool = False
     cpu_kv_space: float = 1
     tensor_parallel_size: int = 1
+    speculative_config: SpeculativeConfig | dict | None = None
     enable_expert_parallel: bool = False
     all2all_backend: str = "alltoall"
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
@@ -121,6 +137,15 @@ class EngineConfig:
         _positive_int("block_size", self.block_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _positive_int("max_loras", self.max_loras)
+        _positive_int("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _positive_int("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
         for name in ("num_gpu_blocks", "max_model_len", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
@@ -148,6 +173,7 @@ class EngineConfig:
             "trace",
             "calculate_kv_scales",
             "enable_expert_parallel",
+            "enable_lora",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -158,6 +184,93 @@ class EngineConfig:
             )
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.speculative_config is not None:
+            if not isinstance(self.speculative_config, SpeculativeConfig):
+                raise ValueError(
+                    f"speculative_config must be a dict or None, got {self.speculative_config!r}"
+                )
+            if self.memory_mode != "paged":
+                # Orca's reservations are sized without a draft's lookahead slots.
+                raise ValueError(
+                    f"speculative_config needs memory_mode='paged', got {self.memory_mode!r}"
+                )
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding's settings, with vLLM's ``speculative_config`` keys.
+
+    Args:
+        method: ``"ngram"`` (prompt lookup: guesses copied from where the sequence's
+            last tokens occurred before) or ``"draft_model"`` (a smaller model with the
+            same vocabulary guesses, greedily, over its own paged KV); vLLM infers the
+            latter from ``model``.
+        num_speculative_tokens: ``k``, the guesses verified per sequence and step.
+        model: the draft checkpoint, as `EngineConfig.model` names one.
+        prompt_lookup_max, prompt_lookup_min: the longest and shortest n-gram the
+            ``ngram`` method matches (vLLM: either defaults to the other, both to 5).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    @classmethod
+    def from_dict(cls, config: dict) -> SpeculativeConfig:
+        """Check vLLM's dict, naming the key at fault (an unknown one is refused, never
+        ignored), and fill in vLLM's defaults."""
+        keys = [f.name for f in dataclasses.fields(cls)]
+        if unknown := [key for key in config if key not in keys]:
+            raise ValueError(
+                f"speculative_config key {unknown[0]!r} is not supported by minipaged "
+                f"(it takes {', '.join(keys)})"
+            )
+        config = dict(config)
+        if "model" in config and config["model"] in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config 'model' is a checkpoint; for the method write "
+                f"'method': {config['model']!r}"
+            )
+        if "num_speculative_tokens" not in config:
+            raise ValueError("speculative_config needs 'num_speculative_tokens'")
+        method = config.setdefault("method", "draft_model" if "model" in config else None)
+        _choice("speculative_config 'method'", method, SPECULATIVE_METHODS)
+        _positive_int(
+            "speculative_config 'num_speculative_tokens'", config["num_speculative_tokens"]
+        )
+        if method == "draft_model":
+            if not isinstance(config.get("model"), (str, os.PathLike)):
+                raise ValueError(
+                    f"speculative_config 'model' must name the draft checkpoint, "
+                    f"got {config.get('model')!r}"
+                )
+            config["model"] = os.fspath(config["model"])
+            for key in ("prompt_lookup_max", "prompt_lookup_min"):
+                if config.get(key) is not None:
+                    raise ValueError(f"speculative_config {key!r} is for method 'ngram' only")
+        else:
+            if config.get("model") is not None:
+                raise ValueError("speculative_config 'model' is for method 'draft_model' only")
+            lo, hi = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+            if lo is None and hi is None:
+                lo = hi = 5
+            lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+            _positive_int("speculative_config 'prompt_lookup_min'", lo)
+            _positive_int("speculative_config 'prompt_lookup_max'", hi)
+            if lo > hi:
+                raise ValueError(
+                    f"speculative_config 'prompt_lookup_min' ({lo}) must be <= "
+                    f"'prompt_lookup_max' ({hi})"
+                )
+            config["prompt_lookup_min"], config["prompt_lookup_max"] = lo, hi
+        return cls(**config)
 
 
 def _choice(name, value, choices) -> None:

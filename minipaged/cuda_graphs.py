@@ -42,12 +42,14 @@ def uses_decode_graphs(
 ) -> bool:
     """On CUDA, unless ``enforce_eager``: with the kernel backends (the torch
     reference's data-dependent shapes cannot be captured), without a sliding window
-    (its check reads the positions on the host), and for a dense model (a mixture of
-    experts counts each expert's tokens on the host to group them)."""
+    (its check reads the positions on the host), for a dense model (a mixture of
+    experts counts each expert's tokens on the host to group them), and without LoRA
+    (its segments are read on the host too)."""
     return (
         device.type == "cuda"
         and not config.enforce_eager
         and config.tensor_parallel_size == 1  # collectives are not captured
+        and not config.enable_lora  # the LoRA segments are read on the host
         and attention_backend in ("triton", "cuda")
         and sliding_window(model_config) is None
         and getattr(model_config, "num_experts", None) is None

@@ -30,9 +30,10 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from minipaged.batch import ScheduledSeq
+from minipaged.adapters import Adapters
+from minipaged.batch import ScheduledSeq, logit_rows
 from minipaged.beam_search import BeamSearch
-from minipaged.cache_engine import CacheEngine, block_bytes, pool_sizes
+from minipaged.cache_engine import CacheEngine, block_bytes, fit_max_model_len, pool_sizes
 from minipaged.config import EngineConfig
 from minipaged.contiguous_scheduler import make_scheduler
 from minipaged.cuda_graphs import capture_decode_graphs, uses_decode_graphs
@@ -46,7 +47,9 @@ from minipaged.distributed.parallel_state import SINGLE
 from minipaged.distributed.worker import rank_kv_config
 from minipaged.fail_alone import update_failing_alone
 from minipaged.input_processor import InputProcessor, Params
+from minipaged.lora_request import LoRARequest
 from minipaged.memory import KVCacheManager
+from minipaged.memory.lora_slots import LoRASlots
 from minipaged.model_runner import ModelRunner
 from minipaged.models.attention import calculate_kv_scales_on_next_batch, head_dim
 from minipaged.models.hub import resolve_model
@@ -63,6 +66,7 @@ from minipaged.output_processor import OutputProcessor
 from minipaged.outputs import Output
 from minipaged.parallel_sampling import ParallelSampling
 from minipaged.sequence import SequenceGroup
+from minipaged.spec_decode.speculator import Speculator, make_proposer
 from minipaged.trace import Trace
 
 
@@ -94,6 +98,8 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.model.config)
         self.vocab_size = self.model.config.vocab_size
         self.runner = ModelRunner(self.model, config.block_size, self.device)
+        if config.enable_lora:
+            self.runner.enable_lora(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         dtype = self.model.model.embed_tokens.weight.dtype
         self.kv_cache_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, dtype)
         check_supported(
@@ -112,6 +118,9 @@ class LLMEngine:
             self.device,
             self.block_bytes,
             lambda: kv_memory_budget(self.workers, self.runner, config, self.max_model_len),
+        )
+        self.max_model_len = fit_max_model_len(
+            self.max_model_len, config.max_model_len, num_gpu_blocks, config.block_size
         )
         self.cache_engine = CacheEngine(
             kv_config,
@@ -151,6 +160,9 @@ class LLMEngine:
             self.scheduler, self.eos_token_ids, self.max_model_len, self.tokenizer
         )
         self.requests: dict[str, SequenceGroup] = {}
+        if config.enable_lora:
+            self.scheduler.lora_slots = LoRASlots(config.max_loras)
+        self.adapters = Adapters(self.runner.lora, self.scheduler.lora_slots, self.requests)
         self.input_processor = InputProcessor(
             self.tokenizer,
             self.vocab_size,
@@ -158,6 +170,7 @@ class LLMEngine:
             self.scheduler,
             self.requests,
             self.device,
+            speculative=config.speculative_config is not None,
         )
         self.output_processor = OutputProcessor(
             self.scheduler, self.beam_search, self.eos_token_ids, self.max_model_len, self.requests
@@ -166,6 +179,26 @@ class LLMEngine:
         self.parallel_sampling = ParallelSampling(
             self.scheduler, self.output_processor, self.eos_token_ids, self.generator
         )
+        self.speculator = None
+        if spec := config.speculative_config:
+            self.speculator = Speculator(
+                spec,
+                self.scheduler,
+                self.output_processor,
+                self.eos_token_ids,
+                self.generator,
+                self.max_model_len,
+                make_proposer(
+                    spec,
+                    self.vocab_size,
+                    self.max_model_len,
+                    num_gpu_blocks,
+                    config.block_size,
+                    config.dtype,
+                    self.device,
+                    self.attention_backend,
+                ),
+            )
         self.num_steps = 0
         self.num_prompt_tokens = 0  # of every request added
         self.num_generated_tokens = 0  # sampled, by every sequence and beam
@@ -178,17 +211,44 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: Params,
         prompt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request.  Raises ``ValueError`` (changing nothing) if it is malformed
-        or could never fit the KV pool."""
+        """Queue a request, with ``lora_request``'s adapter if given.  Raises
+        ``ValueError`` (changing nothing) if it is malformed or could never fit the KV
+        pool."""
+        self.adapters.check(lora_request)
         group = self.input_processor.process(request_id, prompt_token_ids, params, prompt)
+        if lora_request is not None:
+            self.adapters.add(lora_request)
+            group.lora_request = lora_request
         self.requests[request_id] = group
         self.scheduler.add(group)
         self.num_prompt_tokens += len(prompt_token_ids)
 
-    def check_request(self, request_id: str, prompt_token_ids: list[int], params: Params) -> None:
+    def check_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: Params,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
         """Raise ``ValueError`` if `add_request` would refuse the request."""
+        self.adapters.check(lora_request)
         self.input_processor.check(request_id, prompt_token_ids, params)
+
+    # -- adapters (vLLM's names) ------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter and make it known (`list_loras`) before any request uses
+        it; False if it was known."""
+        return self.adapters.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter that no unfinished request uses (``ValueError`` if one
+        does), freeing its slot and host copy; False if it is unknown."""
+        return self.adapters.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.adapters.by_id.values())
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks (between steps)."""
@@ -209,6 +269,8 @@ class LLMEngine:
         the caller, while the others go on.  Without it (``LLM.generate``) the error
         propagates to the caller."""
         self.failed = {}
+        if self.speculator:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         sampling, logits = self.executor.execute(batch)
         if sampling and fail_alone:
@@ -219,13 +281,24 @@ class LLMEngine:
         outputs = self.output_processor.outputs(
             [g for g in groups if g.request_id not in self.failed]
         )
+        if self.speculator:
+            self.speculator.release(self.scheduler.running)
         self.num_steps += 1
         self.trace.step = self.num_steps  # arrivals and aborts from now on belong to it
         return outputs
 
     def _update(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> None:
-        """Each row of ``logits`` is a sequence that reached its end: sample its next
-        token, or for beam search rank its candidates."""
+        """Each sequence of ``sampling`` reached its end: sample its next token from its
+        row of ``logits``, or for beam search rank its candidates, or verify the guesses
+        it ran (with one more row each, `logit_rows`)."""
+        if any(s.spec_token_ids for s in sampling):
+            rows = logit_rows(sampling)
+            spec = [i for i, s in enumerate(sampling) if s.spec_token_ids]
+            self.num_generated_tokens += self.speculator.verify(
+                [sampling[i] for i in spec], [logits[rows[i].start : rows[i].stop] for i in spec]
+            )
+            rest = [i for i, s in enumerate(sampling) if not s.spec_token_ids]
+            sampling, logits = [sampling[i] for i in rest], logits[[rows[i][0] for i in rest]]
         plain, beams = [], []
         for i, s in enumerate(sampling):
             (beams if s.group.is_beam_search else plain).append(i)
@@ -259,5 +332,6 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
+            **(self.speculator.stats() if self.speculator else {}),
             **routing_stats(self.model),
         }

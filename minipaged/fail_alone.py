@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import torch
 
-from minipaged.batch import ScheduledSeq
+from minipaged.batch import ScheduledSeq, logit_rows
 from minipaged.sequence import SequenceGroup
 
 
@@ -35,10 +35,14 @@ def update_failing_alone(
     rows: dict[SequenceGroup, list[int]] = defaultdict(list)
     for i, scheduled in enumerate(sampling):
         rows[scheduled.group].append(i)
+    spans = logit_rows(sampling)  # one row each, more where guesses are verified
     failed = {}
     for group, group_rows in rows.items():
         try:
-            engine._update([sampling[i] for i in group_rows], logits[group_rows])
+            engine._update(
+                [sampling[i] for i in group_rows],
+                logits[[row for i in group_rows for row in spans[i]]],
+            )
         except Exception as error:  # noqa: BLE001  any error; the abort frees its blocks
             failed[group.request_id] = error
             engine.abort_request(group.request_id)

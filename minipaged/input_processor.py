@@ -39,7 +39,9 @@ class InputProcessor:
         scheduler: Scheduler,
         requests: dict[str, SequenceGroup],
         device: torch.device,
+        speculative: bool = False,
     ) -> None:
+        self.speculative = speculative  # speculative decoding on: no beam search
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -78,6 +80,11 @@ class InputProcessor:
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise ValueError(
                 f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}"
+            )
+        if self.speculative and isinstance(params, BeamSearchParams):
+            raise ValueError(
+                "beam search cannot run with speculative_config (neither can it in vLLM); "
+                "start an LLM without speculative_config for it"
             )
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from minipaged.config import EngineConfig
 from minipaged.engine import LLMEngine
+from minipaged.lora_request import LoRARequest
 from minipaged.outputs import BeamSearchOutput, Output, RequestOutput
 from minipaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -57,6 +58,7 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest] | None = None,
     ) -> list[RequestOutput]:
         """Reply to one conversation (a list of ``{"role": ..., "content": ...}``) or to
         each of a list of them, as vLLM's ``LLM.chat``: each is rendered with the
@@ -80,19 +82,22 @@ class LLM:
                     "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),
                 }
             )
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs in prompt order.
 
         ``prompts``: a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}``, or a
         list of those.  ``sampling_params``: one for all prompts, or one per prompt
-        (default ``SamplingParams()``).
+        (default ``SamplingParams()``).  ``lora_request``: the LoRA adapter of every
+        prompt, or one per prompt (None in the list: the base model); needs
+        ``enable_lora=True``.
         """
         prompts = _as_list(prompts)
         if sampling_params is None:
@@ -106,16 +111,23 @@ class LLM:
                 f"output_kind must be FINAL_ONLY for LLM.generate, which returns "
                 f"finished requests; got {kind} (stream with LLMEngine.step)"
             )
-        return self._run(prompts, params, use_tqdm)
+        return self._run(prompts, params, use_tqdm, lora_request)
 
     def beam_search(
-        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest] | None = None,
     ) -> list[BeamSearchOutput]:
         """The ``beam_width`` most likely continuations of every prompt (§4.4): beams are
         forked sequences sharing their common prefix's blocks."""
         prompts = _as_list(prompts)
         return self._run(
-            prompts, _per_prompt(params, len(prompts), BeamSearchParams, "params"), use_tqdm
+            prompts,
+            _per_prompt(params, len(prompts), BeamSearchParams, "params"),
+            use_tqdm,
+            lora_request,
         )
 
     def shutdown(self) -> None:
@@ -127,14 +139,18 @@ class LLM:
         """The engine's memory and scheduling counters (`LLMEngine.stats`)."""
         return self.engine.stats()
 
-    def _run(self, prompts: list[Prompt], params: list, use_tqdm: bool) -> list[Output]:
+    def _run(
+        self, prompts: list[Prompt], params: list, use_tqdm: bool, lora_request=None
+    ) -> list[Output]:
+        loras = _loras(lora_request, len(prompts))
         requests = [
-            (str(next(self._request_ids)), *self._tokenize(p), sp) for p, sp in zip(prompts, params)
+            (str(next(self._request_ids)), *self._tokenize(p), sp, lora)
+            for p, sp, lora in zip(prompts, params, loras)
         ]
-        for request_id, token_ids, _, sp in requests:  # all checked before any is queued
-            self.engine.check_request(request_id, token_ids, sp)
-        for request_id, token_ids, text, sp in requests:
-            self.engine.add_request(request_id, token_ids, sp, prompt=text)
+        for request_id, token_ids, _, sp, lora in requests:  # all checked before any is queued
+            self.engine.check_request(request_id, token_ids, sp, lora)
+        for request_id, token_ids, text, sp, lora in requests:
+            self.engine.add_request(request_id, token_ids, sp, prompt=text, lora_request=lora)
         ours = {request_id for request_id, *_ in requests}
         done: dict[str, Output] = {}
         try:
@@ -211,6 +227,19 @@ def _conversations(messages) -> list[Conversation]:
                 f"'content': ...}} dicts, got {conversation!r:.80}"
             )
     return [list(conversation) for conversation in messages]
+
+
+def _loras(lora_request, count: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt, from one for all or a list of ``count``."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request]
+    if len(loras) != count or not all(x is None or isinstance(x, LoRARequest) for x in loras):
+        raise ValueError(
+            f"lora_request must be one LoRARequest or a list of {count} (one per "
+            f"prompt, None for the base model), got {lora_request!r:.80}"
+        )
+    return loras
 
 
 def _per_prompt(params, count: int, cls, name: str) -> list:

@@ -102,6 +102,7 @@ class OutputProcessor:
         last output, and None if nothing is."""
         delta = group.params.output_kind is RequestOutputKind.DELTA
         seqs = sorted(group.seqs, key=lambda s: s.index)
+        first = not any(s.num_reported_tokens for s in seqs)  # a stream's first output
         completions = [
             completion(s, group.params, delta)
             for s in seqs
@@ -110,7 +111,12 @@ class OutputProcessor:
         if not completions:
             return None
         return RequestOutput(
-            group.request_id, group.prompt, group.prompt_token_ids, completions, group.is_finished
+            group.request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            completions,
+            group.is_finished,
+            group.prompt_logprobs if first or not delta else None,
         )
 
 

@@ -31,13 +31,21 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's prompt and its completions so far, ``index`` order."""
+    """A request's prompt and its completions so far, ``index`` order.
+
+    ``prompt_logprobs`` is None unless the request asked for them
+    (``SamplingParams.prompt_logprobs``); then one entry per prompt token: None for the
+    first, which nothing precedes, then ``{token_id: logprob}`` with the prompt token
+    first and the most likely tokens at its position after it, as vLLM returns them.
+    A stream carries them in its first output only.
+    """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass

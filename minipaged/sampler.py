@@ -53,6 +53,9 @@ __all__ = [
     "make_generator",
     "seq_generator",
     "sample",
+    "processed_logits",
+    "target_probs",
+    "logprobs_of",
     "apply_penalties",
     "apply_min_tokens",
     "filter_logits",
@@ -127,13 +130,7 @@ def sample(
     """
     _check_inputs(logits, params, generators)
     raw = logits.float()
-    logits = apply_min_tokens(
-        apply_penalties(raw, params, token_ids, prompt_lens),
-        params,
-        token_ids,
-        prompt_lens,
-        eos_token_ids,
-    )
+    logits = processed_logits(raw, params, token_ids, prompt_lens, eos_token_ids)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if len(rows) == len(params):  # no greedy row: no argmax, no copy of the rows
         next_ids = _draw(
@@ -147,10 +144,49 @@ def sample(
             probs = _sampling_probs(logits[rows], [params[i] for i in rows])
             row_generators = [generators[i] for i in rows] if generators else [None] * len(rows)
             next_ids[rows] = _draw(probs, row_generators, generator)
+    return logprobs_of(raw, next_ids.tolist(), params)
+
+
+def processed_logits(
+    raw: torch.Tensor,
+    params: Sequence[SamplingParams],
+    token_ids: Sequence[list[int]] | None,
+    prompt_lens: Sequence[int] | None,
+    eos_token_ids: Collection[int] = (),
+) -> torch.Tensor:
+    """Step 1 of the module's order: ``raw [N, vocab]`` (float32) after each row's
+    penalties and ``min_tokens`` mask, given its tokens so far."""
+    return apply_min_tokens(
+        apply_penalties(raw, params, token_ids, prompt_lens),
+        params,
+        token_ids,
+        prompt_lens,
+        eos_token_ids,
+    )
+
+
+def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution `sample` draws each row of `processed_logits` from, ``[N,
+    vocab]``: steps 2-3, a greedy row all on its argmax (speculative decoding's target
+    distribution, `minipaged.spec_decode.rejection_sampler`)."""
+    probs = torch.zeros_like(logits)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        probs[greedy] = probs[greedy].scatter(1, logits[greedy].argmax(-1, keepdim=True), 1.0)
+    if rows := [i for i, p in enumerate(params) if not p.greedy]:
+        probs[rows] = _sampling_probs(logits[rows], [params[i] for i in rows])
+    return probs
+
+
+def logprobs_of(
+    raw: torch.Tensor, token_ids: list[int], params: Sequence[SamplingParams]
+) -> SamplerOutput:
+    """The chosen ``token_ids`` of the rows of ``raw [N, vocab]`` with their logprobs
+    and each row's top logprobs (module docstring: of the raw logits)."""
     lse = raw.logsumexp(dim=-1)
-    chosen = raw.gather(1, next_ids[:, None]).squeeze(1) - lse
-    next_ids, chosen = next_ids.tolist(), chosen.tolist()
-    return SamplerOutput(next_ids, chosen, _top_logprobs(raw, lse, next_ids, chosen, params))
+    index = torch.tensor(token_ids, device=raw.device)[:, None]
+    chosen = (raw.gather(1, index).squeeze(1) - lse).tolist()
+    return SamplerOutput(token_ids, chosen, _top_logprobs(raw, lse, token_ids, chosen, params))
 
 
 def apply_penalties(

@@ -60,6 +60,11 @@ class SamplingParams:
         ignore_eos: keep generating after the end-of-sequence token.
         logprobs: return the log-probabilities of this many most likely tokens at each
             step, plus the sampled token's; None returns none.
+        prompt_logprobs: return, for every prompt token after the first, its
+            log-probability given the tokens before it and the ``prompt_logprobs`` most
+            likely tokens there (`RequestOutput.prompt_logprobs`); None returns none.
+            Such a request does not read the prefix cache (vLLM's choice: a cached
+            block has no logits), though it fills it for others.
         output_kind: when `LLMEngine.step` reports this request (`RequestOutputKind`).
         best_of: accepted only as None or equal to ``n``: minipaged does not generate
             extra completions to keep the ``n`` most likely (vLLM removed it too).
@@ -80,6 +85,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
     best_of: int | None = None
 
@@ -106,8 +112,9 @@ class SamplingParams:
                 f"best_of must be None or equal to n={self.n} (minipaged does "
                 f"not rank extra completions), got {self.best_of!r}"
             )
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0, hint=" or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), low=0, hint=" or None")
         _check_bool("ignore_eos", self.ignore_eos)
         self.stop = _string_list(self.stop)
         self.stop_token_ids = _token_id_list(self.stop_token_ids)

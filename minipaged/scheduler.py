@@ -21,6 +21,10 @@ prefill*).  One `schedule()` call, first come first served:
    chunk can be had (with prefix caching, cached full blocks of the prompt are reused
    and only the rest is computed, §4.4).
 
+With LoRA adapters, a request runs only while it holds its adapter's slot
+(`minipaged.memory.lora_slots`): one whose adapter can get none waits, and later
+requests may pass it; a swapped one comes back only with its slot.
+
 The paper's baseline, Orca's contiguous reservations (``memory_mode`` other than
 ``"paged"``), is a subclass with one more admission rule
 (`minipaged.contiguous_scheduler`).
@@ -41,6 +45,7 @@ from minipaged.batch import ScheduledSeq, SchedulerOutput
 from minipaged.config import PREEMPTION_MODES
 from minipaged.memory import Allocation, KVCacheManager
 from minipaged.memory.block_table import blocks_for
+from minipaged.memory.lora_slots import LoRASlots
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.trace import Trace
@@ -76,6 +81,7 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
         self.num_preemptions = 0
+        self.lora_slots = LoRASlots(0)  # the engine gives it max_loras with enable_lora
 
     # -- the queues -------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -91,6 +97,8 @@ class Scheduler:
             for group in queue:
                 if group.request_id == request_id:
                     queue.remove(group)
+                    if queue is self.running:
+                        self.lora_slots.release(group.lora_id)
                     self._release(group, "abort")
                     self.trace.record("abort", request_id)
                     return group
@@ -99,6 +107,7 @@ class Scheduler:
     def retire(self, group: SequenceGroup) -> None:
         """Take a finished request off the running queue (its blocks are already free)."""
         self.running.remove(group)
+        self.lora_slots.release(group.lora_id)
         self.trace.record("finish", group.request_id)
 
     def append_token(
@@ -209,9 +218,14 @@ class Scheduler:
         while self.swapped:
             group = self.swapped[0]
             seq_ids = [s.seq_id for s in group.unfinished_seqs]
-            if group.num_seats > seats or not self.kv.can_swap_in(seq_ids):
+            if (
+                group.num_seats > seats
+                or not self.kv.can_swap_in(seq_ids)
+                or not self.lora_slots.can_acquire(group.lora_id)
+            ):
                 return
             self.swapped.pop(0)
+            self._hold_adapter(group, out)
             out.swap_in += self.kv.swap_in(seq_ids)
             self.trace.record("swap_in", group.request_id, blocks=self._tables(seq_ids))
             # It runs from the next step on: this step's batch is already formed.
@@ -222,14 +236,26 @@ class Scheduler:
         if not self.waiting:
             return
         seats = self.max_num_seqs - self.num_running_seqs()
-        while self.waiting and budget > 0:
-            group = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0:
+            group = self.waiting[i]
+            if not self.lora_slots.can_acquire(group.lora_id):
+                i += 1  # it waits for a slot for its adapter; later requests may go first
+                continue
             if group.num_seats > seats or not self._can_admit(group, budget):
                 return
-            self.waiting.pop(0)
+            self.waiting.pop(i)
+            self._hold_adapter(group, out)
             budget -= self._allocate(group, out, budget)
             _insert(self.running, group, SequenceStatus.RUNNING)
             seats -= group.num_seats
+
+    def _hold_adapter(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """``group`` runs from now on: hold its adapter's slot, loading it if need be."""
+        slot, load = self.lora_slots.acquire(group.lora_id)
+        if load:
+            out.lora_loads.append((slot, group.lora_request))
+            self.trace.record("lora_load", group.request_id, slot=slot)
 
     # -- block operations -------------------------------------------------------------
     def _append(
@@ -238,16 +264,20 @@ class Scheduler:
         used = 0
         for seq, n in plan:
             start = seq.num_computed_tokens
-            allocation = self.kv.append(seq.seq_id, seq.token_ids[start : start + n])
+            # Past the sequence's own tokens: a draft's guesses, in lookahead slots.
+            spec = seq.spec_token_ids[: max(0, start + n - len(seq.token_ids))]
+            tokens = seq.token_ids[start : start + n - len(spec)] + spec
+            allocation = self.kv.append(seq.seq_id, tokens, len(spec))
             if self.trace.enabled:
                 self.trace.record(
                     "append",
                     group.request_id,
                     seq.seq_id,
                     num_tokens=n,
+                    num_lookahead=len(spec),
                     blocks=allocation.block_table,
                 )
-            self._run(group, seq, start, n, allocation, out)
+            self._run(group, seq, start, n, allocation, out, spec)
             used += n
         return used
 
@@ -256,9 +286,13 @@ class Scheduler:
         for k, seq in enumerate(seqs):
             # Planned again per sequence: with prefix caching, a sibling allocated just
             # before may have cached more of this one's tokens.
-            cached = self.kv.num_cached_tokens(seq.token_ids)
+            cached = self.kv.num_cached_tokens(
+                seq.token_ids, group.lora_id, group.reads_prefix_cache
+            )
             n = min(len(seq.token_ids) - cached, budget - used - _later(seqs, k))
-            allocation = self.kv.allocate(seq.seq_id, seq.token_ids, n)
+            allocation = self.kv.allocate(
+                seq.seq_id, seq.token_ids, n, group.lora_id, group.reads_prefix_cache
+            )
             self.trace.record(
                 "allocate",
                 group.request_id,
@@ -271,19 +305,45 @@ class Scheduler:
             used += n
         return used
 
-    def _run(self, group, seq, start, n, allocation: Allocation, out) -> None:
+    def _run(self, group, seq, start, n, allocation: Allocation, out, spec=()) -> None:
         """Put ``n`` tokens of ``seq`` from ``start`` on in this step's batch, with the
-        slots and copy-on-write copies the KV cache manager gave them."""
+        slots and copy-on-write copies the KV cache manager gave them; the last of
+        them may be the guesses ``spec`` (which `rollback` later keeps or gives back)."""
         for src, dst in allocation.copies:
             out.copies.append((src, dst))
             self.trace.record("cow", group.request_id, seq.seq_id, src=src, dst=dst)
-        seq.num_computed_tokens = start + n  # the step computes them before anyone reads
-        samples = start + n == len(seq.token_ids)
+        # The step computes them before anyone reads (the guesses: see rollback).
+        seq.num_computed_tokens = start + n - len(spec)
+        samples = seq.num_computed_tokens == len(seq.token_ids)
         out.seqs.append(
             ScheduledSeq(
-                seq, group, start, n, allocation.block_table, allocation.slot_mapping, samples
+                seq,
+                group,
+                start,
+                n,
+                allocation.block_table,
+                allocation.slot_mapping,
+                samples,
+                self.lora_slots.slot_of.get(group.lora_id, -1),
+                group.prompt_logprob_positions(start, n),
+                list(spec),
             )
         )
+
+    def rollback(self, group: SequenceGroup, seq: Sequence, num_accepted: int) -> None:
+        """After verification: keep the KV of the first ``num_accepted`` guesses ``seq``
+        ran this step (now its tokens, computed), give back the slots of the rest."""
+        seq.num_computed_tokens += num_accepted
+        released = self.kv.rollback(seq.seq_id, seq.num_computed_tokens)
+        if self.trace.enabled:
+            self.trace.record(
+                "rollback",
+                group.request_id,
+                seq.seq_id,
+                num_accepted=num_accepted,
+                num_released_blocks=released,
+                blocks=self.kv.block_table(seq.seq_id),
+            )
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Evict a whole request (§4.5): swap it out if asked and the CPU pool has room,
@@ -293,6 +353,7 @@ class Scheduler:
         out.preempted.append(group)
         swap = self.preemption_mode == "swap" and self.kv.can_swap_out(seq_ids)
         self.trace.record("preempt", group.request_id, mode="swap" if swap else "recompute")
+        self.lora_slots.release(group.lora_id)
         if swap:
             out.swap_out += self.kv.swap_out(seq_ids)
             self.trace.record("swap_out", group.request_id, blocks=self._tables(seq_ids))
@@ -339,19 +400,26 @@ class Scheduler:
     def _can_admit(self, group: SequenceGroup, budget: int) -> bool:
         """Can every sequence of a waiting request get its first chunk's tokens and
         blocks now?"""
-        plan = self._admission_plan(group.unfinished_seqs, budget)
-        return plan is not None and self._blocks_to_allocate(plan) <= self.kv.gpu.num_free_blocks
+        plan = self._admission_plan(group, budget)
+        return (
+            plan is not None
+            and self._blocks_to_allocate(plan, group) <= self.kv.gpu.num_free_blocks
+        )
 
-    def _blocks_to_allocate(self, plan: list[tuple[Sequence, int]]) -> int:
-        return sum(self.kv.blocks_to_allocate(seq.token_ids, n) for seq, n in plan)
+    def _blocks_to_allocate(self, plan: list[tuple[Sequence, int]], group: SequenceGroup) -> int:
+        return sum(
+            self.kv.blocks_to_allocate(seq.token_ids, n, group.lora_id, group.reads_prefix_cache)
+            for seq, n in plan
+        )
 
-    def _admission_plan(self, seqs: list[Sequence], budget: int):
+    def _admission_plan(self, group: SequenceGroup, budget: int):
         """First-chunk sizes for a waiting request's sequences, or None if the token
         budget cannot give each of them at least one token this step."""
-        plan = []
+        plan, seqs = [], group.unfinished_seqs
         for k, seq in enumerate(seqs):
             n = min(
-                len(seq.token_ids) - self.kv.num_cached_tokens(seq.token_ids),
+                len(seq.token_ids)
+                - self.kv.num_cached_tokens(seq.token_ids, group.lora_id, group.reads_prefix_cache),
                 budget - _later(seqs, k),
             )
             if n < 1:
@@ -366,11 +434,15 @@ class Scheduler:
 
 def _plan(group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
     """A running request's tokens this step: each sequence's uncomputed tokens (one for
-    a decode, a chunk of a prompt), as far as the token budget goes."""
+    a decode, a chunk of a prompt), as far as the token budget goes; a decode also runs
+    its draft's guesses, each a token of the budget (vLLM cuts them to fit too)."""
     plan = []
     for seq in group.seqs:  # (not group.unfinished_seqs: this runs for every request)
-        n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+        uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+        n = min(uncomputed, budget)
         if n > 0 and seq.finish_reason is None:
+            if uncomputed == 1 and seq.spec_token_ids:
+                n += min(len(seq.spec_token_ids), budget - 1)
             plan.append((seq, n))
             budget -= n
     return plan

@@ -21,6 +21,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from minipaged.lora_request import LoRARequest
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -53,6 +54,9 @@ class Sequence:
     num_reported_chars: int = 0
     # Beam search: this beam's best next (token, logprob) pairs, until the group ranks them.
     beam_candidates: list[tuple[int, float]] | None = None
+    # Speculative decoding: a draft's guesses at the tokens after its last one, for the
+    # next step to verify (`minipaged.spec_decode`); never part of ``token_ids``.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -90,12 +94,34 @@ class SequenceGroup:
     # Beam search: beams that ended with EOS, kept as (tokens, cum_logprob) (no blocks).
     completed_beams: list[tuple[list[int], float]] = field(default_factory=list)
     next_seq_index: int = 1
+    lora_request: LoRARequest | None = None  # its adapter; None: the base model
+    # With SamplingParams.prompt_logprobs: one entry per prompt token computed so far
+    # ({token_id: logprob}, the prompt token first), None for the first token.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     # Set once: every step asks it of every running request.
     is_beam_search: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.is_beam_search = isinstance(self.params, BeamSearchParams)
+        if getattr(self.params, "prompt_logprobs", None) is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """A request that wants its prompt's logprobs computes every prompt token, as
+        vLLM's does: a block served from the prefix cache would have no logits."""
+        return self.prompt_logprobs is None
+
+    def prompt_logprob_positions(self, start: int, num_new_tokens: int) -> range:
+        """The positions, of tokens ``[start, start + num_new_tokens)`` run this step,
+        whose logits give a prompt token's logprob not collected yet: position ``p``
+        scores prompt token ``p + 1``.  Empty for most steps, and for every step after a
+        recompute preemption re-runs a prompt whose entries are all in."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        first = max(start, len(self.prompt_logprobs) - 1)
+        return range(first, min(start + num_new_tokens, len(self.prompt_token_ids) - 1))
 
     @property
     def width(self) -> int:
@@ -125,3 +151,8 @@ class SequenceGroup:
         seq_id = f"{self.request_id}.{self.next_seq_index}"
         self.next_seq_index += 1
         return seq_id
+
+    @property
+    def lora_id(self) -> int | None:
+        """Its adapter's id (the prefix cache's extra key, its slot's owner), or None."""
+        return None if self.lora_request is None else self.lora_request.lora_int_id

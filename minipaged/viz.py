@@ -8,6 +8,8 @@ The memory layer:
 * `draw_block_tables()` - each sequence's logical blocks with an arrow to the
   physical block that holds it (the paper's Fig. 6 and 7).
 * `draw_memory_shares()` - stacked bars of where KV memory goes (the paper's Fig. 2).
+* `slot_kinds()` and `draw_slots()` - one sequence's slots: tokens, a draft's guesses
+  in lookahead slots, and the slots a rollback released (speculative decoding).
 
 The engine at work, from its event trace (`minipaged.trace`):
 
@@ -179,6 +181,48 @@ def draw_block_tables(
     ax.set_ylim(-0.3, height + 0.2)
     ax.axis("off")
     ax.set_title(title or "block tables: logical block -> physical block")
+    return ax
+
+
+SLOT_KINDS = {
+    "token": ("#4c72b0", "a token's KV"),
+    "guess": ("#f2a541", "a guess's KV (lookahead slot)"),
+    "released": ("#e8e8e8", "released (a rejected guess)"),
+    "empty": ("#ffffff", "empty"),
+}
+
+
+def slot_kinds(block_size: int, num_blocks: int, num_tokens: int, num_guesses: int = 0,
+               num_released: int = 0) -> list[list[str]]:  # fmt: skip
+    """What each slot of a sequence's blocks holds, block by block: its real tokens,
+    then its guesses, then slots just released by a rollback, then empty ones."""
+    kinds = ["token"] * num_tokens + ["guess"] * num_guesses + ["released"] * num_released
+    kinds += ["empty"] * (num_blocks * block_size - len(kinds))
+    return [kinds[b * block_size : (b + 1) * block_size] for b in range(num_blocks)]
+
+
+def draw_slots(blocks: list[int], kinds: list[list[str]], ax=None, title: str | None = None):
+    """One sequence's block table slot by slot (`slot_kinds`): physical block ids
+    above, a square per slot coloured by what it holds (speculative decoding, lesson 13)."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(4, len(kinds) * len(kinds[0]) * 0.3), 1.3))
+    x = 0.0
+    for block, slots in zip(blocks, kinds):
+        ax.text(x + len(slots) * 0.5 / 2, 0.75, f"block {block}", ha="center", fontsize=8)
+        for kind in slots:
+            colour, _ = SLOT_KINDS[kind]
+            ax.add_patch(Rectangle((x, 0), 0.45, 0.6, facecolor=colour, edgecolor=_EDGE, lw=0.6))
+            x += 0.5
+        x += 0.3
+    handles = [
+        Rectangle((0, 0), 1, 1, facecolor=c, edgecolor=_EDGE) for c, _ in SLOT_KINDS.values()
+    ]
+    ax.legend(handles, [label for _, label in SLOT_KINDS.values()], fontsize=7, ncol=4,
+              loc="upper center", bbox_to_anchor=(0.5, -0.05), frameon=False)  # fmt: skip
+    ax.set_xlim(-0.2, x)
+    ax.set_ylim(-0.1, 1.0)
+    ax.axis("off")
+    ax.set_title(title or "one sequence's slots")
     return ax
 
 

@@ -7,15 +7,18 @@ so run this after changing a lesson or the code it imports:
     python scripts/execute_lessons.py lessons/05_scheduler.ipynb
 
 The lessons run against this checkout's ``minipaged``, each in a fresh kernel started
-in ``lessons/``.  What is written depends only on what the cells print and draw: no
-execution timestamps, cell ids kept, so re-running unchanged code changes little (only
-what the cells print about time).
+in ``lessons/``.  What is written depends only on what the cells print and draw, and
+how long each cell took: no execution timestamps, cell ids kept, so re-running
+unchanged code changes little (what the cells print about time, and the timings).
+Each code cell's seconds are in its metadata (``minipaged.seconds``), the lesson's total
+in the notebook's (`tests/test_lessons_committed.py` keeps it under a minute).
 """
 
 import os
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 import nbformat
@@ -37,13 +40,32 @@ def execute(path: Path) -> None:
         nb,
         timeout=600,
         kernel_name="python3",
-        record_timing=False,
+        record_timing=True,
         resources={"metadata": {"path": str(path.parent)}},
         config=KERNEL_CONFIG,
     )
     client.execute()
     drop_widgets(nb)
+    record_seconds(nb)
     nbformat.write(nb, path)
+
+
+def record_seconds(nb) -> None:
+    """Replace nbclient's timestamps by each code cell's duration, and the total."""
+    total = 0.0
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        stamps = cell.metadata.pop("execution", {})
+        start, end = stamps.get("iopub.execute_input"), stamps.get("shell.execute_reply")
+        seconds = (_time(end) - _time(start)).total_seconds() if start and end else 0.0
+        cell.metadata["minipaged"] = {"seconds": round(seconds, 1)}
+        total += seconds
+    nb.metadata["minipaged"] = {"seconds": round(total, 1)}
+
+
+def _time(stamp: str) -> datetime:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
 
 
 def drop_widgets(nb) -> None:

@@ -99,6 +99,9 @@ PREFILL_CASES = [
     Case((50, 60), block_size=16, num_kv_heads=2, shared_blocks=2, new_lens=(18, 28)),
     Case((129,), block_size=32, num_kv_heads=4, head_dim=128, dtype=f16, new_lens=(129,)),
     Case((33, 70), block_size=8, num_kv_heads=2, dtype=f16, scale_mult=30.0, new_lens=(33, 20)),
+    # Speculative decoding's verification: a last token and k guesses (2 to 9 queries)
+    # on a long paged context, crossing a block boundary (41..49 over 48) or not.
+    Case((21, 50, 67), block_size=16, num_kv_heads=2, shared_blocks=1, new_lens=(5, 9, 2)),
 ]
 
 

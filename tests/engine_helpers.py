@@ -137,3 +137,25 @@ def assert_greedy_matches_hf(
             )
         hf_cumulative = float(hf_logprobs[torch.arange(len(expected)), expected].sum())
         assert completion.cumulative_logprob == pytest.approx(hf_cumulative, abs=1e-3)
+
+
+def hf_prompt_logprobs(hf, prompt: list[int]) -> torch.Tensor:
+    """``[len(prompt) - 1, vocab]``: row p is log_softmax of HF's logits at position p,
+    which score prompt token p + 1."""
+    with torch.no_grad():
+        return hf(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+
+
+def assert_prompt_logprobs_match_hf(output, hf, k: int, atol: float = FP32["atol"]) -> None:
+    """vLLM's shape: None for the first token, then per token a dict holding it first and
+    HF's top ``k`` there, each with HF's value."""
+    prompt, entries = output.prompt_token_ids, output.prompt_logprobs
+    assert len(entries) == len(prompt) and entries[0] is None
+    expected = hf_prompt_logprobs(hf, prompt)
+    for p, (token, entry) in enumerate(zip(prompt[1:], entries[1:])):
+        assert next(iter(entry)) == token, f"token {p + 1}: the prompt token comes first"
+        assert set(entry) == {token, *expected[p].topk(k).indices.tolist()}, f"token {p + 1}"
+        ids = list(entry)
+        torch.testing.assert_close(
+            torch.tensor([entry[t] for t in ids]), expected[p][ids], atol=atol, rtol=1e-5
+        )

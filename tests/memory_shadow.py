@@ -76,6 +76,18 @@ class Shadow:
         self.write(sid, old + list(new_tokens), len(old), alloc)
         return self._done(alloc)
 
+    def append_lookahead(self, sid, new_tokens, num_lookahead):
+        """Append with the last ``num_lookahead`` tokens a draft's guesses."""
+        alloc = self.mgr.append(sid, new_tokens, num_lookahead)
+        old = self.tokens[sid]
+        self.write(sid, old + list(new_tokens), len(old), alloc)
+        return self._done(alloc)
+
+    def rollback(self, sid, num_tokens):
+        released = self.mgr.rollback(sid, num_tokens)
+        del self.tokens[sid][num_tokens:]
+        return self._done(released)
+
     def fork(self, parent, child):
         self.mgr.fork(parent, child)
         self.tokens[child] = list(self.tokens[parent])

@@ -57,9 +57,10 @@ def in_process(path, api_key: str | None = None):
         yield base_url, engine
 
 
-def in_process_app(path, api_key: str | None = None, **app_kwargs):
+def in_process_app(path, api_key: str | None = None, engine_kwargs=None, **app_kwargs):
     """As `in_process`, with `build_app`'s other arguments (``limits``,
-    ``allowed_hosts``); yields the base URL, the `AsyncEngine` and the app."""
+    ``allowed_hosts``, ``lora_modules``) and more engine settings; yields the base URL,
+    the `AsyncEngine` and the app."""
     import uvicorn
 
     from minipaged.config import EngineConfig
@@ -67,7 +68,9 @@ def in_process_app(path, api_key: str | None = None, **app_kwargs):
     from minipaged.server.app import ServerLimits, build_app, uvicorn_config
     from minipaged.server.async_engine import AsyncEngine
 
-    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(path), **ENGINE)))
+    engine = AsyncEngine(
+        LLMEngine(EngineConfig(model=str(path), **ENGINE, **(engine_kwargs or {})))
+    )
     port = free_port()
     app = build_app(engine, MODEL, api_key, **app_kwargs)
     limits = app_kwargs.get("limits") or ServerLimits()
@@ -83,9 +86,9 @@ def in_process_app(path, api_key: str | None = None, **app_kwargs):
         thread.join(timeout=30)
 
 
-def subprocess_server(path):
-    """``python -m minipaged serve`` on a free port; stopped by its pid (SIGINT, as a
-    user's Ctrl-C), killed if it will not stop."""
+def subprocess_server(path, name: str = MODEL, flags: list[str] = FLAGS):
+    """``python -m minipaged serve`` on a free port, as ``name`` with ``flags``; stopped
+    by its pid (SIGINT, as a user's Ctrl-C), killed if it will not stop."""
     port = free_port()
     process = subprocess.Popen(
         [
@@ -97,8 +100,8 @@ def subprocess_server(path):
             "--port",
             str(port),
             "--served-model-name",
-            MODEL,
-            *FLAGS,
+            name,
+            *flags,
         ],
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )

@@ -9,6 +9,7 @@ token count and every block checked.
 
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -294,3 +295,15 @@ def test_command_line_writes_the_results_file(tmp_path):
         ("contiguous-max", 50),
     ]
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_every_latency_point_is_inside_the_axes():
+    """The committed CPU run, whose highest point is over 10x its lowest: every point is
+    drawn inside the axes."""
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cpu"
+    rows = json.loads((results / "latency-sharegpt.json").read_text())["results"]
+    axes = bench.plot_latency(rows).axes[0]
+    low, high = axes.get_ylim()
+    plotted = [y for line in axes.get_lines() for y in line.get_ydata()]
+    assert sorted(plotted) == sorted(r["normalized_latency_s_per_token"] for r in rows)
+    assert all(low <= y <= high for y in plotted)

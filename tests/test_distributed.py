@@ -23,6 +23,7 @@ from engine_helpers import (
     as_inputs,
     assert_all_blocks_free,
     assert_greedy_matches_hf,
+    assert_prompt_logprobs_match_hf,
     make_llm,
     random_prompt,
 )
@@ -99,6 +100,15 @@ class TestTwoRanks:
         ours = tokens(generate(tp2, prompts, SEEDED))
         assert ours == tokens(generate(tp1, prompts, SEEDED))
         assert ours[0][0] != ours[0][1]  # truly sampled, not greedy twice
+        assert_all_blocks_free(tp2)
+
+    def test_prompt_logprobs_equal_hf_forward(self, engines):
+        """Every rank projects the scored rows (the logits are gathered); rank 0 keeps
+        them.  Under swap preemption, as the pool is set up."""
+        tp2, _, oracle = engines
+        params = SamplingParams(prompt_logprobs=2, temperature=0, max_tokens=MAX_TOKENS)
+        for output in generate(tp2, PROMPTS, params):
+            assert_prompt_logprobs_match_hf(output, oracle.hf, 2)
         assert_all_blocks_free(tp2)
 
     def test_beam_search_equals_tp1(self, engines):

@@ -381,18 +381,14 @@ def test_abort_in_the_engine_frees_blocks_and_range(tiny):
     assert_all_blocks_free(llm)
 
 
-def test_check_request_refuses_a_range_larger_than_the_pool(tiny):
-    """Max reserves max_model_len = 64 slots; a pool of 12 blocks of 4 has 48.  Paged,
-    the same 5 + 20 tokens need 7 blocks and are accepted."""
+def test_a_max_model_len_larger_than_the_pool_is_refused_at_start_up(tiny):
+    """Max would reserve max_model_len = 64 slots; a pool of 12 blocks of 4 has 48, so
+    no request could ever be admitted: the engine refuses to start (vLLM's check),
+    naming both numbers, in every memory mode."""
     path, _ = tiny("llama")
-    llm = make_llm(
-        path, block_size=4, num_gpu_blocks=12, max_model_len=64, memory_mode="contiguous-max"
-    )
-    with pytest.raises(ValueError, match="memory_mode='contiguous-max' reserves 64 KV slots.*48"):
-        llm.engine.add_request("x", [1] * 5, GREEDY)
-    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
-    paged = make_llm(path, block_size=4, num_gpu_blocks=12, max_model_len=64)
-    paged.engine.check_request("x", [1] * 5, GREEDY)
+    for mode in ("contiguous-max", "paged"):
+        with pytest.raises(ValueError, match="max_model_len=64 does not fit.*has 12 \\(48 tokens"):
+            make_llm(path, block_size=4, num_gpu_blocks=12, max_model_len=64, memory_mode=mode)
 
 
 def test_llm_refuses_an_unknown_memory_mode(tiny):

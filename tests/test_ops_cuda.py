@@ -251,3 +251,10 @@ def test_decode_at_real_sizes(batch, context_len, version, dtype):
         query, key_cache, value_cache, tables, lens, 128**-0.5, version=version
     )
     assert_close(out, decode_oracle(query, keys, values, 128**-0.5))
+
+
+def test_a_cached_build_loads_without_saying_it_compiles(capfd):
+    cuda_build.load(torch.device("cpu"))  # built here, or found in the cache
+    capfd.readouterr()
+    cuda_build._build.__wrapped__(emulated=True)  # the cache now holds it
+    assert "compiling" not in capfd.readouterr().err

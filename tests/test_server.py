@@ -304,12 +304,6 @@ BAD_REQUESTS = {  # name: (path, body, status, param)
         None,
     ),
     "top_p zero": ("completions", {"prompt": "a", "top_p": 0.0}, 400, None),
-    "echo with logprobs": (
-        "completions",
-        {"prompt": "a", "echo": True, "logprobs": 1},
-        400,
-        "echo",
-    ),
     "body not an object": ("completions", [1, 2], 400, None),
 }
 

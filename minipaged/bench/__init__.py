@@ -31,9 +31,14 @@ time per step, with the model stubbed), `common` (timing, a system's row, tables
   (paper §5.1, Fig. 18a).
 * `throughput` - offline serving throughput, minipaged vs Hugging Face ``generate``
   (paper §6.2), and the engine's own CPU time per step.
+* `spec` - speculative decoding with the n-gram proposer on and off: time per token,
+  throughput and acceptance, on a workload that repeats its context and a ShareGPT-like
+  one.
 * `kv_cache_dtype` - a quantized KV cache (fp8, int8) against ``auto``: blocks and
   requests/s under one KV budget, the C++ kernel's dequantization cost, greedy
   agreement on SmolLM2.
 * `serve` - online serving latency (TTFT, TPOT, ITL, E2EL) against a running
   OpenAI-compatible server (paper §6).
+* `lora` - a decode step mixing LoRA adapters against the base model's, and a workload
+  spread over 1, 4 and 16 adapters (Punica, S-LoRA).
 """

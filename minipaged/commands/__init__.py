@@ -10,4 +10,5 @@ reads from the source without importing the module), ``add_arguments(parser)`` a
 * `generate` - ``minipaged generate PROMPT...``: ``LLM.generate`` or ``LLM.beam_search``.
 * `demo` - ``minipaged demo``: a real model answers, and the blocks paging saves.
 * `serve` - ``minipaged serve MODEL``: the OpenAI-compatible HTTP server.
+* `check` - ``minipaged check NN``: a lesson's tests, run on the learner's exercise.
 """

@@ -33,6 +33,13 @@ def add_arguments(parser) -> None:
         metavar="NAME",
         help="the model's name in the API (default: a directory's own name, else MODEL as given)",
     )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) to serve beside the model, a request's "
+        "'model' naming one (needs --enable-lora)",
+    )
     _add_safety_flags(parser)
     add_engine_flags(parser)
 
@@ -87,5 +94,6 @@ def main(args) -> None:
         args.served_model_name,
         limits,
         args.allowed_hosts,
+        args.lora_modules,
         **engine_kwargs(args),
     )

@@ -64,6 +64,7 @@ class Executor:
 
     def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
         self.cache_engine.execute(batch)
+        self.runner.activate_loras(batch.lora_loads)
         return self.runner.execute(batch.seqs, self.cache_engine.gpu_cache)
 
 
@@ -125,6 +126,9 @@ def start_workers(
         num_threads(device, size),
         config.enable_expert_parallel,
         config.all2all_backend,
+        (config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+        if config.enable_lora
+        else None,
     )
     return WorkerGroup.start(size, args, device)
 

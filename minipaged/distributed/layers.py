@@ -122,7 +122,12 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return self.reduce(F.linear(x, self.weight))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The ranks' partial outputs summed, plus the bias (a LoRA term joins the
+        partial output first, `minipaged.models.lora`)."""
+        out = self.tp.all_reduce(partial)
         return out if self.bias is None else out + self.bias
 
     def load_targets(self, kind: str) -> LoadTargets:

@@ -41,25 +41,31 @@ __all__ = ["StepPlan", "StepTokens", "WorkerArgs", "rank_device", "rank_kv_confi
 class StepPlan:
     """What a worker needs of one `SchedulerOutput`: no requests, no sampling."""
 
-    # Per sequence: (start, the tokens to run, block table, slot mapping, samples).
-    seqs: list[tuple[int, list[int], list[int], list[int], bool]]
+    # Per sequence: (start, its tokens to run, block table, slot mapping, samples,
+    # LoRA slot, the positions whose logits score prompt tokens (every rank projects
+    # them), and a draft's guesses run after the tokens).
+    seqs: list[tuple[int, list[int], list[int], list[int], bool, int, range, list[int]]]
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
     copies: list[tuple[int, int]]
+    lora_loads: list
 
     @classmethod
     def of(cls, batch: SchedulerOutput) -> StepPlan:
         seqs = [
             (
                 s.start,
-                s.seq.token_ids[s.start : s.start + s.num_new_tokens],
+                s.seq.token_ids[s.start : s.start + s.num_new_tokens - len(s.spec_token_ids)],
                 s.block_table,
                 s.slot_mapping,
                 s.samples,
+                s.lora_slot,
+                s.prompt_logprob_positions,
+                s.spec_token_ids,
             )
             for s in batch.seqs
         ]
-        return cls(seqs, batch.swap_out, batch.swap_in, batch.copies)
+        return cls(seqs, batch.swap_out, batch.swap_in, batch.copies, batch.lora_loads)
 
     def batch(self) -> SchedulerOutput:
         """The plan as the `SchedulerOutput` the cache engine and model runner take."""
@@ -68,14 +74,19 @@ class StepPlan:
                 Sequence("", StepTokens(start, tokens), 0),
                 None,
                 start,
-                len(tokens),
+                len(tokens) + len(spec),
                 table,
                 slots,
                 samples,
+                lora_slot,
+                positions,
+                spec,
             )
-            for start, tokens, table, slots, samples in self.seqs
+            for start, tokens, table, slots, samples, lora_slot, positions, spec in self.seqs
         ]
-        return SchedulerOutput(seqs, self.swap_out, self.swap_in, self.copies)
+        return SchedulerOutput(
+            seqs, self.swap_out, self.swap_in, self.copies, lora_loads=self.lora_loads
+        )
 
 
 class StepTokens:
@@ -112,6 +123,7 @@ class WorkerArgs:
     num_threads: int
     expert_parallel: bool
     all2all_backend: str
+    lora: tuple[int, int, int] | None = None  # (max_loras, max_lora_rank, max_cpu_loras)
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -145,6 +157,8 @@ def worker_main(rank: int, size: int, port: int, conn, args: WorkerArgs) -> None
         )
         model = load_model(args.path, args.dtype, device, args.attention_backend, tp)
         runner = ModelRunner(model, args.block_size, device)
+        if args.lora:
+            runner.enable_lora(*args.lora)
         conn.send(("ok", None))
         cache_engine = _set_up(conn, runner, tp, args.block_size, device)
     except Exception:  # noqa: BLE001 (the driver re-raises it, naming this rank)
@@ -154,6 +168,7 @@ def worker_main(rank: int, size: int, port: int, conn, args: WorkerArgs) -> None
         while (plan := tp.broadcast_object()) is not None:
             batch = plan.batch()
             cache_engine.execute(batch)
+            runner.activate_loras(batch.lora_loads)
             runner.execute(batch.seqs, cache_engine.gpu_cache)
     finally:
         destroy_tensor_parallel()

@@ -36,11 +36,12 @@ def slot_mapping(blocks: list[int], block_size: int, start: int, end: int) -> li
 class BlockTable:
     """The logical -> physical block list of one sequence, and the token ids it holds."""
 
-    def __init__(self, block_size: int, allocator: BlockAllocator) -> None:
+    def __init__(self, block_size: int, allocator: BlockAllocator, extra_key=None) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size
         self.allocator = allocator
+        self.extra_key = extra_key  # what the prefix cache keys its blocks on, beside tokens
         self.blocks: list[int] = []
         self.token_ids: list[int] = []
         # One identity per full block, kept only when the allocator caches prefixes.
@@ -75,9 +76,13 @@ class BlockTable:
         partial = len(self.token_ids) % self.block_size != 0
         return partial and self.allocator.ref_count(self.blocks[-1]) > 1
 
-    def append_tokens(self, token_ids: list[int]) -> tuple[list[int], list[BlockCopy]]:
+    def append_tokens(
+        self, token_ids: list[int], num_lookahead: int = 0
+    ) -> tuple[list[int], list[BlockCopy]]:
         """Give ``token_ids`` slots; returns their slot mapping and any CoW copies.
 
+        The last ``num_lookahead`` of them are provisional (a draft's guesses): a block
+        holding one is not offered to the prefix cache until `truncate` keeps it full.
         All or nothing: if the pool cannot supply the blocks, raises
         `NoFreeBlocksError` and changes nothing.
         """
@@ -94,10 +99,34 @@ class BlockTable:
         start = len(self.token_ids)
         self.blocks += [self.allocator.allocate() for _ in range(fresh)]
         self.token_ids += token_ids
-        if self._caching:  # offer each block the new tokens filled, in order
-            for full in range(start // self.block_size, len(self.token_ids) // self.block_size):
-                self._register_block(full)
+        self._register_full_blocks(len(self.token_ids) - num_lookahead)
         return self.slot_mapping(start, len(self.token_ids)), copies
+
+    def truncate(self, num_tokens: int) -> int:
+        """Keep the first ``num_tokens`` tokens (a verified draft's accepted ones) and
+        let go of the rest: their slots are free again, and the blocks past the last
+        kept token return to the pool.  Returns how many blocks were let go."""
+        # A block offered to the prefix cache must keep its tokens: cut after it.
+        lowest = len(self.identities) * self.block_size
+        if not isinstance(num_tokens, int) or not lowest <= num_tokens <= len(self.token_ids):
+            raise ValueError(
+                f"num_tokens must be an int in [{lowest}, {len(self.token_ids)}], "
+                f"got {num_tokens!r}"
+            )
+        keep = blocks_for(num_tokens, self.block_size)
+        dropped = self.blocks[keep:]
+        for block in reversed(dropped):
+            self.allocator.free(block)
+        del self.blocks[keep:], self.token_ids[num_tokens:]
+        self._register_full_blocks(num_tokens)
+        return len(dropped)
+
+    def _register_full_blocks(self, num_tokens: int) -> None:
+        """Offer the prefix cache each block the first ``num_tokens`` tokens fill, in
+        order, that it was not offered yet."""
+        if self._caching:
+            for full in range(len(self.identities), num_tokens // self.block_size):
+                self._register_block(full)
 
     def _append_in_place(self, token_id: int) -> int | None:
         """A decode's common case, kept cheap because it runs for every sequence every
@@ -121,7 +150,9 @@ class BlockTable:
     def _register_block(self, index: int) -> None:
         parent = self.identities[-1] if self.identities else None
         tokens = tuple(self.token_ids[index * self.block_size : (index + 1) * self.block_size])
-        self.identities.append(self.allocator.register(self.blocks[index], tokens, parent))
+        self.identities.append(
+            self.allocator.register(self.blocks[index], tokens, parent, self.extra_key)
+        )
 
     def adopt_cached_prefix(self, entries: list[CachedBlock]) -> None:
         """Start an empty table with blocks found in the prefix cache (§4.4)."""
@@ -135,7 +166,7 @@ class BlockTable:
 
     def fork(self) -> BlockTable:
         """A child table sharing every physical block (parallel sampling, beam search)."""
-        child = BlockTable(self.block_size, self.allocator)
+        child = BlockTable(self.block_size, self.allocator, self.extra_key)
         for block in self.blocks:
             self.allocator.incref(block)
         child.blocks = list(self.blocks)

@@ -79,54 +79,76 @@ class KVCacheManager:
         return self._table(seq_id).allocator is self.cpu
 
     # -- admission and growth ---------------------------------------------------------
-    def num_cached_tokens(self, prompt_token_ids: list[int]) -> int:
-        """How many leading prompt tokens the prefix cache could serve (read-only)."""
-        if not self.prefix_caching:
+    # ``extra_key``: what besides its tokens sets a prompt's KV apart, the request's LoRA
+    # adapter (None: the base model); the prefix cache shares blocks only under one key.
+    def num_cached_tokens(
+        self, prompt_token_ids: list[int], extra_key=None, use_cache: bool = True
+    ) -> int:
+        """How many leading prompt tokens the prefix cache could serve (read-only).
+        ``use_cache=False`` (a sequence that must compute its whole prompt) reads none."""
+        if not (self.prefix_caching and use_cache):
             return 0
-        return len(self.gpu.match_prefix(prompt_token_ids)) * self.block_size
+        return len(self.gpu.match_prefix(prompt_token_ids, extra_key)) * self.block_size
 
     def can_allocate(self, prompt_token_ids: list[int], num_new_tokens: int | None = None) -> bool:
         """Would `allocate()` find the blocks it needs right now?"""
         return self.blocks_to_allocate(prompt_token_ids, num_new_tokens) <= self.gpu.num_free_blocks
 
     def blocks_to_allocate(
-        self, prompt_token_ids: list[int], num_new_tokens: int | None = None
+        self,
+        prompt_token_ids: list[int],
+        num_new_tokens: int | None = None,
+        extra_key=None,
+        use_cache: bool = True,
     ) -> int:
         """Free blocks `allocate()` would take (a scheduler sums them over a group)."""
-        entries, end = self._plan(prompt_token_ids, num_new_tokens)
+        entries, end = self._plan(prompt_token_ids, num_new_tokens, extra_key, use_cache)
         return self._blocks_needed(entries, end - len(entries) * self.block_size)
 
     def allocate(
-        self, seq_id: str, prompt_token_ids: list[int], num_new_tokens: int | None = None
+        self,
+        seq_id: str,
+        prompt_token_ids: list[int],
+        num_new_tokens: int | None = None,
+        extra_key=None,
+        use_cache: bool = True,
     ) -> Allocation:
         """Start a sequence: reuse its cached prefix, then give slots to the next tokens.
 
         ``num_new_tokens`` (default: the rest of the prompt) lets chunked prefill take a
-        prompt in pieces; later pieces go through `append()`.  All or nothing.
+        prompt in pieces; later pieces go through `append()`.  ``use_cache=False``
+        reuses nothing (its full blocks still join the cache).  All or nothing.
         """
         if seq_id in self.tables:
             raise ValueError(f"seq_id {seq_id!r} already has a block table")
-        entries, end = self._plan(prompt_token_ids, num_new_tokens)
+        entries, end = self._plan(prompt_token_ids, num_new_tokens, extra_key, use_cache)
         cached = len(entries) * self.block_size
         needed = self._blocks_needed(entries, end - cached)
         if needed > self.gpu.num_free_blocks:
             raise NoFreeBlocksError(
                 f"starting {seq_id!r} needs {needed} blocks, {self.gpu.num_free_blocks} free"
             )
-        table = BlockTable(self.block_size, self.gpu)
+        table = BlockTable(self.block_size, self.gpu, extra_key)
         if entries:
             table.adopt_cached_prefix(entries)
         slots, copies = table.append_tokens(prompt_token_ids[cached:end])
-        if self.prefix_caching:
+        if self.prefix_caching and use_cache:
             self.gpu.record_lookup(len(prompt_token_ids), cached)
         self.tables[seq_id] = table
         return Allocation(slots, list(table.blocks), copies, cached)
 
-    def _plan(self, prompt_token_ids: list[int], num_new_tokens: int | None):
+    def _plan(
+        self,
+        prompt_token_ids: list[int],
+        num_new_tokens: int | None,
+        extra_key=None,
+        use_cache: bool = True,
+    ):
         """The cached prefix a new sequence would reuse, and where its first chunk ends."""
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
-        entries = self.gpu.match_prefix(prompt_token_ids) if self.prefix_caching else []
+        reads = self.prefix_caching and use_cache
+        entries = self.gpu.match_prefix(prompt_token_ids, extra_key) if reads else []
         cached = len(entries) * self.block_size
         if num_new_tokens is None:
             return entries, len(prompt_token_ids)
@@ -158,13 +180,26 @@ class KVCacheManager:
         writes in place), which errs on the safe side."""
         return self._table(seq_id).num_blocks_needed(num_new_tokens)
 
-    def append(self, seq_id: str, token_ids: list[int]) -> Allocation:
-        """Slots for a running sequence's next tokens (a decode token or a prefill chunk)."""
+    def append(self, seq_id: str, token_ids: list[int], num_lookahead: int = 0) -> Allocation:
+        """Slots for a running sequence's next tokens (a decode token or a prefill chunk);
+        the last ``num_lookahead`` are a draft's guesses, kept until `rollback`."""
         table = self._table(seq_id)
         if table.allocator is not self.gpu:
             raise ValueError(f"seq_id {seq_id!r} is swapped out; swap it in first")
-        slots, copies = table.append_tokens(token_ids)
+        if not isinstance(num_lookahead, int) or not 0 <= num_lookahead < max(len(token_ids), 1):
+            raise ValueError(
+                f"num_lookahead must be an int in [0, {len(token_ids)}), got {num_lookahead!r}"
+            )
+        slots, copies = table.append_tokens(token_ids, num_lookahead)
         return Allocation(slots, list(table.blocks), copies)
+
+    def rollback(self, seq_id: str, num_tokens: int) -> int:
+        """Keep the first ``num_tokens`` of a running sequence's tokens, giving back the
+        slots of the rest (a draft's rejected guesses); returns the blocks released."""
+        table = self._table(seq_id)
+        if table.allocator is not self.gpu:
+            raise ValueError(f"seq_id {seq_id!r} is swapped out; only a running one rolls back")
+        return table.truncate(num_tokens)
 
     # -- sharing and freeing ----------------------------------------------------------
     def fork(self, parent_id: str, child_id: str) -> None:

@@ -6,9 +6,12 @@ named by a hash chained with its parent block's hash,
 
     block_hash = hash((parent_block_hash, token_ids_of_this_block)),
 
-so a block's hash stands for the whole prefix up to and including it.  The hash only
-*finds* a candidate; a candidate is accepted only if its stored tokens equal ours and
-its parent is the entry we matched one block earlier.  Entries get ids that are never
+so a block's hash stands for the whole prefix up to and including it.  The first block's
+parent is the request's *extra key* (vLLM's ``extra_keys``): its LoRA adapter, since an
+adapter changes every key and value, so the same prompt under two adapters (or under
+one and the base model) never shares a block, while under one adapter it does.  The hash only
+*finds* a candidate; a candidate is accepted only if its stored tokens and extra key
+equal ours and its parent is the entry we matched one block earlier.  Entries get ids that are never
 reused, so an accepted chain is exactly our prefix: a hash collision costs a miss, never
 wrong KV.
 
@@ -43,6 +46,7 @@ class CachedBlock:
     token_ids: tuple[int, ...]
     entry_id: int
     parent_id: int
+    extra_key: object = None  # the adapter whose KV it holds (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,11 @@ class BlockIdentity:
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
+
+
+def root_hash(extra_key) -> int | None:
+    """The "parent hash" of a prompt's first block: None, or its extra key's hash."""
+    return None if extra_key is None else hash(("extra_key", extra_key))
 
 
 class PrefixCachingBlockAllocator(BlockAllocator):
@@ -112,19 +121,25 @@ class PrefixCachingBlockAllocator(BlockAllocator):
             super()._release(block)
 
     # -- lookup -----------------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int]) -> list[CachedBlock]:
-        """The longest chain of cached full blocks that begins ``token_ids``.
+    def match_prefix(self, token_ids: list[int], extra_key=None) -> list[CachedBlock]:
+        """The longest chain of cached full blocks that begins ``token_ids`` under
+        ``extra_key`` (the request's adapter, or None).
 
         The last token is never served from the cache: its logits must be computed,
         so at most ``(len - 1) // block_size`` blocks match.  Read-only.
         """
         bs = self.block_size
         matched: list[CachedBlock] = []
-        parent_hash, parent_id = None, ROOT_ID
+        parent_hash, parent_id = root_hash(extra_key), ROOT_ID
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             entry = self._by_hash.get(hash_block(parent_hash, tokens))
-            if entry is None or entry.token_ids != tokens or entry.parent_id != parent_id:
+            if (
+                entry is None
+                or entry.token_ids != tokens
+                or entry.parent_id != parent_id
+                or entry.extra_key != extra_key
+            ):
                 break
             matched.append(entry)
             parent_hash, parent_id = entry.block_hash, entry.entry_id
@@ -144,14 +159,19 @@ class PrefixCachingBlockAllocator(BlockAllocator):
 
     # -- registration -----------------------------------------------------------------
     def register(
-        self, block: int, token_ids: tuple[int, ...], parent: BlockIdentity | None
+        self,
+        block: int,
+        token_ids: tuple[int, ...],
+        parent: BlockIdentity | None,
+        extra_key=None,
     ) -> BlockIdentity:
         """Offer a block that just became full to the cache.
 
         ``parent`` is the identity of the previous block of the same sequence (``None``
-        for the first).  Returns the identity the block table should remember.
+        for the first); ``extra_key`` its request's (see `match_prefix`).  Returns the
+        identity the block table should remember.
         """
-        parent_hash = parent.block_hash if parent else None
+        parent_hash = parent.block_hash if parent else root_hash(extra_key)
         parent_id = parent.entry_id if parent else ROOT_ID
         block_hash = hash_block(parent_hash, token_ids)
         if parent_id is None:  # the prefix before this block is uncacheable
@@ -161,9 +181,15 @@ class PrefixCachingBlockAllocator(BlockAllocator):
             self._uncache(existing)  # an orphan: unreachable, so it gives way
             existing = None
         if existing is not None:
-            same = existing.token_ids == token_ids and existing.parent_id == parent_id
+            same = (
+                existing.token_ids == token_ids
+                and existing.parent_id == parent_id
+                and existing.extra_key == extra_key
+            )
             return BlockIdentity(block_hash, existing.entry_id if same else None)
-        entry = CachedBlock(block, block_hash, token_ids, next(self._entry_ids), parent_id)
+        entry = CachedBlock(
+            block, block_hash, token_ids, next(self._entry_ids), parent_id, extra_key
+        )
         self._by_hash[block_hash] = entry
         self._by_block[block] = entry
         self._live_ids.add(entry.entry_id)

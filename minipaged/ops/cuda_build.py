@@ -97,11 +97,12 @@ def _build(emulated: bool):
     name = "minipaged_cuda_emulated" if emulated else "minipaged_cuda"
     sources = [p for p in sorted(KERNELS_DIR.glob("*")) if p.suffix in SOURCE_SUFFIXES]
     build_dir = cached_build_dir(name, sources)
-    print(
-        f"minipaged: compiling the CUDA kernels{' for the CPU emulator' if emulated else ''}"
-        f" (once; cached in {build_dir})",
-        file=sys.stderr,
-    )
+    if not (build_dir / f"{name}.so").exists():  # a cache hit only loads it: say nothing
+        print(
+            f"minipaged: compiling the CUDA kernels{' for the CPU emulator' if emulated else ''}"
+            f" (once; cached in {build_dir})",
+            file=sys.stderr,
+        )
     binding = str(KERNELS_DIR / BINDING)
     if emulated:
         return cpp_extension.load(

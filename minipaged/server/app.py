@@ -1,13 +1,18 @@
 """An OpenAI-compatible HTTP server over the engine (FastAPI): ``minipaged serve DIR``.
 
-    GET  /v1/models             the one model served
+    GET  /v1/models             the model served, and its LoRA adapters
     POST /v1/completions        prompt(s) -> text; streamed as server-sent events if asked
     POST /v1/chat/completions   messages -> the chat template -> a reply
+    POST /tokenize              text or messages -> token ids (vLLM's)
+    POST /detokenize            token ids -> text (vLLM's)
+    GET  /tokenizer_info        the tokenizer's configuration (vLLM's)
     GET  /health                200 while the engine runs
     GET  /metrics               Prometheus text: queues, KV blocks, preemptions, tokens
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   adapters by name (--enable-lora)
 
 Every prompt of a request becomes one engine request; `AsyncEngine` runs them in the
-same batch as everyone else's.  A stream sends each step's new text as it is made
+same batch as everyone else's; a request whose ``model`` names a LoRA adapter runs
+with it (`minipaged.server.lora`).  A stream sends each step's new text as it is made
 (``data: {...}`` chunks, then ``data: [DONE]``); a client that hangs up mid-stream
 aborts its requests, which frees their blocks.  Errors have OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``, with a 4xx status for anything the
@@ -38,12 +43,13 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from minipaged.config import EngineConfig
 from minipaged.engine import LLMEngine
+from minipaged.lora_request import LoRARequest
 from minipaged.outputs import CompletionOutput, RequestOutput
 from minipaged.server.async_engine import (
     AsyncEngine,
@@ -58,12 +64,18 @@ from minipaged.server.guard import (
     h11_with_head_timeout,
 )
 from minipaged.server.limits import ServerLimits
+from minipaged.server.lora import ServedAdapters, UnknownAdapterError
 from minipaged.server.metrics import make_registry
 from minipaged.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     SamplingRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    UnloadLoRAAdapterRequest,
 )
 
 logger = logging.getLogger("minipaged.server")
@@ -145,32 +157,38 @@ class OpenAIServing:
         self.max_prompt_chars = self.max_model_len * longest
         # One thread: tokenizing never blocks the event loop, and never runs twice at once.
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="minipaged-tokenize")
+        self.adapters = ServedAdapters(engine.engine)
 
     def models(self) -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.model_name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "minipaged",
-                    "max_model_len": self.max_model_len,
-                }
-            ],
+        created = int(time.time())
+        base = {
+            "id": self.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "minipaged",
+            "max_model_len": self.max_model_len,
         }
+        return {"object": "list", "data": [base, *self.adapters.cards(self.model_name, created)]}
+
+    # -- LoRA adapters (vLLM's endpoints) ---------------------------------------------
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
+        """Read the adapter (off the event loop) and serve it as ``lora_name``."""
+        await self._off_loop(
+            lambda: self.adapters.load(body.lora_name, body.lora_path, self.model_name)
+        )
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
+        lora_request = self.adapters.unload(body.lora_name)
+        self.engine.remove_lora(lora_request.lora_int_id)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     # -- completions ------------------------------------------------------------------
     async def completions(self, body: CompletionRequest) -> Response:
-        self._check(body)
-        if body.echo and body.logprobs is not None:
-            raise APIError(
-                400,
-                "echo with logprobs needs the prompt's logprobs, which minipaged does not compute",
-                "echo",
-            )
+        lora_request = self._check(body)
         self._check_logprobs(body.logprobs, "logprobs")
-        prompts = await self._completion_prompts(body.prompt)
+        prompt_logprobs = body.wanted_prompt_logprobs
+        prompts = await self._completion_prompts(body.prompt, body.add_special_tokens)
         params = {}
         for i, (token_ids, _) in enumerate(prompts):
             # max_tokens null: up to the context's end, as OpenAI does.
@@ -180,12 +198,12 @@ class OpenAIServing:
                 else max(1, self.max_model_len - len(token_ids))
             )
             self._check_context(len(token_ids), max_tokens, "prompt")
-            params[i] = body.sampling_params(max_tokens, body.logprobs)
+            params[i] = body.sampling_params(max_tokens, body.logprobs, prompt_logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         outputs = self.engine.generate(
             [
-                (rid, token_ids, params[i], text)
+                (rid, token_ids, params[i], text, lora_request)
                 for i, (rid, (token_ids, text)) in enumerate(zip(ids, prompts))
             ]
         )
@@ -193,39 +211,47 @@ class OpenAIServing:
             "id": request_id,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": body.model or self.model_name,
         }
         usage = Usage([token_ids for token_ids, _ in prompts])
         echoes = {rid: self._prompt_text(p) if body.echo else "" for rid, p in zip(ids, prompts)}
         offsets: dict[int, int] = {}  # choice -> characters of text sent so far
+        scored: dict[str, list] = {}  # request -> its prompt logprobs (a stream's first output)
 
-        def choice(request_id: str, completion: CompletionOutput) -> dict:
-            index = ids.index(request_id) * body.n + completion.index
-            text = completion.text
+        def choice(output: RequestOutput, completion: CompletionOutput) -> dict:
+            index = ids.index(output.request_id) * body.n + completion.index
+            if output.prompt_logprobs is not None:
+                scored[output.request_id] = output.prompt_logprobs
+            text, tokens, logprobs = completion.text, completion.token_ids, completion.logprobs
             if index not in offsets:
-                text, offsets[index] = echoes[request_id] + text, 0
-            logprobs = (
-                None
-                if completion.logprobs is None
-                else self._completion_logprobs(
-                    completion.token_ids, completion.logprobs, offsets[index]
-                )
-            )
-            offsets[index] += len(text)
-            return {
+                offsets[index] = 0
+                if body.echo:  # the prompt first, with its logprobs if asked (vLLM)
+                    text = echoes[output.request_id] + text
+                    if logprobs is not None:
+                        tokens = output.prompt_token_ids + tokens
+                        logprobs = scored[output.request_id] + logprobs
+            answer = {
                 "index": index,
                 "text": text,
-                "logprobs": logprobs,
+                "logprobs": None
+                if logprobs is None
+                else self._completion_logprobs(tokens, logprobs, offsets[index]),
                 "finish_reason": completion.finish_reason,
                 "stop_reason": completion.stop_reason,
             }
+            offsets[index] += len(text)
+            if body.prompt_logprobs is not None and not body.stream:
+                answer["prompt_logprobs"] = self._prompt_logprobs(output, body.prompt_logprobs)
+            return answer
 
         if body.stream:
             return self._stream(outputs, head, choice, usage, body.include_usage)
         choices = await self._collect(outputs, choice, usage)
         return JSONResponse({**head, "choices": choices, "usage": usage.as_dict()})
 
-    async def _completion_prompts(self, prompt) -> list[tuple[list[int], str | None]]:
+    async def _completion_prompts(
+        self, prompt, add_special_tokens: bool = True
+    ) -> list[tuple[list[int], str | None]]:
         """(token ids, text) per prompt: ``prompt`` is a str, a list of str, a list of
         token ids, or a list of those.  Counted and measured first, tokenized off the
         event loop."""
@@ -245,7 +271,10 @@ class OpenAIServing:
                 self._check_chars(len(p), "prompt")
         return await self._off_loop(
             lambda: [
-                (self.tokenizer.encode(p), p) if isinstance(p, str) else (p, None) for p in prompt
+                (self.tokenizer.encode(p, add_special_tokens=add_special_tokens), p)
+                if isinstance(p, str)
+                else (p, None)
+                for p in prompt
             ]
         )
 
@@ -254,23 +283,48 @@ class OpenAIServing:
         return text if text is not None else self.tokenizer.decode(token_ids)
 
     def _completion_logprobs(
-        self, token_ids: list[int], logprobs: list[dict[int, float]], offset: int
+        self, token_ids: list[int], logprobs: list[dict[int, float] | None], offset: int
     ) -> dict:
-        """The legacy completions format: parallel lists, one entry per token."""
+        """The legacy completions format: parallel lists, one entry per token (null
+        for an echoed prompt's first token, which nothing scores)."""
         tokens = [self.tokenizer.decode([t]) for t in token_ids]
         starts = [offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
         return {
             "tokens": tokens,
-            "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs)],
+            "token_logprobs": [None if lp is None else lp[t] for t, lp in zip(token_ids, logprobs)],
             "top_logprobs": [
-                {self.tokenizer.decode([k]): v for k, v in lp.items()} for lp in logprobs
+                None if lp is None else {self.tokenizer.decode([k]): v for k, v in lp.items()}
+                for lp in logprobs
             ],
             "text_offset": starts,
         }
 
+    def _prompt_logprobs(self, output: RequestOutput, k: int) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs`` field: per prompt token, null for the first, then
+        ``{token_id: {"logprob", "rank", "decoded_token"}}``, the prompt token first,
+        then its ``k`` best alternatives.  ``rank`` counts from 1 for the best; the
+        prompt token's is null when it is not among the ``k`` best (only they are
+        known)."""
+        return [
+            None if entry is None else self._ranked(entry, k) for entry in output.prompt_logprobs
+        ]
+
+    def _ranked(self, entry: dict[int, float], k: int) -> dict:
+        best_first = sorted(entry, key=lambda t: -entry[t])
+        outside = next(iter(entry)) if len(entry) > k else None  # the prompt token, unranked
+        ranks = {t: r for r, t in enumerate((t for t in best_first if t != outside), start=1)}
+        return {
+            str(t): {
+                "logprob": v,
+                "rank": ranks.get(t),
+                "decoded_token": self.tokenizer.decode([t]),
+            }
+            for t, v in entry.items()
+        }
+
     # -- chat -------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest) -> Response:
-        self._check(body)
+        lora_request = self._check(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
         self._check_logprobs(body.top_logprobs, "top_logprobs")
@@ -279,18 +333,20 @@ class OpenAIServing:
         max_tokens = asked[0] if asked else max(1, self.max_model_len - len(token_ids))
         self._check_context(len(token_ids), max_tokens, "messages")
         top = body.top_logprobs or 0
-        params = body.sampling_params(max_tokens, top if body.logprobs else None)
+        params = body.sampling_params(
+            max_tokens, top if body.logprobs else None, body.prompt_logprobs
+        )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = self.engine.generate([(request_id, token_ids, params, None)])
+        outputs = self.engine.generate([(request_id, token_ids, params, None, lora_request)])
         head = {
             "id": request_id,
             "object": "chat.completion.chunk" if body.stream else "chat.completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": body.model or self.model_name,
         }
         usage, started = Usage([token_ids]), set()
 
-        def choice(_: str, completion: CompletionOutput) -> dict:
+        def choice(_: RequestOutput, completion: CompletionOutput) -> dict:
             message = {"content": completion.text}
             if completion.index not in started:  # a stream names the role once
                 message = {"role": "assistant", **message}
@@ -310,8 +366,12 @@ class OpenAIServing:
 
         if body.stream:
             return self._stream(outputs, head, choice, usage, body.include_usage)
-        choices = await self._collect(outputs, choice, usage)
-        return JSONResponse({**head, "choices": choices, "usage": usage.as_dict()})
+        finals: list[RequestOutput] = []
+        choices = await self._collect(outputs, choice, usage, finals)
+        answer = {**head, "choices": choices, "usage": usage.as_dict()}
+        if body.prompt_logprobs is not None:  # vLLM: beside the choices
+            answer["prompt_logprobs"] = self._prompt_logprobs(finals[0], body.prompt_logprobs)
+        return JSONResponse(answer)
 
     async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         if not body.messages:
@@ -320,20 +380,28 @@ class OpenAIServing:
             raise APIError(
                 400, "this model's tokenizer has no chat template; use /v1/completions", "messages"
             )
-        messages = [m.as_template_input() for m in body.messages]
-        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
-        return await self._off_loop(lambda: self._render_chat(messages))
+        return await self._render_chat(body.messages, add_special_tokens=body.add_special_tokens)
 
-    def _render_chat(self, messages: list[dict]) -> list[int]:
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as error:  # a template raises what it likes
-            raise APIError(
-                400, f"the chat template refused the messages: {error}", "messages"
-            ) from error
-        return self.tokenizer.encode(text, add_special_tokens=False)  # the template has them
+    async def _render_chat(
+        self, messages: list, add_generation_prompt: bool = True, add_special_tokens: bool = False
+    ) -> list[int]:
+        """The messages through the chat template, tokenized off the event loop (the
+        template has the special tokens already, unless ``add_special_tokens``)."""
+        messages = [m.as_template_input() for m in messages]
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+
+        def render() -> list[int]:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                )
+            except Exception as error:  # a template raises what it likes
+                raise APIError(
+                    400, f"the chat template refused the messages: {error}", "messages"
+                ) from error
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        return await self._off_loop(render)
 
     def _chat_logprobs(
         self, token_ids: list[int], logprobs: list[dict[int, float]], top: int
@@ -354,9 +422,73 @@ class OpenAIServing:
             ]
         }
 
+    # -- the tokenizer (vLLM's endpoints) ----------------------------------------------
+    async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+        """The token ids of a text or of templated messages, as the engine would see
+        them; refused, as a prompt is, past ``max_model_len``."""
+        self._check_text(body)
+        self._check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            if name := body.unsupported():
+                raise APIError(400, f"{name} is not supported by minipaged", name)
+            if self.tokenizer.chat_template is None:
+                raise APIError(400, "this model's tokenizer has no chat template", "messages")
+            tokens = await self._render_chat(
+                body.messages, body.add_generation_prompt, body.add_special_tokens
+            )
+            param = "messages"
+        else:
+            self._check_chars(len(body.prompt), "prompt")
+            add = body.add_special_tokens
+            tokens = await self._off_loop(
+                lambda: self.tokenizer.encode(body.prompt, add_special_tokens=add)
+            )
+            param = "prompt"
+        if len(tokens) > self.max_model_len:
+            raise APIError(
+                400,
+                f"the {param} has {len(tokens)} tokens, more than this model's maximum "
+                f"context length of {self.max_model_len}",
+                param,
+            )
+        strs = self.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return {
+            "count": len(tokens),
+            "max_model_len": self.max_model_len,
+            "tokens": tokens,
+            "token_strs": strs,
+        }
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        self._check_model(body.model)
+        vocab = self.engine.engine.vocab_size
+        if bad := [t for t in body.tokens if not 0 <= t < vocab]:
+            raise APIError(400, f"tokens must be ids in [0, {vocab}), got {bad[0]}", "tokens")
+        return {"prompt": await self._off_loop(lambda: self.tokenizer.decode(body.tokens))}
+
+    def tokenizer_info(self) -> dict:
+        """vLLM's ``/tokenizer_info``: the tokenizer's settings (``init_kwargs``, less
+        the paths of its files), its class and its chat template."""
+        info = {
+            name: json_safe(value)
+            for name, value in self.tokenizer.init_kwargs.items()
+            if name not in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")
+        }
+        info["tokenizer_class"] = type(self.tokenizer).__name__
+        if self.tokenizer.chat_template:
+            info["chat_template"] = self.tokenizer.chat_template
+        return info
+
     # -- shared -----------------------------------------------------------------------
-    def _check(self, body: SamplingRequest) -> None:
-        # First: no message below may quote a string that cannot be encoded.
+    def _check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names (None: the base model); an unknown name is
+        a 404."""
+        return self.adapters.resolve(model, self.model_name)
+
+    @staticmethod
+    def _check_text(body) -> None:
+        """Refuse a body holding a string that cannot be encoded (first: no message
+        may quote one)."""
         if name := unencodable_field(body.model_dump()):
             raise APIError(
                 400,
@@ -364,16 +496,24 @@ class OpenAIServing:
                 "(UTF-16 halves must come in pairs)",
                 name,
             )
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(
-                404, f"The model `{body.model}` does not exist.", "model", "model_not_found"
-            )
+
+    def _check(self, body: SamplingRequest) -> LoRARequest | None:
+        """Refuse what the request may not ask; returns the LoRA adapter its ``model``
+        names (None: the base model)."""
+        self._check_text(body)
+        lora_request = self._check_model(body.model)
         if name := body.unsupported():
             raise APIError(400, f"{name} is not supported by minipaged", name)
+        self._check_logprobs(body.prompt_logprobs, "prompt_logprobs")
+        if body.stream and body.prompt_logprobs is not None:
+            raise APIError(
+                400, "prompt_logprobs is not available with stream (as in vLLM)", "prompt_logprobs"
+            )
         if body.n > self.limits.max_n:
             raise APIError(
                 400, f"n must be at most {self.limits.max_n} (--max-n), got {body.n}", "n"
             )
+        return lora_request
 
     def _check_logprobs(self, asked: int | None, param: str) -> None:
         if asked is not None and asked > self.limits.max_logprobs:
@@ -412,13 +552,18 @@ class OpenAIServing:
             )
 
     @staticmethod
-    async def _collect(outputs: AsyncIterator[RequestOutput], choice, usage: Usage) -> list:
+    async def _collect(
+        outputs: AsyncIterator[RequestOutput], choice, usage: Usage, finals: list | None = None
+    ) -> list:
+        """Every request's final output as choices, by index (the outputs themselves
+        into ``finals``, if given)."""
+        finals = [] if finals is None else finals
         try:
             async with aclosing(outputs):  # closing it (a cancelled task) aborts the rest
-                finals = [output async for output in outputs]  # FINAL_ONLY: one each
+                finals += [output async for output in outputs]  # FINAL_ONLY: one each
         except (EngineDeadError, RequestFailedError, ServerClosingError) as error:
             raise server_error(error) from error
-        choices = [choice(o.request_id, c) for o in finals for c in o.outputs]
+        choices = [choice(o, c) for o in finals for c in o.outputs]
         usage.completion_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
         return sorted(choices, key=lambda c: c["index"])
 
@@ -432,7 +577,7 @@ class OpenAIServing:
                     async for output in outputs:
                         for completion in output.outputs:
                             usage.completion_tokens += len(completion.token_ids)
-                            yield sse({**head, "choices": [choice(output.request_id, completion)]})
+                            yield sse({**head, "choices": [choice(output, completion)]})
                 if include_usage:
                     yield sse({**head, "choices": [], "usage": usage.as_dict()})
             except ValueError as error:
@@ -460,6 +605,18 @@ def unencodable_field(body: dict) -> str | None:
         return isinstance(value, list) and any(map(bad, value))
 
     return next((name for name, value in body.items() if bad(value)), None)
+
+
+def json_safe(value):
+    """``value`` as JSON can hold it: a tokenizer's ``AddedToken`` as its text, other
+    objects as their ``str``."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return getattr(value, "content", None) or str(value)
 
 
 def default_model_name(model: str) -> str:
@@ -516,10 +673,12 @@ def serve(
     served_model_name: str | None = None,
     limits: ServerLimits | None = None,
     allowed_hosts: list[str] | None = None,
+    lora_modules: list[str] | None = None,
     **engine_kwargs,
 ) -> None:
     """Load ``model`` into an engine (``engine_kwargs``: `EngineConfig`'s) and serve it
-    over HTTP, as ``served_model_name`` (default: `default_model_name`), until stopped.
+    over HTTP, as ``served_model_name`` (default: `default_model_name`), until stopped,
+    with the LoRA adapters ``lora_modules`` (``name=path``) beside it.
     ``allowed_hosts`` defaults to the loopback names when bound to one, else any.  If
     the engine's loop dies, the server stops and this raises ``SystemExit(1)``, so a
     supervisor can restart it."""
@@ -534,7 +693,7 @@ def serve(
 
     engine = AsyncEngine(LLMEngine(EngineConfig(model=str(model), **engine_kwargs)), on_dead)
     name = served_model_name or default_model_name(model)
-    app = build_app(engine, name, api_key, limits, hosts)
+    app = build_app(engine, name, api_key, limits, hosts, lora_modules)
     server = Server(uvicorn_config(app, host, port, limits), app.state.draining)
     log_startup(engine.engine, model, name, host, port, api_key, limits, hosts)
     try:
@@ -610,11 +769,13 @@ def build_app(
     api_key: str | None = None,
     limits: ServerLimits | None = None,
     allowed_hosts: tuple[str, ...] | None = None,
+    lora_modules: list[str] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``; with ``api_key``, the
     ``/v1`` routes want ``Authorization: Bearer <api_key>``; ``allowed_hosts`` None
-    allows any ``Host``.  ``app.state.draining`` is its `Draining`.  Stopping the app
-    stops the engine's thread."""
+    allows any ``Host``; ``lora_modules``: adapters to serve, ``name=path`` each.
+    ``app.state.draining`` is its `Draining`.  Stopping the app stops the engine's
+    thread."""
     limits = limits or ServerLimits()
 
     @asynccontextmanager
@@ -625,6 +786,8 @@ def build_app(
     # No trailing-slash redirects: they would send clients to the Host they named.
     app = FastAPI(title="minipaged", lifespan=lifespan, redirect_slashes=False)
     serving, registry = OpenAIServing(engine, model_name, limits), make_registry(engine)
+    for name, path in serving.adapters.parse_modules(lora_modules or []):
+        serving.adapters.load(name, path, model_name)
     draining = app.state.draining = Draining(engine, limits.shutdown_grace_s)
     app.add_middleware(
         RequestGuard,
@@ -641,6 +804,19 @@ def build_app(
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         return await cancel_on_disconnect(request, serving.chat(body))
+
+    app.post("/v1/load_lora_adapter", responses=ERROR_RESPONSES)(serving.load_lora_adapter)
+    app.post("/v1/unload_lora_adapter", responses=ERROR_RESPONSES)(serving.unload_lora_adapter)
+
+    @app.post("/tokenize", responses=ERROR_RESPONSES)
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+        return await serving.tokenize(body)
+
+    @app.post("/detokenize", responses=ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        return await serving.detokenize(body)
+
+    app.get("/tokenizer_info")(serving.tokenizer_info)
 
     @app.get("/health")
     def health() -> Response:
@@ -719,6 +895,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         response = error_response(APIError(error.status_code, str(error.detail)))
         response.headers.update(error.headers or {})  # a 405's Allow, for one
         return response
+
+    @app.exception_handler(UnknownAdapterError)
+    async def unknown_model(_: Request, error: UnknownAdapterError) -> Response:
+        return error_response(APIError(404, str(error), "model", "model_not_found"))
 
     @app.exception_handler(ValueError)  # SamplingParams and the engine name the argument
     async def bad_value(_: Request, error: ValueError) -> Response:

@@ -30,11 +30,13 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from minipaged.engine import LLMEngine
+from minipaged.lora_request import LoRARequest
 from minipaged.outputs import RequestOutput
 from minipaged.sampling_params import SamplingParams
 
 # A request for the engine thread: (request_id, prompt_token_ids, params, prompt text).
-Request = tuple[str, list[int], SamplingParams, str | None]
+# (request id, prompt token ids, params, prompt text, LoRA adapter or None)
+Request = tuple[str, list[int], SamplingParams, str | None, LoRARequest | None]
 
 logger = logging.getLogger("minipaged.server")
 
@@ -75,7 +77,7 @@ class AsyncEngine:
         still running, which frees their blocks."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
-        for request_id, token_ids, params, _ in requests:
+        for request_id, token_ids, params, *_ in requests:
             # Reads only the engine's fixed limits and its request ids: safe from here.
             self.engine.check_request(request_id, token_ids, params)
         outputs: asyncio.Queue = asyncio.Queue()
@@ -102,6 +104,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
             self._commands.put(("abort", request_id))
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Have the engine forget an adapter the server no longer offers (between steps)."""
+        self._commands.put(("remove_lora", lora_int_id))
 
     def end_all(self, message: str) -> None:
         """End every running request now with `ServerClosingError` (shutting down)."""
@@ -163,15 +169,28 @@ class AsyncEngine:
                 for request_id in list(self._streams):
                     self._end(request_id, ServerClosingError(arg))
                 continue
-            request_id, token_ids, params, prompt = arg
+            if kind == "remove_lora":
+                self._remove_lora(arg)
+                continue
+            request_id, token_ids, params, prompt, lora_request = arg
             if self._closed is not None:
                 self._end(request_id, ServerClosingError(self._closed))
                 continue
             try:
-                self.engine.add_request(request_id, token_ids, params, prompt=prompt)
+                self.engine.add_request(
+                    request_id, token_ids, params, prompt=prompt, lora_request=lora_request
+                )
             except ValueError as error:  # e.g. its id reused since it was checked
                 self._send(request_id, error)
         return True
+
+    def _remove_lora(self, lora_int_id: int) -> None:
+        """Free an unloaded adapter's slot and host copy, unless requests still use it:
+        then it stays until evicted (the server no longer routes to it)."""
+        try:
+            self.engine.remove_lora(lora_int_id)
+        except ValueError:
+            pass
 
     def _end(self, request_id: str, error: Exception) -> None:
         """Abort a request (a no-op if it never reached the engine) and tell its stream."""

@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from minipaged.server.async_engine import AsyncEngine
 
 GAUGE, COUNTER = GaugeMetricFamily, CounterMetricFamily
+PER_POSITION = "spec_decode_num_accepted_tokens_per_pos_"
 # name (after "minipaged:"), kind, help, value from the stats dict.
 METRICS = [
     ("num_requests_running", GAUGE, "Requests in the running batch.", lambda s: s["num_running"]),
@@ -84,6 +85,27 @@ METRICS = [
     ("generation_tokens", COUNTER, "Tokens generated.", lambda s: s["num_generated_tokens"]),
     ("engine_steps", COUNTER, "Engine steps run, each one batch.", lambda s: s["num_steps"]),
 ]
+# With speculative_config only: vLLM's spec_decode counters, under their names.
+SPEC_DECODE_METRICS = [
+    (
+        "spec_decode_num_drafts",
+        COUNTER,
+        "Drafts verified: sequences that ran guesses in a step.",
+        lambda s: s["spec_decode_num_drafts"],
+    ),
+    (
+        "spec_decode_num_draft_tokens",
+        COUNTER,
+        "Guessed tokens verified.",
+        lambda s: s["spec_decode_num_draft_tokens"],
+    ),
+    (
+        "spec_decode_num_accepted_tokens",
+        COUNTER,
+        "Guessed tokens accepted.",
+        lambda s: s["spec_decode_num_accepted_tokens"],
+    ),
+]
 
 
 class EngineCollector:
@@ -94,8 +116,19 @@ class EngineCollector:
 
     def collect(self):
         stats = self.engine.stats
-        for name, family, help_, value in METRICS:
+        speculates = "spec_decode_num_drafts" in stats
+        for name, family, help_, value in METRICS + (SPEC_DECODE_METRICS if speculates else []):
             yield family(f"minipaged:{name}", help_, value=value(stats))
+        if speculates:
+            per_position = CounterMetricFamily(
+                "minipaged:spec_decode_num_accepted_tokens_per_pos",
+                "Guessed tokens accepted, by their position in the draft.",
+                labels=["position"],
+            )
+            for key, value in stats.items():
+                if key.startswith(PER_POSITION):
+                    per_position.add_metric([key.removeprefix(PER_POSITION)], value)
+            yield per_position
         if "expert_tokens_total" in stats:  # a mixture-of-experts model
             yield from routing_metrics(stats)
 

@@ -4,10 +4,13 @@ Pydantic checks the JSON's shape (a field missing, a string where a number goes)
 values are checked where they always are, by `SamplingParams`, so the server and
 ``LLM.generate`` refuse the same things with the same messages.  Fields beyond OpenAI's
 are vLLM's (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``), so a client written
-for vLLM works unchanged.  Unknown fields are ignored, as OpenAI and vLLM do, except the
-sampling options minipaged does not implement: asking for one is an error, not a
-silent no-op.
+``stop_token_ids``, ``prompt_logprobs``), so a client written for vLLM works unchanged.
+
+Nothing is silently ignored: every field of OpenAI's and vLLM's requests is either
+implemented, or in `UNSUPPORTED` with the values that ask for nothing (vLLM's
+defaults), and asking for anything else is a 400 naming the field.  Only ``user``
+(an end-user id for the provider's logs) and fields neither API knows are ignored,
+as both do.
 """
 
 from __future__ import annotations
@@ -18,16 +21,89 @@ from pydantic import BaseModel, ConfigDict
 
 from minipaged.sampling_params import RequestOutputKind, SamplingParams
 
-# Options minipaged does not implement, and the values that ask for nothing.
+# Fields of OpenAI's and vLLM's requests that minipaged does not implement, and the
+# values that ask for nothing.  Both endpoints:
 UNSUPPORTED = {
     "logit_bias": (None, {}),
-    "suffix": (None, ""),
-    "tools": (None, []),
     "response_format": (None, {"type": "text"}),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,),
+    "truncation_side": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "logprob_token_ids": (None,),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "priority": (None, 0),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "logits_processors": (None,),
+    "cache_salt": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "repetition_detection": (None,),
+    "thinking_token_budget": (None,),
+    "watermarking": (None, False),
+    "stream_interval": (None, 1),
+    "store": (None, False),
+    "service_tier": (None, "auto", "default"),
+    "prediction": (None,),
+}
+COMPLETION_UNSUPPORTED = {
+    "suffix": (None, ""),
+    "prompt_embeds": (None,),
+}
+CHAT_UNSUPPORTED = {
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),  # without tools, nothing to choose
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "echo": (None, False),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "documents": (None,),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "mm_processor_kwargs": (None,),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
 }
 
 
+def unsupported_field(body: BaseModel, table: dict) -> str | None:
+    """The first field of ``table`` that ``body`` sets to a value other than those
+    ``table`` lists as asking for nothing."""
+    extra = body.model_extra or {}
+    return next((name for name, off in table.items() if extra.get(name) not in off), None)
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter``, as vLLM's."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter``, as vLLM's (``lora_int_id`` is accepted, unused:
+    the name says which)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # continuous_usage_stats: not implemented
+
     include_usage: bool = False
 
 
@@ -53,17 +129,22 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    prompt_logprobs: int | None = None
+
+    # The options this endpoint has beyond UNSUPPORTED's, minipaged does not implement.
+    _unsupported: dict = {}
 
     def unsupported(self) -> str | None:
         """The first option asked for that minipaged does not implement."""
-        extra = self.model_extra or {}
-        return next((name for name, off in UNSUPPORTED.items() if extra.get(name) not in off), None)
+        return unsupported_field(self, {**UNSUPPORTED, **self._unsupported})
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """The engine's parameters (raises ``ValueError`` naming a bad value).  A stream
         wants each step's news (DELTA), an answer only the end (FINAL_ONLY)."""
         optional = {
@@ -89,6 +170,7 @@ class SamplingRequest(BaseModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             **optional,
         )
@@ -98,10 +180,21 @@ class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of
     token ids or a list of those."""
 
+    _unsupported = COMPLETION_UNSUPPORTED
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # null: up to the context length
     echo: bool = False
     logprobs: int | None = None
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the BOS token, if any
+
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        """vLLM's rule: ``prompt_logprobs`` if given, else, to echo the prompt with
+        logprobs, as many alternatives per prompt token as ``logprobs`` asks."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
 
 class TextPart(BaseModel):
@@ -126,11 +219,49 @@ class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``: ``messages`` go through the model's chat template.
     Without ``max_tokens``, a reply may run to the end of the model's context."""
 
+    _unsupported = CHAT_UNSUPPORTED
+
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+    add_special_tokens: bool = False  # vLLM's: the chat template has them already
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """``POST /tokenize`` of a text (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """``POST /tokenize`` of messages, through the chat template (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+    def unsupported(self) -> str | None:
+        """The first option asked for that minipaged does not implement."""
+        names = ("continue_final_message", "chat_template", "chat_template_kwargs", "tools")
+        return unsupported_field(self, {name: CHAT_UNSUPPORTED[name] for name in names})
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class ErrorInfo(BaseModel):

@@ -1,0 +1,36 @@
+"""Lesson 04: prefix caching's chained block hashes, and the lookup (paper §4.4).
+
+Write ``hash_block`` and ``match_prefix`` (a method of
+`minipaged.memory.prefix_cache.PrefixCachingBlockAllocator`; ``self`` is the pool).
+``match_prefix`` may use:
+
+* ``self.block_size``;
+* ``self._by_hash``: a dict from block hash to its `CachedBlock` entry, which has
+  ``block_hash``, ``token_ids`` (a tuple), ``entry_id`` and ``parent_id``;
+* ``ROOT_ID``: the ``parent_id`` of every prompt's first block.
+
+Check with ``make check LESSON=04``.
+"""
+
+from minipaged.memory.prefix_cache import ROOT_ID, CachedBlock  # noqa: F401  (use them)
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """The hash that names a full block: its tokens, chained with the hash of the block
+    before it (``None`` for a prompt's first block), so that it stands for the whole
+    prefix up to and including this block.  Python's ``hash`` of a tuple will do."""
+    raise NotImplementedError("write hash_block() in exercises/prefix_hashing.py")
+
+
+def match_prefix(self, token_ids: list[int]) -> list[CachedBlock]:
+    """The longest chain of cached full blocks that begins ``token_ids``.
+
+    Walk the prompt one full block at a time, looking each up by its chained hash.  A
+    hash only *finds* a candidate: accept it only if its ``token_ids`` equal the
+    block's and its ``parent_id`` is the ``entry_id`` matched one block earlier
+    (``ROOT_ID`` for the first), so that a collision costs a miss, never wrong KV.
+    Stop at the first miss.  The prompt's last token is never served from the cache
+    (its logits must be computed), so at most ``(len(token_ids) - 1) // block_size``
+    blocks match.  Changes nothing.
+    """
+    raise NotImplementedError("write match_prefix() in exercises/prefix_hashing.py")

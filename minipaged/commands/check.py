@@ -1,0 +1,342 @@
+"""``minipaged check NN``: a lesson's own tests, run on the learner's code.
+
+A lesson's exercise is a stub under ``exercises/`` (the signature, the docstring, and
+``raise NotImplementedError``) for one piece of the engine the lesson explains.  This
+command runs the tests that check that piece (the package's own, from ``tests/``) with
+the learner's functions put in place of the reference ones, and prints how many
+passed and the first failure in plain words.  The package itself is never edited: the
+functions are swapped only inside the pytest process this command starts, one per
+exercise, so a broken exercise breaks neither ``minipaged`` nor another lesson.
+
+The swap happens once the tests are collected (`ExercisePlugin`): every module of the
+checkout (the package's and the tests') that holds the reference object gets the
+learner's instead, and a method is replaced on its class, so subclasses that inherit
+it use the learner's too.  This is the tiny-llm way of teaching (write the code, run
+the command, watch the counts go from 0 to all), over this engine's own test suite.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+NAME = "check"
+HELP = "run a lesson's tests on your exercise (exercises/): passed/failed, first failure"
+DESCRIPTION = (
+    "Run the tests of lesson NN with your functions from exercises/ in place of "
+    "minipaged's own, and print how many passed and the first failing assertion.  "
+    "The package is not changed: the swap lives only in the test run.  Needs a source "
+    "checkout (exercises/ and tests/)."
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 600  # a learner's endless loop ends here, and is named as one
+_ENV = "MINIPAGED_EXERCISE"  # tells the pytest child which exercise to load, and where
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One stub file: the functions it defines, what each replaces, and its tests.
+
+    ``replaces`` maps a function of the file to ``"module:qualname"`` of the reference
+    it stands in for (a method is ``Class.method``); ``tests`` are pytest arguments
+    (files, node ids, ``-k`` expressions) relative to the checkout."""
+
+    lesson: str
+    file: str
+    replaces: dict[str, str]
+    tests: tuple[str, ...]
+
+
+EXERCISES = (
+    Exercise(
+        "01",
+        "allocator.py",
+        {
+            "allocate": "minipaged.memory.allocator:BlockAllocator.allocate",
+            "free": "minipaged.memory.allocator:BlockAllocator.free",
+        },
+        ("tests/test_allocator.py", "-k", "not pool_size and not distinguishable and not all_free"),
+    ),
+    Exercise(
+        "02",
+        "slot_mapping.py",
+        {"slot_mapping": "minipaged.memory.block_table:slot_mapping"},
+        (
+            "tests/test_block_table.py",
+            "-k",
+            "bulk or interleaved or shuffled or exactly_fits",
+        ),
+    ),
+    Exercise(
+        "03",
+        "copy_on_write.py",
+        {"copy_on_write": "minipaged.memory.block_table:BlockTable._copy_on_write"},
+        (
+            "tests/test_cow.py",
+            "-k",
+            "(copies_it or copy_until or counts_both or parallel or beam)"
+            " and not [1- and not [4-8-",
+        ),
+    ),
+    Exercise(
+        "04",
+        "prefix_hashing.py",
+        {
+            "hash_block": "minipaged.memory.prefix_cache:hash_block",
+            "match_prefix": (
+                "minipaged.memory.prefix_cache:PrefixCachingBlockAllocator.match_prefix"
+            ),
+        },
+        (
+            "tests/test_prefix_cache.py",
+            "-k",
+            "not colliding and not parent_blind and not constant_hash",
+        ),
+    ),
+    Exercise(
+        "05",
+        "admission.py",
+        {"admission_plan": "minipaged.scheduler:Scheduler._admission_plan"},
+        (
+            "tests/test_scheduler.py",
+            "-k",
+            "admission or arrival_order or chunked or seats or reference_model",
+        ),
+    ),
+    Exercise(
+        "06",
+        "swapping.py",
+        {"swap": "minipaged.memory.kv_cache_manager:KVCacheManager._swap"},
+        (
+            "tests/test_kv_cache_manager.py",
+            "tests/test_scheduler.py",
+            "-k",
+            "swap and not refused and not falls_back",
+        ),
+    ),
+    Exercise(
+        "07",
+        "online_softmax.py",
+        {"paged_attention_decode": "minipaged.ops.torch_ref:paged_attention_decode"},
+        ("tests/test_ops_torch.py", "-k", "decode_matches_oracle"),
+    ),
+    Exercise(
+        "07",
+        "triton_attend_tile.py",
+        {"attend_tile": "minipaged.ops.triton_kernels:_attend_tile"},
+        ("tests/test_ops_triton.py", "-k", "decode_matches_oracle and bs16 and not Cuda"),
+    ),
+)
+
+
+def exercises_of(lesson: str) -> list[Exercise]:
+    """The exercises of lesson ``lesson`` ("1", "01" or "01_block_allocator" alike)."""
+    number = str(lesson).split("_")[0]
+    if not number.isdigit():
+        raise ValueError(f"lesson must be a lesson number such as 01, got {lesson!r}")
+    found = [e for e in EXERCISES if e.lesson == f"{int(number):02d}"]
+    if not found:
+        have = sorted({e.lesson for e in EXERCISES})
+        raise ValueError(f"lesson {lesson!r} has no exercise; these do: {', '.join(have)}")
+    return found
+
+
+def reference(target: str):
+    """``(owner, attribute name, object)`` of a ``"module:qualname"`` reference."""
+    module_name, qualname = target.split(":")
+    owner = importlib.import_module(module_name)
+    *path, name = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name, getattr(owner, name)
+
+
+# -- the run --------------------------------------------------------------------------
+@dataclass
+class Result:
+    """What one exercise's test run found."""
+
+    exercise: Exercise
+    passed: int = 0
+    failed: int = 0
+    first_failure: str | None = None
+    failures: list[str] | None = None  # each failed test's one-line reason
+    problem: str | None = None  # the file would not load, or the run did not finish
+
+
+def run(exercise: Exercise, exercises_dir: Path, verbose: bool = False) -> Result:
+    """Run ``exercise``'s tests in a pytest process of their own, with the functions of
+    ``exercises_dir / exercise.file`` swapped in."""
+    if not (ROOT / "tests").is_dir():
+        raise ValueError(f"minipaged check needs a source checkout: no tests/ in {ROOT}")
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        spec = {"file": str(exercises_dir / exercise.file), "report": str(report)}
+        spec["replaces"] = exercise.replaces
+        env = {**os.environ, _ENV: json.dumps(spec), "PYTHONPATH": str(ROOT)}
+        command = [sys.executable, "-m", "pytest", "-p", __name__, "-p", "no:cacheprovider"]
+        command += ["-q", "--no-header", *exercise.tests]
+        try:
+            done = subprocess.run(
+                command,
+                cwd=ROOT,
+                env=env,
+                capture_output=not verbose,
+                text=True,
+                timeout=TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired:
+            problem = f"the tests did not finish in {TIMEOUT_S} s: is there an endless loop?"
+            return Result(exercise, problem=problem)
+        if not report.exists():
+            tail = (done.stdout or "")[-2000:] + (done.stderr or "")[-2000:]
+            return Result(exercise, problem=f"pytest stopped before any test ran:\n{tail}")
+        return Result(exercise, **json.loads(report.read_text()))
+
+
+def describe(result: Result) -> str:
+    """The lines ``minipaged check`` prints for one exercise."""
+    where = f"exercises/{result.exercise.file}"
+    if result.problem:
+        return f"{where}: {result.problem}"
+    total = result.passed + result.failed
+    lines = [f"{where}: {result.passed} passed, {result.failed} failed (of {total} tests)"]
+    if result.first_failure:
+        lines.append(f"  first failure: {result.first_failure}")
+    elif total:
+        lines.append("  all pass: well done")
+    return "\n".join(lines)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("lesson", metavar="NN", help="the lesson number, e.g. 01")
+    parser.add_argument(
+        "--exercises-dir",
+        type=Path,
+        default=ROOT / "exercises",
+        help="where the exercise files are (default: %(default)s)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the counts here, as JSON")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show pytest's output")
+
+
+def main(args) -> None:
+    results = [run(e, args.exercises_dir, args.verbose) for e in exercises_of(args.lesson)]
+    print("\n".join(describe(r) for r in results))
+    if args.json:
+        rows = [
+            {
+                "file": r.exercise.file,
+                "passed": r.passed,
+                "failed": r.failed,
+                "failures": r.failures or [],
+                "problem": r.problem,
+            }
+            for r in results
+        ]
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    if any(r.problem or r.failed for r in results):
+        sys.exit(1)
+
+
+# -- inside the pytest process: the plugin `run` loads with -p ------------------------
+class ExercisePlugin:
+    """Swaps the learner's functions in once the tests are collected, and records each
+    test's outcome for `run`."""
+
+    def __init__(self, spec: dict) -> None:
+        self.spec = spec
+        self.result: dict = {"passed": 0, "failed": 0, "first_failure": None, "failures": []}
+
+    def pytest_collection_finish(self, session) -> None:
+        try:
+            swap_in(Path(self.spec["file"]), self.spec["replaces"])
+        except _LoadError as error:
+            self.result["problem"] = str(error)
+            self._write()
+            import pytest
+
+            pytest.exit(str(error), returncode=3)
+
+    def pytest_runtest_logreport(self, report) -> None:
+        if report.when == "call" and report.passed:
+            self.result["passed"] += 1
+        elif report.failed:
+            reason = f"{report.nodeid}: {plain_words(report)}"
+            self.result["failed"] += 1
+            self.result["failures"].append(reason)
+            self.result["first_failure"] = self.result["first_failure"] or reason
+
+    def pytest_sessionfinish(self, session) -> None:
+        self._write()
+
+    def _write(self) -> None:
+        Path(self.spec["report"]).write_text(json.dumps(self.result))
+
+
+class _LoadError(Exception):
+    """The exercise file cannot be used: it does not import, or lacks a function."""
+
+
+def swap_in(path: Path, replaces: dict[str, str]) -> None:
+    """Load the exercise at ``path`` and put its functions in place of the references,
+    in every module of the checkout that holds them."""
+    shown = _shown(path)
+    spec = importlib.util.spec_from_file_location(f"exercise_{path.stem}", path)
+    if spec is None:
+        raise _LoadError(f"{shown} is not there")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # a learner's file may raise anything while it loads
+        raise _LoadError(f"{shown} does not load: {type(error).__name__}: {error}") from None
+    for name, target in replaces.items():
+        if not hasattr(module, name):
+            raise _LoadError(f"{shown} has no function {name}(): keep the stub's name")
+        owner, attribute, original = reference(target)
+        setattr(owner, attribute, getattr(module, name))
+        for other in list(sys.modules.values()):
+            if _in_checkout(other) and getattr(other, attribute, None) is original:
+                setattr(other, attribute, getattr(module, name))
+
+
+def _in_checkout(module) -> bool:
+    file = getattr(module, "__file__", None)
+    return bool(file) and Path(file).resolve().is_relative_to(ROOT)
+
+
+def _shown(path: Path) -> str:
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def plain_words(report) -> str:
+    """One line on why a test failed: the stub's message, or the failing assertion
+    and where it is."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is None:
+        return str(report.longrepr).strip().splitlines()[-1]
+    message = crash.message.strip()
+    # Triton's interpreter wraps the stub's error: InterpreterError("NotImplementedError('...')")
+    stub = re.search(
+        r"NotImplementedError(?::\s*|\(\\?['\"])(.+?)(?:\\?['\"]\)|$)", message, re.MULTILINE
+    )
+    if stub:
+        return f"not implemented yet ({stub.group(1)})"
+    first = message.splitlines()[0]
+    return f"{first}  [{_shown(Path(crash.path))}:{crash.lineno}]"
+
+
+def pytest_configure(config) -> None:
+    spec = os.environ.get(_ENV)
+    if spec:
+        config.pluginmanager.register(ExercisePlugin(json.loads(spec)), "minipaged-exercise")

@@ -1,0 +1,116 @@
+"""The exercises, checked at both ends: each stub fails every one of its tests with its
+"not implemented" message (never a crash), and the reference functions, copied into
+the exercise files, pass them all; the lesson tells the counts the learner will see.
+A broken exercise file is reported in a line, and breaks nothing else."""
+
+import ast
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from minipaged.commands.check import EXERCISES, ROOT, reference, run
+
+STUBS = ROOT / "exercises"
+
+
+def solved(exercise, into: Path) -> Path:
+    """The exercise file with each stub's body replaced by the reference's source, and
+    imports of the module globals that source uses: what a learner who copied the
+    package's code would have written."""
+    source = (STUBS / exercise.file).read_text()
+    lines = source.splitlines()
+    imports = []
+    defs = {
+        node.name: node
+        for node in ast.parse(source).body
+        if isinstance(node, ast.FunctionDef) and node.name in exercise.replaces
+    }
+    # Bottom up, so earlier line numbers stay right.
+    for name, node in sorted(defs.items(), key=lambda item: -item[1].lineno):
+        _, attribute, original = reference(exercise.replaces[name])
+        function = getattr(original, "fn", original)  # a Triton JITFunction wraps it
+        code = textwrap.dedent(inspect.getsource(function))
+        code = code.replace(f"def {attribute}(", f"def {name}(", 1)
+        first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        lines[first - 1 : node.end_lineno] = code.splitlines()
+        module = sys.modules[function.__module__]
+        used = set(function.__code__.co_names) & set(vars(module)) - set(defs)
+        imports += [f"from {function.__module__} import {n}" for n in sorted(used)]
+    path = into / exercise.file
+    # Annotations stay strings, as in the package: they may name what the stub lacks.
+    header = ["from __future__ import annotations", *imports]
+    path.write_text("\n".join(header + lines) + "\n")
+    return path
+
+
+def lesson_text(number: str) -> str:
+    (path,) = (ROOT / "lessons").glob(f"{number}_*.ipynb")
+    cells = json.loads(path.read_text())["cells"]
+    return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+
+
+@pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.file.removesuffix(".py"))
+def test_stub_fails_every_test_and_the_reference_passes_them(exercise, tmp_path):
+    stub = run(exercise, STUBS)
+    assert stub.problem is None, stub.problem
+    assert stub.passed == 0 and stub.failed > 0
+    stub_says = f"in exercises/{exercise.file})"
+    assert [
+        f for f in stub.failures if "not implemented yet (write " not in f or stub_says not in f
+    ] == []
+
+    done = run(exercise, solved(exercise, tmp_path).parent)
+    assert done.problem is None, done.problem
+    assert (done.passed, done.failed) == (stub.failed, 0), done.failures
+
+    prose = lesson_text(exercise.lesson)
+    assert f"exercises/{exercise.file}: 0 passed, {stub.failed} failed" in prose
+    assert f"exercises/{exercise.file}: {stub.failed} passed, 0 failed" in prose
+
+
+def test_a_broken_exercise_is_named_in_one_line_and_breaks_nothing_else(tmp_path):
+    exercise = EXERCISES[0]
+    (tmp_path / exercise.file).write_text("def allocate(self):\n    return (\n")
+    result = run(exercise, tmp_path)
+    assert result.problem.startswith(f"{tmp_path / exercise.file} does not load: SyntaxError")
+    (tmp_path / exercise.file).write_text("def allocate(self):\n    return 0\n")
+    assert "has no function free()" in run(exercise, tmp_path).problem
+    # The package imports, and runs, without the exercises.
+    code = "import minipaged.memory as m; print(m.BlockAllocator(2).allocate())"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
+    assert out.stdout.strip() == "0"
+
+
+def test_the_command_prints_counts_and_the_first_failure(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "minipaged", "check", "2", "--json", str(tmp_path / "r.json")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert out.returncode == 1
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("exercises/slot_mapping.py: 0 passed, ")
+    assert lines[1].startswith("  first failure: tests/test_block_table.py::")
+    assert lines[1].endswith(
+        "not implemented yet (write slot_mapping() in exercises/slot_mapping.py)"
+    )
+    (row,) = json.loads((tmp_path / "r.json").read_text())
+    assert row["passed"] == 0 and row["failed"] == len(row["failures"]) > 0
+
+
+def test_a_lesson_without_exercises_is_refused_by_name():
+    out = subprocess.run(
+        [sys.executable, "-m", "minipaged", "check", "12"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert out.returncode == 2
+    assert "lesson '12' has no exercise" in out.stderr
