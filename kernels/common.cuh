@@ -1,6 +1,7 @@
 // common.cuh: what every minipaged kernel shares.
 //
 // - element types: fp32, fp16 and bf16, each read as float (all arithmetic is fp32);
+//   a quantized cache's bytes (fp8 e4m3 / e5m2, int8) read as float too, to be scaled;
 // - wide loads: a thread reads up to 16 bytes of consecutive elements at once;
 // - reductions: across a few lanes, a warp, or a whole thread block;
 // - dispatch: from a run-time dtype, head_dim and block_size to the template instance.
@@ -10,6 +11,7 @@
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 #include <stdexcept>
@@ -25,6 +27,28 @@ constexpr unsigned FULL_MASK = 0xffffffffu;
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// A quantized cache's byte as the number it stores, before its scale (kv_quant.py):
+// cuda_fp8.h converts fp8 exactly (in hardware on sm_89+, bit arithmetic before).
+__device__ __forceinline__ float to_float(__nv_fp8_e4m3 x) { return static_cast<float>(x); }
+__device__ __forceinline__ float to_float(__nv_fp8_e5m2 x) { return static_cast<float>(x); }
+__device__ __forceinline__ float to_float(int8_t x) { return static_cast<float>(x); }
+
+// A cache element type of one byte is quantized: element x means x * its block's scale.
+template <typename C>
+constexpr bool is_quantized = sizeof(C) == 1;
+
+// The dequantization scale of KV head `kv_head` in physical block `block`, read from
+// `scale` as laid out in `cache` (strides 0 for fp8's one scale per layer); 1, and
+// nothing read, for a cache in the query's dtype.
+template <typename C>
+__device__ __forceinline__ float block_scale(const float* scale, const CacheView& cache,
+                                             int block, int kv_head) {
+  if constexpr (is_quantized<C>)
+    return scale[block * cache.scale_block_stride + kv_head * cache.scale_head_stride];
+  else
+    return 1.f;
+}
 
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
@@ -96,7 +120,8 @@ __device__ __forceinline__ void block_reduce(float (&x)[N], float* scratch) {
   __syncthreads();  // scratch may be written again right after
 }
 
-// ---- dispatch: one template instance per supported (dtype, head_dim, block_size) ----
+// ---- dispatch: one template instance per supported (dtype, cache dtype, head_dim,
+//      block_size) ----
 
 template <typename T> struct TypeTag { using type = T; };
 template <int N> struct IntTag { static constexpr int value = N; };
@@ -108,9 +133,28 @@ void dispatch_dtype(DType dtype, Fn&& fn) {
     case DType::kFloat32: return fn(TypeTag<float>{});
     case DType::kFloat16: return fn(TypeTag<__half>{});
     case DType::kBFloat16: return fn(TypeTag<__nv_bfloat16>{});
+    default: break;
   }
   throw std::invalid_argument("dtype must be float32, float16 or bfloat16, got code " +
                               std::to_string(static_cast<int>(dtype)));
+}
+
+// Call fn(TypeTag<T>{}, TypeTag<C>{}): the query's element type and the cache's, which
+// is the same or a quantized one.
+template <typename Fn>
+void dispatch_cache_dtype(DType dtype, DType cache_dtype, Fn&& fn) {
+  dispatch_dtype(dtype, [&](auto type) {
+    using T = typename decltype(type)::type;
+    if (cache_dtype == dtype) return fn(type, type);
+    switch (cache_dtype) {
+      case DType::kFloat8E4M3: return fn(type, TypeTag<__nv_fp8_e4m3>{});
+      case DType::kFloat8E5M2: return fn(type, TypeTag<__nv_fp8_e5m2>{});
+      case DType::kInt8: return fn(type, TypeTag<int8_t>{});
+      default: break;
+    }
+    throw std::invalid_argument("the cache must hold the query's dtype, fp8 or int8, got code " +
+                                std::to_string(static_cast<int>(cache_dtype)));
+  });
 }
 
 // Call fn(IntTag<HEAD_DIM>{}, IntTag<BLOCK_SIZE>{}): the shapes the attention kernels

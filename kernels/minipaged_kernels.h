@@ -15,15 +15,24 @@
 
 namespace minipaged {
 
-// The dtypes the kernels accept, numbered as the torch binding passes them.
-enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+// The dtypes the kernels accept, numbered as the torch binding passes them: the first
+// three for queries and caches, the last three for a quantized cache (kv_quant.py).
+enum class DType : int {
+  kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat8E4M3 = 3, kFloat8E5M2 = 4, kInt8 = 5
+};
 
 // Where the kernels find one layer's paged cache.  Keys and values share the strides.
+// A quantized cache's element means element * scale[block, kv_head], the scales float32
+// at k_scale / v_scale with the scale strides (0 and 0 for fp8's one per layer); a cache
+// in the query's dtype has none (nullptr).
 struct CacheView {
   const void* key;
   const void* value;
   int64_t block_stride, token_stride, head_stride;
   int block_size, num_kv_heads, head_dim;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  int64_t scale_block_stride = 0, scale_head_stride = 0;
 };
 
 // write_kv: token t's key and value rows go to slot slot_mapping[t] (-1: skip the token).
@@ -62,8 +71,11 @@ constexpr int PARTITION_SIZE = 512;
 
 void write_kv(const WriteKVParams& params, DType dtype, void* stream);
 void paged_attention_v0(const DecodeParams& params, DType dtype, void* stream);
-void paged_attention_v1(const DecodeParams& params, DType dtype, void* stream);
-void paged_attention_v2(const DecodeParams& params, DType dtype, void* stream);
+// Versions 1 and 2 also read a quantized cache (cache_dtype fp8 or int8, with scales).
+void paged_attention_v1(const DecodeParams& params, DType dtype, DType cache_dtype,
+                        void* stream);
+void paged_attention_v2(const DecodeParams& params, DType dtype, DType cache_dtype,
+                        void* stream);
 
 // Shared memory one v1 thread block needs, static and dynamic (it holds every logit of
 // its context), and the most the current device grants one block: v1 runs only where

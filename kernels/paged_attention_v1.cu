@@ -20,6 +20,11 @@
 //                     warp split a row's head_dim; warps then add up through shared
 //                     memory, and the sum is divided by the softmax's.
 //
+// A quantized cache (fp8 or int8, minipaged/ops/kv_quant.py) is read the same way, a
+// byte per element and so 16 elements per 16-byte load, each widened to float; its
+// scale, one float per (block, KV head), multiplies a token's q·k once (phase 1) and a
+// token's softmax weight once (phase 3), not every element: q·(s k) = s (q·k).
+//
 // Why it is fast: a key or value row is read from memory once, by one thread group,
 // with 16-byte loads, and serves every query head of its GQA group.  Why it is not
 // always enough: a batch of 1-4 long sequences launches only batch x KV-heads thread
@@ -83,7 +88,7 @@ __host__ __device__ inline size_t attend_static_bytes(int head_dim) {
 // blocks [first_block, end_block) of the sequence's block table, KV head `kv_head`.
 struct TokenRange {
   const int32_t* block_table;
-  int begin, end, first_block, end_block;
+  int begin, end, first_block, end_block, kv_head;
   int64_t head_offset;  // elements from a cache row's start to KV head kv_head's slice
 };
 
@@ -91,7 +96,7 @@ template <int BLOCK_SIZE>
 __device__ inline TokenRange token_range(const DecodeParams& p, int seq, const QuerySlice& qs,
                                          int begin, int end) {
   return {p.block_tables + seq * p.block_tables_stride, begin, end, begin / BLOCK_SIZE,
-          (end + BLOCK_SIZE - 1) / BLOCK_SIZE, qs.kv_head * p.cache.head_stride};
+          (end + BLOCK_SIZE - 1) / BLOCK_SIZE, qs.kv_head, qs.kv_head * p.cache.head_stride};
 }
 
 // The query heads of `qs`, pre-scaled, into shared memory: every thread group reads
@@ -111,28 +116,31 @@ __device__ void load_query(const DecodeParams& p, int seq, const QuerySlice& qs,
 // (a row of `logits_stride` floats per query head).  Warp w takes logical blocks w,
 // w + NUM_WARPS, ...; in it, a thread group of GROUP_THREADS lanes shares each token,
 // and per round each thread reads K_VEC elements (16 bytes) of the key row, next to its
-// neighbours'.  Each thread leaves in row_max the largest logit it wrote (or -inf).
-template <typename T, int HEAD_DIM, int BLOCK_SIZE>
+// neighbours'; C is the cache's element type (T's, or a quantized byte).  Each thread
+// leaves in row_max the largest logit it wrote (or -inf).
+template <typename C, int HEAD_DIM, int BLOCK_SIZE>
 __device__ void qk_logits(const DecodeParams& p, const TokenRange& r, const QuerySlice& qs,
                           const float (&q)[MAX_QUERIES][HEAD_DIM], float* logits,
                           int logits_stride, float (&row_max)[MAX_QUERIES]) {
   static_assert(WARP_SIZE % BLOCK_SIZE == 0, "a warp must cover whole KV blocks");
   constexpr int GROUP_THREADS = WARP_SIZE / BLOCK_SIZE;
-  constexpr int K_VEC = 16 / sizeof(T);
+  constexpr int K_VEC = 16 / sizeof(C);
   constexpr int K_ROUNDS = HEAD_DIM / (GROUP_THREADS * K_VEC);
   static_assert(K_ROUNDS * GROUP_THREADS * K_VEC == HEAD_DIM, "head_dim too small");
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int token_in_block = lane / GROUP_THREADS, thread_in_group = lane % GROUP_THREADS;
   const CacheView& cache = p.cache;
-  const T* keys = static_cast<const T*>(cache.key);
+  const C* keys = static_cast<const C*>(cache.key);
 
 #pragma unroll
   for (int i = 0; i < MAX_QUERIES; ++i) row_max[i] = -INFINITY;
   for (int b = r.first_block + warp; b < r.end_block; b += NUM_WARPS) {
     const int token = b * BLOCK_SIZE + token_in_block;
     float dot[MAX_QUERIES] = {};
+    float k_scale = 1.f;
     if (token < r.end) {  // the last block's tail holds no token of this sequence
-      const T* k = keys + r.block_table[b] * cache.block_stride +
+      k_scale = block_scale<C>(cache.k_scale, cache, r.block_table[b], r.kv_head);
+      const C* k = keys + r.block_table[b] * cache.block_stride +
                    token_in_block * cache.token_stride + r.head_offset;
       // Fully unrolled, fp32's 32 rounds (block 32) would keep more loads in flight than
       // there are registers and spill kilobytes; 8 rounds at a time spill a few bytes at
@@ -141,7 +149,7 @@ __device__ void qk_logits(const DecodeParams& p, const TokenRange& r, const Quer
       for (int round = 0; round < K_ROUNDS; ++round) {
         const int d0 = (round * GROUP_THREADS + thread_in_group) * K_VEC;
         float kf[K_VEC];
-        load_floats<T, K_VEC>(k + d0, kf);
+        load_floats<C, K_VEC>(k + d0, kf);
 #pragma unroll
         for (int i = 0; i < MAX_QUERIES; ++i) {
           if (i >= qs.count) break;
@@ -153,7 +161,7 @@ __device__ void qk_logits(const DecodeParams& p, const TokenRange& r, const Quer
 #pragma unroll
     for (int i = 0; i < MAX_QUERIES; ++i) {
       if (i >= qs.count) break;  // the same for every lane: the shuffles stay in step
-      dot[i] = group_sum<GROUP_THREADS>(dot[i]);
+      dot[i] = group_sum<GROUP_THREADS>(dot[i]) * k_scale;
       if (token < r.end && thread_in_group == 0) {
         logits[i * logits_stride + token - r.begin] = dot[i];
         row_max[i] = fmaxf(row_max[i], dot[i]);
@@ -186,10 +194,10 @@ __device__ inline void block_softmax(const QuerySlice& qs, int num_tokens, float
 // Phase 3, weighted values: sum_t weight_t x v_t per query head.  ROW_LANES lanes split
 // a value row into 16-byte pieces, so a warp reads ROWS rows (tokens) at once; each lane
 // keeps the sums of its pieces in registers, then the lanes and warps that hold the
-// same dimensions add theirs up.
-template <typename T, int HEAD_DIM>
+// same dimensions add theirs up.  C is the cache's element type, as in phase 1.
+template <typename C, int HEAD_DIM>
 struct ValueSums {
-  static constexpr int V_VEC = 16 / sizeof(T);
+  static constexpr int V_VEC = 16 / sizeof(C);
   static constexpr int V_PIECES = HEAD_DIM / V_VEC;
   static constexpr int ROW_LANES = V_PIECES < WARP_SIZE ? V_PIECES : WARP_SIZE;
   static constexpr int ROWS = WARP_SIZE / ROW_LANES;
@@ -203,20 +211,21 @@ struct ValueSums {
   __device__ void accumulate(const DecodeParams& p, const TokenRange& r, const QuerySlice& qs,
                              const float* weights, int weights_stride) {
     static_assert(ROWS <= BLOCK_SIZE, "head_dim too small for this block size");
-    const T* values = static_cast<const T*>(p.cache.value);
+    const C* values = static_cast<const C*>(p.cache.value);
     for (int b = r.first_block + warp; b < r.end_block; b += NUM_WARPS) {
-      const T* block = values + r.block_table[b] * p.cache.block_stride + r.head_offset;
+      const C* block = values + r.block_table[b] * p.cache.block_stride + r.head_offset;
+      const float v_scale = block_scale<C>(p.cache.v_scale, p.cache, r.block_table[b], r.kv_head);
       for (int t = row; t < BLOCK_SIZE && b * BLOCK_SIZE + t < r.end; t += ROWS) {
         const float* weight = weights + b * BLOCK_SIZE + t - r.begin;
 #pragma unroll
         for (int c = 0; c < LANE_PIECES; ++c) {
           float vf[V_VEC];
-          load_floats<T, V_VEC>(block + t * p.cache.token_stride + (c * ROW_LANES + col) * V_VEC,
+          load_floats<C, V_VEC>(block + t * p.cache.token_stride + (c * ROW_LANES + col) * V_VEC,
                                 vf);
 #pragma unroll
           for (int i = 0; i < MAX_QUERIES; ++i) {
             if (i >= qs.count) break;
-            const float w = weight[i * weights_stride];
+            const float w = weight[i * weights_stride] * v_scale;
 #pragma unroll
             for (int e = 0; e < V_VEC; ++e) acc[i][c][e] += w * vf[e];
           }
@@ -274,8 +283,8 @@ struct ValueSums {
 // Every thread leaves the range's max logit and sum of exp(logit - max) per query
 // head in row_max / row_sum.  The normalised output, sum_t softmax_t * v_t, goes out
 // through store(i, d, x) for query head qs.first + i and dimension d, called once per
-// (i, d) by some thread of warp 0.
-template <typename T, int HEAD_DIM, int BLOCK_SIZE, typename Store>
+// (i, d) by some thread of warp 0.  T is the query's element type, C the cache's.
+template <typename T, typename C, int HEAD_DIM, int BLOCK_SIZE, typename Store>
 __device__ void attend(const DecodeParams& p, int seq, const QuerySlice& qs, int begin,
                        int end, int logits_stride, float* logits,
                        float (&row_max)[MAX_QUERIES], float (&row_sum)[MAX_QUERIES],
@@ -284,22 +293,22 @@ __device__ void attend(const DecodeParams& p, int seq, const QuerySlice& qs, int
   __shared__ float scratch[NUM_WARPS * MAX_QUERIES];
   const TokenRange r = token_range<BLOCK_SIZE>(p, seq, qs, begin, end);
   load_query<T, HEAD_DIM>(p, seq, qs, q);
-  qk_logits<T, HEAD_DIM, BLOCK_SIZE>(p, r, qs, q, logits, logits_stride, row_max);
+  qk_logits<C, HEAD_DIM, BLOCK_SIZE>(p, r, qs, q, logits, logits_stride, row_max);
   block_softmax(qs, end - begin, logits, logits_stride, row_max, row_sum, scratch);
-  ValueSums<T, HEAD_DIM> values;
+  ValueSums<C, HEAD_DIM> values;
   values.template accumulate<BLOCK_SIZE>(p, r, qs, logits, logits_stride);
   values.reduce_and_store(qs, logits, row_sum, store);
 }
 
 // ---- version 1's kernel: attend() over the whole context ----
 
-template <typename T, int HEAD_DIM, int BLOCK_SIZE>
+template <typename T, typename C, int HEAD_DIM, int BLOCK_SIZE>
 __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v1_kernel(const DecodeParams p) {
   const int seq = blockIdx.y;
   const QuerySlice qs = query_slice(p);
   T* out = static_cast<T*>(p.out) + (int64_t(seq) * p.num_heads + qs.first) * HEAD_DIM;
   float row_max[MAX_QUERIES], row_sum[MAX_QUERIES];
-  attend<T, HEAD_DIM, BLOCK_SIZE>(
+  attend<T, C, HEAD_DIM, BLOCK_SIZE>(
       p, seq, qs, 0, p.context_lens[seq], p.max_context_len, dynamic_shared_floats(), row_max,
       row_sum, [&](int i, int d, float x) { out[i * HEAD_DIM + d] = from_float<T>(x); });
 }
@@ -323,7 +332,7 @@ size_t max_shared_memory_per_block() {
   return static_cast<size_t>(bytes);
 }
 
-void paged_attention_v1(const DecodeParams& p, DType dtype, void* stream) {
+void paged_attention_v1(const DecodeParams& p, DType dtype, DType cache_dtype, void* stream) {
   if (p.batch == 0) return;  // a grid may not be empty
   const size_t needed = paged_attention_v1_shared_memory(
       p.num_heads, p.cache.num_kv_heads, p.cache.head_dim, p.max_context_len);
@@ -337,10 +346,11 @@ void paged_attention_v1(const DecodeParams& p, DType dtype, void* stream) {
   const dim3 grid(p.cache.num_kv_heads * slices_per_group(p.num_heads, p.cache.num_kv_heads),
                   p.batch);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  dispatch_dtype(dtype, [&](auto type) {
+  dispatch_cache_dtype(dtype, cache_dtype, [&](auto type, auto cache_type) {
     dispatch_shape(p.cache.head_dim, p.cache.block_size, [&](auto head_dim, auto block_size) {
       using T = typename decltype(type)::type;
-      auto kernel = paged_attention_v1_kernel<T, decltype(head_dim)::value,
+      using C = typename decltype(cache_type)::type;
+      auto kernel = paged_attention_v1_kernel<T, C, decltype(head_dim)::value,
                                               decltype(block_size)::value>;
       allow_shared_memory(kernel, shared);
       kernel<<<grid, NUM_THREADS, shared, s>>>(p);

@@ -26,7 +26,7 @@ namespace minipaged {
 
 static_assert(PARTITION_SIZE % WARP_SIZE == 0, "a partition must hold whole KV blocks");
 
-template <typename T, int HEAD_DIM, int BLOCK_SIZE>
+template <typename T, typename C, int HEAD_DIM, int BLOCK_SIZE>
 __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_kernel(const DecodeParams p) {
   const int seq = blockIdx.y, partition = blockIdx.z;
   const int context_len = p.context_lens[seq];
@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_kernel(const D
       (int64_t(seq) * p.num_heads + qs.first) * p.max_num_partitions + partition;
   float* out = p.partial_out + first_row * HEAD_DIM;
   float row_max[MAX_QUERIES], row_sum[MAX_QUERIES];
-  attend<T, HEAD_DIM, BLOCK_SIZE>(
+  attend<T, C, HEAD_DIM, BLOCK_SIZE>(
       p, seq, qs, begin, end, PARTITION_SIZE, dynamic_shared_floats(), row_max, row_sum,
       [&](int i, int d, float x) { out[i * p.max_num_partitions * HEAD_DIM + d] = x; });
   if (threadIdx.x == 0) {
@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(NUM_THREADS)
   }
 }
 
-void paged_attention_v2(const DecodeParams& p, DType dtype, void* stream) {
+void paged_attention_v2(const DecodeParams& p, DType dtype, DType cache_dtype, void* stream) {
   if (p.batch == 0) return;  // a grid may not be empty
   const int num_kv_heads = p.cache.num_kv_heads;
   const size_t shared = sizeof(float) * attend_shared_floats(p.num_heads, num_kv_heads,
@@ -93,11 +93,12 @@ void paged_attention_v2(const DecodeParams& p, DType dtype, void* stream) {
                   p.max_num_partitions);
   const dim3 reduce_grid(p.num_heads, p.batch);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  dispatch_dtype(dtype, [&](auto type) {
+  dispatch_cache_dtype(dtype, cache_dtype, [&](auto type, auto cache_type) {
     dispatch_shape(p.cache.head_dim, p.cache.block_size, [&](auto head_dim, auto block_size) {
       using T = typename decltype(type)::type;
+      using C = typename decltype(cache_type)::type;
       constexpr int D = decltype(head_dim)::value;
-      auto kernel = paged_attention_v2_kernel<T, D, decltype(block_size)::value>;
+      auto kernel = paged_attention_v2_kernel<T, C, D, decltype(block_size)::value>;
       allow_shared_memory(kernel, shared);
       kernel<<<grid, NUM_THREADS, shared, s>>>(p);
       auto reduce = paged_attention_v2_reduce_kernel<T, D>;

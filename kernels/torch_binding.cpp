@@ -31,6 +31,20 @@ DType dtype_of(const at::Tensor& t) {
   }
 }
 
+// The dtype of a cache read with `query`: the query's own, or a quantized one.
+DType cache_dtype_of(const at::Tensor& cache, const at::Tensor& query) {
+  switch (cache.scalar_type()) {
+    case at::kFloat8_e4m3fn: return DType::kFloat8E4M3;
+    case at::kFloat8_e5m2: return DType::kFloat8E5M2;
+    case at::kChar: return DType::kInt8;
+    default:
+      TORCH_CHECK_VALUE(cache.scalar_type() == query.scalar_type(),
+                        "the cache must hold the query's dtype, fp8 or int8, got ",
+                        cache.scalar_type());
+      return dtype_of(query);
+  }
+}
+
 // The stream to launch on, with the tensor's GPU made current for the launch.
 struct Launch {
 #ifdef MINIPAGED_CPU_EMULATION
@@ -59,6 +73,26 @@ CacheView cache_view(const at::Tensor& key_cache, const at::Tensor& value_cache,
           int(key_cache.size(2)), int(key_cache.size(3))};
 }
 
+// A quantized cache's scales, float32 [num_blocks, num_kv_heads] views sharing strides
+// (0 for fp8's one per layer), into `view`; none for a cache in the query's dtype.
+void add_scales(CacheView& view, const at::Tensor& key_cache,
+                const c10::optional<at::Tensor>& k_scale,
+                const c10::optional<at::Tensor>& v_scale) {
+  const bool quantized = key_cache.element_size() == 1;
+  TORCH_CHECK(quantized == (k_scale.has_value() && v_scale.has_value()),
+              "k_scale and v_scale go with a quantized (fp8 or int8) cache, and only with one");
+  if (!quantized) return;
+  const std::vector<int64_t> shape{key_cache.size(0), key_cache.size(2)};
+  for (const auto& scale : {*k_scale, *v_scale})
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.sizes() == shape &&
+                    scale.strides() == k_scale->strides(),
+                "k_scale and v_scale must be float32 [num_blocks, num_kv_heads] sharing strides");
+  view.k_scale = k_scale->data_ptr<float>();
+  view.v_scale = v_scale->data_ptr<float>();
+  view.scale_block_stride = k_scale->stride(0);
+  view.scale_head_stride = k_scale->stride(1);
+}
+
 void check_index(const at::Tensor& t, at::ScalarType dtype, const char* name) {
   TORCH_CHECK(t.scalar_type() == dtype && t.stride(-1) == 1, name, " must be ", dtype,
               " with a contiguous last dimension");
@@ -78,38 +112,59 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
 DecodeParams decode_params(const at::Tensor& out, const at::Tensor& query,
                            const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& block_tables, const at::Tensor& context_lens,
-                           double scale, int64_t max_context_len) {
+                           double scale, int64_t max_context_len,
+                           const c10::optional<at::Tensor>& k_scale = c10::nullopt,
+                           const c10::optional<at::Tensor>& v_scale = c10::nullopt) {
   TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes() &&
                   out.scalar_type() == query.scalar_type(),
               "out must be a contiguous tensor like query");
   TORCH_CHECK(query.stride(2) == 1, "query: head_dim contiguous");
   check_index(block_tables, at::kInt, "block_tables");
   check_index(context_lens, at::kInt, "context_lens");
+  CacheView cache = cache_view(key_cache, value_cache, true);
+  add_scales(cache, key_cache, k_scale, v_scale);
   return {out.data_ptr(), query.data_ptr(), query.stride(0), query.stride(1),
-          cache_view(key_cache, value_cache, true), block_tables.data_ptr<int32_t>(),
+          cache, block_tables.data_ptr<int32_t>(),
           block_tables.stride(0), context_lens.data_ptr<int32_t>(), float(scale),
           int(query.size(0)), int(query.size(1)), int(max_context_len), nullptr, nullptr, 0};
 }
 
-// Versions 0 and 1 take the same arguments: out, query, the caches, the tables.
-template <void (*kernel)(const DecodeParams&, DType, void*)>
-void paged_attention(const at::Tensor& out, const at::Tensor& query,
-                     const at::Tensor& key_cache, const at::Tensor& value_cache,
-                     const at::Tensor& block_tables, const at::Tensor& context_lens,
-                     double scale, int64_t max_context_len) {
+// Version 0: out, query, the caches (in the query's dtype), the tables.
+void paged_attention_v0(const at::Tensor& out, const at::Tensor& query,
+                        const at::Tensor& key_cache, const at::Tensor& value_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens,
+                        double scale, int64_t max_context_len) {
   const DecodeParams p = decode_params(out, query, key_cache, value_cache, block_tables,
                                        context_lens, scale, max_context_len);
+  TORCH_CHECK_VALUE(key_cache.scalar_type() == query.scalar_type(),
+                    "paged_attention_v0 reads a cache of the query's dtype");
   const Launch launch(query);
-  kernel(p, dtype_of(query), launch.stream());
+  minipaged::paged_attention_v0(p, dtype_of(query), launch.stream());
+}
+
+// Version 1: the same, plus a quantized cache's scales.
+void paged_attention_v1(const at::Tensor& out, const at::Tensor& query,
+                        const at::Tensor& key_cache, const at::Tensor& value_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens,
+                        double scale, int64_t max_context_len,
+                        const c10::optional<at::Tensor>& k_scale,
+                        const c10::optional<at::Tensor>& v_scale) {
+  const DecodeParams p = decode_params(out, query, key_cache, value_cache, block_tables,
+                                       context_lens, scale, max_context_len, k_scale, v_scale);
+  const Launch launch(query);
+  minipaged::paged_attention_v1(p, dtype_of(query), cache_dtype_of(key_cache, query),
+                                launch.stream());
 }
 
 void paged_attention_v2(const at::Tensor& out, const at::Tensor& partial_out,
                         const at::Tensor& partial_lse, const at::Tensor& query,
                         const at::Tensor& key_cache, const at::Tensor& value_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
-                        double scale, int64_t max_context_len) {
+                        double scale, int64_t max_context_len,
+                        const c10::optional<at::Tensor>& k_scale,
+                        const c10::optional<at::Tensor>& v_scale) {
   DecodeParams p = decode_params(out, query, key_cache, value_cache, block_tables,
-                                 context_lens, scale, max_context_len);
+                                 context_lens, scale, max_context_len, k_scale, v_scale);
   const int64_t partitions = (max_context_len + PARTITION_SIZE - 1) / PARTITION_SIZE;
   TORCH_CHECK(partial_out.is_contiguous() && partial_lse.is_contiguous() &&
                   partial_out.scalar_type() == at::kFloat &&
@@ -123,7 +178,8 @@ void paged_attention_v2(const at::Tensor& out, const at::Tensor& partial_out,
   p.partial_lse = partial_lse.data_ptr<float>();
   p.max_num_partitions = int(partitions);
   const Launch launch(query);
-  minipaged::paged_attention_v2(p, dtype_of(query), launch.stream());
+  minipaged::paged_attention_v2(p, dtype_of(query), cache_dtype_of(key_cache, query),
+                                launch.stream());
 }
 
 }  // namespace minipaged_torch
@@ -133,8 +189,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("PARTITION_SIZE") = minipaged::PARTITION_SIZE;
   m.attr("MAX_QUERIES_PER_BLOCK") = minipaged::MAX_QUERIES_PER_BLOCK;
   m.def("write_kv", &minipaged_torch::write_kv);
-  m.def("paged_attention_v0", &minipaged_torch::paged_attention<minipaged::paged_attention_v0>);
-  m.def("paged_attention_v1", &minipaged_torch::paged_attention<minipaged::paged_attention_v1>);
+  m.def("paged_attention_v0", &minipaged_torch::paged_attention_v0);
+  m.def("paged_attention_v1", &minipaged_torch::paged_attention_v1);
   m.def("paged_attention_v2", &minipaged_torch::paged_attention_v2);
   m.def("v1_shared_memory", &minipaged::paged_attention_v1_shared_memory,
         "bytes of shared memory a v1 thread block needs",

@@ -10,7 +10,9 @@ same float32 number on both sides (one rounding, the same one): what is left bet
 them is the backend's own arithmetic, bounded as for a cache in the query's dtype
 (``minipaged.ops.testing.TOLERANCES``: 1e-5 in float32, 2e-3 in float16, whose 11
 significant bits Triton also rounds the dequantized keys and values to before its dot
-products, 2^-11 ~ 5e-4 of each).  The shapes are the shared adversarial ones
+products, 2^-11 ~ 5e-4 of each).  The CUDA kernels (v1 and v2, in the CPU emulator
+without a GPU) run every case compiled for them; their bound is the same.  The shapes
+are the shared adversarial ones
 (`attention_cases`): GQA, partial last blocks, shared blocks, long contexts; every slot
 no sequence owns holds fp8's NaN, or for int8 (which has none) garbage bytes in blocks
 whose scale is NaN.
@@ -33,6 +35,7 @@ from attention_cases import DECODE_CASES, NUM_HEADS, PREFILL_CASES, make_paged_k
 from minipaged.config import KV_CACHE_DTYPES
 from minipaged.ops import (
     check_supported,
+    cuda_ops,
     decode_oracle,
     kv_quant,
     paged_attention_decode,
@@ -89,6 +92,14 @@ BACKEND_CASES = (
     + [("cpu", c) for c in DECODE_CASES]
     + [("triton", c) for c in TRITON_DECODE]
 )
+# The CUDA kernels' cases: those of a dtype, head_dim and block_size they are built for.
+CUDA_DECODE = [
+    c
+    for c in DECODE_CASES
+    if c.dtype in cuda_ops.DTYPES
+    and c.head_dim in cuda_ops.HEAD_DIMS
+    and c.block_size in cuda_ops.BLOCK_SIZES
+]
 BACKEND_PREFILL = (
     [("torch", c) for c in PREFILL_CASES]
     + [("cpu", c) for c in PREFILL_CASES]
@@ -250,12 +261,30 @@ def test_bad_scales_are_refused_by_name():
         paged_attention_decode(q.to(torch.int8), int8, int8, tables, lens, 1.0, "torch", *scales)
 
 
-def test_cuda_kernels_refuse_a_quantized_cache():
-    """Before allocating (the engine asks), and at each op (in the CPU emulator)."""
-    with pytest.raises(ValueError, match="'cuda' attention backend does not read"):
-        check_supported("cuda", torch.float16, 128, 16, torch.float8_e4m3fn)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("version", [1, 2], ids=lambda v: f"v{v}")
+@pytest.mark.parametrize("case", CUDA_DECODE, ids=str)
+def test_cuda_decode_reads_the_quantized_cache(case, version, fmt):
+    """Both CUDA versions that read a quantized cache, each asked for by name (the
+    backend's own choice would take v1 for every case here)."""
+    g = torch.Generator().manual_seed(0)
+    kv, (kc, vc), (ks, vs), (keys, values) = quantized_cache(case, fmt, g)
+    query = torch.randn(len(case.context_lens), NUM_HEADS, case.head_dim, generator=g)
+    query = query.to(case.dtype)
+    out = cuda_ops.paged_attention_decode(
+        query, kc, vc, kv.block_tables, kv.context_lens, case.scale, ks, vs, version=version
+    )
+    assert_close(out, decode_oracle(query.double(), keys, values, case.scale), dtype=query.dtype)
+
+
+def test_cuda_kernels_take_a_quantized_cache_but_v0_does_not():
+    """The engine's question before allocating, and v0 (the plain kernel) at the op."""
+    check_supported("cuda", torch.float16, 128, 16, torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be"):
+        check_supported("cuda", torch.float16, 128, 16, torch.float32)
     cache = torch.zeros(2, 16, 2, 128, dtype=torch.float8_e4m3fn)
     query = torch.randn(1, 2, 128, dtype=torch.float16)
     tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="'cuda' attention backend does not read"):
-        paged_attention_decode(query, cache, cache, tables, lens, 1.0, backend="cuda")
+    one = torch.ones(())
+    with pytest.raises(ValueError, match="version 0 reads no"):
+        cuda_ops.paged_attention_decode(query, cache, cache, tables, lens, 1.0, one, one, version=0)

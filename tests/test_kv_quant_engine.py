@@ -102,6 +102,24 @@ def test_a_feature_changes_no_token_over_a_quantized_cache(path, feature, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_cuda_kernels_decode_as_the_torch_reference(tiny, fmt):
+    """The CUDA kernels (emulated on a CPU, prefill by Triton, interpreted) read the
+    quantized bytes the torch reference reads, and decode the same greedy tokens, on a
+    checkpoint and block size the kernels are built for."""
+    cuda_path = tiny("llama", head_dim=64)[0]
+    prompts, kwargs = PROMPTS[:2], dict(block_size=8, num_gpu_blocks=16, kv_cache_dtype=fmt)
+    outputs = {}
+    for backend in ("torch", "cuda"):
+        llm = make_llm(cuda_path, attention_backend=backend, **kwargs)
+        outputs[backend] = [
+            o.outputs[0].token_ids for o in llm.generate(as_inputs(prompts), GREEDY, use_tqdm=False)
+        ]
+        assert_all_blocks_free(llm)
+        llm.shutdown()
+    assert outputs["cuda"] == outputs["torch"]
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_prefix_caching_reuses_quantized_blocks(path, fmt):
     prompts = [SHARED + random_prompt(5, seed) for seed in range(4)]
     expected, _ = run(path, prompts, kv_cache_dtype=fmt)

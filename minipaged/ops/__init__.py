@@ -199,14 +199,20 @@ def check_supported(
     computing in ``dtype`` over a cache of ``kv_cache_dtype`` (default: ``dtype``).
 
     The torch, CPU and Triton backends take any; the CUDA kernels are compiled for a few
-    dtypes, head dims and block sizes (``cuda_ops.check_supported``), and read no
-    quantized cache: an engine asks once, before it allocates anything.
+    dtypes, head dims and block sizes (``cuda_ops.check_supported``), and read any cache
+    dtype of `kv_quant` besides the query's: an engine asks once, before it allocates
+    anything.
     """
     if backend == "cuda":
         from minipaged.ops import cuda_ops
 
-        cuda_ops.check_not_quantized(kv_cache_dtype or dtype)
         cuda_ops.check_supported(dtype, head_dim, block_size)
+        cache_dtype = kv_cache_dtype or dtype
+        _require(
+            cache_dtype == dtype or kv_quant.is_quantized(cache_dtype),
+            f"kv_cache_dtype must be {dtype}, fp8 or int8 for the 'cuda' attention backend, "
+            f"got {cache_dtype}",
+        )
 
 
 def _require(ok, message):

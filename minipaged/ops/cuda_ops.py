@@ -10,6 +10,10 @@
 - v2, the context also split into partitions of ``PARTITION_SIZE`` tokens, merged by a
   second kernel: more thread blocks for few long sequences.
 
+v1 and v2 also read a quantized cache (fp8 or int8, `kv_quant`), dequantizing as they
+read; v0 reads only a cache of the query's dtype.  ``write_kv`` into a quantized cache
+quantizes in torch (`kv_quant.write_kv`), as for every backend.
+
 ``choose_version`` picks v1 or v2 per call, from the host-side shapes alone; v0 runs
 only when asked for.  Arguments are
 checked in ``minipaged.ops``; these functions assume well-formed input but check what
@@ -56,20 +60,13 @@ def check_supported(dtype: torch.dtype, head_dim: int, block_size: int) -> None:
         _check_one(name, value, allowed)
 
 
-def check_not_quantized(cache_dtype: torch.dtype) -> None:
-    """The CUDA kernels read a cache of the query's dtype: raise ``ValueError`` for an
-    fp8 or int8 one (`kv_quant`), which the torch, CPU and Triton backends read."""
-    if kv_quant.is_quantized(cache_dtype):
-        raise ValueError(
-            f"the 'cuda' attention backend does not read a {cache_dtype} KV cache: "
-            "use attention_backend='triton', or kv_cache_dtype='auto'"
-        )
-
-
 def write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Scatter ``key, value [T, num_kv_heads, head_dim]`` into their slots (§4.3); the
-    kernel copies rows of any shape, so only the dtype matters."""
-    check_not_quantized(key_cache.dtype)
+    kernel copies rows of any shape, so only the dtype matters.  A quantized cache is
+    written by `kv_quant.write_kv`."""
+    if kv_quant.is_quantized(key_cache.dtype):
+        kv_quant.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+        return
     _check_one("dtype", key_cache.dtype, DTYPES)
     cuda_build.load(key_cache.device).write_kv(
         key, value, key_cache, value_cache, slot_mapping.to(torch.int64)
@@ -117,11 +114,11 @@ def paged_attention_decode(
     ``max_context_len`` bounds the contexts, if the caller knows it on the host; by
     default the block tables' width does, so that launching never waits for the GPU.
     ``version`` (0, 1 or 2; default: ``choose_version``) is exposed for tests, the
-    lesson and the benchmark; results do not depend on it beyond rounding.
+    lesson and the benchmark; results do not depend on it beyond rounding.  A quantized
+    cache comes with its ``k_scale`` and ``v_scale`` (v1 and v2 only).
     """
     batch, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
-    check_not_quantized(key_cache.dtype)
     check_supported(query.dtype, head_dim, block_size)
     ext = cuda_build.load(query.device)
     max_len = max_context_len or block_tables.shape[1] * block_size
@@ -134,20 +131,26 @@ def paged_attention_decode(
         )
     if version not in (0, 1, 2):
         raise ValueError(f"version must be 0, 1 or 2, got {version!r}")
+    scales = _block_scales(key_cache, k_scale, v_scale)
+    if version == 0 and kv_quant.is_quantized(key_cache.dtype):
+        raise ValueError(f"version 0 reads no {key_cache.dtype} KV cache: use version 1 or 2")
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     # The kernels read int32 tables and a query whose head_dim is contiguous.
     tables, lens = block_tables.to(torch.int32), context_lens.to(torch.int32)
     query = query if query.stride(2) == 1 else query.contiguous()
     args = (query, key_cache, value_cache, tables, lens, float(scale), max_len)
-    if version in (0, 1):
-        getattr(ext, f"paged_attention_v{version}")(out, *args)
+    if version == 0:
+        ext.paged_attention_v0(out, *args)
+        return out
+    if version == 1:
+        ext.paged_attention_v1(out, *args, *scales)
         return out
     partitions = math.ceil(max_len / PARTITION_SIZE)
     partial = torch.empty(
         batch, num_heads, partitions, head_dim, dtype=torch.float32, device=query.device
     )
     lse = torch.empty(batch, num_heads, partitions, dtype=torch.float32, device=query.device)
-    ext.paged_attention_v2(out, partial, lse, *args)
+    ext.paged_attention_v2(out, partial, lse, *args, *scales)
     return out
 
 
@@ -164,7 +167,6 @@ def paged_attention_prefill(
     max_query_len: int | None = None,
 ):
     """Causal attention of packed new tokens: the Triton kernel, on the same cache."""
-    check_not_quantized(key_cache.dtype)
     from minipaged.ops import triton_ops
 
     return triton_ops.paged_attention_prefill(
@@ -175,8 +177,18 @@ def paged_attention_prefill(
         query_start_loc,
         context_lens,
         scale,
+        k_scale,
+        v_scale,
         max_query_len=max_query_len,
     )
+
+
+def _block_scales(key_cache, k_scale, v_scale) -> tuple:
+    """A quantized cache's scales as the kernels read them, ``[num_blocks, num_kv_heads]``
+    float32 views (`kv_quant.block_scales`); None for a cache in the query's dtype."""
+    if not kv_quant.is_quantized(key_cache.dtype):
+        return None, None
+    return kv_quant.block_scales(k_scale, key_cache), kv_quant.block_scales(v_scale, key_cache)
 
 
 def _check_one(name, value, allowed):
