@@ -22,6 +22,8 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     max_context_len: int | None = None,
 ) -> torch.Tensor:
     """One new token per sequence attends to its whole context.
@@ -31,6 +33,7 @@ def paged_attention_decode(
     block are garbage); ``context_lens[b]`` tokens of sequence ``b`` are cached, the
     last block possibly partly full.  Query head ``h`` reads KV head
     ``h // (num_heads // num_kv_heads)`` (grouped-query attention).  Returns
-    ``[B, num_heads, D]``.
+    ``[B, num_heads, D]``.  ``k_scale``/``v_scale`` belong to a quantized cache
+    (lesson 14); this exercise's caches are not quantized, so they are None.
     """
     raise NotImplementedError("write paged_attention_decode() in exercises/online_softmax.py")

@@ -12,7 +12,7 @@ Write ``hash_block`` and ``match_prefix`` (a method of
 Check with ``make check LESSON=04``.
 """
 
-from minipaged.memory.prefix_cache import ROOT_ID, CachedBlock  # noqa: F401  (use them)
+from minipaged.memory.prefix_cache import ROOT_ID, CachedBlock, root_hash  # noqa: F401  (use them)
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -22,13 +22,16 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     raise NotImplementedError("write hash_block() in exercises/prefix_hashing.py")
 
 
-def match_prefix(self, token_ids: list[int]) -> list[CachedBlock]:
-    """The longest chain of cached full blocks that begins ``token_ids``.
+def match_prefix(self, token_ids: list[int], extra_key=None) -> list[CachedBlock]:
+    """The longest chain of cached full blocks that begins ``token_ids`` under
+    ``extra_key`` (what besides its tokens sets a prompt's KV apart: its LoRA adapter,
+    or None).
 
-    Walk the prompt one full block at a time, looking each up by its chained hash.  A
-    hash only *finds* a candidate: accept it only if its ``token_ids`` equal the
-    block's and its ``parent_id`` is the ``entry_id`` matched one block earlier
-    (``ROOT_ID`` for the first), so that a collision costs a miss, never wrong KV.
+    Walk the prompt one full block at a time, looking each up by its chained hash; the
+    first block's parent hash is ``root_hash(extra_key)``.  A hash only *finds* a
+    candidate: accept it only if its ``token_ids`` equal the block's, its ``parent_id``
+    is the ``entry_id`` matched one block earlier (``ROOT_ID`` for the first) and its
+    ``extra_key`` is ``extra_key``, so that a collision costs a miss, never wrong KV.
     Stop at the first miss.  The prompt's last token is never served from the cache
     (its logits must be computed), so at most ``(len(token_ids) - 1) // block_size``
     blocks match.  Changes nothing.

@@ -19,7 +19,16 @@ from triton.compiler import ASTSource
 from minipaged.ops import triton_kernels as tk
 
 # (kernel, constexprs as a launch in triton_ops passes them): GQA 32/8 heads, head_dim 128.
-DECODE = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, DOT_PRECISION="tf32")
+# An unquantized cache (QUANTIZED=False): the scale pointers are unused.
+DECODE = dict(
+    GROUP=4,
+    BLOCK_G=16,
+    HEAD_DIM=128,
+    BLOCK_D=128,
+    BLOCK_N=64,
+    DOT_PRECISION="tf32",
+    QUANTIZED=False,
+)
 KERNELS = [
     (tk.write_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128)),
     (tk.decode_kernel, dict(DECODE, WRITE_LSE=False, lse_ptr=None)),  # one split: no lse
@@ -35,6 +44,7 @@ KERNELS = [
             BLOCK_D=128,
             BLOCK_N=64,
             DOT_PRECISION="tf32",
+            QUANTIZED=False,
         ),
     ),
 ]

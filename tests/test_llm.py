@@ -32,7 +32,7 @@ def llm(llama):
     [
         ("quantization", "awq"),
         ("pipeline_parallel_size", 2),
-        ("kv_cache_dtype", "fp8"),
+        ("cpu_offload_gb", 4),
         ("block_sise", 16),
     ],
 )
