@@ -65,11 +65,16 @@ kernels-check-or-skip: ## kernels-check where nvcc is installed (or REQUIRE_NVCC
 		echo "*** compile-check kernels/; CI runs it with REQUIRE_NVCC=1)"; \
 	fi
 
+# The tests run in PYTEST_WORKERS processes (pytest-xdist; each test is single-threaded,
+# see tests/conftest.py); the lessons run after them, alone, as a lesson's one-minute
+# limit (conftest.py) is meant for a machine that does nothing else.
+PYTEST_WORKERS ?= 2
 pytest: $(STAMP) ## unit and property tests, the real-weights tests, every lesson notebook
 	@$(VENV)/bin/minipaged download smollm2 || \
 		echo "*** SmolLM2 could not be fetched: the tests on real weights will skip"
-	$(PY) -m pytest -q -m "not site" tests --doctest-modules minipaged/memory --nbmake lessons \
-		--nbmake-timeout=120
+	$(PY) -m pytest -q -m "not site" -n $(PYTEST_WORKERS) --dist loadgroup tests \
+		--doctest-modules minipaged/memory
+	$(PY) -m pytest -q --nbmake lessons --nbmake-timeout=120
 
 docs-build: $(STAMP) ## build the docs site into site/ (strict: a broken link fails)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
