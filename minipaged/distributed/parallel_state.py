@@ -18,6 +18,7 @@ what communication costs.  With ``size == 1`` every collective is the identity a
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -30,10 +31,12 @@ __all__ = [
     "COMM",
     "SINGLE",
     "CommStats",
+    "RankInfo",
     "TensorParallelGroup",
     "destroy_tensor_parallel",
     "dist_backend",
     "free_port",
+    "init_from_environment",
     "init_tensor_parallel",
     "kv_heads_per_rank",
 ]
@@ -194,6 +197,50 @@ def init_tensor_parallel(
         timeout=TIMEOUT,
     )
     return TensorParallelGroup(rank, size, expert_parallel, all2all_backend)
+
+
+def init_from_environment(
+    device: torch.device, expert_parallel: bool = False, all2all_backend: str = "alltoall"
+) -> tuple[TensorParallelGroup, dist.Store]:
+    """Join the group a launcher started this process in: ``torch.distributed``'s
+    ``env://`` rendezvous, from the ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` that ``torchrun`` sets (on CUDA, rank ``RANK`` computes on GPU
+    ``LOCAL_RANK`` of its host).  Returns the group and the rendezvous's key-value store;
+    blocks until every rank has joined."""
+    if dist.is_initialized():
+        raise RuntimeError("this process is already in a torch.distributed group")
+    store, rank, size = next(dist.rendezvous("env://", timeout=TIMEOUT))
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(
+        dist_backend(device), store=store, rank=rank, world_size=size, timeout=TIMEOUT
+    )
+    return TensorParallelGroup(rank, size, expert_parallel, all2all_backend), store
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a rank runs, to name it when it fails: its host's name, the address it
+    reaches the rendezvous from (hosts may share a name, never an address), its pid."""
+
+    rank: int
+    host: str
+    address: str
+    pid: int
+
+    @classmethod
+    def here(cls, rank: int, peer: str) -> RankInfo:
+        """This process as rank ``rank``, which reaches the other ranks at ``peer``."""
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:  # a UDP connect sends nothing: it only asks the routing table
+                s.connect((peer, 9))
+                address = s.getsockname()[0]
+            except OSError:
+                address = "?"
+        return cls(rank, socket.gethostname(), address, os.getpid())
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} on {self.host} ({self.address}, pid {self.pid})"
 
 
 def destroy_tensor_parallel() -> None:

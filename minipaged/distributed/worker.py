@@ -34,7 +34,15 @@ from minipaged.models.attention import calculate_kv_scales_on_next_batch, head_d
 from minipaged.models.loader import load_model
 from minipaged.sequence import Sequence
 
-__all__ = ["StepPlan", "StepTokens", "WorkerArgs", "rank_device", "rank_kv_config", "worker_main"]
+__all__ = [
+    "StepPlan",
+    "StepTokens",
+    "WorkerArgs",
+    "rank_device",
+    "rank_kv_config",
+    "run_rank",
+    "worker_main",
+]
 
 
 @dataclass
@@ -143,8 +151,8 @@ def rank_kv_config(config, size: int):
 
 
 def worker_main(rank: int, size: int, port: int, conn, args: WorkerArgs) -> None:
-    """A worker process's life: join the group, load the shard, answer the driver's
-    set-up calls on ``conn``, then run broadcast steps until the driver sends None."""
+    """A spawned worker process's life: join the group at the driver's loopback
+    ``port``, then `run_rank` with the driver's pipe, ``conn``."""
     # Ctrl-C reaches every process of the terminal's group; only the driver acts on it
     # (it stops the workers), so a worker never dies mid-collective on its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -155,6 +163,17 @@ def worker_main(rank: int, size: int, port: int, conn, args: WorkerArgs) -> None
         tp = init_tensor_parallel(
             rank, size, port, device, args.expert_parallel, args.all2all_backend
         )
+    except Exception:  # noqa: BLE001 (the driver re-raises it, naming this rank)
+        conn.send(("error", traceback.format_exc()))
+        return
+    run_rank(tp, conn, args, device)
+
+
+def run_rank(tp: TensorParallelGroup, conn, args: WorkerArgs, device: torch.device) -> bool:
+    """A worker's rank, once in the group: load its shard, answer the driver's set-up
+    calls on ``conn`` (``send`` and ``recv``), then run broadcast steps until the driver
+    sends None.  Returns False, having sent the traceback, if the set-up failed."""
+    try:
         model = load_model(args.path, args.dtype, device, args.attention_backend, tp)
         runner = ModelRunner(model, args.block_size, device)
         if args.lora:
@@ -163,7 +182,7 @@ def worker_main(rank: int, size: int, port: int, conn, args: WorkerArgs) -> None
         cache_engine = _set_up(conn, runner, tp, args.block_size, device)
     except Exception:  # noqa: BLE001 (the driver re-raises it, naming this rank)
         conn.send(("error", traceback.format_exc()))
-        return
+        return False
     try:
         while (plan := tp.broadcast_object()) is not None:
             batch = plan.batch()
@@ -172,6 +191,7 @@ def worker_main(rank: int, size: int, port: int, conn, args: WorkerArgs) -> None
             runner.execute(batch.seqs, cache_engine.gpu_cache)
     finally:
         destroy_tensor_parallel()
+    return True
 
 
 def _set_up(
