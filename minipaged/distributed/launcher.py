@@ -41,6 +41,7 @@ from minipaged.distributed.executor import TensorParallelExecutor, worker_args
 from minipaged.distributed.parallel_state import (
     RankInfo,
     TensorParallelGroup,
+    control_group,
     destroy_tensor_parallel,
     init_from_environment,
 )
@@ -124,7 +125,7 @@ class GroupChannel:
     def send(self, answer) -> None:
         if answer[0] == "error":  # also on this host's log, should the gather never complete
             print(answer[1], file=sys.stderr, flush=True)
-        dist.gather_object(answer, None, dst=0)
+        dist.gather_object(answer, None, dst=0, group=control_group())
 
 
 class Heartbeat:
@@ -201,7 +202,7 @@ class LaunchedGroup:
         rank if one reports an error or dies."""
         answers = [None] * self.tp.size
         try:
-            dist.gather_object(None, answers, dst=0)
+            dist.gather_object(None, answers, dst=0, group=control_group())
         except RuntimeError as error:
             raise RuntimeError(
                 self._dead() or f"the tensor-parallel group failed: {error}"

@@ -33,6 +33,7 @@ __all__ = [
     "CommStats",
     "RankInfo",
     "TensorParallelGroup",
+    "control_group",
     "destroy_tensor_parallel",
     "dist_backend",
     "free_port",
@@ -44,6 +45,11 @@ __all__ = [
 # How long a collective may wait for a peer before gloo gives up.  A dead peer is noticed
 # sooner (its sockets close); this bounds a live peer that stopped answering.
 TIMEOUT = timedelta(minutes=10)
+# The driver's messages (each step's plan, the set-up calls) travel on a group of their
+# own: gloo on any device (vLLM's CPU group), and with no practical deadline, since a
+# worker waits there for as long as the driver has nothing to run (an idle server).
+CONTROL_TIMEOUT = timedelta(days=3650)
+_control: dist.ProcessGroup | None = None
 
 
 @dataclass
@@ -138,7 +144,7 @@ class TensorParallelGroup:
             return obj
         box = [obj]
         with _timed("broadcast", torch.device("cpu")):
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=_control)
         return box[0]
 
 
@@ -196,6 +202,7 @@ def init_tensor_parallel(
         world_size=size,
         timeout=TIMEOUT,
     )
+    _init_control_group()
     return TensorParallelGroup(rank, size, expert_parallel, all2all_backend)
 
 
@@ -215,7 +222,18 @@ def init_from_environment(
     dist.init_process_group(
         dist_backend(device), store=store, rank=rank, world_size=size, timeout=TIMEOUT
     )
+    _init_control_group()
     return TensorParallelGroup(rank, size, expert_parallel, all2all_backend), store
+
+
+def _init_control_group() -> None:
+    global _control
+    _control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
+def control_group() -> dist.ProcessGroup | None:
+    """The group the driver's messages travel on (`CONTROL_TIMEOUT`); None outside one."""
+    return _control
 
 
 @dataclass(frozen=True)
@@ -244,8 +262,10 @@ class RankInfo:
 
 
 def destroy_tensor_parallel() -> None:
+    global _control
     if dist.is_initialized():
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # every group, the control group too
+    _control = None
 
 
 def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
