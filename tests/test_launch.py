@@ -50,7 +50,7 @@ def test_external_launcher_needs_the_launchers_environment(tiny, monkeypatch):
     path, _ = tiny("llama")
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(ValueError, match="external_launcher.*RANK, WORLD_SIZE"):
+    with pytest.raises(ValueError, match="external_launcher.*RANK, WORLD_SIZE.*none is set"):
         LLM(path, distributed_executor_backend="external_launcher", **SETTINGS)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -66,6 +66,21 @@ def test_distributed_executor_backend_is_one_minipaged_has(backend):
 
     with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
         EngineConfig(model="m", distributed_executor_backend=backend)
+
+
+@pytest.mark.parametrize(
+    "command", [["generate", "--model", "M", "hi"], ["serve", "M"], ["bench", "throughput"]]
+)
+def test_distributed_executor_backend_flag(command):
+    from minipaged.arg_utils import engine_kwargs
+    from minipaged.cli import build_parser
+
+    flag = ["--distributed-executor-backend", "external_launcher"]
+    assert (
+        engine_kwargs(build_parser().parse_args([*command, *flag]))["distributed_executor_backend"]
+        == "external_launcher"
+    )
+    assert engine_kwargs(build_parser().parse_args(command))["distributed_executor_backend"] == "mp"
 
 
 @pytest.fixture

@@ -65,9 +65,10 @@ def join_launched(
     args = worker_args(config, path, device, attention_backend)
     size = config.tensor_parallel_size
     if missing := [name for name in LAUNCHER_VARIABLES if name not in os.environ]:
+        unset = "none is" if missing == list(LAUNCHER_VARIABLES) else f"{', '.join(missing)} not"
         raise ValueError(
             "distributed_executor_backend='external_launcher' runs under a launcher that "
-            f"sets {', '.join(LAUNCHER_VARIABLES)} (torchrun does); {', '.join(missing)} unset"
+            f"sets {', '.join(LAUNCHER_VARIABLES)} (torchrun does); {unset} set here"
         )
     if int(os.environ["WORLD_SIZE"]) != size:
         raise ValueError(
