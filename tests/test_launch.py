@@ -83,6 +83,31 @@ def test_distributed_executor_backend_flag(command):
     assert engine_kwargs(build_parser().parse_args(command))["distributed_executor_backend"] == "mp"
 
 
+def test_the_rank_whose_heartbeat_stopped_is_named():
+    """The driver's verdict after a failed step, without processes: in a store where
+    rank 1 beats and rank 2 does not (dead), rank 2 is named with where it ran."""
+    import torch.distributed as dist
+
+    from minipaged.distributed.launcher import Heartbeat, LaunchedGroup
+    from minipaged.distributed.parallel_state import RankInfo, TensorParallelGroup
+
+    store = dist.HashStore()
+    group = LaunchedGroup(TensorParallelGroup(0, 3), store)
+    group._finalizer.detach()  # no group to say goodbye to
+    group.ranks = [RankInfo(1, "h1", "10.0.0.1", 11), RankInfo(2, "h2", "10.0.0.2", 22)]
+    beating = Heartbeat(store, 1)
+    try:
+        dead = group.fail(RuntimeError("Connection closed by peer"))
+    finally:
+        beating.stop()
+    assert (
+        dead
+        == "tensor-parallel worker rank 2 on h2 (10.0.0.2, pid 22) died (its heartbeat stopped)"
+    )
+    with pytest.raises(RuntimeError, match="rank 2 on h2"):
+        group.check()
+
+
 @pytest.fixture
 def hosts():
     with two_hosts("mplaunch", ADDRESS_A, ADDRESS_B) as pair:
