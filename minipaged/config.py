@@ -196,6 +196,15 @@ class EngineConfig:
                 raise ValueError(
                     f"speculative_config needs memory_mode='paged', got {self.memory_mode!r}"
                 )
+            if self.kv_cache_dtype == "int8":
+                # An int8 block's scale grows with what is written to it, guesses that
+                # are later rejected included, and re-rounds the tokens it keeps: the
+                # target would not decode as it does without a draft.  fp8's is fixed.
+                raise ValueError(
+                    "speculative_config cannot run with kv_cache_dtype='int8' (its "
+                    "per-block scales would keep a trace of rejected guesses); use "
+                    "kv_cache_dtype='fp8' or 'auto'"
+                )
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

@@ -29,13 +29,20 @@ __all__ = ["DraftModelProposer"]
 
 
 class DraftModelProposer:
-    """Greedy guesses from ``model`` (already loaded) over ``num_blocks`` blocks of its own."""
+    """Greedy guesses from ``model`` (already loaded) over ``num_blocks`` blocks of its
+    own, which store ``kv_cache_dtype`` as the target's do (fp8 too)."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device) -> None:
-        dtype = model.model.embed_tokens.weight.dtype
+    def __init__(
+        self,
+        model,
+        num_blocks: int,
+        block_size: int,
+        kv_cache_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.runner = ModelRunner(model, block_size, device)
         self.kv = KVCacheManager(num_blocks, block_size)
-        self.caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device)
+        self.caches = allocate_kv_caches(model, num_blocks, block_size, kv_cache_dtype, device)
 
     def propose_batch(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         """Up to ``ks[i]`` greedy guesses after ``seqs[i]``'s tokens (none if the
