@@ -81,7 +81,8 @@ class EngineConfig:
             CUDA; on a CPU they share its cores.
         speculative_config: speculative decoding, as vLLM's dict (`SpeculativeConfig`):
             ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}``
-            or ``{"model": DRAFT, "num_speculative_tokens": k}``; None: off.
+            or ``{"model": DRAFT, "num_speculative_tokens": k}``; None: off.  Not with
+            beam search, a contiguous ``memory_mode`` or an int8 ``kv_cache_dtype``.
         enable_expert_parallel: a mixture-of-experts model's ranks hold whole experts
             (``num_experts / tensor_parallel_size`` each) rather than a slice of every
             one, and tokens travel to them (`minipaged.models.moe`).

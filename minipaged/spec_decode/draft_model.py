@@ -2,7 +2,8 @@
 over a paged KV cache of its own.
 
 The draft keeps, per target sequence, a block table in its own pool (a second
-`KVCacheManager`, the same block size) and the KV of the tokens it has seen.  To guess
+`KVCacheManager`: the same block size, as many blocks, the same ``kv_cache_dtype``; the
+engine sizes both pools together) and the KV of the tokens it has seen.  To guess
 ``k`` tokens it runs one pass over the tokens it has not seen yet (the whole prompt the
 first time; after that the token the target added and the guesses it accepted), takes
 the argmax, then ``k - 1`` one-token passes, each feeding its last guess back.
@@ -112,13 +113,14 @@ class _Row:
         self.scheduled: ScheduledSeq | None = None
 
     def schedule(self, start: int, allocation) -> None:
-        seq = Sequence(self.seq_id, self.tokens, len(self.tokens))
+        """Run its tokens from ``start`` on (in ``allocation``'s slots), and return the
+        logits after the last one; no request group: the draft samples no one's."""
         self.scheduled = ScheduledSeq(
-            seq,
-            None,
-            start,
-            len(self.tokens) - start,
-            allocation.block_table,
-            allocation.slot_mapping,
-            True,
+            seq=Sequence(self.seq_id, self.tokens, len(self.tokens)),
+            group=None,
+            start=start,
+            num_new_tokens=len(self.tokens) - start,
+            block_table=allocation.block_table,
+            slot_mapping=allocation.slot_mapping,
+            samples=True,
         )

@@ -27,6 +27,11 @@ included; logprobs are the target's raw logits', as `sample` reports them.  A gr
 request keeps exactly the guesses equal to the target's argmax: the same tokens as
 without a draft.  Beam search is not combined with speculation (vLLM does not either).
 
+The rest of the engine is unchanged by a step that verifies: a LoRA request's guesses
+run under its adapter in the target (the draft guesses without one, which only costs
+acceptance), a mixture-of-experts target routes each of the ``1 + k`` tokens, and an
+fp8 cache quantizes them as any tokens (the draft's pool is fp8 too).
+
 Counters, with vLLM's ``spec_decode`` names: drafts verified, tokens guessed, tokens
 accepted, and the accepted tokens at each guess position.
 """
