@@ -303,6 +303,27 @@ def test_greedy_equals_hf_with_two_ranks(tiny, proposers):
         llm.shutdown()
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
+def test_every_attention_backend_verifies_multi_token_queries(tiny, backend):
+    """The verifying pass is a prefill of ``1 + k`` tokens over a sequence's paged
+    context: the torch reference, Triton (interpreted) and CUDA (emulated) kernels give
+    HF's tokens and logprobs too (the C++ CPU kernel, the default, in every test above),
+    on a checkpoint with a head_dim the CUDA kernels are built for."""
+    path, oracle = tiny("llama", head_dim=64)
+    prompts = [random_prompt(n, seed=n) for n in (5, 11)]
+    llm = make_llm(
+        path,
+        block_size=8,
+        num_gpu_blocks=8,
+        attention_backend=backend,
+        speculative_config=draft(path, k=3),
+    )
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    assert_greedy_matches_hf(generate(llm, prompts, params), prompts, oracle, 8, logprobs=2)
+    assert llm.stats()["spec_decode_acceptance_rate"] == 1.0
+    assert_spec_done(llm)
+
+
 # -- beside the quantized KV cache, LoRA adapters and mixtures of experts ---------------
 @pytest.mark.parametrize("calculate_kv_scales", [False, True])
 def test_fp8_kv_cache_decodes_as_without_speculation(tiny, proposers, calculate_kv_scales):
