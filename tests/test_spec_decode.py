@@ -14,7 +14,9 @@ test_spec_rejection.py, the lookahead slots in test_spec_memory.py.
 import json
 
 import pytest
+import torch
 from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine_helpers import (
     as_inputs,
@@ -24,7 +26,7 @@ from engine_helpers import (
     random_prompt,
 )
 from lora_helpers import PeftOracle, make_adapter
-from minipaged import BeamSearchParams, SamplingParams
+from minipaged import LLM, BeamSearchParams, SamplingParams
 from minipaged.lora_request import LoRARequest
 from minipaged.memory.block_table import blocks_for
 
@@ -441,3 +443,32 @@ def test_the_draft_model_shares_the_kv_budget_and_shows_its_bytes(tiny):
     ).stats()
     assert ngram["num_gpu_blocks"] == budget // target_block
     assert "draft_weight_bytes" not in ngram
+
+
+def test_smollm2_with_the_ngram_proposer_equals_hf(smollm2):
+    """Real weights: asked to repeat a sentence, SmolLM2 copies its prompt, the n-gram
+    proposer guesses the copy, and the tokens are still transformers' greedy ones."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    sentence = "The quick brown fox jumps over the lazy dog, then naps under the old oak tree."
+    conversation = [{"role": "user", "content": f"Repeat this sentence exactly: {sentence}"}]
+    prompt = tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24
+        )
+    llm = LLM(
+        smollm2,
+        device="cpu",
+        num_gpu_blocks=16,
+        swap_space=0,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
+    )
+    params = SamplingParams(temperature=0, max_tokens=24)
+    output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert output.outputs[0].token_ids == out[0, len(prompt) :].tolist()
+    assert llm.stats()["spec_decode_acceptance_rate"] > 0.3  # (0.5 when written)
+    assert_spec_done(llm)
