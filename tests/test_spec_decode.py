@@ -7,8 +7,12 @@ under preemption by recompute and swap, prefix caching, chunked prefill and n > 
 tokens and logprobs are HF's.  The stop conditions and penalties, which HF cannot
 express all together, are checked against the same engine without speculation, which
 is what losslessness promises.  After every workload every block of both pools (and
-of the draft's) is free.  The rejection rule's distribution is tested in
-test_spec_rejection.py, the lookahead slots in test_spec_memory.py.
+of the draft's) is free.  Then every attention backend, the other features (an fp8
+cache against the fp8 engine without a draft, LoRA adapters against PEFT, mixtures of
+experts against HF; int8 refused), the draft's share of the KV budget against byte
+counts taken from its checkpoint, and SmolLM2's real weights.  The rejection rule's
+distribution is tested in test_spec_rejection.py, the lookahead slots in
+test_spec_memory.py.
 """
 
 import json
