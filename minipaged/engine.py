@@ -106,18 +106,13 @@ class LLMEngine:
             if self.workers
             else Executor(self.runner)
         )
-        spec = config.speculative_config
-        self.draft_model = (
-            load_draft_model(
-                spec,
-                self.vocab_size,
-                self.max_model_len,
-                config.dtype,
-                self.device,
-                self.attention_backend,
-            )
-            if spec
-            else None
+        self.draft_model = load_draft_model(
+            config.speculative_config,
+            self.vocab_size,
+            self.max_model_len,
+            config.dtype,
+            self.device,
+            self.attention_backend,
         )
 
     def _build_kv_cache(self) -> None:
@@ -127,7 +122,7 @@ class LLMEngine:
         (CUDA only)."""
         config, dtype = self.config, self.model.model.embed_tokens.weight.dtype
         self.kv_cache_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, dtype)
-        models = [self.model, *([self.draft_model] if self.draft_model else [])]
+        models = [m for m in (self.model, self.draft_model) if m is not None]
         for model in models:
             check_supported(
                 self.attention_backend,

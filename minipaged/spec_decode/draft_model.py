@@ -113,8 +113,9 @@ class _Row:
         self.scheduled: ScheduledSeq | None = None
 
     def schedule(self, start: int, allocation) -> None:
-        """Run its tokens from ``start`` on (in ``allocation``'s slots), and return the
-        logits after the last one; no request group: the draft samples no one's."""
+        """The draft's next pass runs its tokens from ``start`` on, in ``allocation``'s
+        slots; the logits after the last one give the next guess (no request group:
+        the draft samples for no request)."""
         self.scheduled = ScheduledSeq(
             seq=Sequence(self.seq_id, self.tokens, len(self.tokens)),
             group=None,

@@ -53,7 +53,7 @@ from minipaged.spec_decode.rejection_sampler import rejection_sample
 
 
 def load_draft_model(
-    config: SpeculativeConfig,
+    config: SpeculativeConfig | None,
     vocab_size: int,
     max_model_len: int,
     dtype: str,
@@ -62,9 +62,10 @@ def load_draft_model(
 ) -> torch.nn.Module | None:
     """The draft model ``config`` names, loaded on ``device`` (on rank 0 only, with
     tensor parallelism) before the KV pools are sized, so that its weights count
-    against the memory; None for the n-gram method.  Refused (``ValueError`` naming
-    the key) if its vocabulary or length is not the target's."""
-    if config.method != "draft_model":
+    against the memory; None without one (no speculation, or the n-gram method).
+    Refused (``ValueError`` naming the key) if its vocabulary or length is not the
+    target's."""
+    if config is None or config.method != "draft_model":
         return None
     model = load_model(resolve_model(config.model), dtype, device, attention_backend)
     if model.config.vocab_size != vocab_size:
