@@ -31,6 +31,8 @@ from engine_helpers import (
 )
 from lora_helpers import PeftOracle, make_adapter
 from minipaged import LLM, BeamSearchParams, SamplingParams
+from minipaged.cache_engine import pool_sizes
+from minipaged.config import EngineConfig
 from minipaged.lora_request import LoRARequest
 from minipaged.memory.block_table import blocks_for
 
@@ -476,3 +478,16 @@ def test_smollm2_with_the_ngram_proposer_equals_hf(smollm2):
     assert output.outputs[0].token_ids == out[0, len(prompt) :].tolist()
     assert llm.stats()["spec_decode_acceptance_rate"] > 0.3  # (0.5 when written)
     assert_spec_done(llm)
+
+
+def test_a_profiled_budget_pays_for_both_pools_and_swaps_the_targets_blocks_only():
+    """On CUDA the budget is what profiling leaves (the draft's weights already loaded,
+    so already taken): each block of it costs the target's bytes and the draft's, and
+    the swap pool, which holds only the target's blocks, is sized by the target's."""
+    config = EngineConfig(model="unused", num_gpu_blocks=None, swap_space=1 / 1024)
+    target_block, draft_block, budget = 3000, 1000, 10**6
+    gpu, cpu = pool_sizes(
+        config, 64, torch.device("cuda"), target_block, lambda: budget, draft_block
+    )
+    assert gpu == 250  # 10**6 // 4000
+    assert cpu == (1 << 20) // 3000
