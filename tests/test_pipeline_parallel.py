@@ -11,6 +11,7 @@ ranks costs seconds, so one engine serves several checks.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 
 import pytest
@@ -231,3 +232,31 @@ def test_pipeline_parallel_size_flag(command):
 
     args = build_parser().parse_args([*command, "--pipeline-parallel-size", "2"])
     assert engine_kwargs(args)["pipeline_parallel_size"] == 2
+
+
+def test_bench_throughput_measures_the_bubble_and_the_bytes_between_stages(three_layers, tmp_path):
+    from minipaged.cli import main
+
+    path, _ = three_layers
+    json_path = tmp_path / "throughput.json"
+    argv = ["bench", "throughput", "--preset", "cpu", "--num-requests", "6"]
+    argv += ["--length-scale", "0.25", "--overhead-steps", "0", "--systems", "minipaged-cpu"]
+    argv += ["--pipeline-parallel-size", "2", "--model", str(path), "--json", str(json_path)]
+    assert main(argv) == 0
+    doc = json.loads(json_path.read_text())
+    one, staged = doc["results"]
+    assert [one["system"], staged["system"]] == ["minipaged-cpu", "minipaged-cpu-pp2"]
+    assert staged["speedup_vs_one_rank"] == pytest.approx(
+        staged["output_tokens_per_s"] / one["output_tokens_per_s"]
+    )
+    # Every prompt token and every output token but the last runs once, its 64 float32s
+    # sent from stage 0 to stage 1 (no preemption in a pool this big).
+    workload = doc["workload"]
+    rows = sum(workload["prompt_lens"]) + sum(n - 1 for n in workload["output_lens"])
+    stats = staged["pipeline"]
+    assert stats["activation_bytes_per_step"] * staged["num_steps"] == pytest.approx(rows * 64 * 4)
+    assert stats["num_stages"] == 2 and 0 < stats["bubble_fraction"] < 1
+    assert stats["bubble_fraction"] == pytest.approx(1 - sum(stats["busy_fraction_per_stage"]) / 2)
+    link = staged["projection"]["InfiniBand NDR 400 Gb/s (between nodes)"]
+    assert link["us_per_step"] == pytest.approx(stats["activation_bytes_per_step"] / 50e9 * 1e6)
+    assert "CPU cores" in doc["notes"][-1] and json_path.with_suffix(".png").is_file()

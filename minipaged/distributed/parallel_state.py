@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
@@ -243,10 +244,13 @@ class Timeline:
     """What this process did, as ``(kind, start, end)`` intervals of ``time.perf_counter``
     (one clock for every process of a machine): ``"forward"`` for a stage's compute,
     ``"send"`` and ``"recv"`` for the time its point-to-point ops waited.  Gathered from
-    every rank, it is the pipeline's timeline: what each stage did, and when it idled."""
+    every rank, it is the pipeline's timeline: what each stage did, and when it idled.
+    Only the last ``MAX_EVENTS`` are kept, so a server that never reads it stays small."""
+
+    MAX_EVENTS = 100_000
 
     def __init__(self) -> None:
-        self.events: list[tuple[str, float, float]] = []
+        self.events: deque[tuple[str, float, float]] = deque(maxlen=self.MAX_EVENTS)
         self.bytes_sent = 0  # activations and logits this process sent
 
     @contextlib.contextmanager
@@ -257,8 +261,9 @@ class Timeline:
 
     def take(self) -> dict:
         """The events and bytes so far, and start afresh."""
-        taken = {"events": self.events, "bytes_sent": self.bytes_sent}
-        self.events, self.bytes_sent = [], 0
+        taken = {"events": list(self.events), "bytes_sent": self.bytes_sent}
+        self.events.clear()
+        self.bytes_sent = 0
         return taken
 
 
