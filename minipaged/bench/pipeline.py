@@ -73,15 +73,15 @@ def projection(bytes_per_step: float) -> dict[str, dict]:
 
 def plot_timeline(ax, lanes: list[list[tuple[str, float, float]]], window_s: float | None = None):
     """Each stage's lane, time running right: its compute as solid bars, its waits in
-    ``recv`` and ``send`` hatched, the gaps idle; only the first ``window_s`` seconds
+    ``recv`` and ``send`` outlined, the gaps idle; only the first ``window_s`` seconds
     (None: all; a whole run is too dense to read).  Returns the bars drawn, by lane:
     ``[(kind, start_ms, width_ms), ...]``."""
     start = min(s for lane in lanes for _, s, _ in lane)
     end = start + window_s if window_s else max(e for lane in lanes for _, _, e in lane)
     style = {
         "forward": dict(color="tab:blue"),
-        "recv": dict(color="white", edgecolor="tab:orange", hatch="///"),
-        "send": dict(color="white", edgecolor="tab:green", hatch="\\\\\\"),
+        "recv": dict(facecolor="none", edgecolor="tab:orange"),
+        "send": dict(facecolor="none", edgecolor="tab:green"),
     }
     drawn = []
     for row, lane in enumerate(lanes):
@@ -93,5 +93,5 @@ def plot_timeline(ax, lanes: list[list[tuple[str, float, float]]], window_s: flo
     ax.set_yticks(range(len(lanes)), [f"stage {s}" for s in range(len(lanes))])
     ax.invert_yaxis()
     ax.set_xlabel("ms")
-    ax.legend(loc="upper right", fontsize="small", ncols=3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1, 1), fontsize="small")
     return drawn
