@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import signal
 
 import pytest
 import torch
@@ -144,7 +146,8 @@ class TestTwoStages:
 
 def test_two_ranks_by_two_stages_equal_hf_under_recompute_preemption(three_layers):
     """vLLM's layout: ranks 0-1 are stage 0, 2-3 stage 1; each stage's two ranks hold
-    one KV head each of its layers."""
+    one KV head each of its layers.  Then a rank of the last stage dies mid-step, while
+    the driver waits for its logits: the driver names it and stops the others."""
     path, oracle = three_layers
     llm = make_llm(path, tensor_parallel_size=2, pipeline_parallel_size=2, **POOL)
     outputs = generate(llm, PROMPTS, GREEDY)
@@ -153,7 +156,18 @@ def test_two_ranks_by_two_stages_equal_hf_under_recompute_preemption(three_layer
     assert_all_blocks_free(llm)
     assert llm.engine.executor.cache_layers == [2, 2, 1, 1]
     assert llm.engine.executor.cache_shapes == [(POOL["num_gpu_blocks"], BLOCK_SIZE, 1, 16)] * 4
-    llm.shutdown()
+    victim, execute = llm.engine.workers.processes[2], llm.engine.runner.execute
+
+    def kill_then_execute(*args):
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+        return execute(*args)
+
+    llm.engine.runner.execute = kill_then_execute
+    with pytest.raises(RuntimeError, match=f"worker rank 3 \\(pid {victim.pid}\\) died"):
+        generate(llm, PROMPTS[:1], GREEDY)
+    assert not any(p.is_alive() for p in llm.engine.workers.processes)
+    assert_all_blocks_free(llm)
 
 
 def test_smollm2_in_three_stages_equals_hf_generate(smollm2):
