@@ -14,6 +14,9 @@ With `capture_decode_graphs`, a step of decodes only replays a CUDA graph instea
 (`minipaged.cuda_graphs`).  With `enable_lora`, each token also gets its adapter's
 LoRA term (`minipaged.models.lora`): the batch is ordered by adapter slot within its
 prefills and its decodes, so each adapter's tokens form few segments.
+On a pipeline stage (``pipeline_parallel_size`` > 1) the runner runs the stage's layers
+only, micro-batch by micro-batch, receiving and sending the hidden states between
+stages (`ModelRunner._execute_stage`).
 """
 
 from __future__ import annotations

@@ -274,3 +274,31 @@ def test_bench_throughput_measures_the_bubble_and_the_bytes_between_stages(three
     link = staged["projection"]["InfiniBand NDR 400 Gb/s (between nodes)"]
     assert link["us_per_step"] == pytest.approx(stats["activation_bytes_per_step"] / 50e9 * 1e6)
     assert "CPU cores" in doc["notes"][-1] and json_path.with_suffix(".png").is_file()
+
+
+@pytest.mark.parametrize(
+    ("layers", "stages", "counts"),
+    # vLLM's documented partitions (its get_pp_indices): the remainder goes to the
+    # stages before the last, counting back.
+    [(32, 4, [8, 8, 8, 8]), (22, 4, [5, 6, 6, 5]), (5, 3, [2, 2, 1]), (61, 4, [15, 15, 16, 15])],
+)
+def test_layers_split_as_vllm_splits_them(layers, stages, counts):
+    from minipaged.distributed.parallel_state import PipelineStage, pp_layer_counts
+
+    assert pp_layer_counts(layers, stages) == counts
+    ranges = [PipelineStage(s, stages).layers(layers) for s in range(stages)]
+    assert [len(r) for r in ranges] == counts
+    assert [i for r in ranges for i in r] == list(range(layers))
+
+
+@pytest.mark.parametrize("counts", [[1], [5, 1, 1, 1], [1, 1, 1, 1, 1], [30, 2], [3, 3, 3]])
+def test_micro_batches_cut_the_batch_in_order(counts):
+    from types import SimpleNamespace
+
+    from minipaged.model_runner import micro_batches
+
+    seqs = [SimpleNamespace(num_new_tokens=n) for n in counts]
+    for stages in (1, 2, 3):
+        batches = micro_batches(seqs, stages)
+        assert [s for b in batches for s in b] == seqs
+        assert all(batches) and len(batches) <= stages

@@ -87,7 +87,7 @@ SYSTEMS = (
     "hf-generate-batch",
     "hf-continuous-batching",
 )
-# The steps of a staged run its picture shows: enough to see the pattern repeat.
+# How much of a staged run its picture shows, in average steps: enough to see a pattern.
 TIMELINE_STEPS = 6
 # What a preset fixes and a flag of the same name overrides.
 SETTING = (
@@ -496,13 +496,11 @@ def plot_throughput(rows: list[dict], overhead: dict | None = None, device: str 
         plot_overhead(axes[1], overhead)
     if staged:
         stats = staged["pipeline"]
-        steps = min(TIMELINE_STEPS, stats["num_steps"])
-        plot_timeline(
-            axes[-1], stats["first_events"], steps * stats["window_s"] / stats["num_steps"]
-        )
+        window = TIMELINE_STEPS * stats["window_s"] / stats["num_steps"]
+        plot_timeline(axes[-1], stats["first_events"], window)
         axes[-1].set_title(
-            f"{staged['system']}: the first {steps} steps\n"
-            f"(bubble over the run: {stats['bubble_fraction']:.0%})"
+            f"{staged['system']}: the run's first {1e3 * window:.0f} ms\n"
+            f"(bubble over the whole run: {stats['bubble_fraction']:.0%})"
         )
     return fig
 
