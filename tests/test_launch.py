@@ -3,14 +3,16 @@
 a veth pair (`netns.two_hosts`: root and iproute2, as CI has; elsewhere those tests skip,
 printing why), with one ``torchrun`` node in each.
 
-- TP=2 across the hosts: a script calling ``LLM(...)`` (``launch_driver.py``), run by
-  every rank, gives Hugging Face's greedy tokens on rank 0; rank 1 ran on B.
+- TP=2, and PP=2, across the hosts: a script calling ``LLM(...)``
+  (``launch_driver.py``), run by every rank, gives Hugging Face's greedy tokens on
+  rank 0; rank 1 ran on B.
 - ``minipaged serve`` across the hosts: rank 0 serves HTTP on A; killing rank 1's
   process on B mid-stream ends the stream with an error naming rank 1 and B's address,
   ``/health`` stops answering 200, serve exits 1, and nothing is left running in either
   namespace (torchrun on both hosts exits too).
 
-The commands are those of docs/distributed.md.  About a minute on 2 cores.
+The commands are those of docs/distributed.md.  About two minutes on a loaded 2-core
+machine, most of it starting torchrun and importing torch on each rank.
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ def test_external_launcher_needs_the_launchers_environment(tiny, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 ranks.*WORLD_SIZE=4"):
+    with pytest.raises(
+        ValueError,
+        match="tensor_parallel_size=2 x pipeline_parallel_size=1 needs 2 ranks.*WORLD_SIZE=4",
+    ):
         LLM(path, distributed_executor_backend="external_launcher", **SETTINGS)
 
 
@@ -147,10 +152,18 @@ def finish(node: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]
 
 
 @pytest.mark.netns
-def test_tp2_across_two_hosts_equals_hf_greedy(hosts, tiny):
+@pytest.mark.parametrize(
+    "split",
+    [{"tensor_parallel_size": 2}, {"tensor_parallel_size": 1, "pipeline_parallel_size": 2}],
+    ids=["tp2", "pp2"],
+)
+def test_two_ranks_across_two_hosts_equal_hf_greedy(hosts, tiny, split):
+    """One rank a host: each holds half of every layer (TP=2), or half the layers
+    (PP=2: stage 0 on A, stage 1 on B, the activations crossing the veth pair)."""
     a, b = hosts
     path, oracle = tiny("llama")
-    command = [str(DRIVER), str(path), json.dumps(PROMPTS), str(MAX_TOKENS), json.dumps(SETTINGS)]
+    settings = json.dumps({**SETTINGS, **split})
+    command = [str(DRIVER), str(path), json.dumps(PROMPTS), str(MAX_TOKENS), settings]
     nodes = [torchrun(host, command, "greedy") for host in (a, b)]
     (status_a, out, err_a), (status_b, _, err_b) = [finish(node) for node in nodes]
     assert status_a == 0, err_a[-4000:]

@@ -34,16 +34,17 @@ import traceback
 import weakref
 
 import torch
-import torch.distributed as dist
 
 from minipaged.config import EngineConfig
 from minipaged.distributed.executor import TensorParallelExecutor, worker_args
 from minipaged.distributed.parallel_state import (
+    NO_PIPELINE,
+    PipelineStage,
     RankInfo,
     TensorParallelGroup,
-    control_group,
     destroy_tensor_parallel,
     init_from_environment,
+    split_pipeline,
 )
 from minipaged.distributed.worker import run_rank
 from minipaged.model_runner import ModelRunner
@@ -63,7 +64,8 @@ def join_launched(
     """Join the ranks the launcher started: rank 0 returns the driver's `LaunchedGroup`;
     any other rank serves as a worker until the driver shuts down, then exits 0."""
     args = worker_args(config, path, device, attention_backend)
-    size = config.tensor_parallel_size
+    tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+    size = tp_size * pp_size
     if missing := [name for name in LAUNCHER_VARIABLES if name not in os.environ]:
         unset = "none is" if missing == list(LAUNCHER_VARIABLES) else f"{', '.join(missing)} not"
         raise ValueError(
@@ -72,17 +74,19 @@ def join_launched(
         )
     if int(os.environ["WORLD_SIZE"]) != size:
         raise ValueError(
-            f"tensor_parallel_size={size} needs {size} ranks; the launcher started "
-            f"WORLD_SIZE={os.environ['WORLD_SIZE']} (torchrun: nnodes x nproc-per-node)"
+            f"tensor_parallel_size={tp_size} x pipeline_parallel_size={pp_size} needs "
+            f"{size} ranks; the launcher started WORLD_SIZE={os.environ['WORLD_SIZE']} "
+            "(torchrun: nnodes x nproc-per-node)"
         )
     # torchrun sets OMP_NUM_THREADS for each rank: keep what it chose.
     args = dataclasses.replace(args, num_threads=torch.get_num_threads())
     device = _rank_device(device)
-    tp, store = init_from_environment(device, args.expert_parallel, args.all2all_backend)
-    if tp.rank != 0:
-        run_launched_worker(tp, store, args, device)
+    world, store = init_from_environment(device, args.expert_parallel, args.all2all_backend)
+    tp, pp = split_pipeline(world, tp_size, pp_size)
+    if world.rank != 0:
+        run_launched_worker(world, tp, pp, store, args, device)
         raise SystemExit(0)
-    return LaunchedGroup.start(tp, store)
+    return LaunchedGroup.start(world, tp, pp, store)
 
 
 def _rank_device(device: torch.device) -> torch.device:
@@ -92,16 +96,23 @@ def _rank_device(device: torch.device) -> torch.device:
     return device
 
 
-def run_launched_worker(tp: TensorParallelGroup, store, args, device: torch.device) -> None:
+def run_launched_worker(
+    world: TensorParallelGroup,
+    tp: TensorParallelGroup,
+    pp: PipelineStage,
+    store,
+    args,
+    device: torch.device,
+) -> None:
     """A launched worker's life: tell the driver where it runs, beat, then `run_rank`
     until the driver's goodbye.  ``SystemExit(1)`` if the set-up fails or the driver
     goes away mid-step (its traceback, or why, on stderr: this host's log)."""
-    me = RankInfo.here(tp.rank, os.environ["MASTER_ADDR"])
-    heartbeat = Heartbeat(store, tp.rank)
-    channel = GroupChannel(tp)
+    me = RankInfo.here(world.rank, os.environ["MASTER_ADDR"])
+    heartbeat = Heartbeat(store, world.rank)
+    channel = GroupChannel(world)
     try:
         channel.send(("ok", me))
-        if not run_rank(tp, channel, args, device):
+        if not run_rank(world, tp, pp, channel, args, device):
             raise SystemExit(f"minipaged: tensor-parallel worker {me} failed to set up")
     except RuntimeError as error:  # the driver died or left mid-step
         traceback.print_exc()
@@ -117,16 +128,16 @@ class GroupChannel:
     """A launched worker's line to the driver, as a spawned worker's pipe is: the
     driver's calls come by broadcast, the answers go back by gather."""
 
-    def __init__(self, tp: TensorParallelGroup) -> None:
-        self.tp = tp
+    def __init__(self, world: TensorParallelGroup) -> None:
+        self.world = world
 
     def recv(self):
-        return self.tp.broadcast_object()
+        return self.world.broadcast_object()
 
     def send(self, answer) -> None:
         if answer[0] == "error":  # also on this host's log, should the gather never complete
             print(answer[1], file=sys.stderr, flush=True)
-        dist.gather_object(answer, None, dst=0, group=control_group())
+        self.world.gather_object(answer)
 
 
 class Heartbeat:
@@ -158,16 +169,27 @@ class LaunchedGroup:
     (`executor`, the set-up calls, `check`, `fail`, `shutdown`), with every message on
     the group itself and failures found by heartbeat rather than by process."""
 
-    def __init__(self, tp: TensorParallelGroup, store) -> None:
-        self.tp, self.store = tp, store
+    def __init__(
+        self,
+        world: TensorParallelGroup,
+        store,
+        tp: TensorParallelGroup | None = None,
+        pp: PipelineStage = NO_PIPELINE,
+    ) -> None:
+        # The whole group (the plan's broadcast), this rank's tensor-parallel part of it
+        # and its pipeline stage, as a `WorkerGroup`'s.
+        self.world, self.store = world, store
+        self.tp, self.pp = tp or world, pp
         self.ranks: list[RankInfo] = []  # ranks 1..N-1, from their hello
         self.failure: str | None = None
         self.in_step = threading.Event()  # as `WorkerGroup.in_step`
-        self._finalizer = weakref.finalize(self, _goodbye, tp.size, self.in_step)
+        self._finalizer = weakref.finalize(self, _goodbye, world.size, self.in_step)
 
     @classmethod
-    def start(cls, tp: TensorParallelGroup, store) -> LaunchedGroup:
-        group = cls(tp, store)
+    def start(
+        cls, world: TensorParallelGroup, tp: TensorParallelGroup, pp: PipelineStage, store
+    ) -> LaunchedGroup:
+        group = cls(world, store, tp, pp)
         try:
             group.ranks = group.receive()
         except BaseException as error:
@@ -188,7 +210,7 @@ class LaunchedGroup:
             raise
 
     def send(self, method: str, *args) -> None:
-        self.tp.broadcast_object((method, args))
+        self.world.broadcast_object((method, args))
 
     def call(self, method: str, *args) -> list:
         self.send(method, *args)
@@ -201,9 +223,8 @@ class LaunchedGroup:
     def receive(self) -> list:
         """Each worker's next answer, in rank order; raises ``RuntimeError`` naming the
         rank if one reports an error or dies."""
-        answers = [None] * self.tp.size
         try:
-            dist.gather_object(None, answers, dst=0, group=control_group())
+            answers = self.world.gather_object(None)
         except RuntimeError as error:
             raise RuntimeError(
                 self._dead() or f"the tensor-parallel group failed: {error}"
@@ -240,7 +261,7 @@ class LaunchedGroup:
 
     def _dead(self) -> str | None:
         """The first worker whose heartbeat stops for ``DEAD_AFTER_S``, if one does."""
-        keys = [pulse_key(rank) for rank in range(1, self.tp.size)]
+        keys = [pulse_key(rank) for rank in range(1, self.world.size)]
         try:
             last = [self.store.add(key, 0) for key in keys]
             deadline = time.monotonic() + DEAD_AFTER_S
@@ -250,7 +271,7 @@ class LaunchedGroup:
                 alive |= {i for i, key in enumerate(keys) if self.store.add(key, 0) != last[i]}
         except RuntimeError:  # the store itself is gone (its host's torchrun died)
             return None
-        dead = [rank for rank in range(1, self.tp.size) if rank - 1 not in alive]
+        dead = [rank for rank in range(1, self.world.size) if rank - 1 not in alive]
         if not dead:
             return None
         return f"tensor-parallel worker {self._name(dead[0])} died (its heartbeat stopped)"
