@@ -3,6 +3,7 @@ server's limits (docs/serving-safely.md)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 
@@ -40,8 +41,29 @@ def add_arguments(parser) -> None:
         help="LoRA adapters (PEFT directories) to serve beside the model, a request's "
         "'model' naming one (needs --enable-lora)",
     )
+    parser.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="engine replicas, each a process with its own KV pool (and its own "
+        "--tensor-parallel-size ranks), behind this one server, which sends each "
+        "request to the least loaded (default: %(default)s)",
+    )
     _add_safety_flags(parser)
     add_engine_flags(parser)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1, or argparse's error naming the flag."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
+    return value
 
 
 def _add_safety_flags(parser) -> None:
@@ -97,5 +119,6 @@ def main(args) -> None:
         server_limits(args),
         args.allowed_hosts,
         args.lora_modules,
+        args.data_parallel_size,
         **engine_kwargs(args),
     )
