@@ -3,11 +3,10 @@ server's limits (docs/serving-safely.md)."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 
-from minipaged.arg_utils import MODEL_HELP, add_engine_flags, engine_kwargs
+from minipaged.arg_utils import MODEL_HELP, add_engine_flags, engine_kwargs, positive_int
 from minipaged.server.limits import ServerLimits
 
 NAME = "serve"
@@ -53,17 +52,6 @@ def add_arguments(parser) -> None:
     )
     _add_safety_flags(parser)
     add_engine_flags(parser)
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an int >= 1, or argparse's error naming the flag."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
-    return value
 
 
 def _add_safety_flags(parser) -> None:

@@ -424,6 +424,9 @@ class DataParallelEngine:
             try:
                 event = replica.events.recv()
             except (EOFError, OSError):
+                if self._stopping:  # told to stop: no one waits for its requests
+                    replica.alive = False
+                    return
                 replica.process.join(STOP_TIMEOUT_S)
                 self._post(self._replica_died, replica)
                 return
@@ -451,8 +454,6 @@ class DataParallelEngine:
     def _replica_died(self, replica: Replica) -> None:
         """Fail the dead replica's requests alone; with none left, the server stops."""
         replica.alive = False
-        if self._stopping:
-            return
         error = EngineDeadError(
             f"{replica.name} died (exit code {replica.process.exitcode}); "
             "its requests failed, the other engines serve on"
