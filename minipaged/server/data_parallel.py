@@ -270,13 +270,16 @@ class Router:
 class DataParallelEngine:
     """``data_parallel_size`` replicas of ``LLMEngine(config)``, with `AsyncEngine`'s
     methods for the API server: the engine thread's counters per replica
-    (`replica_stats`) for ``/metrics``, ``error`` once every replica is dead."""
+    (`replica_stats`) for ``/metrics``, ``error`` once every replica is dead.
+    ``prefix_aware_routing`` (default: with ``enable_prefix_caching``) turns the
+    router's prefix affinity on or off."""
 
     def __init__(
         self,
         config: EngineConfig,
         data_parallel_size: int,
         on_dead: Callable[[BaseException], None] | None = None,
+        prefix_aware_routing: bool | None = None,
     ) -> None:
         check_data_parallel_size(data_parallel_size, vars(config))
         self.on_dead, self.error = on_dead, None
@@ -291,9 +294,9 @@ class DataParallelEngine:
         except BaseException:
             self.shutdown()
             raise
-        self.router = Router(
-            config.block_size, config.enable_prefix_caching, self.engine.num_gpu_blocks
-        )
+        if prefix_aware_routing is None:
+            prefix_aware_routing = config.enable_prefix_caching
+        self.router = Router(config.block_size, prefix_aware_routing, self.engine.num_gpu_blocks)
         for replica in self.replicas:
             threading.Thread(
                 target=self._read,
