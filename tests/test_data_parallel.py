@@ -211,9 +211,9 @@ def test_a_client_leaving_mid_stream_aborts_its_engine_request(server):
 
 def test_a_bad_data_parallel_size_is_a_clear_error(path, capsys):
     assert run_main(["serve", str(path), "--data-parallel-size", "0"]) == 2
-    assert (
-        "argument --data-parallel-size/-dp: must be an int >= 1, got 0" in capsys.readouterr().err
-    )
+    assert "--data-parallel-size/-dp: must be an int >= 1, got 0" in capsys.readouterr().err
+    assert run_main(["bench", "throughput", "--data-parallel-size", "x"]) == 2
+    assert "--data-parallel-size/-dp: must be an int >= 1, got 'x'" in capsys.readouterr().err
     from minipaged.server.app import serve
 
     with pytest.raises(ValueError, match="data_parallel_size must be >= 1"):
