@@ -121,7 +121,7 @@ class EngineCollector:
         self.engine = engine
 
     def collect(self):
-        if isinstance(self.engine, AsyncEngine):
+        if not isinstance(self.engine, DataParallelEngine):
             yield from engine_metrics([self.engine.stats], [])
             return
         replicas = self.engine.replica_stats()
