@@ -719,6 +719,8 @@ def serve(
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it has already handled
         pass
+    finally:  # the app's lifespan does it too, unless a Ctrl-C cut it short
+        engine.shutdown()
     if engine.error is not None:
         raise SystemExit(
             f"minipaged serve: the engine died ({engine.error!r}); the traceback is above"

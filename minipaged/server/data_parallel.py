@@ -30,6 +30,7 @@ running + waiting.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import multiprocessing
@@ -284,6 +285,8 @@ class DataParallelEngine:
         check_data_parallel_size(data_parallel_size, vars(config))
         self.on_dead, self.error = on_dead, None
         self._stopping = False
+        # multiprocessing joins its children at exit: stop them first, or it waits forever.
+        atexit.register(self.shutdown)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._batches: dict[int, Batch] = {}
         self._batch_ids = itertools.count()
@@ -400,7 +403,10 @@ class DataParallelEngine:
         return [(r, r.stats if r.alive else {}) for r in self.replicas]
 
     def shutdown(self) -> None:
-        """Stop every replica (killed if it will not stop) and wait for it."""
+        """Stop every replica (killed if it will not stop) and wait for it; again, a
+        no-op."""
+        if self._stopping:
+            return
         self._stopping = True
         for replica in self.replicas:
             self._command(replica, "stop")
