@@ -224,6 +224,31 @@ def test_a_bad_data_parallel_size_is_a_clear_error(path, capsys):
         LLM(str(path), data_parallel_size=2)
 
 
+def test_the_router_sends_a_prefix_where_it_went_unless_that_replica_is_too_busy():
+    """Worked by hand, block size 2: least loaded first (lowest index on a tie); a
+    prompt sharing 2 blocks with what replica 1 was sent goes there although replica 0
+    is less busy, until replica 1 is more than PREFIX_SLACK requests busier."""
+    from types import SimpleNamespace
+
+    from minipaged.server.data_parallel import PREFIX_SLACK, Replica, Router
+
+    replicas = [Replica(i, SimpleNamespace(pid=i), None, None) for i in range(2)]
+    router = Router(block_size=2, prefix_aware=True, capacity_blocks=8)
+    assert router.block_hashes([1, 2, 3, 4, 5]) == router.block_hashes([1, 2, 3, 4])
+    assert router.block_hashes([1, 2, 3, 4])[1] != router.block_hashes([9, 9, 3, 4])[1]
+    replicas[0].load = 1
+    assert router.pick(replicas, [[1, 2, 3, 4, 5]]) is replicas[1]  # least loaded
+    replicas[1].load = 1 + PREFIX_SLACK
+    assert router.pick(replicas, [[1, 2, 3, 4, 9]]) is replicas[1]  # its prefix
+    assert router.pick(replicas, [[7, 7, 3, 4, 9]]) is replicas[0]  # no shared prefix
+    replicas[1].load = 2 + PREFIX_SLACK
+    assert router.pick(replicas, [[1, 2, 3, 4, 9]]) is replicas[0]  # too busy now
+    plain = Router(block_size=2, prefix_aware=False, capacity_blocks=8)
+    assert plain.pick(replicas, [[1, 2, 3, 4, 9]]) is replicas[0]
+    replicas[0].alive, replicas[1].load = False, 100
+    assert plain.pick(replicas, [[1]]) is replicas[1]  # the dead get nothing
+
+
 # -- faults ---------------------------------------------------------------------------
 def test_a_dead_engine_fails_only_its_own_requests(server, oracle):
     """A stream starts on engine 0 (both idle: the lower index), which is then frozen; a

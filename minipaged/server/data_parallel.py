@@ -381,12 +381,6 @@ class DataParallelEngine:
         if running:
             self._command(batch.replica, "abort", batch_id)
 
-    def abort(self, request_id: str) -> None:
-        """Abort the batch holding ``request_id`` (a whole HTTP request's prompts)."""
-        for batch_id, batch in list(self._batches.items()):
-            if request_id in batch.request_ids:
-                self._close(batch_id, set(batch.request_ids))
-
     def remove_lora(self, lora_int_id: int) -> None:
         raise ValueError("data_parallel_size > 1 serves no LoRA adapters")
 
