@@ -6,7 +6,8 @@ weight read once), attention over each sequence's cached context, and the small 
 around them (norms, rotary, activation, residuals).  For each dtype and batch size this
 times, alternately, ``rounds`` times each:
 
-- the whole step (the forward over the paged cache, then the logits of every row) with
+- the whole step (the forward over the paged cache with the engine's attention backend,
+  then the logits of every row) with
   the projections through ``F.linear`` (``unpacked``) and through oneDNN's weights
   packed at load (``packed``, `minipaged.models.cpu_linear`, the default on a CPU);
 - the projections alone on the same shapes, each way: the step's matmul time, the rest
@@ -38,6 +39,7 @@ from minipaged.distributed.layers import linear
 from minipaged.models.attention import AttentionMetadata, allocate_kv_caches
 from minipaged.models.cpu_linear import PACKED_LAYERS, can_pack, cpu_flags, native_bf16
 from minipaged.models.loader import load_model
+from minipaged.models.resolve import resolve_backend
 
 NAME = "cpu_step"
 HELP = "a decode step on a CPU: packed vs F.linear projections, against the matmul rate"
@@ -136,9 +138,12 @@ def bench_cpu_step(
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     rows, ceilings = [], {}
+    backend = resolve_backend("auto", torch.device("cpu"))  # the engine's on a CPU
     for dtype_name in dtypes:
         models = {
-            variant: load_model(model_path, dtype_name, pack_weights=variant == "packed")
+            variant: load_model(
+                model_path, dtype_name, attention_backend=backend, pack_weights=variant == "packed"
+            )
             for variant in VARIANTS
         }
         dtype = models["packed"].model.embed_tokens.weight.dtype
@@ -178,7 +183,12 @@ def bench_cpu_step(
             if (r["dtype"], r["batch"], r["variant"]) == (row["dtype"], row["batch"], "unpacked")
         )
         row["step_vs_unpacked"] = row["step_ms"] / unpacked["step_ms"]
-    return {"rows": rows, "ceiling_gflops": ceilings, "context_len": context_len}
+    return {
+        "rows": rows,
+        "ceiling_gflops": ceilings,
+        "context_len": context_len,
+        "attention_backend": backend,
+    }
 
 
 def machine() -> dict:
