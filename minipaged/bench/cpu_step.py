@@ -35,7 +35,6 @@ from tqdm.auto import tqdm
 from minipaged.bench import common
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column
-from minipaged.distributed.layers import linear
 from minipaged.models.attention import AttentionMetadata, allocate_kv_caches
 from minipaged.models.cpu_linear import PACKED_LAYERS, can_pack, cpu_flags, native_bf16
 from minipaged.models.loader import load_model
@@ -111,7 +110,7 @@ def projections(model, batch: int) -> Callable[[], None]:
     @torch.inference_mode()
     def run():
         for layer, x in zip(layers, inputs):
-            linear(x, layer)
+            layer(x)
 
     return run
 
