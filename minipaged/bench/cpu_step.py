@@ -248,7 +248,6 @@ def plot_cpu_step(result: dict, title: str) -> Figure:
         ax.set(
             title=f"{dtype} (ceiling {result['ceiling_gflops'][dtype]:.0f} GFLOP/s: black)",
             ylabel="ms per decode step",
-            yscale="log",
         )
         ax.legend(fontsize=8)
     fig.suptitle(title)
