@@ -73,6 +73,16 @@ def test_distributed_executor_backend_is_one_minipaged_has(backend):
         EngineConfig(model="m", distributed_executor_backend=backend)
 
 
+def test_replicas_of_a_launched_engine_are_refused():
+    pytest.importorskip("fastapi")  # the server extra
+    from minipaged.server.data_parallel import check_data_parallel_size
+
+    launched = {"distributed_executor_backend": "external_launcher"}
+    with pytest.raises(ValueError, match="data_parallel_size > 1 cannot run with distributed_"):
+        check_data_parallel_size(2, launched)
+    check_data_parallel_size(1, launched)
+
+
 @pytest.mark.parametrize(
     "command", [["generate", "--model", "M", "hi"], ["serve", "M"], ["bench", "throughput"]]
 )
