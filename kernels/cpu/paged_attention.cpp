@@ -147,7 +147,7 @@ inline fvec load_floats(const T* p) { return static_cast<float>(*p); }
 // A key or value row of `n` elements as float32: the cache itself when it holds floats,
 // else `buffer`, filled once for all the queries that read the row.
 template <typename T>
-const float* widen(const T* x, int64_t n, float* buffer) {
+const float* widen_any(const T* x, int64_t n, float* buffer) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
   } else {
@@ -158,8 +158,16 @@ const float* widen(const T* x, int64_t n, float* buffer) {
   }
 }
 
+// The common head sizes as constants, unrolled (as `dot` below).
+template <typename T>
+const float* widen(const T* x, int64_t n, float* buffer) {
+  if (n == 64) return widen_any(x, 64, buffer);
+  if (n == 128) return widen_any(x, 128, buffer);
+  return widen_any(x, n, buffer);
+}
+
 // Two partial sums in flight: an FMA's latency is longer than its issue interval.
-inline float dot(const float* a, const float* b, int64_t n) {
+inline float dot_any(const float* a, const float* b, int64_t n) {
   fvec s0 = splat(0.f), s1 = splat(0.f);
   int64_t d = 0;
   for (; d + 2 * W <= n; d += 2 * W) {
@@ -172,11 +180,25 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-inline void axpy(float w, const float* x, float* y, int64_t n) {
+inline void axpy_any(float w, const float* x, float* y, int64_t n) {
   const fvec ws = splat(w);
   int64_t d = 0;
   for (; d + W <= n; d += W) store(y + d, fmadd(ws, load_floats(x + d), load_floats(y + d)));
   for (; d < n; ++d) y[d] += w * x[d];
+}
+
+// The common head sizes get loops of a constant length, which the compiler unrolls
+// completely: in these innermost loops, the loop's own counting cost a fifth of the time.
+inline float dot(const float* a, const float* b, int64_t n) {
+  if (n == 64) return dot_any(a, b, 64);
+  if (n == 128) return dot_any(a, b, 128);
+  return dot_any(a, b, n);
+}
+
+inline void axpy(float w, const float* x, float* y, int64_t n) {
+  if (n == 64) return axpy_any(w, x, y, 64);
+  if (n == 128) return axpy_any(w, x, y, 128);
+  axpy_any(w, x, y, n);
 }
 
 // -- the cache's layout ----------------------------------------------------------------
