@@ -4,8 +4,10 @@
 Decode reads each sequence's whole K/V once to produce one token, about one multiply-add
 per element read, so it is bound by memory bandwidth, not arithmetic.  The fair measure
 of a decode kernel is therefore the bandwidth it achieves (bytes of K/V, query and
-output divided by time) as a fraction of what the GPU can stream at all, measured in
-the same run by summing a buffer far larger than its caches.
+output divided by time) as a fraction of what the device can stream at all, measured in
+the same run by summing a buffer far larger than its caches (on a CPU with every thread
+torch uses, as the kernels run; the ``cpu-serving`` preset is SmolLM2's layer at the
+batch sizes `bench throughput` serves).
 
 Every shape lays the same K/V out three ways:
 
@@ -51,7 +53,7 @@ from minipaged.ops import (
 from minipaged.ops.testing import assert_close
 
 NAME = "attention"
-HELP = "attention ops per backend vs the GPU's read bandwidth"
+HELP = "attention ops per backend vs the device's read bandwidth"
 DESCRIPTION = (
     "Time paged decode and prefill for each backend, the same kernel over "
     "a contiguous cache, and torch's scaled_dot_product_attention, and "
