@@ -11,8 +11,8 @@ printing why), with one ``torchrun`` node in each.
   ``/health`` stops answering 200, serve exits 1, and nothing is left running in either
   namespace (torchrun on both hosts exits too).
 
-The commands are those of docs/distributed.md.  About two minutes on a loaded 2-core
-machine, most of it starting torchrun and importing torch on each rank.
+The commands are those of docs/distributed.md.  About a minute on 2 cores (two on a
+heavily loaded machine), most of it starting torchrun and importing torch on each rank.
 """
 
 from __future__ import annotations
