@@ -20,6 +20,7 @@ from minipaged.config import (
     ALL2ALL_BACKENDS,
     ATTENTION_BACKENDS,
     DEVICES,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
     MEMORY_MODES,
     PREEMPTION_MODES,
@@ -33,6 +34,7 @@ CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "all2all_backend": ALL2ALL_BACKENDS,
+    "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
 }
 
 
@@ -44,6 +46,17 @@ def json_object(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1, or argparse's error naming the flag."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
     return value
 
 

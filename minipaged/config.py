@@ -26,6 +26,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 # How expert parallelism moves tokens (minipaged.models.moe.ALL2ALL_BACKENDS): all-to-all
 # exchanges, or vLLM's all-gather + reduce-scatter.
 ALL2ALL_BACKENDS = ("alltoall", "allgather_reducescatter")
+# How the ranks of tensor_parallel_size > 1 start: spawned by the engine's process
+# (vLLM's "mp"), or each started by a launcher such as torchrun, on any host.
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")
 # The names of the memory simulation's systems (minipaged.memory.simulate.SYSTEMS).
 MEMORY_MODES = ("paged", *(f"contiguous-{policy}" for policy in POLICIES))
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -79,9 +82,20 @@ class EngineConfig:
             ``VLLM_CPU_KVCACHE_SPACE``).
         tensor_parallel_size: processes to split the model over (§4.6), one per GPU on
             CUDA; on a CPU they share its cores.
+        pipeline_parallel_size: stages to cut the model's layers into, each holding its
+            layers and their KV blocks, each split over ``tensor_parallel_size``
+            processes of its own (``tensor_parallel_size * pipeline_parallel_size`` in
+            all); a step's activations go stage to stage.
+        distributed_executor_backend: how those processes start: ``"mp"``, spawned by
+            this one (one machine); ``"external_launcher"``, each started by ``torchrun``
+            running the same command, on any number of hosts, which meet in
+            ``torch.distributed``'s ``env://`` rendezvous: rank 0 runs the engine, the
+            others serve it as workers and exit when it shuts down
+            (`minipaged.distributed.launcher`).
         speculative_config: speculative decoding, as vLLM's dict (`SpeculativeConfig`):
             ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}``
-            or ``{"model": DRAFT, "num_speculative_tokens": k}``; None: off.
+            or ``{"model": DRAFT, "num_speculative_tokens": k}``; None: off.  Not with
+            beam search, a contiguous ``memory_mode`` or an int8 ``kv_cache_dtype``.
         enable_expert_parallel: a mixture-of-experts model's ranks hold whole experts
             (``num_experts / tensor_parallel_size`` each) rather than a slice of every
             one, and tokens travel to them (`minipaged.models.moe`).
@@ -119,6 +133,8 @@ class EngineConfig:
     trace: bool = False
     cpu_kv_space: float = 1
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
     speculative_config: SpeculativeConfig | dict | None = None
     enable_expert_parallel: bool = False
     all2all_backend: str = "alltoall"
@@ -134,9 +150,15 @@ class EngineConfig:
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("all2all_backend", self.all2all_backend, ALL2ALL_BACKENDS)
+        _choice(
+            "distributed_executor_backend",
+            self.distributed_executor_backend,
+            DISTRIBUTED_EXECUTOR_BACKENDS,
+        )
         _positive_int("block_size", self.block_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
         _positive_int("max_loras", self.max_loras)
         _positive_int("max_lora_rank", self.max_lora_rank)
         if self.max_cpu_loras is None:
@@ -195,6 +217,28 @@ class EngineConfig:
                 # Orca's reservations are sized without a draft's lookahead slots.
                 raise ValueError(
                     f"speculative_config needs memory_mode='paged', got {self.memory_mode!r}"
+                )
+            if self.kv_cache_dtype == "int8":
+                # An int8 block's scale grows with what is written to it, guesses that
+                # are later rejected included, and re-rounds the tokens it keeps: the
+                # target would not decode as it does without a draft.  fp8's is fixed.
+                raise ValueError(
+                    "speculative_config cannot run with kv_cache_dtype='int8' (its "
+                    "per-block scales would keep a trace of rejected guesses); use "
+                    "kv_cache_dtype='fp8' or 'auto'"
+                )
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """What pipeline stages cannot run in minipaged (the stages' runners hold no
+        adapters, no draft model, no whole expert layers)."""
+        if self.pipeline_parallel_size == 1:
+            return
+        for name in ("speculative_config", "enable_lora", "enable_expert_parallel"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"{name} cannot run with pipeline_parallel_size="
+                    f"{self.pipeline_parallel_size} in minipaged"
                 )
 
 

@@ -14,6 +14,7 @@ import gc
 import multiprocessing
 import os
 import signal
+import socket
 
 import pytest
 import torch
@@ -172,8 +173,8 @@ def test_four_ranks_replicate_kv_heads_and_survive_ctrl_c(tiny):
 
 def test_killed_worker_fails_fast_naming_its_rank(tiny):
     """A worker dies mid-step, while the driver waits for it in a collective: gloo's
-    closed socket ends the wait, and the driver names the rank, stops the rest and
-    refuses further steps."""
+    closed socket ends the wait, and the driver names the rank and its host, stops the
+    rest and refuses further steps (as under torchrun: test_launch.py)."""
     path, _ = tiny("llama")
     llm = make_llm(path, tensor_parallel_size=2, block_size=BLOCK_SIZE, num_gpu_blocks=64)
     victim, execute = llm.engine.workers.processes[0], llm.engine.runner.execute
@@ -184,7 +185,8 @@ def test_killed_worker_fails_fast_naming_its_rank(tiny):
         return execute(*args)
 
     llm.engine.runner.execute = kill_then_execute
-    with pytest.raises(RuntimeError, match=f"worker rank 1 \\(pid {victim.pid}\\) died"):
+    named = f"worker rank 1 on {socket.gethostname()} \\(127.0.0.1, pid {victim.pid}\\) died"
+    with pytest.raises(RuntimeError, match=named):
         generate(llm, PROMPTS[:1], GREEDY)
     assert_no_worker_left(llm)
     assert_all_blocks_free(llm)
@@ -208,7 +210,9 @@ def test_smollm2_tp3_equals_hf_generate(smollm2):
             ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12
         )[0, len(prompt) :].tolist()
     del hf
-    llm = make_llm(smollm2, tensor_parallel_size=3, num_gpu_blocks=16, max_model_len=256)
+    llm = make_llm(  # in HF's float32, whatever the checkpoint's dtype
+        smollm2, dtype="float32", tensor_parallel_size=3, num_gpu_blocks=16, max_model_len=256
+    )
     out = generate(llm, [prompt], SamplingParams(temperature=0, max_tokens=12))
     assert out[0].outputs[0].token_ids == expected
     assert llm.engine.executor.cache_shapes == [(16, 16, 1, 64)] * 3

@@ -9,6 +9,11 @@ swaps and copies on its own pools, then the model runner's forward pass, whose
 collectives (two all-reduces per layer, the gather of the logits) meet the driver's.
 The block tables are the driver's: every rank has the same number of blocks, so a
 block id means the same slot on all of them.
+
+Under pipeline parallelism the plan goes to every rank of every stage, and each runs
+the block operations on the pools of its own layers; the forward pass then goes stage
+to stage (`minipaged.model_runner.ModelRunner`).  Between steps the driver may ask
+instead for every rank's `TIMELINE` (`TIMELINE_REQUEST`), to draw the pipeline.
 """
 
 from __future__ import annotations
@@ -24,17 +29,32 @@ import torch
 from minipaged.batch import ScheduledSeq, SchedulerOutput
 from minipaged.cache_engine import CacheEngine
 from minipaged.distributed.parallel_state import (
+    TIMELINE,
+    PipelineStage,
     TensorParallelGroup,
     destroy_tensor_parallel,
     init_tensor_parallel,
     kv_heads_per_rank,
+    split_pipeline,
 )
 from minipaged.model_runner import ModelRunner
 from minipaged.models.attention import calculate_kv_scales_on_next_batch, head_dim
 from minipaged.models.loader import load_model
 from minipaged.sequence import Sequence
 
-__all__ = ["StepPlan", "StepTokens", "WorkerArgs", "rank_device", "rank_kv_config", "worker_main"]
+__all__ = [
+    "TIMELINE_REQUEST",
+    "StepPlan",
+    "StepTokens",
+    "WorkerArgs",
+    "rank_device",
+    "rank_kv_config",
+    "run_rank",
+    "worker_main",
+]
+
+# Broadcast instead of a plan: every rank answers with its timeline (`gather_object`).
+TIMELINE_REQUEST = "timeline"
 
 
 @dataclass
@@ -124,6 +144,7 @@ class WorkerArgs:
     expert_parallel: bool
     all2all_backend: str
     lora: tuple[int, int, int] | None = None  # (max_loras, max_lora_rank, max_cpu_loras)
+    pipeline_parallel_size: int = 1
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -131,20 +152,22 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device == "cuda" else torch.device(device)
 
 
-def rank_kv_config(config, size: int):
+def rank_kv_config(config, size: int, num_layers: int | None = None):
     """``config`` as one rank's KV cache sees it: `kv_heads_per_rank` KV heads of the
-    same ``head_dim`` (for `allocate_kv_caches` and `block_bytes`)."""
-    if size == 1:
+    same ``head_dim``, and, on a pipeline stage, ``num_layers`` layers (for
+    `allocate_kv_caches` and `block_bytes`)."""
+    if size == 1 and num_layers in (None, config.num_hidden_layers):
         return config
     view = copy.copy(config)
     view.head_dim = head_dim(config)  # fixed before the head counts change under it
     view.num_key_value_heads = kv_heads_per_rank(config.num_key_value_heads, size)
+    view.num_hidden_layers = num_layers or config.num_hidden_layers
     return view
 
 
 def worker_main(rank: int, size: int, port: int, conn, args: WorkerArgs) -> None:
-    """A worker process's life: join the group, load the shard, answer the driver's
-    set-up calls on ``conn``, then run broadcast steps until the driver sends None."""
+    """A spawned worker process's life: join the group at the driver's loopback
+    ``port``, then `run_rank` with the driver's pipe, ``conn``."""
     # Ctrl-C reaches every process of the terminal's group; only the driver acts on it
     # (it stops the workers), so a worker never dies mid-collective on its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -152,10 +175,31 @@ def worker_main(rank: int, size: int, port: int, conn, args: WorkerArgs) -> None
     try:
         conn.send(("hello", os.getpid()))
         device = rank_device(args.device, rank)
-        tp = init_tensor_parallel(
+        world = init_tensor_parallel(
             rank, size, port, device, args.expert_parallel, args.all2all_backend
         )
-        model = load_model(args.path, args.dtype, device, args.attention_backend, tp)
+        pp_size = args.pipeline_parallel_size
+        tp, pp = split_pipeline(world, size // pp_size, pp_size)
+    except Exception:  # noqa: BLE001 (the driver re-raises it, naming this rank)
+        conn.send(("error", traceback.format_exc()))
+        return
+    run_rank(world, tp, pp, conn, args, device)
+
+
+def run_rank(
+    world: TensorParallelGroup,
+    tp: TensorParallelGroup,
+    pp: PipelineStage,
+    conn,
+    args: WorkerArgs,
+    device: torch.device,
+) -> bool:
+    """A worker's rank, once in the group ``world`` (its tensor-parallel part ``tp``,
+    its stage ``pp``): load its shard, answer the driver's set-up calls on ``conn``
+    (``send`` and ``recv``), then run broadcast steps until the driver sends None.
+    Returns False, having sent the traceback, if the set-up failed."""
+    try:
+        model = load_model(args.path, args.dtype, device, args.attention_backend, tp, pp)
         runner = ModelRunner(model, args.block_size, device)
         if args.lora:
             runner.enable_lora(*args.lora)
@@ -163,15 +207,19 @@ def worker_main(rank: int, size: int, port: int, conn, args: WorkerArgs) -> None
         cache_engine = _set_up(conn, runner, tp, args.block_size, device)
     except Exception:  # noqa: BLE001 (the driver re-raises it, naming this rank)
         conn.send(("error", traceback.format_exc()))
-        return
+        return False
     try:
-        while (plan := tp.broadcast_object()) is not None:
+        while (plan := world.broadcast_object()) is not None:
+            if plan == TIMELINE_REQUEST:
+                world.gather_object(TIMELINE.take())
+                continue
             batch = plan.batch()
             cache_engine.execute(batch)
             runner.activate_loras(batch.lora_loads)
             runner.execute(batch.seqs, cache_engine.gpu_cache)
     finally:
         destroy_tensor_parallel()
+    return True
 
 
 def _set_up(
@@ -183,13 +231,15 @@ def _set_up(
     while True:
         method, call_args = conn.recv()
         if method == "allocate":
-            config = rank_kv_config(runner.model.config, tp.size)
+            model = runner.model
+            config = rank_kv_config(model.config, tp.size, len(model.model.stage_layers))
             num_gpu_blocks, num_cpu_blocks, dtype, calculate_kv_scales = call_args
             cache_engine = CacheEngine(
                 config, num_gpu_blocks, num_cpu_blocks, block_size, dtype, device
             )
             if calculate_kv_scales:
                 calculate_kv_scales_on_next_batch(runner.model)
-            conn.send(("ok", tuple(cache_engine.gpu_cache[0][0].shape)))
+            gpu_cache = cache_engine.gpu_cache
+            conn.send(("ok", (len(gpu_cache), tuple(gpu_cache[0][0].shape))))
             return cache_engine
         conn.send(("ok", getattr(runner, method)(*call_args)))
