@@ -20,6 +20,11 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
+    # The network-namespace tests build hosts and clusters of their own: under
+    # pytest-xdist (`make test`) they share one worker, so they run one at a time.
+    for item in items:
+        if "netns" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("netns"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `make gpu-test` on the GPU machine)")

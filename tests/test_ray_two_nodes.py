@@ -31,8 +31,7 @@ pytest.importorskip("ray.serve")
 from netns import two_hosts  # noqa: E402
 from server_helpers import ENGINE, MODEL  # noqa: E402
 
-# One namespace test at a time: under pytest-xdist they share a worker.
-pytestmark = [pytest.mark.netns, pytest.mark.xdist_group("netns")]
+pytestmark = pytest.mark.netns
 
 HEAD_IP, WORKER_IP = "10.213.0.1", "10.213.0.2"
 GCS_PORT, HTTP_PORT = 6379, 8000  # inside the namespaces: nothing else binds there
