@@ -161,12 +161,17 @@ def peer_workload(
 
 def peer_env(num_threads: int) -> dict[str, str]:
     """The environment variables that put the peer on ``num_threads`` cores, the first
-    this process may use; vLLM's log quieter unless asked for (``VLLM_LOGGING_LEVEL``)."""
+    this process may use; vLLM's log quieter and its compile cache the one that loads,
+    unless asked otherwise."""
     cores = usable_cores()[:num_threads]
     return {
         "OMP_NUM_THREADS": str(num_threads),
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)),
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        # vllm-cpu 0.32's default cache of compiled models fails to load on a CPU
+        # ("'function' object has no attribute 'finalize_loading'"), so every start
+        # compiled again, minutes; its older cache loads.
+        "VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0"),
         "HF_HUB_OFFLINE": "1",  # the checkpoint is a local directory
     }
 
