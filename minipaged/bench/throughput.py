@@ -21,6 +21,12 @@ around them.  On a CPU every system runs on ``num_threads`` threads (one by defa
 
 The engine's own overhead per step, with the model stubbed, is measured beside them
 (`overhead`).
+
+With ``--pipeline-parallel-size`` P > 1 each minipaged system runs twice, on one rank
+and then in P stages, and the staged row adds the pipeline's measured timeline
+(`minipaged.bench.pipeline`): the bubble fraction, each stage's time in point-to-point
+ops, the bytes between stages per step and what they would take on a GPU node's links,
+and the throughput against one rank.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from minipaged.bench.common import (
 )
 from minipaged.bench.hf_baselines import HF_SYSTEMS, run_hf_baselines
 from minipaged.bench.overhead import format_overhead, measure_engine_overhead, plot_overhead
+from minipaged.bench.pipeline import pipeline_stats, plot_timeline, projection
 from minipaged.bench.presets import (
     GPU_MODEL,
     default_preset,
@@ -87,6 +94,8 @@ SYSTEMS = (
     "hf-continuous-batching",
     VLLM_CPU,
 )
+# How much of a staged run its picture shows, in average steps: enough to see a pattern.
+TIMELINE_STEPS = 6
 # What a preset fixes and a flag of the same name overrides.
 SETTING = (
     "num_requests",
@@ -217,8 +226,11 @@ def run_minipaged(
     from minipaged.sampling_params import SamplingParams
 
     llm = LLM(str(path), **{**engine_kwargs, "attention_backend": backend})
-    device, tp = llm.engine.device, llm.engine.config.tensor_parallel_size
-    system = f"minipaged-{backend}" + (f"-tp{tp}" if tp > 1 else "")
+    config = llm.engine.config
+    device, tp, pp = llm.engine.device, config.tensor_parallel_size, config.pipeline_parallel_size
+    system = (
+        f"minipaged-{backend}" + (f"-tp{tp}" if tp > 1 else "") + (f"-pp{pp}" if pp > 1 else "")
+    )
     try:
         # Warm-up: a lone request, then a full batch, so the kernels the timed run
         # launches (one and many sequences, prefill and decode) are compiled.
@@ -229,6 +241,8 @@ def run_minipaged(
                 use_tqdm=False,
             )
         before, comm_before = llm.stats(), dict(COMM.seconds)
+        if pp > 1:
+            llm.engine.executor.timelines()  # the warm-up's, dropped
         params = [
             SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=True)
             for r in requests
@@ -243,6 +257,12 @@ def run_minipaged(
         comm_ms = {
             kind: 1e3 * (s - comm_before.get(kind, 0.0)) / steps for kind, s in COMM.seconds.items()
         }
+        pipeline = {}
+        if pp > 1:
+            stats = pipeline_stats(llm.engine.executor.timelines(), tp, steps)
+            pipeline = dict(
+                pipeline=stats, projection=projection(stats["activation_bytes_per_step"])
+            )
     finally:
         del llm
         free_memory(device)
@@ -258,7 +278,9 @@ def run_minipaged(
             num_steps=steps,
             num_preemptions=after["num_preemptions"] - before["num_preemptions"],
             tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
             comm_ms_per_step=comm_ms,
+            **pipeline,
         ),
         generated,
         generated,
@@ -319,7 +341,25 @@ def bench_throughput(
     notes += [load, _load_note("after")]
     if not runs:
         raise ValueError(f"systems {list(systems)} could not run here: " + "; ".join(notes))
-    return ThroughputBench([runs[s].row for s in systems if s in runs], runs, notes)
+    if engine_kwargs.get("pipeline_parallel_size", 1) > 1:
+        notes.append(pipeline_note(device))
+    order = {s: i for i, s in enumerate(systems)}
+    rows = [r.row for key, r in sorted(runs.items(), key=lambda kv: order[kv[0].split()[0]])]
+    return ThroughputBench(rows, runs, notes)
+
+
+def pipeline_note(device: torch.device) -> str:
+    """What a run of pipeline stages on ``device`` can and cannot show."""
+    if device.type != "cpu":
+        return "each stage ran on a GPU of its own"
+    return (
+        f"the stages are processes sharing this machine's {os.cpu_count()} CPU cores: "
+        "the bubble fraction and the bytes per step are the schedule's and hold on any "
+        "hardware, but the speedup against one rank cannot show a pipeline's gain (the "
+        "stages compete for the cores one rank had to itself, where each would own a "
+        "GPU), and the point-to-point times include the wait for the other stage; the "
+        "projection divides the measured bytes by a GPU node's link bandwidth instead"
+    )
 
 
 def _load_note(when: str) -> str:
@@ -361,9 +401,19 @@ def _run_systems(
                 tqdm.write(notes[-1])
                 continue
             try:
+                if engine_kwargs.get("pipeline_parallel_size", 1) > 1:
+                    one = {**engine_kwargs, "pipeline_parallel_size": 1, "tensor_parallel_size": 1}
+                    runs[f"{system} on one rank"] = run_minipaged(
+                        path, backend, requests, prompts, one, progress
+                    )
                 runs[system] = run_minipaged(
                     path, backend, requests, prompts, engine_kwargs, progress
                 )
+                if one_rank := runs.get(f"{system} on one rank"):
+                    runs[system].row["speedup_vs_one_rank"] = (
+                        runs[system].row["output_tokens_per_s"]
+                        / one_rank.row["output_tokens_per_s"]
+                    )
             except torch.cuda.OutOfMemoryError as error:
                 # The torch backend gathers each sequence's K/V densely, beyond what the
                 # KV pool's sizing (profiled on a prefill) left free; the others still run.
@@ -420,9 +470,24 @@ def format_table(rows: list[dict], overhead: dict | None = None) -> str:
         for r in rows
         if r.get("comm_ms_per_step")
     ]
+    lines += [format_pipeline(r) for r in rows if r.get("pipeline")]
     if overhead:
         lines += ["", format_overhead(overhead)]
     return "\n".join(lines)
+
+
+def format_pipeline(row: dict) -> str:
+    """A staged row's timeline in words."""
+    stats = row["pipeline"]
+    busy = ", ".join(f"{b:.0%}" for b in stats["busy_fraction_per_stage"])
+    p2p = ", ".join(f"{t:.2f}" for t in stats["p2p_ms_per_step_per_stage"])
+    links = "; ".join(f"{v['us_per_step']:.3f} us on {k}" for k, v in row["projection"].items())
+    return (
+        f"{row['system']}: bubble fraction {stats['bubble_fraction']:.0%} (busy per stage: "
+        f"{busy}); point-to-point ms per step per stage: {p2p}; "
+        f"{stats['activation_bytes_per_step']:.0f} activation bytes per step between stages "
+        f"({links}); {row['speedup_vs_one_rank']:.2f}x one rank's output tokens/s"
+    )
 
 
 def plot_throughput(rows: list[dict], overhead: dict | None = None, device: str = ""):
@@ -431,10 +496,10 @@ def plot_throughput(rows: list[dict], overhead: dict | None = None, device: str 
     matplotlib ``Figure``, no pyplot."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11 if overhead else 6.5, 4.2), layout="constrained")
-    axes = fig.subplots(
-        1, 2 if overhead else 1, squeeze=False, width_ratios=[3, 2] if overhead else None
-    )[0]
+    staged = next((r for r in rows if r.get("pipeline")), None)
+    ratios = [3] + [2] * bool(overhead) + [3] * bool(staged)
+    fig = Figure(figsize=(2.2 * sum(ratios) + 0.5, 4.2), layout="constrained")
+    axes = fig.subplots(1, len(ratios), squeeze=False, width_ratios=ratios)[0]
     ax = axes[0]
     most = max(r["num_requests"] for r in rows)
     # A baseline that ran fewer requests says so under its bar.
@@ -456,6 +521,14 @@ def plot_throughput(rows: list[dict], overhead: dict | None = None, device: str 
     ax.tick_params(axis="x", labelrotation=20)
     if overhead:
         plot_overhead(axes[1], overhead)
+    if staged:
+        stats = staged["pipeline"]
+        window = TIMELINE_STEPS * stats["window_s"] / stats["num_steps"]
+        plot_timeline(axes[-1], stats["first_events"], window)
+        axes[-1].set_title(
+            f"{staged['system']}: the run's first {1e3 * window:.0f} ms\n"
+            f"(bubble over the whole run: {stats['bubble_fraction']:.0%})"
+        )
     return fig
 
 
