@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from minipaged.arg_utils import add_engine_flags, add_model_flag, engine_kwargs
+from minipaged.arg_utils import add_engine_flags, add_model_flag, engine_kwargs, positive_int
 from minipaged.bench import common
 from minipaged.bench.args import (
     SYNTHETIC_MODEL_HELP,
@@ -58,6 +58,7 @@ from minipaged.bench.common import (
     system_row,
     timed,
 )
+from minipaged.bench.data_parallel import bench_data_parallel, plot_scaling
 from minipaged.bench.hf_baselines import HF_SYSTEMS, run_hf_baselines
 from minipaged.bench.overhead import format_overhead, measure_engine_overhead, plot_overhead
 from minipaged.bench.pipeline import pipeline_stats, plot_timeline, projection
@@ -77,6 +78,7 @@ from minipaged.ops import BackendUnavailableError, get_backend
 from minipaged.workloads import RequestSpec
 
 NAME = "throughput"
+DP_NAME = "throughput_dp"  # the results of --data-parallel-size
 HELP = "offline throughput: minipaged vs Hugging Face generate"
 DESCRIPTION = (
     "Complete the same synthetic ShareGPT-like requests (ignore_eos) with "
@@ -585,6 +587,16 @@ def add_arguments(parser) -> None:
         metavar="N",
         help="decode steps timed for the engine overhead; 0 skips it (default: %(default)s)",
     )
+    parser.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="instead of the systems: the workload through the server's router over one "
+        "engine replica, then over N, alternately, and the scaling; results in "
+        f"{DP_NAME}.json (default: %(default)s, no replicas)",
+    )
     add_output_flags(parser, NAME)
     # Backends are systems here; the workload and sampling use --seed.
     add_engine_flags(parser, exclude=("attention_backend",))
@@ -603,6 +615,18 @@ def main(args) -> None:
         model, setting["num_requests"], setting["length_scale"], args.max_model_len, args.seed
     )
     engine = {**engine_kwargs(args), "device": device.type}
+    workload = {
+        "name": "sharegpt",
+        "seed": args.seed,
+        **setting,
+        "max_model_len": work.max_model_len,
+        "scale": work.scale,
+        "prompt_lens": [r.prompt_len for r in work.requests],
+        "output_lens": [r.output_len for r in work.requests],
+    }
+    if args.data_parallel_size > 1:
+        main_data_parallel(args, model, device, work, engine, workload)
+        return
     bench = bench_throughput(
         model,
         args.systems or available_systems(device),
@@ -634,16 +658,40 @@ def main(args) -> None:
         **(cpu_facts() if device.type == "cpu" else {}),
         dtype=str(model_dtype(work.config, args.dtype)),
         engine=engine,
-        workload={
-            "name": "sharegpt",
-            "seed": args.seed,
-            **setting,
-            "max_model_len": work.max_model_len,
-            "scale": work.scale,
-            "prompt_lens": [r.prompt_len for r in work.requests],
-            "output_lens": [r.output_len for r in work.requests],
-        },
+        workload=workload,
         engine_overhead_ms_per_step=overhead and overhead["ms_per_step"],
         engine_overhead=overhead,
         notes=bench.notes,
+    )
+
+
+def main_data_parallel(args, model, device, work, engine: dict, workload: dict) -> None:
+    """``--data-parallel-size N``: one replica against N (`bench_data_parallel`)."""
+    load = _load_note("before")
+    rows, scaling = bench_data_parallel(
+        model, work.requests, work.prompts, engine, args.data_parallel_size
+    )
+    notes = [
+        load,
+        _load_note("after"),
+        f"{os.cpu_count()} CPUs: replicas beyond the free cores share them, and other "
+        "processes' load changes between rounds, so the ratio is what this machine gave "
+        "now, not what N devices would (there, each replica has its own)",
+    ]
+    print(format_table(rows))
+    print(
+        f"data parallelism: x{scaling['median']:.2f} the output tokens/s of one replica "
+        f"(rounds: {', '.join(f'{r:.2f}' for r in scaling['ratio_per_round'])})"
+    )
+    write(
+        args,
+        DP_NAME,
+        device,
+        rows,
+        plot_scaling(rows, scaling, notes[-1]),
+        **model_record(args, model, device),
+        engine=engine,
+        workload=workload,
+        scaling=scaling,
+        notes=notes,
     )

@@ -32,6 +32,7 @@ from minipaged.distributed.parallel_state import (
 )
 from minipaged.models import llama, moe_models
 from minipaged.models.attention import check_backend
+from minipaged.models.cpu_linear import pack_linear_weights
 
 __all__ = [
     "DTYPES",
@@ -59,14 +60,16 @@ def load_model(
     attention_backend: str = "torch",
     tp: TensorParallelGroup = SINGLE,
     pp: PipelineStage = NO_PIPELINE,
+    pack_weights: bool = True,
 ):
     """The model in directory ``path``, its weights loaded, in eval mode, no grads.
 
     ``dtype`` is ``"auto"`` (the config's ``dtype``), a name in :data:`DTYPES` or one
     of those torch dtypes.  ``attention_backend`` is checked against ``device`` before
     anything is built.  ``tp``: build and load this rank's slice only; ``pp``: this
-    pipeline stage's layers only.  The model's HF
-    config is ``model.config``.
+    pipeline stage's layers only.  On a CPU the projections' weights are then packed
+    for oneDNN (`cpu_linear`) unless ``pack_weights`` is False, which keeps
+    ``F.linear``.  The model's HF config is ``model.config``.
     """
     path = Path(path)
     config = read_config(path)
@@ -77,6 +80,8 @@ def load_model(
     with _default_dtype(dtype), torch.device(device):
         model = cls(config, attention_backend=attention_backend, tp=tp, pp=pp)
     load_weights(model, files)
+    if pack_weights:
+        pack_linear_weights(model)
     return model.requires_grad_(False).eval()
 
 
