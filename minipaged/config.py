@@ -46,7 +46,7 @@ class EngineConfig:
         block_size: token slots per KV block (§4.2).
         kv_cache_dtype: what the KV cache stores: ``"auto"`` (the model's dtype),
             ``"fp8"`` / ``"fp8_e4m3"``, ``"fp8_e5m2"`` (vLLM's, a scale per layer), or
-            ``"int8"`` (ours, a scale per block and KV head): a byte per element, so
+            ``"int8"`` (ours, a scale per token and KV head): a byte per element, so
             the same memory holds twice the blocks of bf16 (`minipaged.ops.kv_quant`).
         calculate_kv_scales: fp8 only: set each layer's ``k_scale`` and ``v_scale``
             from the first batch (vLLM's), instead of 1.0.

@@ -12,7 +12,7 @@
 // on the number of threads: every output element is summed by one thread, in order.
 //
 // A quantized cache (fp8 or int8, minipaged/ops/kv_quant.py) stores a byte per element
-// that means byte * scale, the scale one float per (block, KV head): widen() turns the
+// that means byte * scale, the scale one float per (slot, KV head): widen() turns the
 // byte into a float (fp8: a lookup in a 256-entry table), and the scale multiplies a
 // whole dot product or value row at once, since it is the same for a position's
 // head_dim elements.
@@ -65,24 +65,24 @@ void axpy(float p, const cache_t* v, float* acc, int64_t head_dim) {
   for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * widen(v[d]);
 }
 
-// A cache's dequantization scales, scale[block, kv_head] = data[block * block_stride +
-// kv_head * head_stride]; strides 0 for one scale per layer (fp8), and for a cache
-// that is not quantized, whose scale is 1.
+// A cache's dequantization scales, scale[block, slot, kv_head] = data[block *
+// block_stride + slot * slot_stride + kv_head * head_stride]; strides 0 for one scale
+// per layer (fp8), and for a cache that is not quantized, whose scale is 1.
 struct Scales {
   const float* data;
-  int64_t block_stride, head_stride;
-  float at(int64_t block, int64_t kv_head) const {
-    return data[block * block_stride + kv_head * head_stride];
+  int64_t block_stride, slot_stride, head_stride;
+  float at(int64_t block, int64_t slot, int64_t kv_head) const {
+    return data[block * block_stride + slot * slot_stride + kv_head * head_stride];
   }
 };
 
 const float kOne = 1.f;
 
 Scales scales_of(const c10::optional<torch::Tensor>& scale) {
-  if (!scale) return {&kOne, 0, 0};
-  TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->dim() == 2,
-              "the CPU kernel reads scales as float32 [num_blocks, num_kv_heads]");
-  return {scale->data_ptr<float>(), scale->stride(0), scale->stride(1)};
+  if (!scale) return {&kOne, 0, 0, 0};
+  TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->dim() == 3,
+              "the CPU kernel reads scales as float32 [num_blocks, block_size, num_kv_heads]");
+  return {scale->data_ptr<float>(), scale->stride(0), scale->stride(1), scale->stride(2)};
 }
 
 // The first `len` positions of a sequence, block by block: f(pos, offset of the
@@ -117,7 +117,7 @@ void attend(const scalar_t* query, const cache_t* key_cache, const cache_t* valu
   for (int64_t i = 0; i < group * head_dim; ++i) q[i] = static_cast<float>(query[i]);
   for_each_position(table, len, kv_head, num_kv_heads, block_size, head_dim,
                     [&](int64_t pos, int64_t at, int64_t block) {
-                      float s = scale * k_scale.at(block, kv_head);
+                      float s = scale * k_scale.at(block, pos % block_size, kv_head);
                       for (int64_t g = 0; g < group; ++g)
                         scores[g * len + pos] = s * dot(q + g * head_dim, key_cache + at, head_dim);
                     });
@@ -128,7 +128,7 @@ void attend(const scalar_t* query, const cache_t* key_cache, const cache_t* valu
   }
   for_each_position(table, len, kv_head, num_kv_heads, block_size, head_dim,
                     [&](int64_t pos, int64_t at, int64_t block) {
-                      float s = v_scale.at(block, kv_head);
+                      float s = v_scale.at(block, pos % block_size, kv_head);
                       for (int64_t g = 0; g < group; ++g)
                         axpy(s * scores[g * len + pos], value_cache + at, acc + g * head_dim,
                              head_dim);
@@ -167,7 +167,7 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache,
 
 // query [T, num_heads, head_dim]; key_cache, value_cache [num_blocks, block_size,
 // num_kv_heads, head_dim], of query's dtype, or fp8 / int8 with k_scale, v_scale
-// [num_blocks, num_kv_heads] float32 (any strides); block_tables [S, W] int32;
+// [num_blocks, block_size, num_kv_heads] float32 (any strides); block_tables [S, W] int32;
 // row_table, row_len [T] int32.
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache,
                               torch::Tensor value_cache, torch::Tensor block_tables,
