@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from .memory.simulate import OPT13B_A100_SLOTS, simulate_systems
 from .sampling_params import RequestOutputKind, SamplingParams
-from .workloads import synthetic_requests
+from .workloads import MEMORY_NUM_REQUESTS, synthetic_requests
 
 DEMO_MODEL = "smollm2"
 SYSTEM_PROMPT = "You are a helpful assistant. Answer in one or two short sentences."
@@ -175,7 +175,7 @@ def run(
     n: int = 2,
     max_tokens: int = 48,
     seed: int = 0,
-    num_requests: int = 300,
+    num_requests: int = MEMORY_NUM_REQUESTS,
     out=None,
 ) -> None:
     """``make demo``: the three parts of the module docstring, printed to ``out``
@@ -277,7 +277,7 @@ def _sharing_table(shared: Served, separate: Served, n: int, num_prompts: int) -
 
 
 # -- the memory layer alone -----------------------------------------------------------
-def waste_report(num_requests: int = 300, seed: int = 0) -> str:
+def waste_report(num_requests: int = MEMORY_NUM_REQUESTS, seed: int = 0) -> str:
     """The share of the KV pool each system fills with tokens, and its mean batch, on
     ShareGPT-like requests (`memory.simulate`, the simulation ``bench memory`` runs)."""
     if num_requests < 1:

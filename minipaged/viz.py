@@ -27,6 +27,7 @@ import textwrap
 
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
+from matplotlib.ticker import MaxNLocator
 
 from .memory import KVCacheManager, PrefixCachingBlockAllocator
 from .memory.simulate import MemoryReport
@@ -141,16 +142,31 @@ def draw_block_tables(
     ax=None,
     title: str | None = None,
     colours: dict | None = None,
+    num_physical: int | None = None,
 ):
-    """Logical blocks of each sequence (rows) -> physical blocks of the GPU pool (bottom row)."""
+    """Logical blocks of each sequence (rows) -> physical blocks of the GPU pool (bottom row).
+
+    ``num_physical`` draws only the pool's first blocks, so that a large pool stays
+    readable; a note says how many more there are, and every block a drawn table points
+    at must be among them.
+    """
     seq_ids = list(kv.tables) if seq_ids is None else seq_ids
     colours = _colours(kv, colours)
-    fill, n_phys = _fill(kv), kv.gpu.num_blocks
+    holders = _holders(kv, "gpu")
+    fill, n_phys = _fill(kv), kv.gpu.num_blocks if num_physical is None else num_physical
+    pointed = max((b for s in seq_ids for b in kv.tables[s].blocks), default=-1)
+    if not pointed < n_phys <= kv.gpu.num_blocks:
+        raise ValueError(
+            f"num_physical must cover block {pointed} and not exceed the pool's "
+            f"{kv.gpu.num_blocks} blocks, got {num_physical!r}"
+        )
     width = max([n_phys] + [len(kv.tables[s].blocks) for s in seq_ids])
     height = 2 * len(seq_ids) + 2
     if ax is None:
         _, ax = plt.subplots(figsize=(max(6, width * 0.55), height * 0.5))
-    holders = _holders(kv, "gpu")
+    if n_phys < kv.gpu.num_blocks:
+        more = kv.gpu.num_blocks - n_phys
+        ax.text(n_phys + 0.1, 0.45, f"… {more} more", va="center", fontsize=8)
     for block in range(n_phys):
         owners = holders.get(block, [])
         colour = colours[owners[0]] if owners else _FREE
@@ -177,7 +193,7 @@ def draw_block_tables(
                 xytext=(logical + 0.45, y),
                 arrowprops=dict(arrowstyle="->", color=colours[seq_id], lw=0.8, alpha=0.7),
             )
-    ax.set_xlim(-1.5, width + 0.5)
+    ax.set_xlim(-1.5, width + (2.5 if n_phys < kv.gpu.num_blocks else 0.5))
     ax.set_ylim(-0.3, height + 0.2)
     ax.axis("off")
     ax.set_title(title or "block tables: logical block -> physical block")
@@ -450,8 +466,12 @@ def draw_step_tokens(
     return ax
 
 
-def request_blocks(trace, request_id: str, block_size: int) -> dict[int, tuple[int, int]]:
-    """Blocks one request holds after each step it is alive: ``{step: (gpu, cpu)}``.
+def request_blocks(
+    trace, request_id: str, block_size: int, during: bool = False
+) -> dict[int, tuple[int, int]]:
+    """Blocks one request holds after each step it is alive: ``{step: (gpu, cpu)}``;
+    with ``during``, while the step's forward pass ran instead (a sequence that ran and
+    finished in a step frees its blocks after the pass; one preempted frees them before).
 
     Replayed from the trace: allocate, fork, swap and free events name the physical
     blocks; a copy-on-write swaps one block for another; prefill chunks and decodes
@@ -462,6 +482,8 @@ def request_blocks(trace, request_id: str, block_size: int) -> dict[int, tuple[i
     tables: dict[str, tuple[str, list]] = {}  # seq -> (pool, blocks; new ones as tuples)
     result: dict[int, tuple[int, int]] = {}
     alive = False
+    ran: set[str] = set()  # sequences scheduled in this step
+    freed_after_pass: list[str] = []  # ... and freed in it (kept for a `during` count)
     events = [e for e in getattr(trace, "events", trace) if e.request_id == request_id]
     for i, e in enumerate(events):
         d = e.detail
@@ -470,6 +492,7 @@ def request_blocks(trace, request_id: str, block_size: int) -> dict[int, tuple[i
         elif e.kind in ("allocate", "append") and "blocks" in d:
             tables[e.seq_id] = ("gpu", list(d["blocks"]))
         elif e.kind == "schedule":
+            ran.add(e.seq_id)
             _, blocks = tables.setdefault(e.seq_id, ("gpu", []))
             need = -(-(d["start"] + d["num_tokens"]) // block_size)
             blocks += [(e.seq_id, j) for j in range(len(blocks), need)]
@@ -485,7 +508,10 @@ def request_blocks(trace, request_id: str, block_size: int) -> dict[int, tuple[i
             for seq_id, blocks in d["blocks"].items():
                 tables[seq_id] = ("cpu" if e.kind == "swap_out" else "gpu", list(blocks))
         elif e.kind == "free":
-            tables.pop(e.seq_id, None)
+            if during and e.seq_id in ran:
+                freed_after_pass.append(e.seq_id)
+            else:
+                tables.pop(e.seq_id, None)
         elif e.kind in ("finish", "abort"):
             alive = False
         if i + 1 == len(events) or events[i + 1].step != e.step:  # the step is over
@@ -494,6 +520,10 @@ def request_blocks(trace, request_id: str, block_size: int) -> dict[int, tuple[i
                 held[pool].update(blocks)
             if alive or e.kind in ("finish", "abort"):
                 result[e.step] = (len(held["gpu"]), len(held["cpu"]))
+            for seq_id in freed_after_pass:
+                tables.pop(seq_id, None)
+            ran.clear()
+            freed_after_pass.clear()
     for step in range(min(result, default=0), max(result, default=-1) + 1):
         if step not in result:  # a step without events changed nothing
             result[step] = result[step - 1]
@@ -606,11 +636,11 @@ def draw_request_journey(
         title_fontsize=8,
     )
     top.set_title(title or f"the journey of request {request_id}")
-    held = request_blocks(events, request_id, block_size)
-    # The count after step s holds from the end of step s (x = s + 1) on.
-    xs = [min(held, default=0)] + [s + 1 for s in held]
+    # Step s is the span [s, s + 1) in every panel: the blocks held while it ran.
+    held = request_blocks(events, request_id, block_size, during=True)
+    xs = [*held, max(held, default=-1) + 1]
     for i, (pool, colour) in enumerate((("gpu", "#4c72b0"), ("cpu", "#8172b3"))):
-        ys = [0] + [counts[i] for counts in held.values()]
+        ys = [counts[i] for counts in held.values()] + [0]
         if any(ys) or pool == "gpu":
             bottom.step(
                 xs, ys, where="post", color=colour, lw=1.5, label=f"{pool.upper()} blocks held"
@@ -618,6 +648,7 @@ def draw_request_journey(
     bottom.set_ylabel("blocks")
     bottom.set_xlabel("engine step")
     bottom.set_ylim(bottom=0)
+    bottom.yaxis.set_major_locator(MaxNLocator(integer=True))  # blocks come whole
     bottom.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     return top, bottom
 

@@ -49,6 +49,12 @@ WORKLOADS = {
     "alpaca": LengthDistribution(mean_input=19.31, mean_output=58.45, sigma=0.6),
 }
 
+# The course's shared workloads.  Lessons 00, 03 and 11, ``make demo``, the ``bench memory``
+# and ``bench sharing`` defaults and docs/reproducing.md all draw these requests (seed 0), so
+# a number quoted in one of them is the number the others print.
+MEMORY_NUM_REQUESTS = 1000  # Fig. 2 and Fig. 13: where the KV pool goes
+SHARING_NUM_REQUESTS = {"alpaca": 40, "sharegpt": 20}  # Fig. 15: n samples or beams each
+
 
 def _lognormal_int(rng: random.Random, mean: float, sigma: float) -> int:
     return max(1, round(rng.lognormvariate(math.log(mean) - sigma**2 / 2, sigma)))

@@ -11,8 +11,8 @@ import pytest
 from cli_helpers import run_main
 from minipaged.bench import results
 from minipaged.bench.memory import bench_memory, slots_for
-from minipaged.memory.simulate import SYSTEMS, simulate_memory
-from minipaged.workloads import synthetic_requests
+from minipaged.memory.simulate import OPT13B_A100_SLOTS, SYSTEMS, simulate_memory
+from minipaged.workloads import MEMORY_NUM_REQUESTS, synthetic_requests
 
 KEYS = {"token_share", "reserved_share", "internal_share", "external_share", "max_batch"}
 
@@ -146,3 +146,12 @@ def test_one_place_for_the_results(flags, tmp_path, monkeypatch, capsys):
     assert run_main([*SMALL, *flags]) == 2
     assert "not allowed with argument" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("workload", ["alpaca", "sharegpt"])
+def test_committed_results_are_the_course_workload(workload):
+    """Lessons 00 and 11, `make demo` and docs/reproducing.md print these shares from the
+    course's requests; the committed file must be the run on the same ones."""
+    data = json.loads(results.committed_path(f"memory-{workload}", "cpu").read_text())
+    assert (data["num_requests"], data["seed"]) == (MEMORY_NUM_REQUESTS, 0)
+    assert (data["kv_slots"], data["block_size"], data["max_len"]) == (OPT13B_A100_SLOTS, 16, 2048)

@@ -14,9 +14,12 @@ import math
 import pytest
 
 from cli_helpers import run_main
+from minipaged.bench.results import committed_path
 from minipaged.bench.sharing import measure_sharing
 from minipaged.llm import LLM
+from minipaged.memory.simulate import OPT13B_A100_SLOTS
 from minipaged.models.tiny import cached_checkpoint
+from minipaged.workloads import SHARING_NUM_REQUESTS
 
 P, OUT = 8, 6  # P and O above
 
@@ -81,3 +84,12 @@ def test_results_file(tmp_path):
 def test_bad_arguments_are_refused_by_name(capsys):
     assert run_main(["bench", "sharing", "--num-requests", "0", "--json", "/dev/null/x"]) == 2
     assert "num_requests" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workload", sorted(SHARING_NUM_REQUESTS))
+def test_committed_results_are_the_course_workload(workload):
+    """Lessons 03 and 11 and docs/reproducing.md quote the committed file as the run on
+    the course's requests; a rerun with other flags must not slip in unnoticed."""
+    data = json.loads(committed_path(f"sharing-{workload}", "cpu").read_text())
+    assert (data["num_requests"], data["seed"]) == (SHARING_NUM_REQUESTS[workload], 0)
+    assert data["kv_slots"] == OPT13B_A100_SLOTS

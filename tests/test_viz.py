@@ -70,6 +70,18 @@ def test_block_table_arrows_point_at_physical_blocks():
     assert sorted(a.xy[0] for a in arrows) == pytest.approx(expected)
 
 
+def test_block_tables_can_draw_the_first_blocks_of_a_large_pool():
+    kv = KVCacheManager(64, 4)
+    kv.allocate("A", [1] * 9)  # blocks 0, 1, 2
+    ax = draw_block_tables(kv, num_physical=6)
+    physical = {x for x in range(64) if any(r.get_y() == 0 for r in fills_at(ax, x, 0))}
+    assert physical == {0, 1, 2}  # the held blocks are drawn, filled
+    texts = [t.get_text() for t in ax.texts]
+    assert "5" in texts and "6" not in texts and "… 58 more" in texts
+    with pytest.raises(ValueError, match="num_physical"):
+        draw_block_tables(kv, num_physical=2)  # block 2 is held but would not be drawn
+
+
 def test_memory_shares_stack_to_the_reported_fractions():
     report = MemoryReport("x", 0.5, 0.2, 0.1, 0.05, max_batch=3.0, num_steps=10)
     ax = draw_memory_shares([report])
@@ -246,6 +258,21 @@ def test_request_blocks_replays_the_trace():
         4: (3, 0),
         5: (0, 0),
     }
+    # while the step ran: a sequence that ran and finished still held its blocks, one
+    # preempted (B at step 2) had given them back before the forward pass
+    assert request_blocks(RECOMPUTE_TRACE, "A", 2, during=True)[4] == (4, 0)
+    assert request_blocks(RECOMPUTE_TRACE, "B", 2, during=True) == {
+        0: (0, 0),
+        1: (1, 0),
+        2: (0, 0),
+        3: (0, 0),
+        4: (2, 0),
+        5: (2, 0),
+    }
+    assert request_blocks(SWAP_TRACE, "C", 2, during=True)[5] == (
+        5,
+        0,
+    )  # 3 blocks each, block 5 shared
     # append events that name the blocks (before or after the CoW event) agree
     with_appends = (
         SWAP_TRACE[:4] + [E(1, "append", "C", "C.0", num_tokens=1, blocks=[0, 2])] + SWAP_TRACE[4:]
@@ -314,11 +341,11 @@ def test_request_journey_puts_each_event_on_its_row():
     assert (4.25, "swap_in") in markers and (5.5, "decode") in markers  # C.1, beside C.0
     texts = [t.get_text() for t in top.texts]
     assert "1→2" in texts and "3 blk" in texts and "[0, 1]" in texts
+    # step s spans [s, s + 1), as the markers do: C's blocks while each step ran
     gpu, cpu = bottom.lines
-    held = request_blocks(SWAP_TRACE, "C", 2)
-    assert list(gpu.get_ydata()) == [0] + [g for g, _ in held.values()]
-    assert list(cpu.get_ydata()) == [0] + [c for _, c in held.values()]
-    assert list(gpu.get_xdata()) == [0] + [s + 1 for s in held]
+    assert list(gpu.get_xdata()) == [0, 1, 2, 3, 4, 5, 6]
+    assert list(gpu.get_ydata()) == [2, 3, 0, 0, 3, 5, 0]
+    assert list(cpu.get_ydata()) == [0, 0, 3, 3, 0, 0, 0]
 
 
 def test_request_journey_skips_event_kinds_it_does_not_draw():

@@ -25,7 +25,7 @@ from minipaged.bench.common import Column
 from minipaged.config import KV_CACHE_DTYPES
 from minipaged.memory.simulate import OPT13B_A100_SLOTS, MemoryReport, simulate_systems
 from minipaged.viz import draw_memory_shares
-from minipaged.workloads import WORKLOADS, synthetic_requests
+from minipaged.workloads import MEMORY_NUM_REQUESTS, WORKLOADS, synthetic_requests
 
 NAME = "memory"
 HELP = "KV memory waste and batch size: paged vs contiguous (Fig. 2, 13)"
@@ -129,7 +129,11 @@ def add_arguments(parser) -> None:
         help="request lengths like this dataset's (default: %(default)s)",
     )
     parser.add_argument(
-        "--num-requests", type=int, default=1000, metavar="N", help="(default: %(default)s)"
+        "--num-requests",
+        type=int,
+        default=MEMORY_NUM_REQUESTS,
+        metavar="N",
+        help="(default: %(default)s, the course's workload)",
     )
     parser.add_argument(
         "--kv-slots",

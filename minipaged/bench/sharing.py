@@ -30,9 +30,14 @@ from minipaged.bench.common import Column
 from minipaged.bench.presets import make_prompts
 from minipaged.llm import LLM
 from minipaged.memory.simulate import OPT13B_A100_SLOTS
-from minipaged.models.tiny import cached_checkpoint
+from minipaged.models.tiny import BASE_CONFIG, cached_checkpoint
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
-from minipaged.workloads import WORKLOADS, synthetic_requests
+from minipaged.workloads import (
+    SHARING_NUM_REQUESTS,
+    WORKLOADS,
+    RequestSpec,
+    synthetic_requests,
+)
 
 NAME = "sharing"
 HELP = "KV memory saved by sharing blocks: parallel sampling, beam search (Fig. 15)"
@@ -43,6 +48,7 @@ DESCRIPTION = (
 )
 MODES = ("parallel", "beam")
 WIDTHS = (2, 4, 6)
+MAX_LEN = BASE_CONFIG["max_position_embeddings"]  # the tiny checkpoint's positions
 
 
 @dataclass
@@ -85,9 +91,22 @@ def measure_sharing(
     return run
 
 
+def sharing_workload(
+    workload: str, num_requests: int | None = None, seed: int = 0
+) -> list[RequestSpec]:
+    """The requests ``bench sharing`` serves: the course's workload unless
+    ``num_requests`` is given, cut to the tiny checkpoint's positions.  Lesson 03 counts
+    blocks for the same requests by hand."""
+    if num_requests is None:
+        num_requests = SHARING_NUM_REQUESTS[workload]
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests!r}")
+    return synthetic_requests(workload, num_requests, seed=seed, max_len=MAX_LEN)
+
+
 def bench_sharing(
     workload: str,
-    num_requests: int,
+    num_requests: int | None = None,
     modes=MODES,
     widths=WIDTHS,
     kv_slots: int = OPT13B_A100_SLOTS,
@@ -95,8 +114,7 @@ def bench_sharing(
     seed: int = 0,
 ) -> list[SharingRun]:
     """Every (mode, width) on the same requests, one engine, a fresh pool each time."""
-    if num_requests < 1:
-        raise ValueError(f"num_requests must be >= 1, got {num_requests!r}")
+    requests = sharing_workload(workload, num_requests, seed)
     path = cached_checkpoint("bench-sharing")
     llm = LLM(
         path,
@@ -106,9 +124,7 @@ def bench_sharing(
         swap_space=0,
         seed=seed,
     )
-    requests = synthetic_requests(
-        workload, num_requests, seed=seed, max_len=llm.engine.max_model_len
-    )
+    assert llm.engine.max_model_len == MAX_LEN
     prompts = make_prompts(requests, llm.get_tokenizer(), llm.engine.vocab_size, seed)
     runs = []
     for mode, width in tqdm([(m, w) for m in modes for w in widths], desc="sharing runs"):
@@ -170,7 +186,12 @@ def add_arguments(parser) -> None:
         help="request lengths like this dataset's (default: %(default)s)",
     )
     parser.add_argument(
-        "--num-requests", type=int, default=40, metavar="N", help="(default: %(default)s)"
+        "--num-requests",
+        type=int,
+        metavar="N",
+        help="(default: the course's workload, "
+        + ", ".join(f"{n} {w}" for w, n in SHARING_NUM_REQUESTS.items())
+        + ")",
     )
     parser.add_argument(
         "--widths",
@@ -192,6 +213,8 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> None:
+    if args.num_requests is None:
+        args.num_requests = SHARING_NUM_REQUESTS[args.workload]
     runs = bench_sharing(
         args.workload, args.num_requests, widths=args.widths, kv_slots=args.kv_slots, seed=args.seed
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from minipaged.arg_utils import DEFAULT_MODEL, add_model_flag
+from minipaged.workloads import MEMORY_NUM_REQUESTS
 
 NAME = "demo"
 HELP = "a real model answers; the blocks paging saves, measured"
@@ -25,8 +26,9 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--num-requests",
         type=int,
-        default=300,
-        help="requests in the paged-vs-contiguous simulation (default: %(default)s)",
+        default=MEMORY_NUM_REQUESTS,
+        help="requests in the paged-vs-contiguous simulation (default: %(default)s, the "
+        "course's workload)",
     )
     parser.add_argument("--seed", type=int, default=0)
 
