@@ -17,6 +17,7 @@ SmolLM2 in ``docs/performance.md``, not asserted here.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -203,3 +204,26 @@ def test_under_a_tight_budget_auto_preempts_and_fp8_does_not(path):
     assert fp8_stats["num_preemptions"] == 0
     assert fp8_stats["num_gpu_blocks"] >= NEEDED > auto_stats["num_gpu_blocks"]
     assert len(fp8) == len(auto) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("fmt", ["auto", "fp8", "int8"])
+def test_the_startup_log_and_metrics_show_the_pool_in_bytes(path, fmt, caplog):
+    """``minipaged serve``'s startup log and ``/metrics`` (``minipaged:kv_cache_bytes``)
+    give a block's bytes in the cache's dtype and the pool's, as counted by hand; a
+    swapped block moves as many (fp8: a quarter of fp32's)."""
+    pytest.importorskip("prometheus_client")
+    from minipaged.server.app import log_startup
+    from minipaged.server.limits import ServerLimits
+    from minipaged.server.metrics import make_registry
+
+    llm = make_llm(path, block_size=BLOCK_SIZE, kv_cache_dtype=fmt, num_gpu_blocks=10)
+    per_block = bytes_per_block(path, fmt, torch.float32)
+    with caplog.at_level("INFO", logger="minipaged.server"):
+        log_startup(llm.engine, str(path), "tiny", "127.0.0.1", 8000, None, ServerLimits(), [])
+    assert f"{per_block} bytes a block, {10 * per_block / 2**20:.1f} MiB" in caplog.text
+    registry = make_registry(SimpleNamespace(stats=llm.stats()))
+    assert registry.get_sample_value("minipaged:kv_cache_bytes") == 10 * per_block
+    # What a swap moves per block: the swap pool's row of each per-block tensor.
+    swap_pool = llm.engine.cache_engine.cpu_cache
+    assert sum(t[0].nbytes for layer in swap_pool for t in layer if t.dim()) == per_block
+    llm.shutdown()
