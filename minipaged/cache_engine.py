@@ -53,23 +53,38 @@ def pool_sizes(
     device: torch.device,
     per_block: int,
     kv_memory_budget: Callable[[], int],
+    draft_per_block: int = 0,
 ) -> tuple[int, int]:
     """The GPU pool's and the CPU swap pool's blocks (§4.5): what was asked for, but
     never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens could use,
     nor (for pools in host memory) more than half the memory available now.  On CUDA,
     without ``num_gpu_blocks``, ``kv_memory_budget()`` is the bytes the GPU has left
-    for KV blocks (a profiling step of the model)."""
+    for KV blocks (a profiling step of the model).
+
+    A draft model (speculative decoding) has a pool of its own with as many blocks as
+    the GPU pool, ``draft_per_block`` bytes each: a GPU block costs both, so the same
+    budget holds fewer.  Swapped blocks are the target's alone."""
     most = config.max_num_seqs * blocks_for(max_model_len, config.block_size)
-    host = int(HOST_KV_SHARE * available_memory() // per_block)
+    gpu_per_block = per_block + draft_per_block
+    host_bytes = HOST_KV_SHARE * available_memory()
     if config.num_gpu_blocks:
         num_gpu_blocks = config.num_gpu_blocks
     elif device.type == "cuda":
-        num_gpu_blocks = min(_cuda_num_gpu_blocks(config, kv_memory_budget(), per_block), most)
+        num_gpu_blocks = min(_cuda_num_gpu_blocks(config, kv_memory_budget(), gpu_per_block), most)
     else:
-        num_gpu_blocks = max(1, min(int(config.cpu_kv_space * GIB // per_block), most, host))
+        num_gpu_blocks = max(
+            1,
+            min(
+                int(config.cpu_kv_space * GIB // gpu_per_block),
+                most,
+                int(host_bytes // gpu_per_block),
+            ),
+        )
     if device.type == "cpu":  # both pools share the host's memory
-        host = max(0, host - num_gpu_blocks)
-    return num_gpu_blocks, min(int(config.swap_space * GIB // per_block), most, host)
+        host_bytes = max(0, host_bytes - num_gpu_blocks * gpu_per_block)
+    return num_gpu_blocks, min(
+        int(config.swap_space * GIB // per_block), most, int(host_bytes // per_block)
+    )
 
 
 def fit_max_model_len(

@@ -61,7 +61,7 @@ from minipaged.outputs import Output
 from minipaged.parallel_sampling import ParallelSampling
 from minipaged.scheduler import make_scheduler
 from minipaged.sequence import SequenceGroup
-from minipaged.spec_decode.speculator import Speculator, make_proposer
+from minipaged.spec_decode.speculator import Speculator, load_draft_model, make_proposer
 from minipaged.trace import Trace
 
 
@@ -84,7 +84,9 @@ class LLMEngine:
 
     def _load_model(self, path: Path) -> None:
         """The model (this rank's shard of it, with tensor parallelism), its tokenizer,
-        what it settles (EOS tokens, ``max_model_len``), and the executor that runs it."""
+        what it settles (EOS tokens, ``max_model_len``), the executor that runs it, and
+        a speculative draft model if one is asked for (before the KV pools, whose
+        memory its weights share)."""
         config = self.config
         tp = self.workers.tp if self.workers else SINGLE
         self.model = load_model(path, config.dtype, self.device, self.attention_backend, tp)
@@ -104,23 +106,39 @@ class LLMEngine:
             if self.workers
             else Executor(self.runner)
         )
+        self.draft_model = load_draft_model(
+            config.speculative_config,
+            self.vocab_size,
+            self.max_model_len,
+            config.dtype,
+            self.device,
+            self.attention_backend,
+        )
 
     def _build_kv_cache(self) -> None:
         """The KV pools, as many blocks as the memory allows (§4.5), on every rank, of
-        ``kv_cache_dtype``; the KV cache manager over their block ids (§4.2); the decode
-        graphs that replay over them (CUDA only)."""
+        ``kv_cache_dtype`` (a draft model's pool beside them counted in); the KV cache
+        manager over their block ids (§4.2); the decode graphs that replay over them
+        (CUDA only)."""
         config, dtype = self.config, self.model.model.embed_tokens.weight.dtype
         self.kv_cache_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, dtype)
-        check_supported(
-            self.attention_backend,
-            dtype,
-            head_dim(self.model.config),
-            config.block_size,
-            self.kv_cache_dtype,
-        )
+        models = [m for m in (self.model, self.draft_model) if m is not None]
+        for model in models:
+            check_supported(
+                self.attention_backend,
+                dtype,
+                head_dim(model.config),
+                config.block_size,
+                self.kv_cache_dtype,
+            )
         # The pool is sized in bytes: a byte per element (fp8, int8) fits twice the blocks.
         self.block_bytes = block_bytes(
             self.executor.kv_config, config.block_size, self.kv_cache_dtype
+        )
+        self.draft_block_bytes = (
+            block_bytes(self.draft_model.config, config.block_size, self.kv_cache_dtype)
+            if self.draft_model
+            else 0
         )
         num_gpu_blocks, num_cpu_blocks = pool_sizes(
             config,
@@ -128,6 +146,7 @@ class LLMEngine:
             self.device,
             self.block_bytes,
             lambda: self.executor.kv_memory_budget(config, self.max_model_len),
+            self.draft_block_bytes,
         )
         self.max_model_len = fit_max_model_len(
             self.max_model_len, config.max_model_len, num_gpu_blocks, config.block_size
@@ -143,7 +162,8 @@ class LLMEngine:
                 self.runner, self.cache_engine.gpu_cache, config.max_num_seqs, self.max_model_len
             )
         if config.calculate_kv_scales:  # after the capture's dummy batches
-            calculate_kv_scales_on_next_batch(self.model)
+            for model in models:
+                calculate_kv_scales_on_next_batch(model)
 
     def _build_step_parts(self) -> None:
         """What each phase of a step asks: the scheduler (which records the trace), the
@@ -182,19 +202,16 @@ class LLMEngine:
         if spec := config.speculative_config:
             self.speculator = Speculator(
                 spec,
-                self.scheduler,
                 self.eos_token_ids,
                 self.generator,
                 self.max_model_len,
                 make_proposer(
                     spec,
-                    self.vocab_size,
-                    self.max_model_len,
+                    self.draft_model,
                     self.kv.num_gpu_blocks,
                     config.block_size,
-                    config.dtype,
+                    self.kv_cache_dtype,
                     self.device,
-                    self.attention_backend,
                 ),
             )
         self.num_steps = 0
@@ -339,7 +356,16 @@ class LLMEngine:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
             **(self.speculator.stats() if self.speculator else {}),
+            **(self.draft_memory() if self.draft_model else {}),
             **routing_stats(self.model),
+        }
+
+    def draft_memory(self) -> dict[str, int]:
+        """What a speculative draft model takes on the device: its weights, and a block
+        of its own KV pool (which has ``num_gpu_blocks`` too)."""
+        return {
+            "draft_weight_bytes": sum(p.nbytes for p in self.draft_model.parameters()),
+            "draft_kv_cache_block_bytes": self.draft_block_bytes,
         }
 
 

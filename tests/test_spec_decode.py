@@ -7,11 +7,20 @@ under preemption by recompute and swap, prefix caching, chunked prefill and n > 
 tokens and logprobs are HF's.  The stop conditions and penalties, which HF cannot
 express all together, are checked against the same engine without speculation, which
 is what losslessness promises.  After every workload every block of both pools (and
-of the draft's) is free.  The rejection rule's distribution is tested in
-test_spec_rejection.py, the lookahead slots in test_spec_memory.py.
+of the draft's) is free.  Then every attention backend, the other features (an fp8
+cache against the fp8 engine without a draft, LoRA adapters against PEFT, mixtures of
+experts against HF; int8 refused), the draft's share of the KV budget against byte
+counts taken from its checkpoint, and SmolLM2's real weights.  The rejection rule's
+distribution is tested in test_spec_rejection.py, the lookahead slots in
+test_spec_memory.py.
 """
 
+import json
+
 import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine_helpers import (
     as_inputs,
@@ -20,7 +29,11 @@ from engine_helpers import (
     make_llm,
     random_prompt,
 )
-from minipaged import BeamSearchParams, SamplingParams
+from lora_helpers import PeftOracle, make_adapter
+from minipaged import LLM, BeamSearchParams, SamplingParams
+from minipaged.cache_engine import pool_sizes
+from minipaged.config import EngineConfig
+from minipaged.lora_request import LoRARequest
 from minipaged.memory.block_table import blocks_for
 
 MAX_TOKENS = 20
@@ -296,3 +309,185 @@ def test_greedy_equals_hf_with_two_ranks(tiny, proposers):
         assert_spec_done(llm)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
+def test_every_attention_backend_verifies_multi_token_queries(tiny, backend):
+    """The verifying pass is a prefill of ``1 + k`` tokens over a sequence's paged
+    context: the torch reference, Triton (interpreted) and CUDA (emulated) kernels give
+    HF's tokens and logprobs too (the C++ CPU kernel, the default, in every test above),
+    on a checkpoint with a head_dim the CUDA kernels are built for."""
+    path, oracle = tiny("llama", head_dim=64)
+    prompts = [random_prompt(n, seed=n) for n in (5, 11)]
+    llm = make_llm(
+        path,
+        block_size=8,
+        num_gpu_blocks=8,
+        attention_backend=backend,
+        speculative_config=draft(path, k=3),
+    )
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    assert_greedy_matches_hf(generate(llm, prompts, params), prompts, oracle, 8, logprobs=2)
+    assert llm.stats()["spec_decode_acceptance_rate"] == 1.0
+    assert_spec_done(llm)
+
+
+# -- beside the quantized KV cache, LoRA adapters and mixtures of experts ---------------
+@pytest.mark.parametrize("calculate_kv_scales", [False, True])
+def test_fp8_kv_cache_decodes_as_without_speculation(tiny, proposers, calculate_kv_scales):
+    """fp8 changes the tokens (HF is no oracle here), speculation must not: greedy
+    tokens equal the fp8 engine's without a draft.  The draft's pool is fp8 too, so the
+    target as its own draft still guesses right every time; its scales, when
+    calculated, come from its own first batch."""
+    path, oracle = tiny("llama")
+    prompts = workload(oracle)
+    fp8 = dict(kv_cache_dtype="fp8", calculate_kv_scales=calculate_kv_scales)
+    plain = generate(make_llm(path, **fp8), prompts, GREEDY_LOGPROBS)
+    for name in ("ngram", "self-draft"):
+        config, _ = proposers[name]
+        llm = make_llm(path, speculative_config=config, **fp8)
+        spec = generate(llm, prompts, GREEDY_LOGPROBS)
+        assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+        assert llm.stats()["spec_decode_num_drafts"] > 0
+        assert_spec_done(llm)
+    assert llm.stats()["spec_decode_acceptance_rate"] == 1.0
+    draft_scale = float(llm.engine.speculator.proposer.caches[0][2])
+    assert (draft_scale != 1.0) == calculate_kv_scales
+
+
+def test_int8_kv_cache_is_refused_naming_both_options(tiny):
+    """An int8 block's scale grows with every token written to it: rejected guesses
+    would leave their trace on the kept tokens."""
+    path, _ = tiny("llama")
+    with pytest.raises(ValueError, match="speculative_config.*kv_cache_dtype='int8'"):
+        make_llm(path, kv_cache_dtype="int8", speculative_config=NGRAM)
+
+
+def test_lora_adapters_equal_peft(tiny, tmp_path):
+    """Requests of two adapters and of the base model in one batch: the base model as
+    draft guesses without any adapter, and the verification keeps exactly PEFT's
+    greedy tokens for each request's own adapter."""
+    base, _ = tiny("llama")
+    adapters = {
+        None: (None, PeftOracle(base)),
+        "all8": (path := make_adapter(base, tmp_path / "all8", seed=1), PeftOracle(base, path)),
+        "qv4": (
+            path := make_adapter(base, tmp_path / "qv4", seed=2, r=4, targets=["q_proj", "v_proj"]),
+            PeftOracle(base, path),
+        ),
+    }
+    requests = {None: None, "all8": LoRARequest("all8", 1, str(adapters["all8"][0]))}
+    requests["qv4"] = LoRARequest("qv4", 2, str(adapters["qv4"][0]))
+    names = ["all8", None, "qv4", "all8", "qv4"]
+    prompts = [random_prompt(n, seed=500 + n) for n in (5, 17, 9, 30, 12)]
+    llm = make_llm(
+        base, enable_lora=True, max_loras=2, max_lora_rank=8, speculative_config=draft(base)
+    )
+    outputs = llm.generate(
+        as_inputs(prompts),
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+        use_tqdm=False,
+        lora_request=[requests[n] for n in names],
+    )
+    expected = [adapters[n][1].greedy(tuple(p), MAX_TOKENS) for n, p in zip(names, prompts)]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert 0 < llm.stats()["spec_decode_acceptance_rate"] < 1  # the adapters disagree
+    assert_spec_done(llm)
+
+
+@pytest.mark.parametrize("arch,draft_arch", [("mixtral", "mixtral"), ("qwen2_moe", "llama")])
+def test_mixture_of_experts_equals_hf(tiny, arch, draft_arch):
+    """A mixture-of-experts target verifies 1 + k tokens per sequence like any step
+    (each routed on its own); its draft may be itself or a dense model."""
+    path, oracle = tiny(arch)
+    draft_path, _ = tiny(draft_arch)
+    prompts = workload(oracle)
+    llm = make_llm(path, speculative_config=draft(draft_path, k=3))
+    assert_greedy_matches_hf(
+        generate(llm, prompts, GREEDY_LOGPROBS), prompts, oracle, MAX_TOKENS, logprobs=3
+    )
+    rate = llm.stats()["spec_decode_acceptance_rate"]
+    assert rate == 1.0 if draft_arch == arch else rate < 0.5
+    assert_spec_done(llm)
+
+
+# -- memory ----------------------------------------------------------------------------
+def kv_bytes_per_block(path, block_size: int) -> int:
+    """A block's keys and values over every layer, from the checkpoint's config.json
+    (float32 weights, hence a float32 cache)."""
+    c = json.loads((path / "config.json").read_text())
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * block_size * 4
+
+
+def test_the_draft_model_shares_the_kv_budget_and_shows_its_bytes(tiny):
+    """1 MiB of KV pool on the CPU: with a one-layer draft, a block costs the target's
+    bytes and the draft's, so the budget holds fewer blocks; the tensors both pools
+    really allocated fit it.  stats() shows the draft's weights (the bytes of its
+    checkpoint's tensors) and its block bytes."""
+    path, _ = tiny("llama")
+    other, _ = tiny("llama", num_hidden_layers=1)
+    budget, block_size = 1 << 20, 16
+    target_block, draft_block = (kv_bytes_per_block(p, block_size) for p in (path, other))
+    llm = make_llm(
+        path,
+        cpu_kv_space=budget / (1 << 30),
+        block_size=block_size,
+        speculative_config=draft(other),
+    )
+    stats = llm.stats()
+    assert stats["num_gpu_blocks"] == budget // (target_block + draft_block)
+    assert stats["kv_cache_block_bytes"] == target_block
+    assert stats["draft_kv_cache_block_bytes"] == draft_block
+    pools = [llm.engine.cache_engine.gpu_cache, llm.engine.speculator.proposer.caches]
+    allocated = sum(t.nbytes for pool in pools for layer in pool for t in layer)
+    assert budget - (target_block + draft_block) < allocated <= budget
+    with safe_open(other / "model.safetensors", "pt") as checkpoint:
+        weights = sum(checkpoint.get_tensor(k).nbytes for k in checkpoint.keys())  # noqa: SIM118
+    assert stats["draft_weight_bytes"] == weights
+    ngram = make_llm(
+        path, cpu_kv_space=budget / (1 << 30), block_size=block_size, speculative_config=NGRAM
+    ).stats()
+    assert ngram["num_gpu_blocks"] == budget // target_block
+    assert "draft_weight_bytes" not in ngram
+
+
+def test_smollm2_with_the_ngram_proposer_equals_hf(smollm2):
+    """Real weights: asked to repeat a sentence, SmolLM2 copies its prompt, the n-gram
+    proposer guesses the copy, and the tokens are still transformers' greedy ones."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    sentence = "The quick brown fox jumps over the lazy dog, then naps under the old oak tree."
+    conversation = [{"role": "user", "content": f"Repeat this sentence exactly: {sentence}"}]
+    prompt = tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24
+        )
+    llm = LLM(
+        smollm2,
+        device="cpu",
+        num_gpu_blocks=16,
+        swap_space=0,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
+    )
+    params = SamplingParams(temperature=0, max_tokens=24)
+    output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert output.outputs[0].token_ids == out[0, len(prompt) :].tolist()
+    assert llm.stats()["spec_decode_acceptance_rate"] > 0.3  # (0.5 when written)
+    assert_spec_done(llm)
+
+
+def test_a_profiled_budget_pays_for_both_pools_and_swaps_the_targets_blocks_only():
+    """On CUDA the budget is what profiling leaves (the draft's weights already loaded,
+    so already taken): each block of it costs the target's bytes and the draft's, and
+    the swap pool, which holds only the target's blocks, is sized by the target's."""
+    config = EngineConfig(model="unused", num_gpu_blocks=None, swap_space=1 / 1024)
+    target_block, draft_block, budget = 3000, 1000, 10**6
+    gpu, cpu = pool_sizes(
+        config, 64, torch.device("cuda"), target_block, lambda: budget, draft_block
+    )
+    assert gpu == 250  # 10**6 // 4000
+    assert cpu == (1 << 20) // 3000

@@ -2,7 +2,8 @@
 over a paged KV cache of its own.
 
 The draft keeps, per target sequence, a block table in its own pool (a second
-`KVCacheManager`, the same block size) and the KV of the tokens it has seen.  To guess
+`KVCacheManager`: the same block size, as many blocks, the same ``kv_cache_dtype``; the
+engine sizes both pools together) and the KV of the tokens it has seen.  To guess
 ``k`` tokens it runs one pass over the tokens it has not seen yet (the whole prompt the
 first time; after that the token the target added and the guesses it accepted), takes
 the argmax, then ``k - 1`` one-token passes, each feeding its last guess back.
@@ -29,13 +30,20 @@ __all__ = ["DraftModelProposer"]
 
 
 class DraftModelProposer:
-    """Greedy guesses from ``model`` (already loaded) over ``num_blocks`` blocks of its own."""
+    """Greedy guesses from ``model`` (already loaded) over ``num_blocks`` blocks of its
+    own, which store ``kv_cache_dtype`` as the target's do (fp8 too)."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device) -> None:
-        dtype = model.model.embed_tokens.weight.dtype
+    def __init__(
+        self,
+        model,
+        num_blocks: int,
+        block_size: int,
+        kv_cache_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.runner = ModelRunner(model, block_size, device)
         self.kv = KVCacheManager(num_blocks, block_size)
-        self.caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device)
+        self.caches = allocate_kv_caches(model, num_blocks, block_size, kv_cache_dtype, device)
 
     def propose_batch(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         """Up to ``ks[i]`` greedy guesses after ``seqs[i]``'s tokens (none if the
@@ -105,13 +113,15 @@ class _Row:
         self.scheduled: ScheduledSeq | None = None
 
     def schedule(self, start: int, allocation) -> None:
-        seq = Sequence(self.seq_id, self.tokens, len(self.tokens))
+        """The draft's next pass runs its tokens from ``start`` on, in ``allocation``'s
+        slots; the logits after the last one give the next guess (no request group:
+        the draft samples for no request)."""
         self.scheduled = ScheduledSeq(
-            seq,
-            None,
-            start,
-            len(self.tokens) - start,
-            allocation.block_table,
-            allocation.slot_mapping,
-            True,
+            seq=Sequence(self.seq_id, self.tokens, len(self.tokens)),
+            group=None,
+            start=start,
+            num_new_tokens=len(self.tokens) - start,
+            block_table=allocation.block_table,
+            slot_mapping=allocation.slot_mapping,
+            samples=True,
         )

@@ -27,6 +27,11 @@ included; logprobs are the target's raw logits', as `sample` reports them.  A gr
 request keeps exactly the guesses equal to the target's argmax: the same tokens as
 without a draft.  Beam search is not combined with speculation (vLLM does not either).
 
+The rest of the engine is unchanged by a step that verifies: a LoRA request's guesses
+run under its adapter in the target (the draft guesses without one, which only costs
+acceptance), a mixture-of-experts target routes each of the ``1 + k`` tokens, and an
+fp8 cache quantizes them as any tokens (the draft's pool is fp8 too).
+
 Counters, with vLLM's ``spec_decode`` names: drafts verified, tokens guessed, tokens
 accepted, and the accepted tokens at each guess position.
 """
@@ -41,29 +46,27 @@ from minipaged.models.hub import resolve_model
 from minipaged.models.loader import load_model
 from minipaged.models.resolve import resolve_max_model_len
 from minipaged.sampler import logprobs_of, processed_logits, target_probs
-from minipaged.scheduler import Scheduler
 from minipaged.sequence import SequenceGroup
 from minipaged.spec_decode.draft_model import DraftModelProposer
 from minipaged.spec_decode.ngram import NgramProposer
 from minipaged.spec_decode.rejection_sampler import rejection_sample
 
 
-def make_proposer(
-    config: SpeculativeConfig,
+def load_draft_model(
+    config: SpeculativeConfig | None,
     vocab_size: int,
     max_model_len: int,
-    num_blocks: int,
-    block_size: int,
     dtype: str,
     device: torch.device,
     attention_backend: str,
-) -> NgramProposer | DraftModelProposer:
-    """The proposer ``config`` asks for; a draft model is loaded on ``device`` (on rank 0
-    only, with tensor parallelism) with a pool of ``num_blocks`` blocks of its own, and
-    refused (``ValueError`` naming the key) if its vocabulary or length is not the
+) -> torch.nn.Module | None:
+    """The draft model ``config`` names, loaded on ``device`` (on rank 0 only, with
+    tensor parallelism) before the KV pools are sized, so that its weights count
+    against the memory; None without one (no speculation, or the n-gram method).
+    Refused (``ValueError`` naming the key) if its vocabulary or length is not the
     target's."""
-    if config.method == "ngram":
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config is None or config.method != "draft_model":
+        return None
     model = load_model(resolve_model(config.model), dtype, device, attention_backend)
     if model.config.vocab_size != vocab_size:
         raise ValueError(
@@ -76,7 +79,23 @@ def make_proposer(
             f"speculative_config 'model' {config.model!r} takes {draft_len} tokens, "
             f"fewer than max_model_len={max_model_len}"
         )
-    return DraftModelProposer(model, num_blocks, block_size, device)
+    return model
+
+
+def make_proposer(
+    config: SpeculativeConfig,
+    draft_model: torch.nn.Module | None,
+    num_blocks: int,
+    block_size: int,
+    kv_cache_dtype: torch.dtype,
+    device: torch.device,
+) -> NgramProposer | DraftModelProposer:
+    """The proposer ``config`` asks for: the n-gram one, or ``draft_model``
+    (`load_draft_model`'s) over a pool of ``num_blocks`` blocks of ``kv_cache_dtype``
+    of its own, as many as the target's (the engine sized both pools together)."""
+    if draft_model is None:
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    return DraftModelProposer(draft_model, num_blocks, block_size, kv_cache_dtype, device)
 
 
 class Speculator:
@@ -86,7 +105,6 @@ class Speculator:
     def __init__(
         self,
         config: SpeculativeConfig,
-        scheduler: Scheduler,
         eos_token_ids: set[int],
         generator: torch.Generator,
         max_model_len: int,
@@ -94,7 +112,6 @@ class Speculator:
     ) -> None:
         self.k = config.num_speculative_tokens
         self.proposer = proposer
-        self.scheduler = scheduler
         self.eos_token_ids = eos_token_ids
         self.generator = generator
         self.max_model_len = max_model_len
