@@ -82,7 +82,7 @@ class EngineConfig:
         speculative_config: speculative decoding, as vLLM's dict (`SpeculativeConfig`):
             ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}``
             or ``{"model": DRAFT, "num_speculative_tokens": k}``; None: off.  Not with
-            beam search, a contiguous ``memory_mode`` or an int8 ``kv_cache_dtype``.
+            beam search or a contiguous ``memory_mode``.
         enable_expert_parallel: a mixture-of-experts model's ranks hold whole experts
             (``num_experts / tensor_parallel_size`` each) rather than a slice of every
             one, and tokens travel to them (`minipaged.models.moe`).
@@ -196,15 +196,6 @@ class EngineConfig:
                 # Orca's reservations are sized without a draft's lookahead slots.
                 raise ValueError(
                     f"speculative_config needs memory_mode='paged', got {self.memory_mode!r}"
-                )
-            if self.kv_cache_dtype == "int8":
-                # An int8 block's scale grows with what is written to it, guesses that
-                # are later rejected included, and re-rounds the tokens it keeps: the
-                # target would not decode as it does without a draft.  fp8's is fixed.
-                raise ValueError(
-                    "speculative_config cannot run with kv_cache_dtype='int8' (its "
-                    "per-block scales would keep a trace of rejected guesses); use "
-                    "kv_cache_dtype='fp8' or 'auto'"
                 )
 
 
