@@ -47,6 +47,17 @@ def json_object(text: str) -> dict:
     return value
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1, or argparse's error naming the flag."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
+    return value
+
+
 # Fields whose flag parses its value other than by the field's type.
 TYPES = {"speculative_config": json_object}
 # Not flags: the model is an argument of its own; a trace needs code to read it.

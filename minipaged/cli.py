@@ -38,6 +38,7 @@ BENCHES = (
     "kv_cache_dtype",
     "lora",
     "moe",
+    "cpu_step",
 )
 
 

@@ -79,6 +79,10 @@ class EngineConfig:
             ``VLLM_CPU_KVCACHE_SPACE``).
         tensor_parallel_size: processes to split the model over (§4.6), one per GPU on
             CUDA; on a CPU they share its cores.
+        pipeline_parallel_size: stages to cut the model's layers into, each holding its
+            layers and their KV blocks, each split over ``tensor_parallel_size``
+            processes of its own (``tensor_parallel_size * pipeline_parallel_size`` in
+            all); a step's activations go stage to stage.
         speculative_config: speculative decoding, as vLLM's dict (`SpeculativeConfig`):
             ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}``
             or ``{"model": DRAFT, "num_speculative_tokens": k}``; None: off.  Not with
@@ -120,6 +124,7 @@ class EngineConfig:
     trace: bool = False
     cpu_kv_space: float = 1
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     speculative_config: SpeculativeConfig | dict | None = None
     enable_expert_parallel: bool = False
     all2all_backend: str = "alltoall"
@@ -138,6 +143,7 @@ class EngineConfig:
         _positive_int("block_size", self.block_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
         _positive_int("max_loras", self.max_loras)
         _positive_int("max_lora_rank", self.max_lora_rank)
         if self.max_cpu_loras is None:
@@ -196,6 +202,19 @@ class EngineConfig:
                 # Orca's reservations are sized without a draft's lookahead slots.
                 raise ValueError(
                     f"speculative_config needs memory_mode='paged', got {self.memory_mode!r}"
+                )
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """What pipeline stages cannot run in minipaged (the stages' runners hold no
+        adapters, no draft model, no whole expert layers)."""
+        if self.pipeline_parallel_size == 1:
+            return
+        for name in ("speculative_config", "enable_lora", "enable_expert_parallel"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"{name} cannot run with pipeline_parallel_size="
+                    f"{self.pipeline_parallel_size} in minipaged"
                 )
 
 

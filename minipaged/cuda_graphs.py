@@ -49,6 +49,7 @@ def uses_decode_graphs(
         device.type == "cuda"
         and not config.enforce_eager
         and config.tensor_parallel_size == 1  # collectives are not captured
+        and config.pipeline_parallel_size == 1  # nor a stage's sends and receives
         and not config.enable_lora  # the LoRA segments are read on the host
         and attention_backend in ("triton", "cuda")
         and sliding_window(model_config) is None

@@ -37,7 +37,7 @@ from minipaged.beam_search import BeamSearch
 from minipaged.cache_engine import block_bytes, fit_max_model_len, pool_sizes
 from minipaged.config import EngineConfig
 from minipaged.cuda_graphs import capture_decode_graphs, uses_decode_graphs
-from minipaged.distributed.parallel_state import SINGLE
+from minipaged.distributed.parallel_state import NO_PIPELINE, SINGLE
 from minipaged.executor import Executor
 from minipaged.fail_alone import sample_failing_alone
 from minipaged.input_processor import InputProcessor, Params
@@ -88,8 +88,8 @@ class LLMEngine:
         a speculative draft model if one is asked for (before the KV pools, whose
         memory its weights share)."""
         config = self.config
-        tp = self.workers.tp if self.workers else SINGLE
-        self.model = load_model(path, config.dtype, self.device, self.attention_backend, tp)
+        tp, pp = (self.workers.tp, self.workers.pp) if self.workers else (SINGLE, NO_PIPELINE)
+        self.model = load_model(path, config.dtype, self.device, self.attention_backend, tp, pp)
         if self.workers:
             self.workers.wait_loaded()
         self.tokenizer = AutoTokenizer.from_pretrained(
@@ -191,6 +191,7 @@ class LLMEngine:
             self.scheduler,
             self.device,
             speculative=config.speculative_config is not None,
+            pipelined=config.pipeline_parallel_size > 1,
         )
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.parallel_sampling = ParallelSampling(self.eos_token_ids, self.generator)
@@ -370,10 +371,10 @@ class LLMEngine:
 
 
 def start_workers(config: EngineConfig, path: Path, device: torch.device, attention_backend: str):
-    """With ``tensor_parallel_size`` N > 1, ranks 1..N-1 of the group (§4.6), loading
-    their shards while this process loads its own; None on one device, whose path never
-    enters ``minipaged.distributed`` but for the group object."""
-    if config.tensor_parallel_size == 1:
+    """With ``tensor_parallel_size * pipeline_parallel_size`` N > 1, ranks 1..N-1 of the
+    group (§4.6), loading their shards while this process loads its own; None on one
+    device, whose path never enters ``minipaged.distributed`` but for the group object."""
+    if config.tensor_parallel_size == config.pipeline_parallel_size == 1:
         model_config = read_config(path)  # experts asked to split that are not there
         model_class(model_config).check_parallel(model_config, 1, config.enable_expert_parallel)
         return None

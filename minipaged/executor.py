@@ -31,8 +31,13 @@ class Executor:
 
     @property
     def kv_config(self):
-        """The model's config as this process's KV cache sees it: every KV head."""
+        """The model's config as a KV block is sized: every KV head, every layer."""
         return self.runner.model.config
+
+    @property
+    def pool_config(self):
+        """The model's config as this process's pools hold it (the same, on one device)."""
+        return self.kv_config
 
     def kv_memory_budget(self, config: EngineConfig, max_model_len: int) -> int:
         """Bytes of GPU memory for KV blocks (`ModelRunner.kv_memory_budget`)."""
@@ -46,7 +51,7 @@ class Executor:
         """The GPU and CPU KV pools of ``num_gpu_blocks`` and ``num_cpu_blocks`` blocks,
         of ``kv_cache_dtype`` (the model's, or fp8/int8 for a quantized cache)."""
         self.cache_engine = CacheEngine(
-            self.kv_config,
+            self.pool_config,
             num_gpu_blocks,
             num_cpu_blocks,
             self.runner.block_size,

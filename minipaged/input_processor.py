@@ -39,8 +39,12 @@ class InputProcessor:
         scheduler: Scheduler,
         device: torch.device,
         speculative: bool = False,
+        pipelined: bool = False,
     ) -> None:
         self.speculative = speculative  # speculative decoding on: no beam search
+        # Pipeline stages: the prompt's hidden states stay on the last stage, the
+        # request on the driver, so no prompt logprobs.
+        self.pipelined = pipelined
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -83,6 +87,10 @@ class InputProcessor:
             raise ValueError(
                 "beam search cannot run with speculative_config (neither can it in vLLM); "
                 "start an LLM without speculative_config for it"
+            )
+        if self.pipelined and getattr(params, "prompt_logprobs", None) is not None:
+            raise ValueError(
+                "prompt_logprobs cannot run with pipeline_parallel_size > 1 in minipaged"
             )
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already running")

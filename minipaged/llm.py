@@ -34,7 +34,7 @@ class LLM:
 
     ``model``: a checkpoint directory, a ``.gguf`` file, ``"smollm2"`` or a Hugging Face
     hub id.  Keyword arguments: `EngineConfig`'s, vLLM's names; any other keyword vLLM
-    takes (``quantization``, ``pipeline_parallel_size``, ``kv_cache_dtype``...) is a
+    takes (``quantization``, ``load_format``, ``cpu_offload_gb``...) is a
     ``ValueError`` that lists what minipaged supports.
     """
 

@@ -14,6 +14,9 @@ With `capture_decode_graphs`, a step of decodes only replays a CUDA graph instea
 (`minipaged.cuda_graphs`).  With `enable_lora`, each token also gets its adapter's
 LoRA term (`minipaged.models.lora`): the batch is ordered by adapter slot within its
 prefills and its decodes, so each adapter's tokens form few segments.
+On a pipeline stage (``pipeline_parallel_size`` > 1) the runner runs the stage's layers
+only, micro-batch by micro-batch, receiving and sending the hidden states between
+stages (`ModelRunner._execute_stage`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from minipaged.batch import ScheduledSeq
 from minipaged.cuda_graphs import DecodeGraphs
+from minipaged.distributed.parallel_state import TIMELINE
 from minipaged.lora_request import LoRARequest
 from minipaged.memory import KVCacheManager
 from minipaged.memory.block_table import blocks_for
@@ -70,6 +74,19 @@ class ModelRunner:
             return [], None
         # Prefills first: the trailing run of one-token sequences goes to the decode op.
         seqs = sorted(seqs, key=lambda s: (s.num_new_tokens == 1, s.lora_slot))
+        if self.model.pp.size > 1:
+            return self._execute_stage(seqs, kv_caches)
+        hidden = self._forward(seqs, kv_caches)
+        if any(s.prompt_logprob_positions for s in seqs):
+            compute_prompt_logprobs(self.model, hidden, seqs)
+        sampling = [s for s in seqs if s.samples]
+        if not sampling:
+            return [], None
+        return sampling, self.model.compute_logits(hidden[sample_rows(seqs, self.device)])
+
+    def _forward(self, seqs: list[ScheduledSeq], kv_caches, hidden=None) -> torch.Tensor:
+        """The model over ``seqs``' new tokens (from ``hidden``, the previous pipeline
+        stage's output, on a stage but the first): one row per token."""
         starts = [s.start for s in seqs]
         counts = [s.num_new_tokens for s in seqs]
         if self.lora is not None:
@@ -87,21 +104,44 @@ class ModelRunner:
             [t for s in seqs for t in s.input_token_ids()], self.device, torch.long
         )
         positions = token_positions(starts, counts, self.device)
-        hidden = self.graphs.run(input_ids, positions, attn) if self.graphs else None
-        if hidden is None:
-            hidden = self.model(input_ids, positions, kv_caches, attn)
-        if any(s.prompt_logprob_positions for s in seqs):
-            compute_prompt_logprobs(self.model, hidden, seqs)
-        sampling, last_rows, end = [], [], 0
-        for s in seqs:
-            end += s.num_new_tokens
-            if s.samples:  # the last token's row, after those of the guesses it verifies
-                sampling.append(s)
-                last_rows += range(end - s.num_logit_rows, end)
+        out = self.graphs.run(input_ids, positions, attn) if self.graphs else None
+        return self.model(input_ids, positions, kv_caches, attn, hidden) if out is None else out
+
+    def _execute_stage(
+        self, seqs: list[ScheduledSeq], kv_caches
+    ) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
+        """One pipeline stage's part of the step (GPipe's schedule, Huang et al. 2019):
+        the batch cut into one micro-batch per stage, each received from the previous
+        stage, run through this stage's layers and sent on while the next one runs, so
+        the stages work on different micro-batches at once.  The last stage projects
+        the sampled rows and sends their logits to the driver, which returns them."""
+        stage, config = self.model.pp, self.model.config
+        sends, rows = [], []
+        for micro in micro_batches(seqs, stage.size):
+            hidden = None
+            if not stage.is_first:
+                shape = (sum(s.num_new_tokens for s in micro), config.hidden_size)
+                hidden = stage.recv(shape, self.model.model.dtype, self.device)
+            with TIMELINE.record("forward", self.device):
+                hidden = self._forward(micro, kv_caches, hidden)
+                if stage.is_last:
+                    rows.append(hidden[sample_rows(micro, self.device)])
+            if not stage.is_last:
+                sends.append(stage.send(hidden))
+        stage.wait(sends)
+        sampling = [s for s in seqs if s.samples]
         if not sampling:
             return [], None
-        rows = int_tensor(last_rows, self.device, torch.long)
-        return sampling, self.model.compute_logits(hidden[rows])
+        if stage.is_last:
+            with TIMELINE.record("forward", self.device):
+                logits = self.model.compute_logits(torch.cat(rows))
+            if logits is not None:  # tensor-parallel rank 0 of the stage
+                stage.send_logits(logits)
+            return sampling, logits
+        if stage.is_first and stage.tp_rank == 0:  # the driver
+            rows = sum(s.num_logit_rows for s in sampling)
+            return sampling, stage.recv_logits((rows, config.vocab_size), self.device)
+        return sampling, None
 
     @torch.inference_mode()
     def kv_memory_budget(
@@ -123,8 +163,7 @@ class ModelRunner:
         num_blocks = sum(blocks_for(length, self.block_size) for length in lengths)
         kv = KVCacheManager(num_blocks, self.block_size)
         prompts = [kv.allocate(str(i), [0] * length) for i, length in enumerate(lengths)]
-        config = self.model.config
-        dtype = self.model.model.embed_tokens.weight.dtype
+        config, stage, dtype = self.model.config, self.model.pp, self.model.model.dtype
         caches = allocate_kv_caches(config, num_blocks, self.block_size, dtype, self.device)
         cache_bytes = sum(k.nbytes + v.nbytes for k, v in caches)
         attn = AttentionMetadata.build(
@@ -137,12 +176,42 @@ class ModelRunner:
         )
         input_ids = torch.zeros(sum(lengths), dtype=torch.long, device=self.device)
         positions = token_positions([0] * len(lengths), lengths, self.device)
-        hidden = self.model(input_ids, positions, caches, attn)
-        self.model.compute_logits(hidden[-len(lengths) :])
+        # A pipeline stage but the first starts from hidden states (any will do here).
+        start = None
+        if not stage.is_first:
+            start = torch.zeros(len(input_ids), config.hidden_size, dtype=dtype, device=self.device)
+        stage_caches = caches[: len(self.model.model.stage_layers)]
+        hidden = self.model(input_ids, positions, stage_caches, attn, start)
+        if stage.is_last:
+            self.model.compute_logits(hidden[-len(lengths) :])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - cache_bytes
-        del caches, hidden
+        del caches, stage_caches, hidden
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         outside_torch = total - free - torch.cuda.memory_reserved(self.device)
         return int(total * gpu_memory_utilization - peak - outside_torch)
+
+
+def sample_rows(seqs: list[ScheduledSeq], device: torch.device) -> torch.Tensor:
+    """The rows of ``seqs``' hidden states to project: each sampling sequence's last
+    token, after those of the guesses it verifies."""
+    rows, end = [], 0
+    for s in seqs:
+        end += s.num_new_tokens
+        if s.samples:
+            rows += range(end - s.num_logit_rows, end)
+    return int_tensor(rows, device, torch.long)
+
+
+def micro_batches(seqs: list[ScheduledSeq], n: int) -> list[list[ScheduledSeq]]:
+    """``seqs`` cut, in order, into at most ``n`` runs of about equal token counts,
+    none empty (a step of fewer sequences than stages has fewer micro-batches)."""
+    total = sum(s.num_new_tokens for s in seqs)
+    batches, done = [[]], 0
+    for s in seqs:
+        if batches[-1] and done >= total * len(batches) / n:
+            batches.append([])
+        batches[-1].append(s)
+        done += s.num_new_tokens
+    return batches

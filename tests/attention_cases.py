@@ -28,6 +28,7 @@ import torch
 
 from minipaged.memory.block_table import slot_mapping
 from minipaged.ops import (
+    cpu_ops,
     decode_oracle,
     paged_attention_decode,
     paged_attention_prefill,
@@ -103,6 +104,18 @@ PREFILL_CASES = [
     # Speculative decoding's verification: a last token and k guesses (2 to 9 queries)
     # on a long paged context, crossing a block boundary (41..49 over 48) or not.
     Case((21, 50, 67), block_size=16, num_kv_heads=2, shared_blocks=1, new_lens=(5, 9, 2)),
+]
+
+# Contexts longer than the C++ CPU kernel's partitions (256 positions, merged by a
+# reduce) and prefills longer than its tiles (16 query rows); only the CPU kernel's
+# tests run them, the others' interpreters and emulators would take minutes.
+LONG_DECODE_CASES = [
+    Case((700, 3, 257), block_size=16, num_kv_heads=2),
+    Case((1030,), block_size=32, num_kv_heads=1, head_dim=128, shared_blocks=4),
+]
+LONG_PREFILL_CASES = [
+    Case((600, 40), block_size=16, num_kv_heads=2, new_lens=(45, 40)),
+    Case((300,), block_size=8, num_kv_heads=4, head_dim=128, new_lens=(300,)),
 ]
 
 
@@ -297,6 +310,21 @@ def real_paged_kv(
     lens = torch.full((batch,), context_len, dtype=torch.int32, device="cuda")
     query = torch.randn(batch, num_heads, head_dim, generator=g, device="cuda").to(dtype)
     return query, key_cache, value_cache, tables, lens, keys, values
+
+
+# The C++ CPU kernel's instruction sets the tests run: the machine's best two (AVX-512 and
+# AVX2 on an AVX-512 CPU, AVX2 and plain C++ on an AVX2 one), each built once.
+CPU_ISAS = cpu_ops.machine_isas()[:2]
+CPU_BACKENDS = [f"cpu-{isa}" for isa in CPU_ISAS]
+
+
+def use_backend(backend: str, monkeypatch) -> str:
+    """The op's backend for a test's ``backend``: ``"cpu-avx2"`` is ``"cpu"`` with the
+    kernel built for AVX2 (`cpu_ops.ISA_ENV`), any other name itself."""
+    name, _, isa = backend.partition("-")
+    if name == "cpu" and isa:
+        monkeypatch.setenv(cpu_ops.ISA_ENV, isa)
+    return name
 
 
 def refusal_on_cpu(backend: str, without: str) -> str:

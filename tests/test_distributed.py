@@ -208,7 +208,9 @@ def test_smollm2_tp3_equals_hf_generate(smollm2):
             ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12
         )[0, len(prompt) :].tolist()
     del hf
-    llm = make_llm(smollm2, tensor_parallel_size=3, num_gpu_blocks=16, max_model_len=256)
+    llm = make_llm(  # in HF's float32, whatever the checkpoint's dtype
+        smollm2, dtype="float32", tensor_parallel_size=3, num_gpu_blocks=16, max_model_len=256
+    )
     out = generate(llm, [prompt], SamplingParams(temperature=0, max_tokens=12))
     assert out[0].outputs[0].token_ids == expected
     assert llm.engine.executor.cache_shapes == [(16, 16, 1, 64)] * 3

@@ -33,7 +33,16 @@ import math
 import pytest
 import torch
 
-from attention_cases import DECODE_CASES, NUM_HEADS, PREFILL_CASES, make_paged_kv
+from attention_cases import (
+    CPU_BACKENDS,
+    DECODE_CASES,
+    LONG_DECODE_CASES,
+    LONG_PREFILL_CASES,
+    NUM_HEADS,
+    PREFILL_CASES,
+    make_paged_kv,
+    use_backend,
+)
 from minipaged.config import KV_CACHE_DTYPES
 from minipaged.ops import (
     check_supported,
@@ -89,7 +98,7 @@ def quantized_cache(case, fmt: str, g: torch.Generator):
 
 BACKEND_CASES = (
     [("torch", c) for c in DECODE_CASES]
-    + [("cpu", c) for c in DECODE_CASES]
+    + [(cpu, c) for cpu in CPU_BACKENDS for c in DECODE_CASES + LONG_DECODE_CASES]
     + [("triton", c) for c in TRITON_DECODE]
 )
 # The CUDA kernels' cases: those of a dtype, head_dim and block_size they are built for.
@@ -102,14 +111,15 @@ CUDA_DECODE = [
 ]
 BACKEND_PREFILL = (
     [("torch", c) for c in PREFILL_CASES]
-    + [("cpu", c) for c in PREFILL_CASES]
+    + [(cpu, c) for cpu in CPU_BACKENDS for c in PREFILL_CASES + LONG_PREFILL_CASES]
     + [("triton", c) for c in TRITON_PREFILL]
 )
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("backend, case", BACKEND_CASES, ids=lambda x: str(x))
-def test_decode_reads_the_quantized_cache(backend, case, fmt):
+def test_decode_reads_the_quantized_cache(backend, case, fmt, monkeypatch):
+    backend = use_backend(backend, monkeypatch)
     g = torch.Generator().manual_seed(0)
     kv, (kc, vc), (ks, vs), (keys, values) = quantized_cache(case, fmt, g)
     query = torch.randn(len(case.context_lens), NUM_HEADS, case.head_dim, generator=g)
@@ -131,7 +141,8 @@ def test_decode_reads_the_quantized_cache(backend, case, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("backend, case", BACKEND_PREFILL, ids=lambda x: str(x))
-def test_prefill_reads_the_quantized_cache(backend, case, fmt):
+def test_prefill_reads_the_quantized_cache(backend, case, fmt, monkeypatch):
+    backend = use_backend(backend, monkeypatch)
     g = torch.Generator().manual_seed(0)
     kv, (kc, vc), (ks, vs), (keys, values) = quantized_cache(case, fmt, g)
     query = torch.randn(sum(case.new_lens), NUM_HEADS, case.head_dim, generator=g)
@@ -153,7 +164,7 @@ def test_prefill_reads_the_quantized_cache(backend, case, fmt):
     assert_close(out, expected, dtype=query.dtype)
 
 
-def _written(fmt, key, value, slots, groups, num_blocks, block_size):
+def _written(fmt, key, value, slots, groups, num_blocks, block_size, backend="torch"):
     """Write token ``t`` of ``key, value [T, H, D]`` at ``slots[t]`` of a fresh cache,
     the tokens of each of ``groups`` in one call (as successive steps would); the
     dequantized caches and their scales."""
@@ -164,15 +175,16 @@ def _written(fmt, key, value, slots, groups, num_blocks, block_size):
     if dtype != torch.int8:
         ks.fill_(0.05)
     for group in groups:
-        write_kv(key[group], value[group], kc, vc, slots[group], k_scale=ks, v_scale=vs)
+        write_kv(key[group], value[group], kc, vc, slots[group], backend, ks, vs)
     return [
         (c.float() * kv_quant.slot_scales(s, c)[..., None], c, s) for c, s in ((kc, ks), (vc, vs))
     ]
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("one_call", [True, False], ids=["prefill", "token-by-token"])
-def test_write_kv_rounds_within_the_formats_precision(fmt, one_call):
+def test_write_kv_rounds_within_the_formats_precision(fmt, one_call, backend):
     """Every stored element is within the format's rounding of what was written, once,
     however the tokens arrive."""
     g = torch.Generator().manual_seed(0)
@@ -186,7 +198,7 @@ def test_write_kv_rounds_within_the_formats_precision(fmt, one_call):
     order = torch.cat([b * block_size + torch.arange(block_size) for b in blocks])[:num_tokens]
     tokens = torch.arange(num_tokens)
     groups = [tokens] if one_call else list(tokens.split(1))
-    written = _written(fmt, key, value, order, groups, 6, block_size)
+    written = _written(fmt, key, value, order, groups, 6, block_size, backend)
     for x, (stored, _, scale) in zip((key, value), written):
         got = stored.view(-1, *x.shape[1:])[order]
         dtype = kv_quant.cache_dtype(fmt, torch.float32)
@@ -200,8 +212,9 @@ def test_write_kv_rounds_within_the_formats_precision(fmt, one_call):
         assert ((got - x).abs() <= bound * (1 + 1e-6)).all()
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_the_stored_bytes_do_not_depend_on_how_the_tokens_arrive(fmt):
+def test_the_stored_bytes_do_not_depend_on_how_the_tokens_arrive(fmt, backend):
     """One prefill, token by token, and ragged chunks that split blocks, each over
     slots a previous owner filled with other tokens: the same bytes and scales (what
     makes recompute preemption and chunked prefill token-identical)."""
@@ -215,10 +228,10 @@ def test_the_stored_bytes_do_not_depend_on_how_the_tokens_arrive(fmt):
     stored = []
     for groups in ([tokens], list(tokens.split(1)), list(tokens.split([3, 6, 1, 9]))):
         previous = [50 * torch.randn(num_tokens, 2, 16, generator=g) for _ in range(2)]
-        written = _written(fmt, *previous, slots, [tokens], num_blocks, block_size)
+        written = _written(fmt, *previous, slots, [tokens], num_blocks, block_size, backend)
         (_, kc, ks), (_, vc, vs) = written
         for group in groups:
-            write_kv(key[group], value[group], kc, vc, slots[group], k_scale=ks, v_scale=vs)
+            write_kv(key[group], value[group], kc, vc, slots[group], backend, ks, vs)
         stored.append(
             [
                 (
@@ -231,6 +244,31 @@ def test_the_stored_bytes_do_not_depend_on_how_the_tokens_arrive(fmt):
     for other in stored[1:]:
         for (bytes_a, scale_a), (bytes_b, scale_b) in zip(stored[0], other):
             assert torch.equal(bytes_a, bytes_b) and torch.equal(scale_a, scale_b)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_kernels_quantizing_store_writes_kv_quants_bytes(fmt, dtype):
+    """The C++ store (the CPU backend's ``write_kv``) and `kv_quant.write_kv` in torch
+    leave the same bytes and scales: a prefill that fills blocks and starts one, decode
+    tokens that grow its scale, a reused block, skipped slots."""
+    g = torch.Generator().manual_seed(1)
+    steps = [torch.arange(0, 21), torch.tensor([21, -1]), torch.tensor([22]), torch.tensor([8, 9])]
+    results = []
+    for backend in ("torch", "cpu"):
+        g.manual_seed(1)
+        cache_dtype = kv_quant.cache_dtype(fmt, dtype)
+        kc = torch.zeros(4, 8, 2, 16, dtype=cache_dtype)
+        vc = kc.clone()
+        ks, vs = kv_quant.new_scales(cache_dtype, 4, 2, "cpu")
+        for step, slots in enumerate(steps):
+            growth = 1 + 3 * step  # later tokens larger: int8 scales grow, re-round
+            key = (torch.randn(len(slots), 2, 16, generator=g) * growth).to(dtype)
+            value = (torch.randn(len(slots), 2, 16, generator=g) * growth).to(dtype)
+            write_kv(key, value, kc, vc, slots, backend, ks, vs)
+        results.append([kc.view(torch.uint8), vc.view(torch.uint8), ks, vs])
+    for torch_made, kernel_made in zip(*results):
+        assert torch.equal(torch_made, kernel_made)
 
 
 def test_the_engines_choices_are_the_formats():

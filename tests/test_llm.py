@@ -31,7 +31,7 @@ def llm(llama):
     "name, value",
     [
         ("quantization", "awq"),
-        ("pipeline_parallel_size", 2),
+        ("load_format", "dummy"),
         ("cpu_offload_gb", 4),
         ("block_sise", 16),
     ],

@@ -1,19 +1,110 @@
-"""The CPU backend's C++ kernel (``kernels/cpu/paged_attention.cpp``) against the oracle:
-the whole adversarial suite (NaN in every slot it must not read), thread-count
-independence, and ``"auto"`` choosing it on a CPU, or the torch reference without it."""
+"""The CPU backend's C++ kernel (``kernels/cpu/paged_attention.cpp``) against the oracle,
+built for each instruction set this machine runs (`attention_cases.CPU_ISAS`: AVX-512
+and AVX2 on an AVX-512 CPU): the whole adversarial suite (NaN in every slot it must not
+read), bf16 caches read natively, contexts past its 256-position partitions and
+prefills past its 16-row tiles, thread-count independence, and ``"auto"`` choosing it
+on a CPU, or the torch reference without it.
+
+Tolerances (`minipaged.ops.testing`): the kernel widens every element of its dtype to
+float32 exactly and does all its arithmetic in float32, against the oracle's float64
+on the same rounded inputs, so the float32 error (~1e-6 relative over a few hundred
+terms) is far inside float32's 1e-5.  A bf16 output is rounded once at the end, at
+most half a unit in the last place: 2^-8 of itself (8 significant bits), the bound bf16
+outputs are held to against the float64 oracle, plus 1e-5 for the float32 part.
+"""
+
+import dataclasses
 
 import pytest
 import torch
 
-from attention_cases import DECODE_CASES, AttentionSuite, make_paged_kv
+from attention_cases import (
+    CPU_ISAS,
+    DECODE_CASES,
+    LONG_DECODE_CASES,
+    LONG_PREFILL_CASES,
+    NUM_HEADS,
+    PREFILL_CASES,
+    AttentionSuite,
+    make_paged_kv,
+)
 from minipaged.models.resolve import resolve_backend
-from minipaged.ops import BackendUnavailableError, cpu_ops, get_backend, paged_attention_decode
+from minipaged.ops import (
+    BackendUnavailableError,
+    cpu_ops,
+    decode_oracle,
+    get_backend,
+    paged_attention_decode,
+    paged_attention_prefill,
+    prefill_oracle,
+)
+from minipaged.ops.testing import assert_close
 
 CPU = torch.device("cpu")
+BF16 = torch.bfloat16
+
+
+def bf16(cases):
+    return [dataclasses.replace(case, dtype=BF16) for case in cases]
+
+
+@pytest.fixture(params=CPU_ISAS)
+def isa(request, monkeypatch):
+    """The kernel built for one instruction set (the default: the machine's best)."""
+    monkeypatch.setenv(cpu_ops.ISA_ENV, request.param)
+    return request.param
 
 
 class TestCpuOps(AttentionSuite):
     backend = "cpu"
+
+    @pytest.fixture(autouse=True)
+    def each_isa(self, isa):
+        pass
+
+
+def exact(kv):
+    """The oracle's keys and values: the cache's own, in float64."""
+    return [k.double() for k in kv.keys], [v.double() for v in kv.values]
+
+
+def assert_matches(out, expected):
+    if out.dtype != BF16:
+        assert_close(out, expected)
+        return
+    # One rounding to bf16 (unit roundoff 2^-8) over float32 arithmetic's error.
+    torch.testing.assert_close(out.double(), expected, rtol=2**-8 * 1.01, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "case", LONG_DECODE_CASES + bf16(DECODE_CASES + LONG_DECODE_CASES), ids=str
+)
+def test_decode_long_contexts_and_bf16(case, isa):
+    g = torch.Generator().manual_seed(0)
+    kv = make_paged_kv(case, g, "cpu")
+    query = torch.randn(len(case.context_lens), NUM_HEADS, case.head_dim, generator=g)
+    query = query.to(case.dtype)
+    out = paged_attention_decode(
+        query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, case.scale, "cpu"
+    )
+    assert out.dtype == case.dtype
+    expected = decode_oracle(query.double(), *exact(kv), case.scale)
+    assert_matches(out, expected)
+
+
+@pytest.mark.parametrize(
+    "case", LONG_PREFILL_CASES + bf16(PREFILL_CASES + LONG_PREFILL_CASES), ids=str
+)
+def test_prefill_long_contexts_and_bf16(case, isa):
+    g = torch.Generator().manual_seed(0)
+    kv = make_paged_kv(case, g, "cpu")
+    query = torch.randn(sum(case.new_lens), NUM_HEADS, case.head_dim, generator=g)
+    query = query.to(case.dtype)
+    starts = torch.tensor([0, *case.new_lens]).cumsum(0).to(torch.int32)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, starts, kv.context_lens)
+    out = paged_attention_prefill(*args, case.scale, "cpu")
+    expected = prefill_oracle(query.double(), starts, *exact(kv), case.scale)
+    assert_matches(out, expected)
 
 
 @pytest.fixture
@@ -23,10 +114,11 @@ def threads():
     torch.set_num_threads(before)
 
 
-def test_output_does_not_depend_on_the_thread_count(threads):
-    # Each (row, KV head) is summed by one thread in order, so a seeded request samples
-    # the same tokens however many cores serve it.
-    case = DECODE_CASES[7]
+@pytest.mark.parametrize("case", [DECODE_CASES[7], LONG_DECODE_CASES[0]], ids=str)
+def test_output_does_not_depend_on_the_thread_count(threads, case):
+    # Each output is summed by one thread in order, and the split into tasks depends on
+    # the shapes only, so a seeded request samples the same tokens however many cores
+    # serve it.
     g = torch.Generator().manual_seed(0)
     kv = make_paged_kv(case, g, "cpu")
     query = torch.randn(len(case.context_lens), 8, case.head_dim, generator=g).to(case.dtype)
@@ -36,6 +128,20 @@ def test_output_does_not_depend_on_the_thread_count(threads):
     threads(2)
     two = paged_attention_decode(*args, backend="cpu")
     assert torch.equal(one, two)
+
+
+def test_each_instruction_set_is_its_own_build(isa):
+    """The build cache's key names the instruction set: a cache shared with another CPU
+    never loads a build this one cannot run."""
+    module = cpu_ops.build(isa)
+    assert f"minipaged_cpu_{isa}" in module.__file__
+    assert module.VECTOR_WIDTH == {"avx512": 16, "avx2": 8, "scalar": 1}[isa]
+
+
+def test_an_instruction_set_the_cpu_lacks_is_refused(monkeypatch):
+    monkeypatch.setenv(cpu_ops.ISA_ENV, "sse9")
+    with pytest.raises(RuntimeError, match="MINIPAGED_CPU_ISA='sse9'"):
+        cpu_ops.isa()
 
 
 def test_auto_picks_the_kernel_on_a_cpu():

@@ -263,7 +263,7 @@ def test_real_weights_min_tokens_and_repetition_penalty_equal_hf_generate(smollm
     follow HF's ``repetition_penalty``."""
     from transformers import AutoModelForCausalLM
 
-    llm = make_llm(smollm2, max_model_len=256)
+    llm = make_llm(smollm2, dtype="float32", max_model_len=256)  # HF runs in float32
     tokenizer = llm.get_tokenizer()
     prompt = tokenizer.encode(
         tokenizer.apply_chat_template(

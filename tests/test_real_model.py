@@ -20,6 +20,8 @@ CONVERSATIONS = [
     ],
 ]
 MAX_TOKENS = 24
+# HF runs in float32 below; "auto" would follow the checkpoint, which is bfloat16 when
+# it came from the hub, so the engines compared with it name float32 too.
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
 
@@ -58,7 +60,9 @@ def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def test_chat_equals_hf_generate_with_blocks_of_16(smollm2, prompts, hf_greedy):
-    llm = LLM(smollm2, device="cpu", block_size=16, num_gpu_blocks=32, swap_space=0)
+    llm = LLM(
+        smollm2, device="cpu", dtype="float32", block_size=16, num_gpu_blocks=32, swap_space=0
+    )
     replies = llm.chat(CONVERSATIONS, GREEDY, use_tqdm=False)
     assert [r.prompt_token_ids for r in replies] == prompts
     assert [r.outputs[0].token_ids for r in replies] == hf_greedy
@@ -74,6 +78,7 @@ def test_greedy_equals_hf_when_a_small_pool_preempts(smollm2, prompts, hf_greedy
     llm = LLM(
         smollm2,
         device="cpu",
+        dtype="float32",
         block_size=8,
         num_gpu_blocks=14,
         swap_space=0.05,
@@ -91,6 +96,7 @@ def test_greedy_equals_hf_with_prefix_caching_and_chunked_prefill(smollm2, promp
     llm = LLM(
         smollm2,
         device="cpu",
+        dtype="float32",
         block_size=8,
         enable_prefix_caching=True,
         max_num_seqs=4,

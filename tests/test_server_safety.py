@@ -754,7 +754,9 @@ def test_after_end_all_requests_still_on_their_way_are_turned_back(checkpoint):
     async def late_request():
         engine.end_all("the server shut down")
         await asyncio.sleep(0.2)  # the engine thread has ended everything there was
-        outputs = engine.generate([("late", [1, 2, 3], SamplingParams(max_tokens=4), None, None)])
+        outputs = await engine.generate(
+            [("late", [1, 2, 3], SamplingParams(max_tokens=4), None, None)]
+        )
         with pytest.raises(ServerClosingError, match="shut down"):
             async for _ in outputs:
                 pass

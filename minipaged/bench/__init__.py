@@ -42,4 +42,6 @@ time per step, with the model stubbed), `common` (timing, a system's row, tables
   OpenAI-compatible server (paper §6).
 * `lora` - a decode step mixing LoRA adapters against the base model's, and a workload
   spread over 1, 4 and 16 adapters (Punica, S-LoRA).
+* `cpu_step` - a decode step on a CPU at several batch sizes, its projections through
+  ``F.linear`` and through weights packed for oneDNN, against a square matmul's rate.
 """

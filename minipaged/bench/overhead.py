@@ -49,9 +49,9 @@ class ZeroModel:
 
     def __init__(self, model, timer: PhaseTimer | None = None) -> None:
         self.model, self.config, self.timer = model, model.config, timer
-        self.dtype = model.model.embed_tokens.weight.dtype
+        self.dtype, self.pp = model.model.embed_tokens.weight.dtype, model.pp
 
-    def __call__(self, input_ids, positions, kv_caches, attn):
+    def __call__(self, input_ids, positions, kv_caches, attn, hidden=None):
         with self.timer.phase("model_stub") if self.timer else contextlib.nullcontext():
             return torch.zeros(
                 input_ids.shape[0],

@@ -18,6 +18,12 @@ around them.  On a CPU every system runs on one thread (`one_cpu_thread`).
 
 The engine's own overhead per step, with the model stubbed, is measured beside them
 (`overhead`).
+
+With ``--pipeline-parallel-size`` P > 1 each minipaged system runs twice, on one rank
+and then in P stages, and the staged row adds the pipeline's measured timeline
+(`minipaged.bench.pipeline`): the bubble fraction, each stage's time in point-to-point
+ops, the bytes between stages per step and what they would take on a GPU node's links,
+and the throughput against one rank.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from minipaged.arg_utils import add_engine_flags, add_model_flag, engine_kwargs
+from minipaged.arg_utils import add_engine_flags, add_model_flag, engine_kwargs, positive_int
 from minipaged.bench import common
 from minipaged.bench.args import (
     SYNTHETIC_MODEL_HELP,
@@ -48,8 +54,10 @@ from minipaged.bench.common import (
     system_row,
     timed,
 )
+from minipaged.bench.data_parallel import bench_data_parallel, plot_scaling
 from minipaged.bench.hf_baselines import HF_SYSTEMS, run_hf_baselines
 from minipaged.bench.overhead import format_overhead, measure_engine_overhead, plot_overhead
+from minipaged.bench.pipeline import pipeline_stats, plot_timeline, projection
 from minipaged.bench.presets import (
     GPU_MODEL,
     default_preset,
@@ -64,6 +72,7 @@ from minipaged.ops import BackendUnavailableError, get_backend
 from minipaged.workloads import RequestSpec
 
 NAME = "throughput"
+DP_NAME = "throughput_dp"  # the results of --data-parallel-size
 HELP = "offline throughput: minipaged vs Hugging Face generate"
 DESCRIPTION = (
     "Complete the same synthetic ShareGPT-like requests (ignore_eos) with "
@@ -80,6 +89,8 @@ SYSTEMS = (
     "hf-generate-batch",
     "hf-continuous-batching",
 )
+# How much of a staged run its picture shows, in average steps: enough to see a pattern.
+TIMELINE_STEPS = 6
 # What a preset fixes and a flag of the same name overrides.
 SETTING = (
     "num_requests",
@@ -210,8 +221,11 @@ def run_minipaged(
     from minipaged.sampling_params import SamplingParams
 
     llm = LLM(str(path), **{**engine_kwargs, "attention_backend": backend})
-    device, tp = llm.engine.device, llm.engine.config.tensor_parallel_size
-    system = f"minipaged-{backend}" + (f"-tp{tp}" if tp > 1 else "")
+    config = llm.engine.config
+    device, tp, pp = llm.engine.device, config.tensor_parallel_size, config.pipeline_parallel_size
+    system = (
+        f"minipaged-{backend}" + (f"-tp{tp}" if tp > 1 else "") + (f"-pp{pp}" if pp > 1 else "")
+    )
     try:
         # Warm-up: a lone request, then a full batch, so the kernels the timed run
         # launches (one and many sequences, prefill and decode) are compiled.
@@ -222,6 +236,8 @@ def run_minipaged(
                 use_tqdm=False,
             )
         before, comm_before = llm.stats(), dict(COMM.seconds)
+        if pp > 1:
+            llm.engine.executor.timelines()  # the warm-up's, dropped
         params = [
             SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=True)
             for r in requests
@@ -236,6 +252,12 @@ def run_minipaged(
         comm_ms = {
             kind: 1e3 * (s - comm_before.get(kind, 0.0)) / steps for kind, s in COMM.seconds.items()
         }
+        pipeline = {}
+        if pp > 1:
+            stats = pipeline_stats(llm.engine.executor.timelines(), tp, steps)
+            pipeline = dict(
+                pipeline=stats, projection=projection(stats["activation_bytes_per_step"])
+            )
     finally:
         del llm
         free_memory(device)
@@ -251,7 +273,9 @@ def run_minipaged(
             num_steps=steps,
             num_preemptions=after["num_preemptions"] - before["num_preemptions"],
             tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
             comm_ms_per_step=comm_ms,
+            **pipeline,
         ),
         generated,
         generated,
@@ -308,7 +332,25 @@ def bench_throughput(
     notes += [load, _load_note("after")]
     if not runs:
         raise ValueError(f"systems {list(systems)} could not run here: " + "; ".join(notes))
-    return ThroughputBench([runs[s].row for s in systems if s in runs], runs, notes)
+    if engine_kwargs.get("pipeline_parallel_size", 1) > 1:
+        notes.append(pipeline_note(device))
+    order = {s: i for i, s in enumerate(systems)}
+    rows = [r.row for key, r in sorted(runs.items(), key=lambda kv: order[kv[0].split()[0]])]
+    return ThroughputBench(rows, runs, notes)
+
+
+def pipeline_note(device: torch.device) -> str:
+    """What a run of pipeline stages on ``device`` can and cannot show."""
+    if device.type != "cpu":
+        return "each stage ran on a GPU of its own"
+    return (
+        f"the stages are processes sharing this machine's {os.cpu_count()} CPU cores: "
+        "the bubble fraction and the bytes per step are the schedule's and hold on any "
+        "hardware, but the speedup against one rank cannot show a pipeline's gain (the "
+        "stages compete for the cores one rank had to itself, where each would own a "
+        "GPU), and the point-to-point times include the wait for the other stage; the "
+        "projection divides the measured bytes by a GPU node's link bandwidth instead"
+    )
 
 
 def _load_note(when: str) -> str:
@@ -339,9 +381,19 @@ def _run_systems(
                 tqdm.write(notes[-1])
                 continue
             try:
+                if engine_kwargs.get("pipeline_parallel_size", 1) > 1:
+                    one = {**engine_kwargs, "pipeline_parallel_size": 1, "tensor_parallel_size": 1}
+                    runs[f"{system} on one rank"] = run_minipaged(
+                        path, backend, requests, prompts, one, progress
+                    )
                 runs[system] = run_minipaged(
                     path, backend, requests, prompts, engine_kwargs, progress
                 )
+                if one_rank := runs.get(f"{system} on one rank"):
+                    runs[system].row["speedup_vs_one_rank"] = (
+                        runs[system].row["output_tokens_per_s"]
+                        / one_rank.row["output_tokens_per_s"]
+                    )
             except torch.cuda.OutOfMemoryError as error:
                 # The torch backend gathers each sequence's K/V densely, beyond what the
                 # KV pool's sizing (profiled on a prefill) left free; the others still run.
@@ -393,9 +445,24 @@ def format_table(rows: list[dict], overhead: dict | None = None) -> str:
         for r in rows
         if r.get("comm_ms_per_step")
     ]
+    lines += [format_pipeline(r) for r in rows if r.get("pipeline")]
     if overhead:
         lines += ["", format_overhead(overhead)]
     return "\n".join(lines)
+
+
+def format_pipeline(row: dict) -> str:
+    """A staged row's timeline in words."""
+    stats = row["pipeline"]
+    busy = ", ".join(f"{b:.0%}" for b in stats["busy_fraction_per_stage"])
+    p2p = ", ".join(f"{t:.2f}" for t in stats["p2p_ms_per_step_per_stage"])
+    links = "; ".join(f"{v['us_per_step']:.3f} us on {k}" for k, v in row["projection"].items())
+    return (
+        f"{row['system']}: bubble fraction {stats['bubble_fraction']:.0%} (busy per stage: "
+        f"{busy}); point-to-point ms per step per stage: {p2p}; "
+        f"{stats['activation_bytes_per_step']:.0f} activation bytes per step between stages "
+        f"({links}); {row['speedup_vs_one_rank']:.2f}x one rank's output tokens/s"
+    )
 
 
 def plot_throughput(rows: list[dict], overhead: dict | None = None, device: str = ""):
@@ -404,10 +471,10 @@ def plot_throughput(rows: list[dict], overhead: dict | None = None, device: str 
     matplotlib ``Figure``, no pyplot."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11 if overhead else 6.5, 4.2), layout="constrained")
-    axes = fig.subplots(
-        1, 2 if overhead else 1, squeeze=False, width_ratios=[3, 2] if overhead else None
-    )[0]
+    staged = next((r for r in rows if r.get("pipeline")), None)
+    ratios = [3] + [2] * bool(overhead) + [3] * bool(staged)
+    fig = Figure(figsize=(2.2 * sum(ratios) + 0.5, 4.2), layout="constrained")
+    axes = fig.subplots(1, len(ratios), squeeze=False, width_ratios=ratios)[0]
     ax = axes[0]
     most = max(r["num_requests"] for r in rows)
     # A baseline that ran fewer requests says so under its bar.
@@ -429,6 +496,14 @@ def plot_throughput(rows: list[dict], overhead: dict | None = None, device: str 
     ax.tick_params(axis="x", labelrotation=20)
     if overhead:
         plot_overhead(axes[1], overhead)
+    if staged:
+        stats = staged["pipeline"]
+        window = TIMELINE_STEPS * stats["window_s"] / stats["num_steps"]
+        plot_timeline(axes[-1], stats["first_events"], window)
+        axes[-1].set_title(
+            f"{staged['system']}: the run's first {1e3 * window:.0f} ms\n"
+            f"(bubble over the whole run: {stats['bubble_fraction']:.0%})"
+        )
     return fig
 
 
@@ -471,6 +546,16 @@ def add_arguments(parser) -> None:
         metavar="N",
         help="decode steps timed for the engine overhead; 0 skips it (default: %(default)s)",
     )
+    parser.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="instead of the systems: the workload through the server's router over one "
+        "engine replica, then over N, alternately, and the scaling; results in "
+        f"{DP_NAME}.json (default: %(default)s, no replicas)",
+    )
     add_output_flags(parser, NAME)
     # Backends are systems here; the workload and sampling use --seed.
     add_engine_flags(parser, exclude=("attention_backend",))
@@ -488,6 +573,18 @@ def main(args) -> None:
         model, setting["num_requests"], setting["length_scale"], args.max_model_len, args.seed
     )
     engine = {**engine_kwargs(args), "device": device.type}
+    workload = {
+        "name": "sharegpt",
+        "seed": args.seed,
+        **setting,
+        "max_model_len": work.max_model_len,
+        "scale": work.scale,
+        "prompt_lens": [r.prompt_len for r in work.requests],
+        "output_lens": [r.output_len for r in work.requests],
+    }
+    if args.data_parallel_size > 1:
+        main_data_parallel(args, model, device, work, engine, workload)
+        return
     bench = bench_throughput(
         model,
         args.systems or available_systems(device),
@@ -517,16 +614,40 @@ def main(args) -> None:
         **model_record(args, model, device),
         dtype=str(model_dtype(work.config, args.dtype)),
         engine=engine,
-        workload={
-            "name": "sharegpt",
-            "seed": args.seed,
-            **setting,
-            "max_model_len": work.max_model_len,
-            "scale": work.scale,
-            "prompt_lens": [r.prompt_len for r in work.requests],
-            "output_lens": [r.output_len for r in work.requests],
-        },
+        workload=workload,
         engine_overhead_ms_per_step=overhead and overhead["ms_per_step"],
         engine_overhead=overhead,
         notes=bench.notes,
+    )
+
+
+def main_data_parallel(args, model, device, work, engine: dict, workload: dict) -> None:
+    """``--data-parallel-size N``: one replica against N (`bench_data_parallel`)."""
+    load = _load_note("before")
+    rows, scaling = bench_data_parallel(
+        model, work.requests, work.prompts, engine, args.data_parallel_size
+    )
+    notes = [
+        load,
+        _load_note("after"),
+        f"{os.cpu_count()} CPUs: replicas beyond the free cores share them, and other "
+        "processes' load changes between rounds, so the ratio is what this machine gave "
+        "now, not what N devices would (there, each replica has its own)",
+    ]
+    print(format_table(rows))
+    print(
+        f"data parallelism: x{scaling['median']:.2f} the output tokens/s of one replica "
+        f"(rounds: {', '.join(f'{r:.2f}' for r in scaling['ratio_per_round'])})"
+    )
+    write(
+        args,
+        DP_NAME,
+        device,
+        rows,
+        plot_scaling(rows, scaling, notes[-1]),
+        **model_record(args, model, device),
+        engine=engine,
+        workload=workload,
+        scaling=scaling,
+        notes=notes,
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from minipaged.arg_utils import MODEL_HELP, add_engine_flags, engine_kwargs
+from minipaged.arg_utils import MODEL_HELP, add_engine_flags, engine_kwargs, positive_int
 from minipaged.server.limits import ServerLimits
 
 NAME = "serve"
@@ -39,6 +39,16 @@ def add_arguments(parser) -> None:
         metavar="NAME=PATH",
         help="LoRA adapters (PEFT directories) to serve beside the model, a request's "
         "'model' naming one (needs --enable-lora)",
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="engine replicas, each a process with its own KV pool (and its own "
+        "--tensor-parallel-size ranks), behind this one server, which sends each "
+        "request to the least loaded (default: %(default)s)",
     )
     _add_safety_flags(parser)
     add_engine_flags(parser)
@@ -97,5 +107,6 @@ def main(args) -> None:
         server_limits(args),
         args.allowed_hosts,
         args.lora_modules,
+        args.data_parallel_size,
         **engine_kwargs(args),
     )

@@ -1,6 +1,8 @@
-"""Distributed execution: tensor parallelism over ``torch.distributed`` (paper §4.6).
+"""Distributed execution: tensor and pipeline parallelism over ``torch.distributed``
+(paper §4.6; GPipe for the stages).
 
-- `parallel_state`: ranks, the process group, the timed collectives;
+- `parallel_state`: ranks, the process groups, the timed collectives, a pipeline
+  stage's point-to-point ops and the timeline they record;
 - `layers`: column- and row-parallel linear layers, the vocabulary-parallel embedding
   and LM head, which the models build from;
 - `worker`: a worker process, one rank's shard of the model and of the KV cache;

@@ -9,6 +9,10 @@ step's plan, the same step on every shard, the driver alone receiving the logits
 gathered.  So the engine's step still reads schedule -> execute -> sample -> update,
 whatever the number of ranks.
 
+With ``pipeline_parallel_size`` P > 1 the group holds ``tensor_parallel_size * P``
+ranks, a pipeline of P stages (`PipelineStage`) each split over its own tensor-parallel
+ranks; the driver is stage 0's first rank, and the plan still goes to every rank.
+
 The workers live as long as their `WorkerGroup`: `WorkerGroup.shutdown` (also run when
 the group is garbage collected, and at exit) stops them; a worker that dies makes the
 driver's next step raise, naming its rank, after stopping the others.
@@ -27,12 +31,22 @@ from minipaged.batch import ScheduledSeq, SchedulerOutput
 from minipaged.cache_engine import CacheEngine
 from minipaged.config import EngineConfig
 from minipaged.distributed.parallel_state import (
+    NO_PIPELINE,
+    TIMELINE,
     TensorParallelGroup,
     destroy_tensor_parallel,
     free_port,
     init_tensor_parallel,
+    pp_layer_counts,
+    split_pipeline,
 )
-from minipaged.distributed.worker import StepPlan, WorkerArgs, rank_kv_config, worker_main
+from minipaged.distributed.worker import (
+    TIMELINE_REQUEST,
+    StepPlan,
+    WorkerArgs,
+    rank_kv_config,
+    worker_main,
+)
 from minipaged.executor import Executor
 from minipaged.model_runner import ModelRunner
 from minipaged.models.loader import model_class, read_config
@@ -62,12 +76,23 @@ class TensorParallelExecutor(Executor):
         super().__init__(runner)
         self.workers = workers
         self.calculate_kv_scales = calculate_kv_scales
-        self.cache_shapes: list[tuple[int, ...]] = []  # each rank's GPU pool, from allocate
+        # Each rank's GPU pool, from allocate: its layers, and each layer's cache shape.
+        self.cache_layers: list[int] = []
+        self.cache_shapes: list[tuple[int, ...]] = []
 
     @property
     def kv_config(self):
-        """The model's config as one rank's KV cache sees it: its share of the KV heads."""
-        return rank_kv_config(self.runner.model.config, self.workers.tp.size)
+        """The model's config as the biggest rank's KV cache sees it: its share of the
+        KV heads, and the layers of the biggest pipeline stage (which sizes a block)."""
+        config = self.runner.model.config
+        layers = max(pp_layer_counts(config.num_hidden_layers, self.workers.pp.size))
+        return rank_kv_config(config, self.workers.tp.size, layers)
+
+    @property
+    def pool_config(self):
+        """The driver's own pools': its KV heads, and its stage's layers."""
+        model = self.runner.model
+        return rank_kv_config(model.config, self.workers.tp.size, len(model.model.stage_layers))
 
     def kv_memory_budget(self, config: EngineConfig, max_model_len: int) -> int:
         """Every rank profiles its own GPU, and the tightest sets the blocks of all."""
@@ -86,17 +111,20 @@ class TensorParallelExecutor(Executor):
         self, num_gpu_blocks: int, num_cpu_blocks: int, kv_cache_dtype: torch.dtype
     ) -> CacheEngine:
         cache_engine = super().allocate(num_gpu_blocks, num_cpu_blocks, kv_cache_dtype)
-        shapes = self.workers.call(
+        pools = self.workers.call(
             "allocate", num_gpu_blocks, num_cpu_blocks, kv_cache_dtype, self.calculate_kv_scales
         )
-        self.cache_shapes = [tuple(cache_engine.gpu_cache[0][0].shape), *shapes]
+        gpu_cache = cache_engine.gpu_cache
+        pools = [(len(gpu_cache), tuple(gpu_cache[0][0].shape)), *pools]
+        self.cache_layers = [layers for layers, _ in pools]
+        self.cache_shapes = [shape for _, shape in pools]
         return cache_engine
 
     def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
         self.workers.check()
         self.workers.in_step.set()
         try:
-            self.workers.tp.broadcast_object(StepPlan.of(batch))
+            self.workers.world.broadcast_object(StepPlan.of(batch))
             return super().execute(batch)
         except BaseException as error:  # Ctrl-C too: the ranks are out of step for good
             if dead := self.workers.fail(error):
@@ -105,19 +133,31 @@ class TensorParallelExecutor(Executor):
         finally:
             self.workers.in_step.clear()
 
+    def timelines(self) -> list[dict]:
+        """Every rank's `TIMELINE` since the last call (its events and bytes sent), in
+        rank order; each rank starts a new one."""
+        self.workers.check()
+        self.workers.world.broadcast_object(TIMELINE_REQUEST)
+        return self.workers.world.gather_object(TIMELINE.take())
+
 
 def start_workers(
     config: EngineConfig, path, device: torch.device, attention_backend: str
 ) -> WorkerGroup:
-    """Ranks 1..N-1 of ``tensor_parallel_size`` N > 1 (this process is rank 0), once
-    the model is known to split N ways (its experts too, with
-    ``enable_expert_parallel``)."""
-    size = config.tensor_parallel_size
+    """Ranks 1..N-1 of N = ``tensor_parallel_size * pipeline_parallel_size`` > 1 (this
+    process is rank 0), once the model is known to split ``tensor_parallel_size`` ways
+    (its experts too, with ``enable_expert_parallel``) and into
+    ``pipeline_parallel_size`` stages."""
+    tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+    size = tp_size * pp_size
     model_config = read_config(path)
-    model_class(model_config).check_parallel(model_config, size, config.enable_expert_parallel)
+    cls = model_class(model_config)
+    cls.check_parallel(model_config, tp_size, config.enable_expert_parallel)
+    check_pipeline_parallel(cls, model_config, pp_size)
     if device.type == "cuda" and size > torch.cuda.device_count():
         raise ValueError(
-            f"tensor_parallel_size={size} needs {size} GPUs, torch sees {torch.cuda.device_count()}"
+            f"tensor_parallel_size * pipeline_parallel_size = {size} needs {size} GPUs, "
+            f"torch sees {torch.cuda.device_count()}"
         )
     args = WorkerArgs(
         str(path),
@@ -131,8 +171,24 @@ def start_workers(
         (config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         if config.enable_lora
         else None,
+        pp_size,
     )
     return WorkerGroup.start(size, args, device)
+
+
+def check_pipeline_parallel(cls, model_config, size: int) -> None:
+    """Raise ``ValueError`` unless ``size`` stages can split the model: one whose class
+    ``supports_pp`` (vLLM's ``SupportsPP``), at least one decoder layer each."""
+    layers = model_config.num_hidden_layers
+    if size > layers:
+        raise ValueError(
+            f"pipeline_parallel_size={size} must be at most the model's "
+            f"num_hidden_layers ({layers}): every stage holds at least one layer"
+        )
+    if size > 1 and not cls.supports_pp:
+        raise ValueError(
+            f"pipeline_parallel_size={size} is not supported for {cls.__name__} in minipaged"
+        )
 
 
 def num_threads(device: torch.device, size: int) -> int:
@@ -167,7 +223,10 @@ class WorkerGroup:
 
     def __init__(self, processes: list, conns: list, num_threads: int) -> None:
         self.processes, self.conns = processes, conns
-        self.tp = TensorParallelGroup()
+        # The whole group (the plan's broadcast), this rank's tensor-parallel part of
+        # it and its pipeline stage (the same group and no pipeline without one).
+        self.world = self.tp = TensorParallelGroup()
+        self.pp = NO_PIPELINE
         self.failure: str | None = None
         self._threads = torch.get_num_threads()
         torch.set_num_threads(num_threads)
@@ -204,9 +263,11 @@ class WorkerGroup:
                 group.receive()
             except RuntimeError as error:
                 raise RuntimeError(f"{error}, before it started: {SPAWN_HINT}") from None
-            group.tp = init_tensor_parallel(
+            group.world = init_tensor_parallel(
                 0, size, port, device, args.expert_parallel, args.all2all_backend
             )
+            pp_size = args.pipeline_parallel_size
+            group.tp, group.pp = split_pipeline(group.world, size // pp_size, pp_size)
         except BaseException as error:
             group.fail(error)
             raise

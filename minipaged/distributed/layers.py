@@ -33,6 +33,7 @@ __all__ = [
     "ParallelLMHead",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "linear",
 ]
 
 # What ``load_targets(kind)`` returns for the parameter ``kind`` ("weight", "bias"): HF
@@ -41,6 +42,16 @@ __all__ = [
 # key "" is the parameter's own name; a merged layer has one key per HF projection.
 LoadTargets = dict[str, tuple[tuple[slice, ...], tuple[slice, ...]] | None]
 ALL = (slice(None),)
+
+
+def linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ layer.weight.T (+ bias)``: through oneDNN's packed copy of the weight where
+    `minipaged.models.cpu_linear` made one (on a CPU), else ``F.linear``."""
+    if layer.packed_weight is None:
+        return F.linear(x, layer.weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(
+        x.contiguous(), layer.packed_weight, bias, "none", [], ""
+    )
 
 
 def _divide(what: str, total: int, parts: int) -> int:
@@ -80,6 +91,7 @@ class ColumnParallelLinear(nn.Linear):
         }
         super().__init__(in_features, sum(local.values()), bias=bias)
         self.tp, self.parts = tp, local
+        self.packed_weight = None
         self.shard_index = {name: tp.rank * count // tp.size for name, count in shards.items()}
 
     def slices(self) -> dict[str, slice]:
@@ -104,6 +116,9 @@ class ColumnParallelLinear(nn.Linear):
             for name, rows in self.slices().items()
         }
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self, self.bias)
+
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """This rank's slice of each part's projection of ``x``."""
         return self(x).split(list(self.parts.values()), dim=-1)
@@ -118,11 +133,12 @@ class RowParallelLinear(nn.Linear):
     ) -> None:
         super().__init__(_divide("in_features", in_features, tp.size), out_features, bias=bias)
         self.tp = tp
+        self.packed_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return super().forward(x)
-        return self.reduce(F.linear(x, self.weight))
+            return linear(x, self, self.bias)
+        return self.reduce(linear(x, self))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The ranks' partial outputs summed, plus the bias (a LoRA term joins the
@@ -149,6 +165,7 @@ class _VocabParallel(nn.Module):
         self.start = min(vocab_size, tp.rank * rows)
         self.end = min(vocab_size, self.start + rows)
         self.weight = nn.Parameter(torch.zeros(rows, dim))
+        self.packed_weight = None  # the LM head's, where `cpu_linear` packs it
 
     def load_targets(self, kind: str) -> LoadTargets:
         return {"": ((slice(0, self.end - self.start),), (slice(self.start, self.end),))}
@@ -171,5 +188,5 @@ class ParallelLMHead(_VocabParallel):
     driver (rank 0) gathers the full ``[N, vocab]``; the other ranks get None."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.tp.gather(F.linear(hidden, self.weight))
+        logits = self.tp.gather(linear(hidden, self))
         return None if logits is None else logits[:, : self.vocab_size]

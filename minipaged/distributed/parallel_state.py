@@ -14,13 +14,23 @@ One tensor-parallel group per process: ``torch.distributed``'s default group, ov
 rank, the group's size, and the collectives, each timed (`COMM`), so benchmarks can say
 what communication costs.  With ``size == 1`` every collective is the identity and
 ``torch.distributed`` is never touched.
+
+Pipeline parallelism (vLLM's ``pipeline_parallel_size``, GPipe, Huang et al. 2019) cuts
+the model's layers into consecutive stages instead; `PipelineStage` is a stage's place
+in the pipeline and its **point-to-point** ops: ``send`` the activations to the next
+stage, ``recv`` them from the previous one.  With both, the default group holds
+``tensor_parallel_size * pipeline_parallel_size`` ranks in vLLM's layout (rank =
+``stage * tensor_parallel_size + tp_rank``) and each stage's ranks form a
+tensor-parallel group of their own (`split_pipeline`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -28,14 +38,19 @@ import torch.distributed as dist
 
 __all__ = [
     "COMM",
+    "NO_PIPELINE",
     "SINGLE",
+    "TIMELINE",
     "CommStats",
+    "PipelineStage",
     "TensorParallelGroup",
     "destroy_tensor_parallel",
     "dist_backend",
     "free_port",
     "init_tensor_parallel",
     "kv_heads_per_rank",
+    "pp_layer_counts",
+    "split_pipeline",
 ]
 
 # How long a collective may wait for a peer before gloo gives up.  A dead peer is noticed
@@ -80,12 +95,13 @@ class TensorParallelGroup:
     size: int = 1
     expert_parallel: bool = False
     all2all_backend: str = "alltoall"
+    group: dist.ProcessGroup | None = None  # None: the default group (no pipeline)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over all ranks, in place (Megatron's ``g`` operator)."""
         if self.size > 1:
             with _timed("all_reduce", x.device):
-                dist.all_reduce(x)
+                dist.all_reduce(x, group=self.group)
         return x
 
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
@@ -95,7 +111,7 @@ class TensorParallelGroup:
             return x
         with _timed("gather", x.device):
             parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-            dist.gather(x.contiguous(), parts, dst=0)
+            dist.gather(x.contiguous(), parts, group=self.group, group_dst=0)
         return torch.cat(parts, dim=dim) if self.rank == 0 else None
 
     def all_to_all(
@@ -107,7 +123,7 @@ class TensorParallelGroup:
             return x
         out = x.new_empty((sum(recv_counts), *x.shape[1:]))
         with _timed("all_to_all", x.device):
-            dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts)
+            dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=self.group)
         return out
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +132,7 @@ class TensorParallelGroup:
             return x
         out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
         with _timed("all_gather", x.device):
-            dist.all_gather_single(out, x.contiguous())
+            dist.all_gather_single(out, x.contiguous(), group=self.group)
         return out
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,7 +142,7 @@ class TensorParallelGroup:
             return x
         out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
         with _timed("reduce_scatter", x.device):
-            dist.reduce_scatter_single(out, x.contiguous())
+            dist.reduce_scatter_single(out, x.contiguous(), group=self.group)
         return out
 
     def broadcast_object(self, obj=None):
@@ -135,16 +151,28 @@ class TensorParallelGroup:
             return obj
         box = [obj]
         with _timed("broadcast", torch.device("cpu")):
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, group=self.group, group_src=0)
         return box[0]
+
+    def gather_object(self, obj) -> list | None:
+        """Every rank's ``obj`` (picklable), in rank order, on rank 0; None elsewhere."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, out, group=self.group, group_dst=0)
+        return out
 
 
 SINGLE = TensorParallelGroup()  # no parallelism: every collective is the identity
 
 
 class _timed:
-    def __init__(self, kind: str, device: torch.device) -> None:
-        self.kind, self.cuda = kind, device.type == "cuda"
+    """Time a block into ``COMM`` (the totals), or into a `Timeline` (the intervals)."""
+
+    def __init__(
+        self, kind: str, device: torch.device, timeline: Timeline | None = None, comm: bool = True
+    ) -> None:
+        self.kind, self.cuda, self.timeline, self.comm = kind, device.type == "cuda", timeline, comm
 
     def __enter__(self) -> None:
         if self.cuda:
@@ -154,7 +182,11 @@ class _timed:
     def __exit__(self, *exc) -> None:
         if self.cuda:
             torch.cuda.synchronize()
-        COMM.add(self.kind, time.perf_counter() - self.start)
+        end = time.perf_counter()
+        if self.comm:
+            COMM.add(self.kind, end - self.start)
+        if self.timeline is not None:
+            self.timeline.events.append((self.kind, self.start, end))
 
 
 def dist_backend(device: torch.device) -> str:
@@ -205,3 +237,130 @@ def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
     """KV heads each rank holds: its share, or, with more ranks than KV heads, one,
     replicated on ``size // num_kv_heads`` ranks (vLLM's rule)."""
     return max(1, num_kv_heads // size)
+
+
+# -- pipeline parallelism ---------------------------------------------------------------
+class Timeline:
+    """What this process did, as ``(kind, start, end)`` intervals of ``time.perf_counter``
+    (one clock for every process of a machine): ``"forward"`` for a stage's compute,
+    ``"send"`` and ``"recv"`` for the time its point-to-point ops waited.  Gathered from
+    every rank, it is the pipeline's timeline: what each stage did, and when it idled.
+    Only the last ``MAX_EVENTS`` are kept, so a server that never reads it stays small."""
+
+    MAX_EVENTS = 100_000
+
+    def __init__(self) -> None:
+        self.events: deque[tuple[str, float, float]] = deque(maxlen=self.MAX_EVENTS)
+        self.bytes_sent = 0  # activations and logits this process sent
+
+    @contextlib.contextmanager
+    def record(self, kind: str, device: torch.device):
+        """Time the block as ``kind`` (after a device sync on CUDA, as `_timed`)."""
+        with _timed(kind, device, self, comm=False):
+            yield
+
+    def take(self) -> dict:
+        """The events and bytes so far, and start afresh."""
+        taken = {"events": list(self.events), "bytes_sent": self.bytes_sent}
+        self.events.clear()
+        self.bytes_sent = 0
+        return taken
+
+
+TIMELINE = Timeline()
+
+
+def pp_layer_counts(num_layers: int, size: int) -> list[int]:
+    """How many of ``num_layers`` decoder layers each of ``size`` stages holds: an even
+    share, and the remainder one each on the stages before the last, counting back
+    (vLLM's ``get_pp_indices``: the last stage also runs the norm, the LM head and the
+    sampling)."""
+    counts = [num_layers // size] * size
+    for i in range(2, num_layers % size + 2):
+        counts[-i] += 1
+    return counts
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """Stage ``rank`` of ``size``: which layers it holds, and the point-to-point ops
+    that carry a step's activations to the next stage.  ``tp_size``: ranks per stage,
+    so stage ``s``'s tensor-parallel rank ``t`` is global rank ``s * tp_size + t`` and
+    talks to the same ``t`` of the stages beside it.  The first stage embeds the
+    tokens, the last projects and samples them (its tensor-parallel rank 0 sends the
+    logits to the driver, global rank 0).  ``NO_PIPELINE``: one stage, all layers."""
+
+    rank: int = 0
+    size: int = 1
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def layers(self, num_layers: int) -> range:
+        """The indices of the decoder layers this stage holds (`pp_layer_counts`)."""
+        counts = pp_layer_counts(num_layers, self.size)
+        start = sum(counts[: self.rank])
+        return range(start, start + counts[self.rank])
+
+    def _peer(self, stage: int) -> int:
+        return stage * self.tp_size + self.tp_rank
+
+    def send(self, x: torch.Tensor):
+        """Start sending ``x`` to the next stage; returns the work to ``wait`` on, so
+        the stage computes its next micro-batch meanwhile."""
+        TIMELINE.bytes_sent += x.nbytes
+        return dist.isend(x.contiguous(), self._peer(self.rank + 1))
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        """The previous stage's activations, once they arrive (the wait is timed)."""
+        x = torch.empty(shape, dtype=dtype, device=device)
+        with _timed("recv", x.device, TIMELINE):
+            dist.recv(x, self._peer(self.rank - 1))
+        return x
+
+    def wait(self, sends: list) -> None:
+        """Wait until every send of ``sends`` is done (timed as ``send``)."""
+        with _timed("send", torch.device("cpu"), TIMELINE):
+            for work in sends:
+                work.wait()
+
+    def send_logits(self, logits: torch.Tensor) -> None:
+        """The last stage's sampled rows' logits, to the driver."""
+        TIMELINE.bytes_sent += logits.nbytes
+        with _timed("send", logits.device, TIMELINE):
+            dist.send(logits.contiguous(), 0)
+
+    def recv_logits(self, shape: tuple[int, int], device) -> torch.Tensor:
+        """The driver's wait for the last stage's logits."""
+        x = torch.empty(shape, dtype=torch.float32, device=device)
+        with _timed("recv", x.device, TIMELINE):
+            dist.recv(x, self._peer(self.size - 1))
+        return x
+
+
+NO_PIPELINE = PipelineStage()
+
+
+def split_pipeline(
+    world: TensorParallelGroup, tp_size: int, pp_size: int
+) -> tuple[TensorParallelGroup, PipelineStage]:
+    """This rank's tensor-parallel group and pipeline stage, in the default group
+    ``world`` of ``tp_size * pp_size`` ranks.  Every rank creates every stage's group
+    (``new_group`` is a collective of the whole world), then keeps its own."""
+    if pp_size == 1:
+        return world, NO_PIPELINE
+    stage, tp_rank = divmod(world.rank, tp_size)
+    tp = replace(world, rank=0, size=1)
+    if tp_size > 1:
+        for s in range(pp_size):
+            group = dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)))
+            if s == stage:
+                tp = replace(world, rank=tp_rank, size=tp_size, group=group)
+    return tp, PipelineStage(stage, pp_size, tp_size, tp_rank)

@@ -9,6 +9,11 @@ swaps and copies on its own pools, then the model runner's forward pass, whose
 collectives (two all-reduces per layer, the gather of the logits) meet the driver's.
 The block tables are the driver's: every rank has the same number of blocks, so a
 block id means the same slot on all of them.
+
+Under pipeline parallelism the plan goes to every rank of every stage, and each runs
+the block operations on the pools of its own layers; the forward pass then goes stage
+to stage (`minipaged.model_runner.ModelRunner`).  Between steps the driver may ask
+instead for every rank's `TIMELINE` (`TIMELINE_REQUEST`), to draw the pipeline.
 """
 
 from __future__ import annotations
@@ -24,17 +29,30 @@ import torch
 from minipaged.batch import ScheduledSeq, SchedulerOutput
 from minipaged.cache_engine import CacheEngine
 from minipaged.distributed.parallel_state import (
+    TIMELINE,
     TensorParallelGroup,
     destroy_tensor_parallel,
     init_tensor_parallel,
     kv_heads_per_rank,
+    split_pipeline,
 )
 from minipaged.model_runner import ModelRunner
 from minipaged.models.attention import calculate_kv_scales_on_next_batch, head_dim
 from minipaged.models.loader import load_model
 from minipaged.sequence import Sequence
 
-__all__ = ["StepPlan", "StepTokens", "WorkerArgs", "rank_device", "rank_kv_config", "worker_main"]
+__all__ = [
+    "TIMELINE_REQUEST",
+    "StepPlan",
+    "StepTokens",
+    "WorkerArgs",
+    "rank_device",
+    "rank_kv_config",
+    "worker_main",
+]
+
+# Broadcast instead of a plan: every rank answers with its timeline (`gather_object`).
+TIMELINE_REQUEST = "timeline"
 
 
 @dataclass
@@ -124,6 +142,7 @@ class WorkerArgs:
     expert_parallel: bool
     all2all_backend: str
     lora: tuple[int, int, int] | None = None  # (max_loras, max_lora_rank, max_cpu_loras)
+    pipeline_parallel_size: int = 1
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -131,14 +150,16 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device == "cuda" else torch.device(device)
 
 
-def rank_kv_config(config, size: int):
+def rank_kv_config(config, size: int, num_layers: int | None = None):
     """``config`` as one rank's KV cache sees it: `kv_heads_per_rank` KV heads of the
-    same ``head_dim`` (for `allocate_kv_caches` and `block_bytes`)."""
-    if size == 1:
+    same ``head_dim``, and, on a pipeline stage, ``num_layers`` layers (for
+    `allocate_kv_caches` and `block_bytes`)."""
+    if size == 1 and num_layers in (None, config.num_hidden_layers):
         return config
     view = copy.copy(config)
     view.head_dim = head_dim(config)  # fixed before the head counts change under it
     view.num_key_value_heads = kv_heads_per_rank(config.num_key_value_heads, size)
+    view.num_hidden_layers = num_layers or config.num_hidden_layers
     return view
 
 
@@ -152,10 +173,12 @@ def worker_main(rank: int, size: int, port: int, conn, args: WorkerArgs) -> None
     try:
         conn.send(("hello", os.getpid()))
         device = rank_device(args.device, rank)
-        tp = init_tensor_parallel(
+        world = init_tensor_parallel(
             rank, size, port, device, args.expert_parallel, args.all2all_backend
         )
-        model = load_model(args.path, args.dtype, device, args.attention_backend, tp)
+        pp_size = args.pipeline_parallel_size
+        tp, pp = split_pipeline(world, size // pp_size, pp_size)
+        model = load_model(args.path, args.dtype, device, args.attention_backend, tp, pp)
         runner = ModelRunner(model, args.block_size, device)
         if args.lora:
             runner.enable_lora(*args.lora)
@@ -165,7 +188,10 @@ def worker_main(rank: int, size: int, port: int, conn, args: WorkerArgs) -> None
         conn.send(("error", traceback.format_exc()))
         return
     try:
-        while (plan := tp.broadcast_object()) is not None:
+        while (plan := world.broadcast_object()) is not None:
+            if plan == TIMELINE_REQUEST:
+                world.gather_object(TIMELINE.take())
+                continue
             batch = plan.batch()
             cache_engine.execute(batch)
             runner.activate_loras(batch.lora_loads)
@@ -183,13 +209,15 @@ def _set_up(
     while True:
         method, call_args = conn.recv()
         if method == "allocate":
-            config = rank_kv_config(runner.model.config, tp.size)
+            model = runner.model
+            config = rank_kv_config(model.config, tp.size, len(model.model.stage_layers))
             num_gpu_blocks, num_cpu_blocks, dtype, calculate_kv_scales = call_args
             cache_engine = CacheEngine(
                 config, num_gpu_blocks, num_cpu_blocks, block_size, dtype, device
             )
             if calculate_kv_scales:
                 calculate_kv_scales_on_next_batch(runner.model)
-            conn.send(("ok", tuple(cache_engine.gpu_cache[0][0].shape)))
+            gpu_cache = cache_engine.gpu_cache
+            conn.send(("ok", (len(gpu_cache), tuple(gpu_cache[0][0].shape))))
             return cache_engine
         conn.send(("ok", getattr(runner, method)(*call_args)))

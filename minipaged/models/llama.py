@@ -26,6 +26,14 @@ of every layer (§4.6, Megatron-LM): its share of the query heads and of the KV 
 (one replicated KV head when there are more ranks than KV heads), of the MLP's
 intermediate size and of the vocabulary; o_proj and down_proj end in an all-reduce, and
 the logits are gathered on rank 0.  `check_tensor_parallel` says which sizes must divide.
+
+With ``pp``, a `PipelineStage` of more than one, the model holds one stage's layers only
+(GPipe; vLLM's ``make_layers``): the decoder layers ``pp.layers(num_hidden_layers)``,
+the others `PPMissingLayer` placeholders that keep every layer's HF name, the embedding
+on the first stage only, the final norm and the LM head on the last only.  A stage's
+forward takes the previous stage's hidden states instead of token ids.  (Our layers
+carry the residual stream in the hidden states themselves, so there is no separate
+residual to hand on, as vLLM's fused add-and-norm has.)
 """
 
 from __future__ import annotations
@@ -43,7 +51,13 @@ from minipaged.distributed.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from minipaged.distributed.parallel_state import SINGLE, TensorParallelGroup, kv_heads_per_rank
+from minipaged.distributed.parallel_state import (
+    NO_PIPELINE,
+    SINGLE,
+    PipelineStage,
+    TensorParallelGroup,
+    kv_heads_per_rank,
+)
 from minipaged.models.attention import AttentionMetadata, PagedAttention, head_dim
 
 __all__ = [
@@ -51,6 +65,7 @@ __all__ = [
     "ROPE_TYPES",
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "PPMissingLayer",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "check_tensor_parallel",
@@ -238,14 +253,31 @@ def sliding_window(config) -> int | None:
     return window
 
 
-class LlamaModel(nn.Module):
-    """Embedding, decoder layers, final norm: token ids -> last hidden states."""
+class PPMissingLayer(nn.Identity):
+    """A decoder layer another pipeline stage holds (vLLM's name): no weights here."""
 
-    def __init__(self, config, layers: list[nn.Module], tp: TensorParallelGroup) -> None:
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm: token ids -> last hidden states; of a
+    pipeline stage, only its part (``layers``, the placeholders' the other stages')."""
+
+    def __init__(
+        self,
+        config,
+        layers: list[nn.Module],
+        tp: TensorParallelGroup,
+        pp: PipelineStage = NO_PIPELINE,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.stage_layers = pp.layers(config.num_hidden_layers)
+        self.dtype = torch.get_default_dtype()  # the loader builds in the model's dtype
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+            if pp.is_first
+            else None
+        )
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
         self.rotary_emb = RotaryEmbedding(config)
         self.sliding_window = sliding_window(config)
 
@@ -255,18 +287,22 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn: AttentionMetadata,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if len(kv_caches) != len(self.layers):
+        """``hidden``: the previous pipeline stage's output (None on the first stage,
+        which embeds ``input_ids``)."""
+        if len(kv_caches) != len(self.stage_layers):
             raise ValueError(
                 f"kv_caches must hold one (key_cache, value_cache) pair per "
-                f"layer ({len(self.layers)}), got {len(kv_caches)}"
+                f"layer ({len(self.stage_layers)}), got {len(kv_caches)}"
             )
         self._check_window(positions)
-        hidden = self.embed_tokens(input_ids)
+        if hidden is None:
+            hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, attn)
-        return self.norm(hidden)
+        for i, kv_cache in zip(self.stage_layers, kv_caches):
+            hidden = self.layers[i](hidden, cos, sin, kv_cache, attn)
+        return hidden if self.norm is None else self.norm(hidden)
 
     def _check_window(self, positions: torch.Tensor) -> None:
         # Within the window HF's sliding mask hides nothing, so full attention is exact;
@@ -289,25 +325,51 @@ class LlamaForCausalLM(nn.Module):
     ``model(input_ids [T], positions [T], kv_caches, attn) -> hidden [T, hidden_size]``
     runs one step; ``compute_logits(hidden [N, hidden_size]) -> [N, vocab] float32`` is
     separate so the engine projects only the rows it samples from.  ``tp``: this
-    process's rank in a tensor-parallel group (default: none), whose slice it builds.
+    process's rank in a tensor-parallel group (default: none), whose slice it builds;
+    ``pp``: its pipeline stage (default: none), whose layers it builds.
     """
 
+    supports_pp = True  # its layers split into pipeline stages (vLLM's SupportsPP)
+
     def __init__(
-        self, config, attention_backend: str = "torch", tp: TensorParallelGroup = SINGLE
+        self,
+        config,
+        attention_backend: str = "torch",
+        tp: TensorParallelGroup = SINGLE,
+        pp: PipelineStage = NO_PIPELINE,
     ) -> None:
         super().__init__()
         self.check_parallel(config, tp.size, tp.expert_parallel)
-        self.config, self.tp = config, tp
+        self.config, self.tp, self.pp = config, tp, pp
         arch = self.arch_options(config)
+        held = pp.layers(config.num_hidden_layers)
         layers = [
             self.make_layer(config, i, arch, attention_backend, tp)
+            if i in held
+            else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         ]
-        self.model = LlamaModel(config, layers, tp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
-        if config.tie_word_embeddings:
+        self.model = LlamaModel(config, layers, tp, pp)
+        self.lm_head = (
+            ParallelLMHead(config.vocab_size, config.hidden_size, tp) if pp.is_last else None
+        )
+        if config.tie_word_embeddings and pp.is_first and pp.is_last:
             # One parameter under two names, as in HF; checkpoints store it once.
             self.lm_head.weight = self.model.embed_tokens.weight
+        elif config.tie_word_embeddings and pp.is_last:
+            # The head's stage lacks the embedding: it reads the head from it (as vLLM).
+            self.checkpoint_renames = {
+                **getattr(self, "checkpoint_renames", {}),
+                "model.embed_tokens.weight": "lm_head.weight",
+            }
+
+    def held_elsewhere(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to another pipeline stage."""
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) not in self.model.stage_layers
+        if name.startswith("model.embed_tokens."):
+            return not self.pp.is_first
+        return name.startswith(("model.norm.", "lm_head.")) and not self.pp.is_last
 
     @classmethod
     def check_parallel(cls, config, size: int, expert_parallel: bool = False) -> None:
@@ -346,10 +408,13 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn: AttentionMetadata,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run the step's tokens, writing their K/V to ``kv_caches`` (one pair per layer);
-        returns the final hidden state of every token."""
-        return self.model(input_ids, positions, kv_caches, attn)
+        """Run the step's tokens, writing their K/V to ``kv_caches`` (one pair per layer
+        of this stage); returns the final hidden state of every token (of a pipeline
+        stage but the last: its output, for the next stage).  ``hidden``: the previous
+        stage's output, on a pipeline stage but the first."""
+        return self.model(input_ids, positions, kv_caches, attn, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``[N, hidden_size] -> [N, vocab_size]`` float32 (projected in the model dtype,

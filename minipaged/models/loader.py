@@ -10,7 +10,8 @@ a silent random init or a silently ignored tensor.
 
 Under tensor parallelism (paper §4.6) each rank builds its slice of the model and reads
 only its slice of each tensor from the files (safetensors reads a slice without the
-rest); each parallel layer says which slice (``load_targets``).
+rest); each parallel layer says which slice (``load_targets``).  Under pipeline
+parallelism each stage reads the tensors of its own layers only (``held_elsewhere``).
 """
 
 from __future__ import annotations
@@ -23,9 +24,15 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from minipaged.distributed.parallel_state import SINGLE, TensorParallelGroup
+from minipaged.distributed.parallel_state import (
+    NO_PIPELINE,
+    SINGLE,
+    PipelineStage,
+    TensorParallelGroup,
+)
 from minipaged.models import llama, moe_models
 from minipaged.models.attention import check_backend
+from minipaged.models.cpu_linear import pack_linear_weights
 
 __all__ = [
     "DTYPES",
@@ -52,13 +59,17 @@ def load_model(
     device="cpu",
     attention_backend: str = "torch",
     tp: TensorParallelGroup = SINGLE,
+    pp: PipelineStage = NO_PIPELINE,
+    pack_weights: bool = True,
 ):
     """The model in directory ``path``, its weights loaded, in eval mode, no grads.
 
     ``dtype`` is ``"auto"`` (the config's ``dtype``), a name in :data:`DTYPES` or one
     of those torch dtypes.  ``attention_backend`` is checked against ``device`` before
-    anything is built.  ``tp``: build and load this rank's slice only.  The model's HF
-    config is ``model.config``.
+    anything is built.  ``tp``: build and load this rank's slice only; ``pp``: this
+    pipeline stage's layers only.  On a CPU the projections' weights are then packed
+    for oneDNN (`cpu_linear`) unless ``pack_weights`` is False, which keeps
+    ``F.linear``.  The model's HF config is ``model.config``.
     """
     path = Path(path)
     config = read_config(path)
@@ -67,8 +78,10 @@ def load_model(
     check_backend(attention_backend, device)
     files = checkpoint_files(path)
     with _default_dtype(dtype), torch.device(device):
-        model = cls(config, attention_backend=attention_backend, tp=tp)
+        model = cls(config, attention_backend=attention_backend, tp=tp, pp=pp)
     load_weights(model, files)
+    if pack_weights:
+        pack_linear_weights(model)
     return model.requires_grad_(False).eval()
 
 
@@ -186,6 +199,7 @@ def _check_names(model, expected, found) -> None:
         # says tied, so (like vLLM) the copy is ignored; transformers 5
         # would untie the two if they differed.
         and not (tied and name == "lm_head.weight")
+        and not model.held_elsewhere(name)
     )
     missing = sorted(expected - found)
     kind = type(model).__name__

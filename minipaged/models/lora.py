@@ -33,12 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from minipaged.distributed.layers import ColumnParallelLinear, RowParallelLinear
+from minipaged.distributed.layers import ColumnParallelLinear, RowParallelLinear, linear
 from minipaged.ops.punica import sgmv
 
 __all__ = [
@@ -246,7 +245,7 @@ class RowParallelLinearWithLoRA(_WithLoRA):
         super().__init__(base, [module], num_slots, rank, batch)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.base.weight)
+        partial = linear(x, self.base)
         delta = self.batch.delta(x, self.lora_a, self.lora_b)
         return self.base.reduce(partial if delta is None else partial + delta)
 

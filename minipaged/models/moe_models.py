@@ -56,6 +56,8 @@ class MoeForCausalLM(LlamaForCausalLM):
     expert_size = "intermediate_size"
     # Mixtral keeps the top-k weights in float32; the others cast them to the model's dtype.
     weights_in_float32 = False
+    # Not split into pipeline stages: the routing statistics read every layer's router.
+    supports_pp = False
 
     @classmethod
     def renormalize(cls, config) -> bool:

@@ -3,31 +3,52 @@
 The torch reference backend gathers each sequence's keys and values into a dense copy
 before it attends; on a CPU that copy, and reading it again, is most of the attention
 time.  ``kernels/cpu/paged_attention.cpp`` instead walks each sequence's block table and
-reads every key and value once, where it lies: one task per (query row, KV head), the
-GQA group's query heads together.  It is built on first use with
-``torch.utils.cpp_extension`` (a C++ compiler and ninja), and cached like the CUDA
-kernels (`cuda_build.cached_build_dir`).
+reads every key and value once, where it lies, in the cache's own dtype (bf16, fp16,
+fp8 and int8 widened to float32 in registers): one task per KV head, tile of query rows
+and partition of a long context, the GQA group's query heads together.  It is built on
+first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja) for the best
+instruction set the CPU has (`ISA_FLAGS`: AVX-512, AVX2, or plain C++), and cached like
+the CUDA kernels (`cuda_build.cached_build_dir`), one build per instruction set.
 
-Decode and prefill are the same kernel: each query row names its sequence's block
-table and how many of its positions it sees.  ``write_kv`` is the torch backend's
-(one ``index_copy_`` per tensor, already in place; it quantizes for an fp8 or int8
-cache, which the kernel widens back element by element, `kv_quant`).  Arguments are checked in
-``minipaged.ops``; these functions assume well-formed input.
+Decode and prefill are the same kernel: each sequence's query rows are its last
+positions.  ``write_kv`` is the torch backend's ``index_copy_`` for a cache of the
+model's dtype, and the kernel's own quantizing store for fp8 or int8 (`kv_quant`'s
+rules).  Arguments are checked in ``minipaged.ops``; these functions assume well-formed
+input.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import torch
 
-from minipaged.ops import cuda_build, kv_quant
-from minipaged.ops.torch_ref import write_kv
+from minipaged.ops import cuda_build, kv_quant, torch_ref
 
-__all__ = ["check_available", "paged_attention_decode", "paged_attention_prefill", "write_kv"]
+__all__ = [
+    "ISA_ENV",
+    "check_available",
+    "isa",
+    "machine_isas",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "write_kv",
+]
 
 SOURCE = cuda_build.KERNELS_DIR / "cpu" / "paged_attention.cpp"
+# The instruction sets the kernel is built for, best first, with their compiler flags:
+# AVX-512's 16 floats an instruction, AVX2's 8 (both with fused multiply-adds and F16C's
+# half-precision conversions), or the compiler's default (one float at a time).
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "scalar": [],
+}
+# Set to one of ISA_FLAGS to build and run that one instead of the machine's best (the
+# tests run every one the CPU can).
+ISA_ENV = "MINIPAGED_CPU_ISA"
 
 
 def check_available(device: torch.device) -> None:
@@ -60,6 +81,37 @@ def _unavailable() -> str | None:
     return None
 
 
+def machine_isas() -> tuple[str, ...]:
+    """The instruction sets of `ISA_FLAGS` this CPU runs, best first, as torch detects
+    its flags (the capability its own kernels dispatch on)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    best = {"AVX512": 0, "AVX2": 1}.get(capability, 2)
+    return tuple(ISA_FLAGS)[best:]
+
+
+def isa() -> str:
+    """The instruction set the kernel runs with: ``MINIPAGED_CPU_ISA`` if set, else the
+    machine's best."""
+    chosen = os.environ.get(ISA_ENV)
+    if chosen is None:
+        return machine_isas()[0]
+    if chosen not in machine_isas():
+        raise RuntimeError(
+            f"{ISA_ENV}={chosen!r}: this CPU runs the kernel built for one of {machine_isas()}"
+        )
+    return chosen
+
+
+def write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None):
+    """Store the new keys and values at their slots: the torch backend's
+    ``index_copy_`` for a cache of the model's dtype, the kernel's quantizing store
+    (`kv_quant`'s rules, one pass in C++) for fp8 or int8."""
+    if not kv_quant.is_quantized(key_cache.dtype):
+        torch_ref.write_kv(key, value, key_cache, value_cache, slot_mapping)
+        return
+    _kernel().write_kv_quantized(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+
+
 def paged_attention_decode(
     query,
     key_cache,
@@ -72,13 +124,12 @@ def paged_attention_decode(
     max_context_len=None,
 ):
     """One new token per sequence attends to its ``context_lens[b]`` cached tokens."""
-    rows = torch.arange(query.shape[0], dtype=torch.int32)
     return _kernel().paged_attention(
         query,
         key_cache,
         value_cache,
         block_tables.int(),
-        rows,
+        None,
         context_lens.int(),
         scale,
         *kv_quant.kernel_scales(key_cache, k_scale, v_scale),
@@ -100,17 +151,13 @@ def paged_attention_prefill(
     """Sequence ``b``'s new tokens are rows ``query_start_loc[b]:query_start_loc[b+1]``,
     its last ``n_new`` positions: new token ``j`` sees ``context_lens[b] - n_new + j + 1``
     of them (the cached prefix, the new tokens before it, itself)."""
-    num_new = query_start_loc.diff()
-    seq = torch.repeat_interleave(torch.arange(len(num_new), dtype=torch.int32), num_new)
-    j = torch.arange(query.shape[0]) - query_start_loc[:-1].repeat_interleave(num_new)
-    visible = (context_lens - num_new)[seq] + j + 1
     return _kernel().paged_attention(
         query,
         key_cache,
         value_cache,
         block_tables.int(),
-        seq,
-        visible.int(),
+        query_start_loc.int(),
+        context_lens.int(),
         scale,
         *kv_quant.kernel_scales(key_cache, k_scale, v_scale),
     )
@@ -118,23 +165,27 @@ def paged_attention_prefill(
 
 @functools.cache
 def _kernel():
+    return build(isa())
+
+
+@functools.cache
+def build(name: str):
+    """The kernel built for instruction set ``name`` of `ISA_FLAGS` (compiled on the
+    first call, then cached on disk under a name that includes the instruction set, so
+    a cache shared with another CPU never loads it there)."""
     from torch.utils import cpp_extension
 
-    # Vectorize the dot products' sums (-fopenmp-simd: the pragma, without OpenMP's
-    # runtime) over several partial sums at once (unrolled: a third faster).
-    flags = ["-O3", "-fopenmp-simd", "-funroll-loops", "-fvariable-expansion-in-unroller"]
-    name = "minipaged_cpu"
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        # 8 floats an instruction instead of SSE2's 4, and fused multiply-adds; named in
-        # the build so that a cache shared with an older CPU does not load it there.
-        flags += ["-mavx2", "-mfma"]
-        name += "_avx2"
-    build_dir = cuda_build.cached_build_dir(name, [SOURCE])
-    if not (build_dir / f"{name}.so").exists():
+    module = f"minipaged_cpu_{name}"
+    build_dir = cuda_build.cached_build_dir(module, [SOURCE])
+    if not (build_dir / f"{module}.so").exists():
         print(
-            f"minipaged: compiling the CPU attention kernel (once; cached in {build_dir})",
+            f"minipaged: compiling the CPU attention kernel for {name} (once; cached in "
+            f"{build_dir})",
             file=sys.stderr,
         )
     return cpp_extension.load(
-        name, [str(SOURCE)], build_directory=str(build_dir), extra_cflags=flags
+        module,
+        [str(SOURCE)],
+        build_directory=str(build_dir),
+        extra_cflags=["-O3", *ISA_FLAGS[name]],
     )

@@ -26,8 +26,10 @@ the scale of an element as ``scale[block, slot, kv_head]`` from a ``[num_blocks,
 block_size, num_kv_heads]`` float32 tensor (`slot_scales`): fp8's per-layer scale is the
 same number expanded to that shape, with strides 0.
 
-Writing (`write_kv`) quantizes here, in torch, for every backend; the attention kernels
-dequantize as they read, one element at a time (``kernels/cpu/paged_attention.cpp``,
+Writing (`write_kv`) quantizes here, in torch, for every backend but the CPU's, whose
+C++ store (``write_kv_quantized`` in ``kernels/cpu/paged_attention.cpp``) follows the
+same rules in one loop instead of a dozen small torch operations per layer; the
+attention kernels dequantize as they read (``kernels/cpu/paged_attention.cpp``,
 ``triton_kernels.py``, ``torch_ref.py``).
 """
 

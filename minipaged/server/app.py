@@ -57,6 +57,7 @@ from minipaged.server.async_engine import (
     RequestFailedError,
     ServerClosingError,
 )
+from minipaged.server.data_parallel import DataParallelEngine, check_data_parallel_size
 from minipaged.server.guard import (
     GuardConfig,
     RequestGuard,
@@ -201,7 +202,7 @@ class OpenAIServing:
             params[i] = body.sampling_params(max_tokens, body.logprobs, prompt_logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        outputs = self.engine.generate(
+        outputs = await self.engine.generate(
             [
                 (rid, token_ids, params[i], text, lora_request)
                 for i, (rid, (token_ids, text)) in enumerate(zip(ids, prompts))
@@ -337,7 +338,7 @@ class OpenAIServing:
             max_tokens, top if body.logprobs else None, body.prompt_logprobs
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = self.engine.generate([(request_id, token_ids, params, None, lora_request)])
+        outputs = await self.engine.generate([(request_id, token_ids, params, None, lora_request)])
         head = {
             "id": request_id,
             "object": "chat.completion.chunk" if body.stream else "chat.completion",
@@ -674,14 +675,18 @@ def serve(
     limits: ServerLimits | None = None,
     allowed_hosts: list[str] | None = None,
     lora_modules: list[str] | None = None,
+    data_parallel_size: int = 1,
     **engine_kwargs,
 ) -> None:
     """Load ``model`` into an engine (``engine_kwargs``: `EngineConfig`'s) and serve it
     over HTTP, as ``served_model_name`` (default: `default_model_name`), until stopped,
     with the LoRA adapters ``lora_modules`` (``name=path``) beside it.
+    ``data_parallel_size`` N > 1 runs N engine replicas, each a process of its own,
+    behind this one server (`minipaged.server.data_parallel`).
     ``allowed_hosts`` defaults to the loopback names when bound to one, else any.  If
-    the engine's loop dies, the server stops and this raises ``SystemExit(1)``, so a
-    supervisor can restart it."""
+    the engine's loop dies (with replicas: the last of them), the server stops and this
+    raises ``SystemExit(1)``, so a supervisor can restart it."""
+    check_data_parallel_size(data_parallel_size, engine_kwargs)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     limits = limits or ServerLimits()
     hosts = tuple(allowed_hosts) if allowed_hosts else default_allowed_hosts(host)
@@ -691,15 +696,31 @@ def serve(
         if server is not None:
             server.should_exit = True
 
-    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(model), **engine_kwargs)), on_dead)
+    config = EngineConfig(model=str(model), **engine_kwargs)
+    if data_parallel_size == 1:
+        engine = AsyncEngine(LLMEngine(config), on_dead)
+        description = engine_description(engine.engine)
+    else:
+        engine = DataParallelEngine(config, data_parallel_size, on_dead)
+        description = [
+            *engine.engine.description,
+            f"data parallel   {data_parallel_size} engines, each one process and its own "
+            f"KV pool (pids {', '.join(str(r.process.pid) for r in engine.replicas)})",
+        ]
     name = served_model_name or default_model_name(model)
-    app = build_app(engine, name, api_key, limits, hosts, lora_modules)
-    server = Server(uvicorn_config(app, host, port, limits), app.state.draining)
-    log_startup(engine.engine, model, name, host, port, api_key, limits, hosts)
+    try:
+        app = build_app(engine, name, api_key, limits, hosts, lora_modules)
+        server = Server(uvicorn_config(app, host, port, limits), app.state.draining)
+    except BaseException:
+        engine.shutdown()
+        raise
+    log_startup(description, model, name, host, port, api_key, limits, hosts)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it has already handled
         pass
+    finally:  # the app's lifespan does it too, unless a Ctrl-C cut it short
+        engine.shutdown()
     if engine.error is not None:
         raise SystemExit(
             f"minipaged serve: the engine died ({engine.error!r}); the traceback is above"
@@ -721,21 +742,11 @@ def uvicorn_config(
     )
 
 
-def log_startup(
-    engine: LLMEngine,
-    model: str,
-    name: str,
-    host: str,
-    port: int,
-    api_key: str | None,
-    limits: ServerLimits,
-    hosts,
-) -> None:
-    """One block saying what is served, where and on what, as vLLM's startup log does."""
+def engine_description(engine: LLMEngine) -> list[str]:
+    """What an engine runs, as lines of the startup log: device, KV pool, context."""
     kv, config = engine.kv, engine.config
     dtype = engine.model.model.embed_tokens.weight.dtype
-    lines = [
-        f"model           {model} (served as {name!r})",
+    return [
         (
             f"device          {engine.device}, {str(dtype).removeprefix('torch.')}, "
             f"attention backend {engine.attention_backend}"
@@ -751,6 +762,24 @@ def log_startup(
             f"{kv.gpu.num_blocks * engine.block_bytes / 2**20:.1f} MiB"
         ),
         f"max_model_len   {engine.max_model_len} tokens",
+    ]
+
+
+def log_startup(
+    description: list[str],
+    model: str,
+    name: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    limits: ServerLimits,
+    hosts,
+) -> None:
+    """One block saying what is served, where and on what (``description``: the
+    engine's, `engine_description`), as vLLM's startup log does."""
+    lines = [
+        f"model           {model} (served as {name!r})",
+        *description,
         (
             f"limits          body {limits.max_body_bytes} bytes, {limits.max_prompts} prompts, "
             f"n <= {limits.max_n}, logprobs <= {limits.max_logprobs}, read timeout "

@@ -70,10 +70,11 @@ class AsyncEngine:
         self._thread.start()
 
     # -- the event loop's side --------------------------------------------------------
-    def generate(self, requests: list[Request]) -> AsyncIterator[RequestOutput]:
+    async def generate(self, requests: list[Request]) -> AsyncIterator[RequestOutput]:
         """Queue ``requests`` and return one stream of all their outputs, ending when
         the last finishes.  Checks every request first and raises ``ValueError``
-        before queueing any.  Leaving the stream early (a client gone) aborts those
+        before queueing any (a coroutine, as a replica elsewhere answers later:
+        `minipaged.server.data_parallel`).  Leaving the stream early (a client gone) aborts those
         still running, which frees their blocks."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")

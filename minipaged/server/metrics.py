@@ -1,7 +1,10 @@
 """``GET /metrics``: the engine's counters in Prometheus's text format, named as vLLM's.
 
 The values are the engine thread's last published ``stats`` (`AsyncEngine.stats`), read
-at scrape time by a custom collector, so a scrape never touches the engine itself.
+at scrape time by a custom collector, so a scrape never touches the engine itself.  With
+data-parallel replicas, each replica's last published stats, labelled by its index
+(``engine="0"``, as vLLM labels its engines): ``sum by (__name__)`` in PromQL gives the
+server's totals.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from minipaged.server.async_engine import AsyncEngine
+from minipaged.server.data_parallel import DataParallelEngine
 
 GAUGE, COUNTER = GaugeMetricFamily, CounterMetricFamily
 PER_POSITION = "spec_decode_num_accepted_tokens_per_pos_"
@@ -109,50 +113,80 @@ SPEC_DECODE_METRICS = [
 
 
 class EngineCollector:
-    """A prometheus_client collector over the engine's published stats."""
+    """A prometheus_client collector over the engine's published stats; with
+    data-parallel replicas, every sample labelled by its replica's ``engine`` index (as
+    vLLM labels them), ``minipaged:engine_alive`` saying which still run."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine | DataParallelEngine) -> None:
         self.engine = engine
 
     def collect(self):
-        stats = self.engine.stats
-        speculates = "spec_decode_num_drafts" in stats
-        for name, family, help_, value in METRICS + (SPEC_DECODE_METRICS if speculates else []):
-            yield family(f"minipaged:{name}", help_, value=value(stats))
-        if speculates:
-            per_position = CounterMetricFamily(
-                "minipaged:spec_decode_num_accepted_tokens_per_pos",
-                "Guessed tokens accepted, by their position in the draft.",
-                labels=["position"],
-            )
-            for key, value in stats.items():
+        if not isinstance(self.engine, DataParallelEngine):
+            yield from engine_metrics([self.engine.stats], [])
+            return
+        replicas = self.engine.replica_stats()
+        alive = GAUGE(
+            "minipaged:engine_alive",
+            "1 while the data-parallel engine's process runs, 0 once it has died.",
+            labels=["engine"],
+        )
+        for replica, _ in replicas:
+            alive.add_metric([str(replica.index)], int(replica.alive))
+        yield alive
+        live = [(str(replica.index), stats) for replica, stats in replicas if stats]
+        yield from engine_metrics([stats for _, stats in live], [index for index, _ in live])
+
+
+def engine_metrics(stats_list: list[dict], engines: list[str]):
+    """One family per metric, a sample per engine's ``stats`` (labelled ``engine`` by
+    ``engines``, or unlabelled for a lone engine, ``engines`` empty)."""
+    labels = ["engine"] if engines else []
+    label_values = [[e] for e in engines] if engines else [[]]
+    first = stats_list[0] if stats_list else {}
+    speculates = "spec_decode_num_drafts" in first
+    for name, family, help_, value in METRICS + (SPEC_DECODE_METRICS if speculates else []):
+        metric = family(f"minipaged:{name}", help_, labels=labels)
+        for stats, values in zip(stats_list, label_values):
+            metric.add_metric(values, value(stats))
+        yield metric
+    if speculates:
+        per_position = CounterMetricFamily(
+            "minipaged:spec_decode_num_accepted_tokens_per_pos",
+            "Guessed tokens accepted, by their position in the draft.",
+            labels=[*labels, "position"],
+        )
+        for stats, values in zip(stats_list, label_values):
+            for key, count in stats.items():
                 if key.startswith(PER_POSITION):
-                    per_position.add_metric([key.removeprefix(PER_POSITION)], value)
-            yield per_position
-        if "expert_tokens_total" in stats:  # a mixture-of-experts model
-            yield from routing_metrics(stats)
+                    per_position.add_metric([*values, key.removeprefix(PER_POSITION)], count)
+        yield per_position
+    if "expert_tokens_total" in first:  # a mixture-of-experts model
+        yield from routing_metrics(stats_list, labels, label_values)
 
 
-def routing_metrics(stats: dict):
+def routing_metrics(stats_list: list[dict], labels: list[str], label_values: list[list[str]]):
     """The experts' load: the last step's imbalance, and the (token, choice) pairs each
     expert of each MoE layer has received, labelled by layer and expert."""
-    yield GAUGE(
+    imbalance = GAUGE(
         "minipaged:expert_load_imbalance",
         "Last step: the busiest expert's tokens over the mean, averaged over MoE layers.",
-        value=stats["expert_load_imbalance"],
+        labels=labels,
     )
     tokens = COUNTER(
         "minipaged:expert_tokens",
         "Tokens routed to each expert (one per token and chosen expert).",
-        labels=["layer", "expert"],
+        labels=[*labels, "layer", "expert"],
     )
-    for layer, counts in enumerate(stats["expert_tokens_total"]):
-        for expert, count in enumerate(counts):
-            tokens.add_metric([str(layer), str(expert)], count)
+    for stats, values in zip(stats_list, label_values):
+        imbalance.add_metric(values, stats["expert_load_imbalance"])
+        for layer, counts in enumerate(stats["expert_tokens_total"]):
+            for expert, count in enumerate(counts):
+                tokens.add_metric([*values, str(layer), str(expert)], count)
+    yield imbalance
     yield tokens
 
 
-def make_registry(engine: AsyncEngine) -> CollectorRegistry:
+def make_registry(engine: AsyncEngine | DataParallelEngine) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(EngineCollector(engine))
     return registry
