@@ -20,6 +20,7 @@ from minipaged.config import (
     ALL2ALL_BACKENDS,
     ATTENTION_BACKENDS,
     DEVICES,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
     MEMORY_MODES,
     PREEMPTION_MODES,
@@ -33,6 +34,7 @@ CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "all2all_backend": ALL2ALL_BACKENDS,
+    "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
 }
 
 

@@ -26,6 +26,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 # How expert parallelism moves tokens (minipaged.models.moe.ALL2ALL_BACKENDS): all-to-all
 # exchanges, or vLLM's all-gather + reduce-scatter.
 ALL2ALL_BACKENDS = ("alltoall", "allgather_reducescatter")
+# How the ranks of tensor_parallel_size > 1 start: spawned by the engine's process
+# (vLLM's "mp"), or each started by a launcher such as torchrun, on any host.
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")
 # The names of the memory simulation's systems (minipaged.memory.simulate.SYSTEMS).
 MEMORY_MODES = ("paged", *(f"contiguous-{policy}" for policy in POLICIES))
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -83,6 +86,12 @@ class EngineConfig:
             layers and their KV blocks, each split over ``tensor_parallel_size``
             processes of its own (``tensor_parallel_size * pipeline_parallel_size`` in
             all); a step's activations go stage to stage.
+        distributed_executor_backend: how those processes start: ``"mp"``, spawned by
+            this one (one machine); ``"external_launcher"``, each started by ``torchrun``
+            running the same command, on any number of hosts, which meet in
+            ``torch.distributed``'s ``env://`` rendezvous: rank 0 runs the engine, the
+            others serve it as workers and exit when it shuts down
+            (`minipaged.distributed.launcher`).
         speculative_config: speculative decoding, as vLLM's dict (`SpeculativeConfig`):
             ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}``
             or ``{"model": DRAFT, "num_speculative_tokens": k}``; None: off.  Not with
@@ -125,6 +134,7 @@ class EngineConfig:
     cpu_kv_space: float = 1
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
     speculative_config: SpeculativeConfig | dict | None = None
     enable_expert_parallel: bool = False
     all2all_backend: str = "alltoall"
@@ -140,6 +150,11 @@ class EngineConfig:
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("all2all_backend", self.all2all_backend, ALL2ALL_BACKENDS)
+        _choice(
+            "distributed_executor_backend",
+            self.distributed_executor_backend,
+            DISTRIBUTED_EXECUTOR_BACKENDS,
+        )
         _positive_int("block_size", self.block_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)

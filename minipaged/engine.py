@@ -372,8 +372,15 @@ class LLMEngine:
 
 def start_workers(config: EngineConfig, path: Path, device: torch.device, attention_backend: str):
     """With ``tensor_parallel_size * pipeline_parallel_size`` N > 1, ranks 1..N-1 of the
-    group (§4.6), loading their shards while this process loads its own; None on one
-    device, whose path never enters ``minipaged.distributed`` but for the group object."""
+    group (§4.6), loading their shards while this process loads its own: spawned here,
+    or, with ``distributed_executor_backend="external_launcher"``, started by
+    ``torchrun`` (on ranks other than 0 this never returns: they serve as workers, then
+    exit).  None on one device, whose path never enters ``minipaged.distributed`` but
+    for the group object."""
+    if config.distributed_executor_backend == "external_launcher":
+        from minipaged.distributed.launcher import join_launched  # noqa: PLC0415
+
+        return join_launched(config, path, device, attention_backend)
     if config.tensor_parallel_size == config.pipeline_parallel_size == 1:
         model_config = read_config(path)  # experts asked to split that are not there
         model_class(model_config).check_parallel(model_config, 1, config.enable_expert_parallel)

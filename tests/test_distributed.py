@@ -14,6 +14,7 @@ import gc
 import multiprocessing
 import os
 import signal
+import socket
 
 import pytest
 import torch
@@ -172,8 +173,8 @@ def test_four_ranks_replicate_kv_heads_and_survive_ctrl_c(tiny):
 
 def test_killed_worker_fails_fast_naming_its_rank(tiny):
     """A worker dies mid-step, while the driver waits for it in a collective: gloo's
-    closed socket ends the wait, and the driver names the rank, stops the rest and
-    refuses further steps."""
+    closed socket ends the wait, and the driver names the rank and its host, stops the
+    rest and refuses further steps (as under torchrun: test_launch.py)."""
     path, _ = tiny("llama")
     llm = make_llm(path, tensor_parallel_size=2, block_size=BLOCK_SIZE, num_gpu_blocks=64)
     victim, execute = llm.engine.workers.processes[0], llm.engine.runner.execute
@@ -184,7 +185,8 @@ def test_killed_worker_fails_fast_naming_its_rank(tiny):
         return execute(*args)
 
     llm.engine.runner.execute = kill_then_execute
-    with pytest.raises(RuntimeError, match=f"worker rank 1 \\(pid {victim.pid}\\) died"):
+    named = f"worker rank 1 on {socket.gethostname()} \\(127.0.0.1, pid {victim.pid}\\) died"
+    with pytest.raises(RuntimeError, match=named):
         generate(llm, PROMPTS[:1], GREEDY)
     assert_no_worker_left(llm)
     assert_all_blocks_free(llm)

@@ -250,8 +250,9 @@ def test_single_device_modules_import_only_the_group_object_from_distributed():
 
 
 def test_the_engine_enters_distributed_in_one_place():
-    """`engine.start_workers` (tensor_parallel_size > 1) is the one function of the
-    single-device path that imports the multi-process executor."""
+    """`engine.start_workers` (tensor_parallel_size > 1, or ranks torchrun started) is
+    the one function of the single-device path that imports the multi-process executor
+    or the launcher's group."""
     at_import, every = package_imports(at_import=True), package_imports()
     lazy = sorted(
         f"{module} -> {name}"
@@ -259,7 +260,10 @@ def test_the_engine_enters_distributed_in_one_place():
         for name in every[module] - at_import[module]
         if name.startswith("minipaged.distributed") and name != GROUP_OBJECT
     )
-    assert lazy == ["minipaged.engine -> minipaged.distributed.executor"]
+    assert lazy == [
+        "minipaged.engine -> minipaged.distributed.executor",
+        "minipaged.engine -> minipaged.distributed.launcher",
+    ]
 
 
 def test_serving_on_one_device_loads_no_multi_process_code():

@@ -11,6 +11,7 @@ directly.
 from __future__ import annotations
 
 import multiprocessing
+import time
 
 import pytest
 import torch
@@ -209,3 +210,40 @@ def test_step_tokens_hold_only_the_step():
     assert len(tokens) == 7 and tokens[5:7] == [7, 8] and tokens[-1] == 8 and tokens[6] == 8
     with pytest.raises(IndexError, match="tokens 5 onwards"):
         tokens[0:7]
+
+
+def _idle_rank(rank: int, port: int, ready, results) -> None:
+    """A group whose collectives time out after 3 s (joined once both processes are up);
+    the driver (rank 0) has nothing to run for 6 s, then sends its plan."""
+    from datetime import timedelta
+
+    from minipaged.distributed import parallel_state
+
+    parallel_state.TIMEOUT = timedelta(seconds=3)
+    ready.wait()
+    try:
+        tp = init_tensor_parallel(rank, 2, port, torch.device("cpu"))
+        if rank == 0:
+            time.sleep(6)
+        results.put((rank, tp.broadcast_object("plan" if rank == 0 else None)))
+    except RuntimeError as error:
+        results.put((rank, str(error)))
+    finally:
+        destroy_tensor_parallel()
+
+
+def test_a_worker_waits_for_the_next_plan_past_the_collectives_timeout():
+    """An idle server sends no plan for as long as no request comes: the workers wait
+    on the control group, which has no practical deadline, so they outlive the
+    collectives' ``TIMEOUT`` (gloo would end a default-group wait then)."""
+    context = multiprocessing.get_context("spawn")
+    results, ready, port = context.Queue(), context.Barrier(2), free_port()
+    processes = [
+        context.Process(target=_idle_rank, args=(r, port, ready, results)) for r in range(2)
+    ]
+    for process in processes:
+        process.start()
+    answers = dict(results.get(timeout=120) for _ in processes)
+    for process in processes:
+        process.join(30)
+    assert answers == {0: "plan", 1: "plan"}

@@ -1,12 +1,12 @@
 """Replicas on two Ray nodes: a head in one network namespace and a worker node in
 another, joined by a veth pair, with one replica of the tiny model placed on each.
 
-It needs root and iproute2 (``ip netns``), as CI has; elsewhere it skips, printing why.
-Every address is one of the namespaces' own (10.213.0.1 and 10.213.0.2, which exist only
-inside them), so nothing leaves the machine; ports are the namespaces' own too.  The
-Ray nodes run as ``ip netns exec ... ray start --block`` children with temp dirs of their
-own; teardown kills every process left in each namespace (``ip netns pids``, only this
-test's) and deletes the namespaces, whatever happened.  The commands are those in
+The namespaces come from `netns.two_hosts` (root and iproute2, as CI has; elsewhere the
+test skips, printing why).  Every address is one of the namespaces' own (10.213.0.1 and
+10.213.0.2, which exist only inside them), so nothing leaves the machine; ports are the
+namespaces' own too.  The Ray nodes run as ``ip netns exec ... ray start --block``
+children with temp dirs of their own; teardown kills every process left in each
+namespace and deletes the namespaces, whatever happened.  The commands are those in
 docs/distributed.md ("Two nodes").  About 2 minutes on 2 cores, most of it Ray
 starting.
 """
@@ -17,7 +17,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import pytest
 pytest.importorskip("fastapi")  # the server extra
 pytest.importorskip("ray.serve")
 
+from netns import two_hosts  # noqa: E402
 from server_helpers import ENGINE, MODEL  # noqa: E402
 
 pytestmark = pytest.mark.netns
@@ -40,61 +40,11 @@ RAY = str(Path(sys.executable).with_name("ray"))
 DRIVER = Path(__file__).with_name("ray_netns_driver.py")
 
 
-def sh(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(args, capture_output=True, text=True, timeout=30)
-
-
-def kill_namespace_processes(ns: str) -> None:
-    """SIGTERM then SIGKILL every process in namespace ``ns`` (all of them this test's)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = [int(p) for p in sh("ip", "netns", "pids", ns).stdout.split()]
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 3
-        while pids and time.monotonic() < deadline:
-            if not sh("ip", "netns", "pids", ns).stdout.split():
-                return
-            time.sleep(0.2)
-
-
 @pytest.fixture
 def namespaces():
     """Namespaces A and B joined by a veth pair, HEAD_IP in A, WORKER_IP in B."""
-    if shutil.which("ip") is None:
-        pytest.skip("no `ip` (iproute2) to build network namespaces")
-    if os.geteuid() != 0:
-        pytest.skip("building network namespaces needs root")
-    tag = f"{os.getpid() % 100000}"
-    a, b = f"mpray-a-{tag}", f"mpray-b-{tag}"
-    made = []
-    try:
-        for ns in (a, b):
-            result = sh("ip", "netns", "add", ns)
-            if result.returncode:
-                pytest.skip(f"`ip netns add` failed: {result.stderr.strip()}")
-            made.append(ns)
-        steps = [
-            ("ip", "link", "add", f"mpa{tag}", "netns", a, "type", "veth",
-             "peer", "name", f"mpb{tag}", "netns", b),
-            ("ip", "-n", a, "addr", "add", f"{HEAD_IP}/24", "dev", f"mpa{tag}"),
-            ("ip", "-n", b, "addr", "add", f"{WORKER_IP}/24", "dev", f"mpb{tag}"),
-            ("ip", "-n", a, "link", "set", f"mpa{tag}", "up"),
-            ("ip", "-n", b, "link", "set", f"mpb{tag}", "up"),
-            ("ip", "-n", a, "link", "set", "lo", "up"),
-            ("ip", "-n", b, "link", "set", "lo", "up"),
-        ]  # fmt: skip
-        for step in steps:
-            result = sh(*step)
-            if result.returncode:
-                pytest.skip(f"`{' '.join(step)}` failed: {result.stderr.strip()}")
-        yield a, b
-    finally:
-        for ns in made:
-            kill_namespace_processes(ns)
-            sh("ip", "netns", "del", ns)  # takes the veth pair with it
+    with two_hosts("mpray", HEAD_IP, WORKER_IP) as (a, b):
+        yield a.ns, b.ns
 
 
 def ray_node(ns: str, args: list[str], temp_dir: Path, env: dict) -> subprocess.Popen:

@@ -21,6 +21,7 @@ driver's next step raise, naming its rank, after stopping the others.
 from __future__ import annotations
 
 import multiprocessing
+import socket
 import threading
 import time
 import weakref
@@ -33,6 +34,7 @@ from minipaged.config import EngineConfig
 from minipaged.distributed.parallel_state import (
     NO_PIPELINE,
     TIMELINE,
+    RankInfo,
     TensorParallelGroup,
     destroy_tensor_parallel,
     free_port,
@@ -51,7 +53,13 @@ from minipaged.executor import Executor
 from minipaged.model_runner import ModelRunner
 from minipaged.models.loader import model_class, read_config
 
-__all__ = ["TensorParallelExecutor", "WorkerGroup", "on_all_ranks", "start_workers"]
+__all__ = [
+    "TensorParallelExecutor",
+    "WorkerGroup",
+    "on_all_ranks",
+    "start_workers",
+    "worker_args",
+]
 
 # Seconds a worker gets to answer at start-up (loading a shard, profiling memory), to
 # leave after the driver's goodbye, and to die after SIGTERM.
@@ -148,24 +156,33 @@ def start_workers(
     process is rank 0), once the model is known to split ``tensor_parallel_size`` ways
     (its experts too, with ``enable_expert_parallel``) and into
     ``pipeline_parallel_size`` stages."""
-    tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
-    size = tp_size * pp_size
-    model_config = read_config(path)
-    cls = model_class(model_config)
-    cls.check_parallel(model_config, tp_size, config.enable_expert_parallel)
-    check_pipeline_parallel(cls, model_config, pp_size)
+    size = config.tensor_parallel_size * config.pipeline_parallel_size
     if device.type == "cuda" and size > torch.cuda.device_count():
         raise ValueError(
             f"tensor_parallel_size * pipeline_parallel_size = {size} needs {size} GPUs, "
             f"torch sees {torch.cuda.device_count()}"
         )
-    args = WorkerArgs(
+    return WorkerGroup.start(size, worker_args(config, path, device, attention_backend), device)
+
+
+def worker_args(
+    config: EngineConfig, path, device: torch.device, attention_backend: str
+) -> WorkerArgs:
+    """How every rank builds its shard of the model at ``path``, which must split
+    ``tensor_parallel_size`` ways and into ``pipeline_parallel_size`` stages (a
+    ``ValueError`` if not)."""
+    tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+    model_config = read_config(path)
+    cls = model_class(model_config)
+    cls.check_parallel(model_config, tp_size, config.enable_expert_parallel)
+    check_pipeline_parallel(cls, model_config, pp_size)
+    return WorkerArgs(
         str(path),
         config.dtype,
         device.type,
         attention_backend,
         config.block_size,
-        num_threads(device, size),
+        num_threads(device, tp_size * pp_size),
         config.enable_expert_parallel,
         config.all2all_backend,
         (config.max_loras, config.max_lora_rank, config.max_cpu_loras)
@@ -173,7 +190,6 @@ def start_workers(
         else None,
         pp_size,
     )
-    return WorkerGroup.start(size, args, device)
 
 
 def check_pipeline_parallel(cls, model_config, size: int) -> None:
@@ -223,6 +239,11 @@ class WorkerGroup:
 
     def __init__(self, processes: list, conns: list, num_threads: int) -> None:
         self.processes, self.conns = processes, conns
+        # Where each runs (this host), to name one that fails as the launcher's ranks are.
+        self.ranks = [
+            RankInfo(rank, socket.gethostname(), "127.0.0.1", process.pid)
+            for rank, process in enumerate(processes, start=1)
+        ]
         # The whole group (the plan's broadcast), this rank's tensor-parallel part of
         # it and its pipeline stage (the same group and no pipeline without one).
         self.world = self.tp = TensorParallelGroup()
@@ -304,14 +325,14 @@ class WorkerGroup:
         """Each worker's next answer, in rank order; raises ``RuntimeError`` naming the
         rank if a worker reports an error, dies or takes longer than ``START_TIMEOUT``."""
         answers = []
-        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
+        for rank, process, conn in zip(self.ranks, self.processes, self.conns):
             deadline = time.monotonic() + START_TIMEOUT
             while not conn.poll(0.05):
                 if not process.is_alive():
                     raise RuntimeError(_died(rank, process))
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"tensor-parallel worker rank {rank} did not answer in {START_TIMEOUT} s"
+                        f"tensor-parallel worker {rank} did not answer in {START_TIMEOUT} s"
                     )
             try:
                 status, value = conn.recv()
@@ -319,14 +340,14 @@ class WorkerGroup:
                 process.join(EXIT_TIMEOUT)
                 raise RuntimeError(_died(rank, process)) from None
             if status == "error":
-                raise RuntimeError(f"tensor-parallel worker rank {rank} failed:\n{value}")
+                raise RuntimeError(f"tensor-parallel worker {rank} failed:\n{value}")
             answers.append(value)
         return answers
 
     def check(self) -> None:
         """Raise ``RuntimeError`` if the group has failed or a worker has died."""
         if self.failure is None:
-            for rank, process in enumerate(self.processes, start=1):
+            for rank, process in zip(self.ranks, self.processes):
                 if not process.is_alive():
                     self.fail(RuntimeError(_died(rank, process)))
         if self.failure is not None:
@@ -337,7 +358,7 @@ class WorkerGroup:
         every worker now and remember why; returns which rank died, if one did."""
         dead = None
         if self.failure is None:
-            dead = _dead_rank(self.processes)
+            dead = _dead_rank(self.ranks, self.processes)
             self.failure = (
                 dead or f"the tensor-parallel group stopped: {type(error).__name__}: {error}"
             )
@@ -376,12 +397,12 @@ def _stop(
     torch.set_num_threads(num_threads)
 
 
-def _dead_rank(processes: list, wait: float = 2.0) -> str | None:
+def _dead_rank(ranks: list[RankInfo], processes: list, wait: float = 2.0) -> str | None:
     """Say which worker died, if one has (a collective can fail a moment before the
     dead process is reaped)."""
     deadline = time.monotonic() + wait
     while True:
-        for rank, process in enumerate(processes, start=1):
+        for rank, process in zip(ranks, processes):
             if not process.is_alive():
                 return _died(rank, process)
         if time.monotonic() > deadline:
@@ -389,8 +410,5 @@ def _dead_rank(processes: list, wait: float = 2.0) -> str | None:
         time.sleep(0.05)
 
 
-def _died(rank: int, process) -> str:
-    return (
-        f"tensor-parallel worker rank {rank} (pid {process.pid}) died with exit code "
-        f"{process.exitcode}"
-    )
+def _died(rank: RankInfo, process) -> str:
+    return f"tensor-parallel worker {rank} died with exit code {process.exitcode}"

@@ -27,6 +27,7 @@ tensor-parallel group of their own (`split_pipeline`).
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import time
 from collections import deque
@@ -43,10 +44,12 @@ __all__ = [
     "TIMELINE",
     "CommStats",
     "PipelineStage",
+    "RankInfo",
     "TensorParallelGroup",
     "destroy_tensor_parallel",
     "dist_backend",
     "free_port",
+    "init_from_environment",
     "init_tensor_parallel",
     "kv_heads_per_rank",
     "pp_layer_counts",
@@ -56,6 +59,11 @@ __all__ = [
 # How long a collective may wait for a peer before gloo gives up.  A dead peer is noticed
 # sooner (its sockets close); this bounds a live peer that stopped answering.
 TIMEOUT = timedelta(minutes=10)
+# The driver's messages (each step's plan, the set-up calls) travel on a group of their
+# own: gloo on any device (vLLM's CPU group), and with no practical deadline, since a
+# worker waits there for as long as the driver has nothing to run (an idle server).
+CONTROL_TIMEOUT = timedelta(days=3650)
+_control: dist.ProcessGroup | None = None
 
 
 @dataclass
@@ -151,7 +159,7 @@ class TensorParallelGroup:
             return obj
         box = [obj]
         with _timed("broadcast", torch.device("cpu")):
-            dist.broadcast_object_list(box, group=self.group, group_src=0)
+            dist.broadcast_object_list(box, group=self._objects_group(), group_src=0)
         return box[0]
 
     def gather_object(self, obj) -> list | None:
@@ -159,8 +167,13 @@ class TensorParallelGroup:
         if self.size == 1:
             return [obj]
         out = [None] * self.size if self.rank == 0 else None
-        dist.gather_object(obj, out, group=self.group, group_dst=0)
+        dist.gather_object(obj, out, group=self._objects_group(), group_dst=0)
         return out
+
+    def _objects_group(self) -> dist.ProcessGroup | None:
+        """Where objects travel: the whole group's (the driver's messages) on the
+        control group (`CONTROL_TIMEOUT`), a stage's on its own."""
+        return _control if self.group is None else self.group
 
 
 SINGLE = TensorParallelGroup()  # no parallelism: every collective is the identity
@@ -225,12 +238,65 @@ def init_tensor_parallel(
         world_size=size,
         timeout=TIMEOUT,
     )
+    _init_control_group()
     return TensorParallelGroup(rank, size, expert_parallel, all2all_backend)
 
 
-def destroy_tensor_parallel() -> None:
+def init_from_environment(
+    device: torch.device, expert_parallel: bool = False, all2all_backend: str = "alltoall"
+) -> tuple[TensorParallelGroup, dist.Store]:
+    """Join the group a launcher started this process in: ``torch.distributed``'s
+    ``env://`` rendezvous, from the ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` that ``torchrun`` sets (on CUDA, rank ``RANK`` computes on GPU
+    ``LOCAL_RANK`` of its host).  Returns the group and the rendezvous's key-value store;
+    blocks until every rank has joined."""
     if dist.is_initialized():
-        dist.destroy_process_group()
+        raise RuntimeError("this process is already in a torch.distributed group")
+    store, rank, size = next(dist.rendezvous("env://", timeout=TIMEOUT))
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(
+        dist_backend(device), store=store, rank=rank, world_size=size, timeout=TIMEOUT
+    )
+    _init_control_group()
+    return TensorParallelGroup(rank, size, expert_parallel, all2all_backend), store
+
+
+def _init_control_group() -> None:
+    global _control
+    _control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a rank runs, to name it when it fails: its host's name, the address it
+    reaches the rendezvous from (hosts may share a name, never an address), its pid."""
+
+    rank: int
+    host: str
+    address: str
+    pid: int
+
+    @classmethod
+    def here(cls, rank: int, peer: str) -> RankInfo:
+        """This process as rank ``rank``, which reaches the other ranks at ``peer``."""
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:  # a UDP connect sends nothing: it only asks the routing table
+                s.connect((peer, 9))
+                address = s.getsockname()[0]
+            except OSError:
+                address = "?"
+        return cls(rank, socket.gethostname(), address, os.getpid())
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} on {self.host} ({self.address}, pid {self.pid})"
+
+
+def destroy_tensor_parallel() -> None:
+    global _control
+    if dist.is_initialized():
+        dist.destroy_process_group()  # every group, the control group too
+    _control = None
 
 
 def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:

@@ -30,6 +30,7 @@ from minipaged.batch import ScheduledSeq, SchedulerOutput
 from minipaged.cache_engine import CacheEngine
 from minipaged.distributed.parallel_state import (
     TIMELINE,
+    PipelineStage,
     TensorParallelGroup,
     destroy_tensor_parallel,
     init_tensor_parallel,
@@ -48,6 +49,7 @@ __all__ = [
     "WorkerArgs",
     "rank_device",
     "rank_kv_config",
+    "run_rank",
     "worker_main",
 ]
 
@@ -164,8 +166,8 @@ def rank_kv_config(config, size: int, num_layers: int | None = None):
 
 
 def worker_main(rank: int, size: int, port: int, conn, args: WorkerArgs) -> None:
-    """A worker process's life: join the group, load the shard, answer the driver's
-    set-up calls on ``conn``, then run broadcast steps until the driver sends None."""
+    """A spawned worker process's life: join the group at the driver's loopback
+    ``port``, then `run_rank` with the driver's pipe, ``conn``."""
     # Ctrl-C reaches every process of the terminal's group; only the driver acts on it
     # (it stops the workers), so a worker never dies mid-collective on its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -178,6 +180,25 @@ def worker_main(rank: int, size: int, port: int, conn, args: WorkerArgs) -> None
         )
         pp_size = args.pipeline_parallel_size
         tp, pp = split_pipeline(world, size // pp_size, pp_size)
+    except Exception:  # noqa: BLE001 (the driver re-raises it, naming this rank)
+        conn.send(("error", traceback.format_exc()))
+        return
+    run_rank(world, tp, pp, conn, args, device)
+
+
+def run_rank(
+    world: TensorParallelGroup,
+    tp: TensorParallelGroup,
+    pp: PipelineStage,
+    conn,
+    args: WorkerArgs,
+    device: torch.device,
+) -> bool:
+    """A worker's rank, once in the group ``world`` (its tensor-parallel part ``tp``,
+    its stage ``pp``): load its shard, answer the driver's set-up calls on ``conn``
+    (``send`` and ``recv``), then run broadcast steps until the driver sends None.
+    Returns False, having sent the traceback, if the set-up failed."""
+    try:
         model = load_model(args.path, args.dtype, device, args.attention_backend, tp, pp)
         runner = ModelRunner(model, args.block_size, device)
         if args.lora:
@@ -186,7 +207,7 @@ def worker_main(rank: int, size: int, port: int, conn, args: WorkerArgs) -> None
         cache_engine = _set_up(conn, runner, tp, args.block_size, device)
     except Exception:  # noqa: BLE001 (the driver re-raises it, naming this rank)
         conn.send(("error", traceback.format_exc()))
-        return
+        return False
     try:
         while (plan := world.broadcast_object()) is not None:
             if plan == TIMELINE_REQUEST:
@@ -198,6 +219,7 @@ def worker_main(rank: int, size: int, port: int, conn, args: WorkerArgs) -> None
             runner.execute(batch.seqs, cache_engine.gpu_cache)
     finally:
         destroy_tensor_parallel()
+    return True
 
 
 def _set_up(

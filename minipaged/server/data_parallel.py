@@ -86,6 +86,14 @@ def check_data_parallel_size(data_parallel_size, engine_kwargs: dict) -> None:
             "data_parallel_size > 1 cannot run with enable_lora in minipaged (adapters "
             "loaded at run time would have to reach every replica); serve one engine"
         )
+    if data_parallel_size > 1 and engine_kwargs.get("distributed_executor_backend") == (
+        "external_launcher"
+    ):
+        raise ValueError(
+            "data_parallel_size > 1 cannot run with distributed_executor_backend="
+            "'external_launcher' in minipaged (the replicas are spawned on this host, "
+            "torchrun's ranks are one engine's); serve one engine"
+        )
 
 
 # -- a replica's process --------------------------------------------------------------
