@@ -251,7 +251,7 @@ def test_the_stored_bytes_do_not_depend_on_how_the_tokens_arrive(fmt, backend):
 def test_the_kernels_quantizing_store_writes_kv_quants_bytes(fmt, dtype):
     """The C++ store (the CPU backend's ``write_kv``) and `kv_quant.write_kv` in torch
     leave the same bytes and scales: a prefill that fills blocks and starts one, decode
-    tokens that grow its scale, a reused block, skipped slots."""
+    tokens of growing size, a reused block, skipped slots."""
     g = torch.Generator().manual_seed(1)
     steps = [torch.arange(0, 21), torch.tensor([21, -1]), torch.tensor([22]), torch.tensor([8, 9])]
     results = []
@@ -260,9 +260,9 @@ def test_the_kernels_quantizing_store_writes_kv_quants_bytes(fmt, dtype):
         cache_dtype = kv_quant.cache_dtype(fmt, dtype)
         kc = torch.zeros(4, 8, 2, 16, dtype=cache_dtype)
         vc = kc.clone()
-        ks, vs = kv_quant.new_scales(cache_dtype, 4, 2, "cpu")
+        ks, vs = kv_quant.new_scales(cache_dtype, kc.shape, "cpu")
         for step, slots in enumerate(steps):
-            growth = 1 + 3 * step  # later tokens larger: int8 scales grow, re-round
+            growth = 1 + 3 * step  # later tokens larger than a block's earlier ones
             key = (torch.randn(len(slots), 2, 16, generator=g) * growth).to(dtype)
             value = (torch.randn(len(slots), 2, 16, generator=g) * growth).to(dtype)
             write_kv(key, value, kc, vc, slots, backend, ks, vs)
