@@ -42,6 +42,7 @@ def attend_tile(
     k_scale_ptr,
     v_scale_ptr,
     stride_sb,
+    stride_ss,
     stride_sh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -58,7 +59,7 @@ def attend_tile(
     ``exp2(score - m_i)``, ``acc [M, BLOCK_D]`` the same weights times V.  A tile with a
     larger max rescales what came before by ``exp2(m_old - m_new)``.  Load a tile with
     ``_load_kv_tile(cache_ptr, block_table_ptr, n, in_context, kv_head, block_size,
-    stride_cb, stride_cs, stride_ch, stride_cd, scale_ptr, stride_sb, stride_sh,
+    stride_cb, stride_cs, stride_ch, stride_cd, scale_ptr, stride_sb, stride_ss, stride_sh,
     HEAD_DIM, BLOCK_D, QUANTIZED)``, with ``k_scale_ptr`` for the keys and
     ``v_scale_ptr`` for the values (they dequantize a quantized cache, lesson 14; pass
     them through), and give ``tl.dot`` the loaded tiles in the query's dtype

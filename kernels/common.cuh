@@ -34,18 +34,19 @@ __device__ __forceinline__ float to_float(__nv_fp8_e4m3 x) { return static_cast<
 __device__ __forceinline__ float to_float(__nv_fp8_e5m2 x) { return static_cast<float>(x); }
 __device__ __forceinline__ float to_float(int8_t x) { return static_cast<float>(x); }
 
-// A cache element type of one byte is quantized: element x means x * its block's scale.
+// A cache element type of one byte is quantized: element x means x * its slot's scale.
 template <typename C>
 constexpr bool is_quantized = sizeof(C) == 1;
 
-// The dequantization scale of KV head `kv_head` in physical block `block`, read from
-// `scale` as laid out in `cache` (strides 0 for fp8's one scale per layer); 1, and
-// nothing read, for a cache in the query's dtype.
+// The dequantization scale of KV head `kv_head` at slot `slot` of physical block
+// `block`, read from `scale` as laid out in `cache` (strides 0 for fp8's one scale per
+// layer); 1, and nothing read, for a cache in the query's dtype.
 template <typename C>
-__device__ __forceinline__ float block_scale(const float* scale, const CacheView& cache,
-                                             int block, int kv_head) {
+__device__ __forceinline__ float slot_scale(const float* scale, const CacheView& cache,
+                                            int block, int slot, int kv_head) {
   if constexpr (is_quantized<C>)
-    return scale[block * cache.scale_block_stride + kv_head * cache.scale_head_stride];
+    return scale[block * cache.scale_block_stride + slot * cache.scale_slot_stride +
+                 kv_head * cache.scale_head_stride];
   else
     return 1.f;
 }

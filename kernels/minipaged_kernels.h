@@ -22,8 +22,8 @@ enum class DType : int {
 };
 
 // Where the kernels find one layer's paged cache.  Keys and values share the strides.
-// A quantized cache's element means element * scale[block, kv_head], the scales float32
-// at k_scale / v_scale with the scale strides (0 and 0 for fp8's one per layer); a cache
+// A quantized cache's element means element * scale[block, slot, kv_head], the scales
+// float32 at k_scale / v_scale with the scale strides (all 0 for fp8's one per layer); a cache
 // in the query's dtype has none (nullptr).
 struct CacheView {
   const void* key;
@@ -32,7 +32,7 @@ struct CacheView {
   int block_size, num_kv_heads, head_dim;
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
-  int64_t scale_block_stride = 0, scale_head_stride = 0;
+  int64_t scale_block_stride = 0, scale_slot_stride = 0, scale_head_stride = 0;
 };
 
 // write_kv: token t's key and value rows go to slot slot_mapping[t] (-1: skip the token).

@@ -22,7 +22,7 @@
 //
 // A quantized cache (fp8 or int8, minipaged/ops/kv_quant.py) is read the same way, a
 // byte per element and so 16 elements per 16-byte load, each widened to float; its
-// scale, one float per (block, KV head), multiplies a token's q·k once (phase 1) and a
+// scale, one float per (slot, KV head), multiplies a token's q·k once (phase 1) and a
 // token's softmax weight once (phase 3), not every element: q·(s k) = s (q·k).
 //
 // Why it is fast: a key or value row is read from memory once, by one thread group,
@@ -139,7 +139,7 @@ __device__ void qk_logits(const DecodeParams& p, const TokenRange& r, const Quer
     float dot[MAX_QUERIES] = {};
     float k_scale = 1.f;
     if (token < r.end) {  // the last block's tail holds no token of this sequence
-      k_scale = block_scale<C>(cache.k_scale, cache, r.block_table[b], r.kv_head);
+      k_scale = slot_scale<C>(cache.k_scale, cache, r.block_table[b], token_in_block, r.kv_head);
       const C* k = keys + r.block_table[b] * cache.block_stride +
                    token_in_block * cache.token_stride + r.head_offset;
       // Fully unrolled, fp32's 32 rounds (block 32) would keep more loads in flight than
@@ -214,9 +214,10 @@ struct ValueSums {
     const C* values = static_cast<const C*>(p.cache.value);
     for (int b = r.first_block + warp; b < r.end_block; b += NUM_WARPS) {
       const C* block = values + r.block_table[b] * p.cache.block_stride + r.head_offset;
-      const float v_scale = block_scale<C>(p.cache.v_scale, p.cache, r.block_table[b], r.kv_head);
       for (int t = row; t < BLOCK_SIZE && b * BLOCK_SIZE + t < r.end; t += ROWS) {
         const float* weight = weights + b * BLOCK_SIZE + t - r.begin;
+        const float v_scale = slot_scale<C>(p.cache.v_scale, p.cache, r.block_table[b], t,
+                                            r.kv_head);
 #pragma unroll
         for (int c = 0; c < LANE_PIECES; ++c) {
           float vf[V_VEC];

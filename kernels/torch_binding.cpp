@@ -73,7 +73,7 @@ CacheView cache_view(const at::Tensor& key_cache, const at::Tensor& value_cache,
           int(key_cache.size(2)), int(key_cache.size(3))};
 }
 
-// A quantized cache's scales, float32 [num_blocks, num_kv_heads] views sharing strides
+// A quantized cache's scales, float32 [num_blocks, block_size, num_kv_heads] views sharing strides
 // (0 for fp8's one per layer), into `view`; none for a cache in the query's dtype.
 void add_scales(CacheView& view, const at::Tensor& key_cache,
                 const c10::optional<at::Tensor>& k_scale,
@@ -82,15 +82,17 @@ void add_scales(CacheView& view, const at::Tensor& key_cache,
   TORCH_CHECK(quantized == (k_scale.has_value() && v_scale.has_value()),
               "k_scale and v_scale go with a quantized (fp8 or int8) cache, and only with one");
   if (!quantized) return;
-  const std::vector<int64_t> shape{key_cache.size(0), key_cache.size(2)};
+  const std::vector<int64_t> shape{key_cache.size(0), key_cache.size(1), key_cache.size(2)};
   for (const auto& scale : {*k_scale, *v_scale})
     TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.sizes() == shape &&
                     scale.strides() == k_scale->strides(),
-                "k_scale and v_scale must be float32 [num_blocks, num_kv_heads] sharing strides");
+                "k_scale and v_scale must be float32 [num_blocks, block_size, num_kv_heads] "
+                "sharing strides");
   view.k_scale = k_scale->data_ptr<float>();
   view.v_scale = v_scale->data_ptr<float>();
   view.scale_block_stride = k_scale->stride(0);
-  view.scale_head_stride = k_scale->stride(1);
+  view.scale_slot_stride = k_scale->stride(1);
+  view.scale_head_stride = k_scale->stride(2);
 }
 
 void check_index(const at::Tensor& t, at::ScalarType dtype, const char* name) {

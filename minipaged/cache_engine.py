@@ -10,7 +10,7 @@ as one batched gather/scatter per layer rather than one copy per block.
 
 A quantized cache (``kv_cache_dtype`` fp8 or int8, `minipaged.ops.kv_quant`) stores a
 byte per element, so a block takes half the bytes of bf16 and the same budget holds
-twice the blocks.  Its layers carry ``k_scale, v_scale`` too: int8's, one per block and
+twice the blocks.  Its layers carry ``k_scale, v_scale`` too: int8's, one per slot and
 KV head, travel with their blocks (swap, copy-on-write); fp8's, one per layer, stay.
 
 How many blocks each pool gets is decided once, at start-up (`pool_sizes`).
@@ -41,10 +41,10 @@ HOST_KV_SHARE = 0.5
 
 def block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes over all layers: keys and values of ``block_size`` tokens
-    in the cache's ``dtype``, and int8's float32 scale per KV head of each."""
+    in the cache's ``dtype``, and int8's float32 scale per token and KV head."""
     heads = 2 * config.num_hidden_layers * config.num_key_value_heads
-    scales = heads * torch.float32.itemsize if dtype == torch.int8 else 0
-    return heads * head_dim(config) * block_size * dtype.itemsize + scales
+    scale = torch.float32.itemsize if dtype == torch.int8 else 0
+    return heads * block_size * (head_dim(config) * dtype.itemsize + scale)
 
 
 def pool_sizes(

@@ -49,7 +49,7 @@ class EngineConfig:
         block_size: token slots per KV block (§4.2).
         kv_cache_dtype: what the KV cache stores: ``"auto"`` (the model's dtype),
             ``"fp8"`` / ``"fp8_e4m3"``, ``"fp8_e5m2"`` (vLLM's, a scale per layer), or
-            ``"int8"`` (ours, a scale per block and KV head): a byte per element, so
+            ``"int8"`` (ours, a scale per token and KV head): a byte per element, so
             the same memory holds twice the blocks of bf16 (`minipaged.ops.kv_quant`).
         calculate_kv_scales: fp8 only: set each layer's ``k_scale`` and ``v_scale``
             from the first batch (vLLM's), instead of 1.0.
@@ -95,7 +95,7 @@ class EngineConfig:
         speculative_config: speculative decoding, as vLLM's dict (`SpeculativeConfig`):
             ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}``
             or ``{"model": DRAFT, "num_speculative_tokens": k}``; None: off.  Not with
-            beam search, a contiguous ``memory_mode`` or an int8 ``kv_cache_dtype``.
+            beam search or a contiguous ``memory_mode``.
         enable_expert_parallel: a mixture-of-experts model's ranks hold whole experts
             (``num_experts / tensor_parallel_size`` each) rather than a slice of every
             one, and tokens travel to them (`minipaged.models.moe`).
@@ -217,15 +217,6 @@ class EngineConfig:
                 # Orca's reservations are sized without a draft's lookahead slots.
                 raise ValueError(
                     f"speculative_config needs memory_mode='paged', got {self.memory_mode!r}"
-                )
-            if self.kv_cache_dtype == "int8":
-                # An int8 block's scale grows with what is written to it, guesses that
-                # are later rejected included, and re-rounds the tokens it keeps: the
-                # target would not decode as it does without a draft.  fp8's is fixed.
-                raise ValueError(
-                    "speculative_config cannot run with kv_cache_dtype='int8' (its "
-                    "per-block scales would keep a trace of rejected guesses); use "
-                    "kv_cache_dtype='fp8' or 'auto'"
                 )
         self._check_pipeline()
 

@@ -59,8 +59,8 @@ def test_a_byte_per_element_holds_twice_the_tokens(tmp_path):
     assert document["kv_slots"] == 8000 and document["kv_cache_dtype"] == "fp8"
     want = simulate_memory(synthetic_requests("alpaca", 200, seed=0), "paged", 8000)
     assert document["systems"]["paged"]["max_batch"] == want.max_batch
-    # int8's scales: 4 bytes per block of 16 tokens and head of 128 (2048 bytes of fp8).
-    assert slots_for(4000, "int8") == int(8000 / (1 + 4 / 2048))
+    # int8's scales: 4 bytes per token and head of 128 (128 bytes of fp8).
+    assert slots_for(4000, "int8") == int(8000 / (1 + 4 / 128))
 
 
 def test_the_paper_shape_on_sharegpt():

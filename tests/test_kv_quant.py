@@ -3,7 +3,7 @@ attention path against the oracle, the formats' rounding against their precision
 the ops' refusals.
 
 The oracle reads the quantized cache the plain way: every element as a float times its
-block's scale (a per-layer scale for fp8, one per block and KV head for int8), gathered
+slot's scale (a per-layer scale for fp8, one per token and KV head for int8), gathered
 through the block tables by indexing, then the naive contiguous attention in float64.
 A backend reads the same bytes times the same float32 scales, so the product is the
 same float32 number on both sides (one rounding, the same one): what is left between
@@ -14,14 +14,16 @@ products, 2^-11 ~ 5e-4 of each).  The CUDA kernels (v1 and v2, in the CPU emulat
 without a GPU) run every case compiled for them; their bound is the same.  The shapes
 are the shared adversarial ones
 (`attention_cases`): GQA, partial last blocks, shared blocks, long contexts; every slot
-no sequence owns holds fp8's NaN, or for int8 (which has none) garbage bytes in blocks
+no sequence owns holds fp8's NaN, or for int8 (which has none) garbage bytes in slots
 whose scale is NaN.
 
 What the quantization itself costs is the formats' precision, checked on `write_kv`:
 rounding to nearest costs at most half a step, 2^-4 of a value in e4m3 (3 mantissa
 bits) and 2^-3 in e5m2 (2 bits) above their smallest normal (2^-6, 2^-14), and a fixed
-half subnormal step below it (2^-10, 2^-17); in int8 half the block's step,
-``scale / 2`` with ``scale = max |x| / 127`` per block and head.
+half subnormal step below it (2^-10, 2^-17); in int8 half the token's step,
+``scale / 2`` with ``scale = max |x| / 127`` per token and head.  Each element (fp8) or
+token (int8) is rounded on its own, so the bytes a token leaves do not depend on the
+tokens written with it: one prefill, token by token and ragged chunks store the same.
 """
 
 from __future__ import annotations
@@ -66,17 +68,15 @@ def quantized_cache(case, fmt: str, g: torch.Generator):
     """``case``'s paged K/V quantized to ``fmt``, and the oracle's dense per-sequence K/V
     read back from it.  fp8 gets per-layer scales away from 1 (0.02 and 0.05: the
     values' largest magnitudes, ~4, land near the middle of e4m3's range); int8 gets
-    each block and head's largest magnitude over 127, NaN for blocks nobody owns."""
+    each token and head's largest magnitude over 127, NaN for slots nobody owns."""
     kv = make_paged_kv(case, g, "cpu")
     dtype = kv_quant.cache_dtype(fmt, case.dtype)
     caches, scales = [], []
     for cache, fp8_scale in ((kv.key_cache, 0.02), (kv.value_cache, 0.05)):
         x = cache.float()
         if dtype == torch.int8:
-            scale = x.nan_to_num(0).abs().amax(dim=(1, 3)) / 127  # [num_blocks, heads]
-            owned = ~x.isnan().all(dim=(1, 2, 3))
-            scale[~owned] = float("nan")
-            q = (x / scale[:, None, :, None]).round().clamp(-127, 127)
+            scale = x.abs().amax(dim=3) / 127  # [num_blocks, block_size, heads]: NaN if unowned
+            q = (x / scale[..., None]).round().clamp(-127, 127)
             garbage = torch.randint(-127, 128, x.shape, generator=g).float()
             q = torch.where(x.isnan(), garbage, q).to(torch.int8)
         else:
@@ -86,8 +86,8 @@ def quantized_cache(case, fmt: str, g: torch.Generator):
         scales.append(scale)
     dense = []
     for cache, scale in zip(caches, scales):
-        per_block = scale.expand(cache.shape[0], cache.shape[2])
-        values = cache.double() * per_block.double()[:, None, :, None]
+        per_slot = scale.expand(cache.shape[:3])
+        values = cache.double() * per_slot.double()[..., None]
         rows = []
         for table, length in zip(kv.block_tables.tolist(), kv.context_lens.tolist()):
             pos = torch.arange(length)
@@ -171,14 +171,13 @@ def _written(fmt, key, value, slots, groups, num_blocks, block_size, backend="to
     dtype = kv_quant.cache_dtype(fmt, torch.float32)
     shape = (num_blocks, block_size, *key.shape[1:])
     kc, vc = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
-    ks, vs = kv_quant.new_scales(dtype, num_blocks, key.shape[1], "cpu")
+    ks, vs = kv_quant.new_scales(dtype, shape, "cpu")
     if dtype != torch.int8:
         ks.fill_(0.05)
     for group in groups:
         write_kv(key[group], value[group], kc, vc, slots[group], backend, ks, vs)
     return [
-        (c.float() * kv_quant.block_scales(s, c)[:, None, :, None], s)
-        for c, s in ((kc, ks), (vc, vs))
+        (c.float() * kv_quant.slot_scales(s, c)[..., None], c, s) for c, s in ((kc, ks), (vc, vs))
     ]
 
 
@@ -186,9 +185,8 @@ def _written(fmt, key, value, slots, groups, num_blocks, block_size, backend="to
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("one_call", [True, False], ids=["prefill", "token-by-token"])
 def test_write_kv_rounds_within_the_formats_precision(fmt, one_call, backend):
-    """Every stored element is within the format's rounding of what was written; int8
-    written token by token may round an element again each time its block's scale
-    grows, at most once per later token of the block."""
+    """Every stored element is within the format's rounding of what was written, once,
+    however the tokens arrive."""
     g = torch.Generator().manual_seed(0)
     block_size, num_tokens = 8, 37
     # Magnitudes from 1e-4 to ~10: subnormal and normal fp8 alike (over fp8's key scale,
@@ -201,13 +199,12 @@ def test_write_kv_rounds_within_the_formats_precision(fmt, one_call, backend):
     tokens = torch.arange(num_tokens)
     groups = [tokens] if one_call else list(tokens.split(1))
     written = _written(fmt, key, value, order, groups, 6, block_size, backend)
-    for x, (stored, scale) in zip((key, value), written):
+    for x, (stored, _, scale) in zip((key, value), written):
         got = stored.view(-1, *x.shape[1:])[order]
         dtype = kv_quant.cache_dtype(fmt, torch.float32)
         if dtype == torch.int8:
-            step = scale[order // block_size][..., None]
-            roundings = 1 if one_call else block_size
-            bound = roundings * step / 2
+            step = scale.view(-1, x.shape[1])[order][..., None]
+            bound = step / 2
             assert (step >= x.abs().amax(-1, keepdim=True) / 127 * (1 - 1e-6)).all()  # no clip
         else:
             rel, floor = FP8_PRECISION[dtype]
@@ -216,21 +213,37 @@ def test_write_kv_rounds_within_the_formats_precision(fmt, one_call, backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_int8_block_forgets_its_previous_owner_and_grows(backend):
-    """A write at a block's first slot starts it afresh; a larger token later grows the
-    block's scale and re-rounds what is there (both within half the new step)."""
-    kc = torch.zeros(2, 4, 1, 8, dtype=torch.int8)
-    vc = kc.clone()
-    ks, vs = kv_quant.new_scales(torch.int8, 2, 1, "cpu")
-    big, small = torch.full((1, 1, 8), 100.0), torch.full((1, 1, 8), 0.5)
-    write_kv(big, big, kc, vc, torch.tensor([4]), backend, ks, vs)  # owner 1, block 1
-    write_kv(small, small, kc, vc, torch.tensor([4]), backend, ks, vs)  # owner 2
-    assert float(ks[1, 0]) == pytest.approx(0.5 / 127)
-    write_kv(small * 4, small * 4, kc, vc, torch.tensor([5]), backend, ks, vs)
-    assert float(ks[1, 0]) == pytest.approx(2.0 / 127)
-    stored = kc[1, :2, 0].float() * ks[1, 0]
-    assert torch.allclose(stored[0], small[0, 0], atol=1 / 127)
-    assert torch.allclose(stored[1], small[0, 0] * 4, atol=1 / 127)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_stored_bytes_do_not_depend_on_how_the_tokens_arrive(fmt, backend):
+    """One prefill, token by token, and ragged chunks that split blocks, each over
+    slots a previous owner filled with other tokens: the same bytes and scales (what
+    makes recompute preemption and chunked prefill token-identical)."""
+    g = torch.Generator().manual_seed(1)
+    block_size, num_tokens, num_blocks = 4, 19, 6
+    scales = torch.logspace(-3, 1, num_tokens)[:, None, None]  # tokens of unlike sizes
+    key, value = (torch.randn(num_tokens, 2, 16, generator=g) * scales for _ in range(2))
+    first = torch.randperm(num_blocks, generator=g) * block_size
+    slots = (first[:, None] + torch.arange(block_size)).flatten()[:num_tokens]
+    tokens = torch.arange(num_tokens)
+    stored = []
+    for groups in ([tokens], list(tokens.split(1)), list(tokens.split([3, 6, 1, 9]))):
+        previous = [50 * torch.randn(num_tokens, 2, 16, generator=g) for _ in range(2)]
+        written = _written(fmt, *previous, slots, [tokens], num_blocks, block_size, backend)
+        (_, kc, ks), (_, vc, vs) = written
+        for group in groups:
+            write_kv(key[group], value[group], kc, vc, slots[group], backend, ks, vs)
+        stored.append(
+            [
+                (
+                    c.view(torch.uint8).flatten(0, 1)[slots],
+                    kv_quant.slot_scales(s, c).flatten(0, 1)[slots],
+                )
+                for c, s in ((kc, ks), (vc, vs))
+            ]
+        )
+    for other in stored[1:]:
+        for (bytes_a, scale_a), (bytes_b, scale_b) in zip(stored[0], other):
+            assert torch.equal(bytes_a, bytes_b) and torch.equal(scale_a, scale_b)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -238,7 +251,7 @@ def test_int8_block_forgets_its_previous_owner_and_grows(backend):
 def test_the_kernels_quantizing_store_writes_kv_quants_bytes(fmt, dtype):
     """The C++ store (the CPU backend's ``write_kv``) and `kv_quant.write_kv` in torch
     leave the same bytes and scales: a prefill that fills blocks and starts one, decode
-    tokens that grow its scale, a reused block, skipped slots."""
+    tokens of growing size, a reused block, skipped slots."""
     g = torch.Generator().manual_seed(1)
     steps = [torch.arange(0, 21), torch.tensor([21, -1]), torch.tensor([22]), torch.tensor([8, 9])]
     results = []
@@ -247,9 +260,9 @@ def test_the_kernels_quantizing_store_writes_kv_quants_bytes(fmt, dtype):
         cache_dtype = kv_quant.cache_dtype(fmt, dtype)
         kc = torch.zeros(4, 8, 2, 16, dtype=cache_dtype)
         vc = kc.clone()
-        ks, vs = kv_quant.new_scales(cache_dtype, 4, 2, "cpu")
+        ks, vs = kv_quant.new_scales(cache_dtype, kc.shape, "cpu")
         for step, slots in enumerate(steps):
-            growth = 1 + 3 * step  # later tokens larger: int8 scales grow, re-round
+            growth = 1 + 3 * step  # later tokens larger than a block's earlier ones
             key = (torch.randn(len(slots), 2, 16, generator=g) * growth).to(dtype)
             value = (torch.randn(len(slots), 2, 16, generator=g) * growth).to(dtype)
             write_kv(key, value, kc, vc, slots, backend, ks, vs)
@@ -267,7 +280,7 @@ def test_the_engines_choices_are_the_formats():
 
 def test_calculate_kv_scales_is_vllms_amax_over_its_constants():
     key, value = torch.tensor([[[-3.0, 1.0]]]), torch.tensor([[[0.5, 2.5]]])
-    ks, vs = kv_quant.new_scales(torch.float8_e4m3fn, 4, 1, "cpu")
+    ks, vs = kv_quant.new_scales(torch.float8_e4m3fn, (4, 2, 1, 2), "cpu")
     kv_quant.calculate_kv_scales(key, value, ks, vs)
     assert float(ks) == pytest.approx(3.0 / 200) and float(vs) == pytest.approx(2.5 / 100)
 
@@ -292,9 +305,9 @@ def test_bad_scales_are_refused_by_name():
     fp8 = int8.to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="must have one shape"):
         paged_attention_decode(
-            q, fp8, fp8, tables, lens, 1.0, k_scale=torch.ones(()), v_scale=torch.ones(3, 2)
+            q, fp8, fp8, tables, lens, 1.0, k_scale=torch.ones(()), v_scale=torch.ones(3, 4, 2)
         )
-    scales = torch.ones(3, 2), torch.ones(3, 2)
+    scales = torch.ones(3, 4, 2), torch.ones(3, 4, 2)
     with pytest.raises(ValueError, match="query dtype torch.int8"):
         paged_attention_decode(q.to(torch.int8), int8, int8, tables, lens, 1.0, "torch", *scales)
 

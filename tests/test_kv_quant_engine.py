@@ -5,9 +5,9 @@ The oracle for a feature is the same engine and cache format without it (a pool 
 enough that nothing is preempted, no prefix cache, whole prompts): moving a block's
 bytes (swap), copying them (copy-on-write for n > 1 and beam search) or reading cached
 ones (prefix caching) must not change a single token.  Recomputing a preempted request
-and chunking a prompt write the same keys again, and fp8 rounds each element on its
-own, so they too must agree; int8's per-block scale depends on which tokens a write
-brings together, so those two run with fp8 only.  Tensor parallelism splits the KV
+and chunking a prompt write the same keys again, and both formats round what a token
+leaves on its own (fp8 each element, int8 each token's head over its own scale), so
+they too must agree.  Tensor parallelism splits the KV
 heads, whose scales are their own (fp8's per layer on each rank, int8's per head), so
 TP=2 equals TP=1 (each rank calculating fp8 scales from its own heads would not).  How
 far a quantized cache moves the tokens from the model's own dtype is measured on
@@ -16,14 +16,16 @@ SmolLM2 in ``docs/performance.md``, not asserted here.
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from engine_helpers import as_inputs, assert_all_blocks_free, make_llm, random_prompt
 from minipaged import SamplingParams
-from minipaged.cache_engine import GIB, block_bytes
+from minipaged.cache_engine import GIB
 from minipaged.memory.block_table import blocks_for
-from minipaged.models.loader import read_config
 from minipaged.sampling_params import BeamSearchParams
 
 BLOCK_SIZE = 4
@@ -69,12 +71,12 @@ FEATURES = {
     "recompute": (
         dict(num_gpu_blocks=TIGHT, preemption_mode="recompute"),
         lambda s: s["num_preemptions"] > 0,
-        ("fp8",),
+        ("fp8", "int8"),
     ),
     "chunked-prefill": (
         dict(max_num_batched_tokens=8, max_num_seqs=8),
-        lambda s: True,
-        ("fp8",),
+        lambda s: s["num_steps"] > MAX_TOKENS,  # the 30-token prompt took several steps
+        ("fp8", "int8"),
     ),
     "n2-copy-on-write-swap": (
         dict(num_gpu_blocks=TIGHT_FORKED, preemption_mode="swap", params=SEEDED),
@@ -153,25 +155,76 @@ def test_calculated_scales_follow_the_first_batch(path):
         make_llm(path, kv_cache_dtype="int8", calculate_kv_scales=True)
 
 
-@pytest.mark.parametrize("dtype, ratio", [("float32", 4), ("bfloat16", 2)])
+def bytes_per_block(path, kv_cache_dtype: str, dtype: torch.dtype) -> int:
+    """A block's bytes from the checkpoint's config.json, counted by hand: keys and
+    values of every layer and KV head, ``head_dim`` elements per token, of
+    ``dtype``'s size or one byte, plus int8's float32 scale per token and head."""
+    config = json.loads((path / "config.json").read_text())
+    rows = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * BLOCK_SIZE
+    dim = config["hidden_size"] // config["num_attention_heads"]
+    if kv_cache_dtype == "auto":
+        return rows * dim * dtype.itemsize
+    return rows * (dim + (4 if kv_cache_dtype == "int8" else 0))
+
+
+@pytest.mark.parametrize("dtype, ratio", [(torch.float32, 4), (torch.bfloat16, 2)])
 def test_the_same_budget_holds_more_blocks(path, dtype, ratio):
-    """The pool is sized in bytes: a byte per element holds 4x the blocks of fp32 and
-    2x those of bf16 (int8 a little fewer: its scales take 4 bytes per block and head)."""
+    """The pool is sized in bytes: a budget of 7 fp32 blocks holds 7 blocks in fp32
+    (14 in bf16), and ``ratio`` times as many in fp8; int8's scales take 4 bytes per
+    token and head besides."""
+    budget = 7 * bytes_per_block(path, "auto", torch.float32)
     blocks = {}
     for fmt in ("auto", "fp8", "int8"):
-        llm = make_llm(path, dtype=dtype, kv_cache_dtype=fmt, cpu_kv_space=2**-10)
-        blocks[fmt] = llm.stats()["num_gpu_blocks"]
-    assert abs(blocks["fp8"] - ratio * blocks["auto"]) < ratio  # floor(ratio x) vs ratio floor(x)
-    assert 0.97 * blocks["fp8"] < blocks["int8"] < blocks["fp8"]
+        llm = make_llm(
+            path,
+            dtype=str(dtype).removeprefix("torch."),
+            kv_cache_dtype=fmt,
+            block_size=BLOCK_SIZE,
+            num_gpu_blocks=None,
+            cpu_kv_space=budget / GIB,
+        )
+        stats = llm.stats()
+        assert stats["kv_cache_block_bytes"] == bytes_per_block(path, fmt, dtype)
+        blocks[fmt] = stats["num_gpu_blocks"]
+        llm.shutdown()
+    assert blocks["auto"] == budget // bytes_per_block(path, "auto", dtype)
+    assert blocks["fp8"] == ratio * blocks["auto"]
+    assert blocks["int8"] == budget // bytes_per_block(path, "int8", dtype) < blocks["fp8"]
 
 
 def test_under_a_tight_budget_auto_preempts_and_fp8_does_not(path):
-    """Half the blocks the batch needs in fp32 are, in fp8, about twice what it needs."""
-    per_block = block_bytes(read_config(path), BLOCK_SIZE, torch.float32)
-    budget = dict(cpu_kv_space=NEEDED // 2 * per_block / GIB, num_gpu_blocks=None)
+    """Half the blocks the batch needs in fp32 are, in fp8, twice what it needs."""
+    budget = dict(
+        cpu_kv_space=NEEDED // 2 * bytes_per_block(path, "auto", torch.float32) / GIB,
+        num_gpu_blocks=None,
+    )
     auto, auto_stats = run(path, kv_cache_dtype="auto", **budget)
     fp8, fp8_stats = run(path, kv_cache_dtype="fp8", **budget)
     assert auto_stats["num_preemptions"] > 0
     assert fp8_stats["num_preemptions"] == 0
     assert fp8_stats["num_gpu_blocks"] >= NEEDED > auto_stats["num_gpu_blocks"]
     assert len(fp8) == len(auto) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("fmt", ["auto", "fp8", "int8"])
+def test_the_startup_log_and_metrics_show_the_pool_in_bytes(path, fmt, caplog):
+    """``minipaged serve``'s startup log and ``/metrics`` (``minipaged:kv_cache_bytes``)
+    give a block's bytes in the cache's dtype and the pool's, as counted by hand; a
+    swapped block moves as many (fp8: a quarter of fp32's)."""
+    pytest.importorskip("prometheus_client")
+    from minipaged.server.app import engine_description, log_startup
+    from minipaged.server.limits import ServerLimits
+    from minipaged.server.metrics import make_registry
+
+    llm = make_llm(path, block_size=BLOCK_SIZE, kv_cache_dtype=fmt, num_gpu_blocks=10)
+    per_block = bytes_per_block(path, fmt, torch.float32)
+    with caplog.at_level("INFO", logger="minipaged.server"):
+        description = engine_description(llm.engine)
+        log_startup(description, str(path), "tiny", "127.0.0.1", 8000, None, ServerLimits(), [])
+    assert f"{per_block} bytes a block, {10 * per_block / 2**20:.1f} MiB" in caplog.text
+    registry = make_registry(SimpleNamespace(stats=llm.stats()))
+    assert registry.get_sample_value("minipaged:kv_cache_bytes") == 10 * per_block
+    # What a swap moves per block: the swap pool's row of each per-block tensor.
+    swap_pool = llm.engine.cache_engine.cpu_cache
+    assert sum(t[0].nbytes for layer in swap_pool for t in layer if t.dim()) == per_block
+    llm.shutdown()

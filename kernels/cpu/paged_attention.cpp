@@ -23,7 +23,7 @@
 // Each key or value row is widened to float32 once (`widen`) and every query of the
 // tile uses it; all arithmetic is float32 (fp32 accumulation for bf16 and fp16 caches,
 // read natively).  A quantized cache (fp8 or int8, minipaged/ops/kv_quant.py) stores a
-// byte per element that means byte * scale, the scale one float per (block, KV head):
+// byte per element that means byte * scale, the scale one float per (slot, KV head):
 // the byte is widened with a few vector instructions (fp8 through fp16's bit layout),
 // and the scale multiplies a whole dot product or value row at once.  The vector width
 // is the build's: AVX-512 (16 floats) or AVX2 (8), chosen by minipaged/ops/cpu_ops.py
@@ -50,7 +50,6 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
-#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -203,24 +202,24 @@ inline void axpy(float w, const float* x, float* y, int64_t n) {
 
 // -- the cache's layout ----------------------------------------------------------------
 
-// A cache's dequantization scales, scale[block, kv_head] = data[block * block_stride +
-// kv_head * head_stride]; strides 0 for one scale per layer (fp8), and for a cache
-// that is not quantized, whose scale is 1.
+// A cache's dequantization scales, scale[block, slot, kv_head] = data[block *
+// block_stride + slot * slot_stride + kv_head * head_stride]; strides 0 for one scale
+// per layer (fp8), and for a cache that is not quantized, whose scale is 1.
 struct Scales {
   const float* data;
-  int64_t block_stride, head_stride;
-  float at(int64_t block, int64_t kv_head) const {
-    return data[block * block_stride + kv_head * head_stride];
+  int64_t block_stride, slot_stride, head_stride;
+  float at(int64_t block, int64_t slot, int64_t kv_head) const {
+    return data[block * block_stride + slot * slot_stride + kv_head * head_stride];
   }
 };
 
 const float kOne = 1.f;
 
 Scales scales_of(const c10::optional<torch::Tensor>& scale) {
-  if (!scale) return {&kOne, 0, 0};
-  TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->dim() == 2,
-              "the CPU kernel reads scales as float32 [num_blocks, num_kv_heads]");
-  return {scale->data_ptr<float>(), scale->stride(0), scale->stride(1)};
+  if (!scale) return {&kOne, 0, 0, 0};
+  TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->dim() == 3,
+              "the CPU kernel reads scales as float32 [num_blocks, block_size, num_kv_heads]");
+  return {scale->data_ptr<float>(), scale->stride(0), scale->stride(1), scale->stride(2)};
 }
 
 // Positions [first, last) of a sequence, in order: f(pos, offset of the position's
@@ -352,7 +351,7 @@ struct Attention {
     for_each_position(table, first, last, kv_head, num_kv_heads, block_size, head_dim,
                       [&](int64_t pos, int64_t offset, int64_t block) {
                         const float* k = widen(key_cache + offset, head_dim, row);
-                        const float s = scale * k_scale.at(block, kv_head);
+                        const float s = scale * k_scale.at(block, pos % block_size, kv_head);
                         for (int64_t v = visible(pos) * group; v < n; ++v)
                           scores[v * len + pos - first] = s * dot(q + v * head_dim, k, head_dim);
                       });
@@ -366,7 +365,7 @@ struct Attention {
     for_each_position(table, first, last, kv_head, num_kv_heads, block_size, head_dim,
                       [&](int64_t pos, int64_t offset, int64_t block) {
                         const float* x = widen(value_cache + offset, head_dim, row);
-                        const float s = v_scale.at(block, kv_head);
+                        const float s = v_scale.at(block, pos % block_size, kv_head);
                         for (int64_t v = visible(pos) * group; v < n; ++v)
                           axpy(s * scores[v * len + pos - first], x, acc + v * head_dim, head_dim);
                       });
@@ -518,51 +517,21 @@ inline int8_t round_int8(float v) {
   return static_cast<int8_t>(r > kInt8Max ? kInt8Max : (r < -kInt8Max ? -kInt8Max : r));
 }
 
-// kv_quant._write_int8's rule: a block written at its first slot starts afresh (scale
-// 0); each touched block and head's scale grows to the largest new magnitude over 127,
-// and the tokens already there are rounded again to the coarser step; then the new
-// tokens are stored over their block's scale.
+// kv_quant._write_int8's rule: each token's head is stored over its own scale, its
+// largest magnitude over 127, kept at scale[slot, head] (a function of the token alone).
 template <typename scalar_t>
 void store_int8(const scalar_t* x, int8_t* cache, const int64_t* slots, int64_t tokens,
-                int64_t block_size, int64_t heads, int64_t head_dim, float* scale,
-                int64_t block_stride, int64_t head_stride) {
+                int64_t heads, int64_t head_dim, float* scale) {
   const float tiny = std::numeric_limits<float>::min();
-  auto scale_at = [&](int64_t block, int64_t h) -> float& {
-    return scale[block * block_stride + h * head_stride];
-  };
-  for (int64_t t = 0; t < tokens; ++t)
-    if (slots[t] >= 0 && slots[t] % block_size == 0)
-      for (int64_t h = 0; h < heads; ++h) scale_at(slots[t] / block_size, h) = 0.f;
-  std::unordered_map<int64_t, std::vector<float>> grown;  // block -> its new scale per head
   for (int64_t t = 0; t < tokens; ++t) {
     if (slots[t] < 0) continue;
-    const int64_t block = slots[t] / block_size;
-    auto [it, fresh] = grown.try_emplace(block, heads);
     for (int64_t h = 0; h < heads; ++h) {
-      if (fresh) it->second[h] = scale_at(block, h);
+      const scalar_t* src = x + (t * heads + h) * head_dim;
       float amax = 0.f;
       for (int64_t d = 0; d < head_dim; ++d)
-        amax = std::max(amax, std::abs(static_cast<float>(x[(t * heads + h) * head_dim + d])));
-      it->second[h] = std::max(it->second[h], amax / kInt8Max);
-    }
-  }
-  for (const auto& [block, new_scales] : grown)
-    for (int64_t h = 0; h < heads; ++h) {
-      float& old = scale_at(block, h);
-      if (new_scales[h] != old) {
-        const float ratio = old / std::max(new_scales[h], tiny);
-        for (int64_t pos = 0; pos < block_size; ++pos) {
-          int8_t* q = cache + ((block * block_size + pos) * heads + h) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) q[d] = round_int8(q[d] * ratio);
-        }
-      }
-      old = new_scales[h];
-    }
-  for (int64_t t = 0; t < tokens; ++t) {
-    if (slots[t] < 0) continue;
-    for (int64_t h = 0; h < heads; ++h) {
-      const float step = std::max(scale_at(slots[t] / block_size, h), tiny);
-      const scalar_t* src = x + (t * heads + h) * head_dim;
+        amax = std::max(amax, std::abs(static_cast<float>(src[d])));
+      scale[slots[t] * heads + h] = amax / kInt8Max;
+      const float step = std::max(amax / kInt8Max, tiny);
       int8_t* dst = cache + (slots[t] * heads + h) * head_dim;
       for (int64_t d = 0; d < head_dim; ++d) dst[d] = round_int8(static_cast<float>(src[d]) / step);
     }
@@ -582,9 +551,10 @@ void store_quantized(const torch::Tensor& x, torch::Tensor& cache, const int64_t
         return store_fp8(src, static_cast<c10::Float8_e5m2*>(cache.data_ptr()), slots, tokens,
                          heads * head_dim, scale.item<float>());
       case at::kChar:
-        TORCH_CHECK(scale.dim() == 2, "an int8 cache's scale is [num_blocks, num_kv_heads]");
-        return store_int8(src, cache.data_ptr<int8_t>(), slots, tokens, cache.size(1), heads,
-                          head_dim, scale.data_ptr<float>(), scale.stride(0), scale.stride(1));
+        TORCH_CHECK(scale.dim() == 3 && scale.is_contiguous(),
+                    "an int8 cache's scale is contiguous [num_blocks, block_size, num_kv_heads]");
+        return store_int8(src, cache.data_ptr<int8_t>(), slots, tokens, heads, head_dim,
+                          scale.data_ptr<float>());
       default:
         TORCH_CHECK(false, "write_kv_quantized stores into an fp8 or int8 cache");
     }

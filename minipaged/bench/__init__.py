@@ -35,8 +35,9 @@ time per step, with the model stubbed), `common` (timing, a system's row, tables
   throughput and acceptance, on a workload that repeats its context and a ShareGPT-like
   one.
 * `kv_cache_dtype` - a quantized KV cache (fp8, int8) against ``auto``: blocks and
-  requests/s under one KV budget, the C++ kernel's dequantization cost, greedy
-  agreement on SmolLM2.
+  requests/s under one KV budget, the C++ kernel's dequantization cost; and its
+  quality on SmolLM2 (`kv_quality`: prompt logprobs, greedy agreement, the lm-eval
+  test's multiple-choice accuracy).
 * `serve` - online serving latency (TTFT, TPOT, ITL, E2EL) against a running
   OpenAI-compatible server (paper §6).
 * `lora` - a decode step mixing LoRA adapters against the base model's, and a workload

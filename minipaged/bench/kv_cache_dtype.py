@@ -1,8 +1,9 @@
 """``minipaged bench kv-cache-dtype``: what a quantized KV cache buys and costs.
 
 A byte per cached element instead of bf16's two (``kv_cache_dtype`` fp8 or int8,
-`minipaged.ops.kv_quant`) fits twice the blocks in the same memory.  Three measurements,
-each against ``auto`` (the model's dtype) in the same run:
+`minipaged.ops.kv_quant`) fits twice the blocks in the same memory.  Two parts
+(``--parts``), each against ``auto`` (the model's dtype) in the same run.  **serving**
+(``kv-cache-dtype.json``):
 
 - **capacity and throughput** where memory binds: the same requests under one small KV
   budget (``--kv-budget-mib``) per dtype: blocks, the most requests running at once,
@@ -12,11 +13,11 @@ each against ``auto`` (the model's dtype) in the same run:
   pool's bytes, which scale with the model alike, and it runs in seconds on a CPU;
 - **the dequantization's cost** where memory does not bind: the C++ CPU kernel's decode
   over one batch of SmolLM2-shaped sequences, whose cache is read as bf16, or widened
-  from fp8 / int8 and scaled, timed alternately; times ``num_hidden_layers``, a step's;
-- **quality** on real weights (``--model``, SmolLM2): greedy completions of
-  ``--quality-prompts`` prompts, compared with
-  ``auto``'s: the share identical, the share of tokens before the first difference, and
-  the mean |Δ logprob| of the chosen tokens up to there (the same context on both sides).
+  from fp8 / int8 and scaled, timed alternately; times ``num_hidden_layers``, a step's.
+
+**quality** (``kv-cache-dtype-quality.json``) on real weights (``--model``, SmolLM2):
+prompt logprobs, greedy agreement and the lm-eval test's multiple-choice accuracy
+against ``auto``'s (`minipaged.bench.kv_quality`).
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
-from minipaged.bench import common
+from minipaged.bench import common, kv_quality
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column, one_cpu_thread
 from minipaged.config import KV_CACHE_DTYPES
@@ -48,17 +50,7 @@ DESCRIPTION = (
     "their logprobs with auto's."
 )
 DTYPES = ("auto", "fp8", "int8")
-TOPICS = ("the moon", "bread", "rivers", "music", "volcanoes", "chess", "bees", "rain")
-TEMPLATES = (
-    "Explain {} to a child.",
-    "Write a short poem about {}.",
-    "List three facts about {}.",
-    "What is the history of {}?",
-    "Why do people care about {}?",
-    "Describe {} in one paragraph.",
-    "Give me a riddle about {}.",
-    "What would happen without {}?",
-)
+PARTS = ("serving", "quality")
 
 
 @dataclass
@@ -150,10 +142,12 @@ def time_dequantization(model, dtypes, batch=32, context_len=512, repeats=20) ->
     for name in dtypes:
         dtype = kv_quant.cache_dtype(name, torch.bfloat16)
         if kv_quant.is_quantized(dtype):
-            ks, _ = kv_quant.new_scales(dtype, blocks, kv_heads, "cpu")
-            ks.fill_(x.abs().max() / 127 if dtype == torch.int8 else 1.0)
-            cache = kv_quant.quantize(x, kv_quant.block_scales(ks, x)[:, None, :, None], dtype)
-            scales = (ks, ks)
+            ks, vs = kv_quant.new_scales(dtype, x.shape, "cpu")
+            cache = torch.empty(x.shape, dtype=dtype)
+            slots = torch.arange(blocks * block_size)
+            rows = x.flatten(0, 1)
+            kv_quant.write_kv(rows, rows, cache, torch.empty_like(cache), slots, ks, vs)
+            scales = (ks, vs)
         else:
             cache, scales = x.to(dtype), ()
         calls[name] = (query, cache, cache, tables, lens, dim**-0.5, *scales)
@@ -167,41 +161,7 @@ def time_dequantization(model, dtypes, batch=32, context_len=512, repeats=20) ->
     return {name: layers * statistics.median(t[1:]) for name, t in times.items()}
 
 
-def prompts_for_quality(count: int) -> list[str]:
-    return [t.format(topic) for t, topic in itertools.product(TEMPLATES, TOPICS)][:count]
-
-
-def measure_quality(model, dtypes, num_prompts, max_tokens) -> list[dict]:
-    """Greedy completions with each dtype against ``auto``'s (see the module's doc)."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
-    prompts = prompts_for_quality(num_prompts)  # plain text, no chat template
-    runs = {}
-    for name in tqdm(dtypes, desc="quality runs"):
-        llm = LLM(model, device="cpu", kv_cache_dtype=name)
-        runs[name] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    rows = []
-    for name in dtypes:
-        identical, prefix_share, deltas = 0, [], []
-        for ours, base in zip(runs[name], runs["auto"]):
-            same = 0
-            while same < len(base.token_ids) and ours.token_ids[same] == base.token_ids[same]:
-                token = base.token_ids[same]
-                deltas.append(abs(ours.logprobs[same][token] - base.logprobs[same][token]))
-                same += 1
-            identical += same == len(base.token_ids)
-            prefix_share.append(same / len(base.token_ids))
-        rows.append(
-            {
-                "kv_cache_dtype": name,
-                "identical": identical / len(prompts),
-                "tokens_before_first_difference": statistics.mean(prefix_share),
-                "mean_abs_delta_logprob": statistics.mean(deltas),
-            }
-        )
-    return rows
-
-
-def format_tables(capacity, cost, quality) -> str:
+def format_tables(capacity, cost) -> str:
     base = {r.kv_cache_dtype: r for r in capacity}["auto"]
     rows = [
         {**asdict(r), "rps": r.requests_per_s, "ratio": r.requests_per_s / base.requests_per_s}
@@ -228,24 +188,13 @@ def format_tables(capacity, cost, quality) -> str:
             Column("vs auto", "ratio", "{:.2f}x"),
         ],
     )
-    text += "\n\ngreedy completions against auto's:\n"
-    text += common.format_table(
-        quality,
-        [
-            Column("kv_cache_dtype", "kv_cache_dtype"),
-            Column("identical", "identical", "{:.0%}"),
-            Column("tokens before a difference", "tokens_before_first_difference", "{:.0%}"),
-            Column("mean |Δ logprob|", "mean_abs_delta_logprob", "{:.4f}"),
-        ],
-    )
     return text
 
 
-def plot(capacity, cost, quality) -> Figure:
-    """Requests/s and peak running under the budget; the attention's time per step;
-    greedy agreement with auto."""
-    fig = Figure(figsize=(11, 3.4), layout="constrained")
-    ax_rps, ax_cost, ax_quality = fig.subplots(1, 3)
+def plot(capacity, cost) -> Figure:
+    """Requests/s and peak running under the budget; the attention's time per step."""
+    fig = Figure(figsize=(7.5, 3.4), layout="constrained")
+    ax_rps, ax_cost = fig.subplots(1, 2)
     names = [r.kv_cache_dtype for r in capacity]
     bars = ax_rps.bar(names, [r.requests_per_s for r in capacity], color="#4c72b0")
     ax_rps.bar_label(bars, [f"peak {r.peak_running} running" for r in capacity], fontsize=8)
@@ -255,14 +204,6 @@ def plot(capacity, cost, quality) -> Figure:
     ax_cost.bar_label(bars, [f"{s / cost['auto']:.2f}x" for s in cost.values()], fontsize=8)
     ax_cost.set_ylabel("ms per decode step")
     ax_cost.set_title("C++ kernel: dequantization cost")
-    bars = ax_quality.bar(
-        [r["kv_cache_dtype"] for r in quality],
-        [100 * r["tokens_before_first_difference"] for r in quality],
-        color="#55a868",
-    )
-    ax_quality.bar_label(bars, [f"{r['identical']:.0%} identical" for r in quality], fontsize=8)
-    ax_quality.set_ylabel("% of greedy tokens before a difference")
-    ax_quality.set_title("agreement with auto")
     return fig
 
 
@@ -281,6 +222,20 @@ def add_arguments(parser) -> None:
         choices=KV_CACHE_DTYPES,
         default=list(DTYPES),
         help="the dtypes to compare; auto always runs (default: auto fp8 int8)",
+    )
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="serving (capacity, throughput, dequantization cost) and/or quality (default: both)",
+    )
+    parser.add_argument(
+        "--mc-questions",
+        type=Path,
+        default=kv_quality.MC_QUESTIONS,
+        metavar="PATH",
+        help="the multiple-choice questions, JSONL (default: the lm-eval test's)",
     )
     for flag, default, help_ in [
         ("--num-requests", 32, "requests of the capacity run"),
@@ -306,28 +261,60 @@ def main(args) -> None:
     from minipaged.models.hub import resolve_model
 
     model = resolve_model(args.model)
-    small = resolve_model(args.capacity_model) if args.capacity_model else None
-    small = small or cached_checkpoint("bench-sharing")
     dtypes = list(dict.fromkeys(["auto", *args.kv_cache_dtype]))
+    if "serving" in args.parts:
+        serving(args, model, dtypes)
+    if "quality" in args.parts:
+        quality(args, model, dtypes)
+
+
+def serving(args, model, dtypes) -> None:
+    small = resolve_capacity_model(args)
     capacity = bench_capacity(
         small, dtypes, args.num_requests, args.kv_budget_mib, args.rounds, args.seed
     )
     cost = time_dequantization(model, dtypes)
-    quality = measure_quality(model, dtypes, args.quality_prompts, args.quality_tokens)
-    print(format_tables(capacity, cost, quality))
+    print(format_tables(capacity, cost))
     write(
         args,
         NAME,
         "cpu",
         [asdict(r) | {"requests_per_s": r.requests_per_s} for r in capacity],
-        plot(capacity, cost, quality),
+        plot(capacity, cost),
         model=args.model,
         capacity_model=args.capacity_model or "the tiny checkpoint (bench-sharing), bf16",
         kv_budget_mib=args.kv_budget_mib,
         dequantization_s_per_step=cost,
-        quality=quality,
         num_requests=args.num_requests,
         rounds=args.rounds,
         seed=args.seed,
+        load_average=list(os.getloadavg()),
+    )
+
+
+def resolve_capacity_model(args):
+    from minipaged.models.hub import resolve_model
+
+    if args.capacity_model:
+        return resolve_model(args.capacity_model)
+    return cached_checkpoint("bench-sharing")
+
+
+def quality(args, model, dtypes) -> None:
+    questions = kv_quality.mc_questions(args.mc_questions)
+    rows = kv_quality.measure_quality(
+        model, dtypes, args.quality_prompts, args.quality_tokens, questions
+    )
+    print(kv_quality.format_table(rows))
+    write(
+        args,
+        f"{NAME}-quality",
+        "cpu",
+        rows,
+        kv_quality.plot(rows),
+        model=args.model,
+        quality_prompts=args.quality_prompts,
+        quality_tokens=args.quality_tokens,
+        mc_questions=str(args.mc_questions),
         load_average=list(os.getloadavg()),
     )

@@ -39,15 +39,15 @@ SHARES = ("token_share", "reserved_share", "internal_share", "external_share")
 OPT13B_HEAD_DIM = 128
 
 
-def slots_for(fp16_slots: int, kv_cache_dtype: str, block_size: int = 16) -> int:
+def slots_for(fp16_slots: int, kv_cache_dtype: str) -> int:
     """The tokens that the bytes of ``fp16_slots`` fp16 tokens hold in ``kv_cache_dtype``:
-    a byte per element for fp8 and int8, plus int8's float32 scale per block and head
+    a byte per element for fp8 and int8, plus int8's float32 scale per token and head
     (`minipaged.cache_engine.block_bytes`), for OPT-13B's heads of 128."""
     if kv_cache_dtype == "auto":
         return fp16_slots
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-    scales = 4 / (block_size * OPT13B_HEAD_DIM) if kv_cache_dtype == "int8" else 0
+    scales = 4 / OPT13B_HEAD_DIM if kv_cache_dtype == "int8" else 0
     return int(fp16_slots * 2 / (1 + scales))
 
 
@@ -170,7 +170,7 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> None:
-    kv_slots = slots_for(args.kv_slots, args.kv_cache_dtype, args.block_size)
+    kv_slots = slots_for(args.kv_slots, args.kv_cache_dtype)
     reports = bench_memory(
         args.workload, args.num_requests, kv_slots, args.block_size, args.max_len, args.seed
     )

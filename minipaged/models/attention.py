@@ -269,7 +269,7 @@ def allocate_kv_caches(
         (
             torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device),
-            *(kv_quant.new_scales(dtype, num_blocks, shape[2], device) if scales else ()),
+            *(kv_quant.new_scales(dtype, shape, device) if scales else ()),
         )
         for _ in range(config.num_hidden_layers)
     ]

@@ -13,7 +13,7 @@ The contiguous oracle the backends are tested against is exported beside them.
 
 A quantized cache (fp8 or int8, `kv_quant`) holds bytes that mean ``q * scale``: its
 ops take the layer's ``k_scale`` and ``v_scale`` too, and the query and new keys keep the
-model's dtype.  fp8's scales default to 1.0; int8's, one per block and KV head, are
+model's dtype.  fp8's scales default to 1.0; int8's, one per slot and KV head, are
 required.
 
 Backends: ``torch`` (``torch_ref``, gather then attend: short and slow), ``triton``
@@ -59,7 +59,7 @@ def write_kv(
 ) -> None:
     """Store ``key, value [T, num_kv_heads, head_dim]`` in the cache slots
     ``slot_mapping [T]``, in place; a slot of -1 skips that token.  A quantized cache
-    stores them over ``k_scale`` and ``v_scale`` (int8: which grow as needed)."""
+    stores them over ``k_scale`` and ``v_scale`` (int8: each token's own, set here)."""
     _check_cache(key_cache, value_cache)
     scales = _check_scales(key_cache, k_scale, v_scale)
     impl = get_backend(backend, key_cache.device)
@@ -271,16 +271,16 @@ def _compute_dtypes(key_cache):
 
 def _check_scales(key_cache, k_scale, v_scale):
     """The ``(k_scale, v_scale)`` a backend gets: None for a cache that is not
-    quantized, fp8's default 1.0, each a float32 number or ``[num_blocks, num_kv_heads]``
-    on the cache's device (int8's must be the latter)."""
+    quantized, fp8's default 1.0, each a float32 number or ``[num_blocks, block_size,
+    num_kv_heads]`` on the cache's device (int8's must be the latter)."""
     if not kv_quant.is_quantized(key_cache.dtype):
         _require(
             k_scale is None and v_scale is None,
             f"k_scale and v_scale are for a quantized cache, not {key_cache.dtype}",
         )
         return None, None
-    per_block = (key_cache.shape[0], key_cache.shape[2])
-    shapes = [per_block] if key_cache.dtype == torch.int8 else [(), (1,), per_block]
+    per_slot = tuple(key_cache.shape[:3])
+    shapes = [per_slot] if key_cache.dtype == torch.int8 else [(), (1,), per_slot]
     scales = []
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is None and key_cache.dtype != torch.int8:

@@ -132,7 +132,7 @@ def paged_attention_decode(
         None,
         context_lens.int(),
         scale,
-        *_block_scales(key_cache, k_scale, v_scale),
+        *kv_quant.kernel_scales(key_cache, k_scale, v_scale),
     )
 
 
@@ -159,17 +159,11 @@ def paged_attention_prefill(
         query_start_loc.int(),
         context_lens.int(),
         scale,
-        *_block_scales(key_cache, k_scale, v_scale),
+        *kv_quant.kernel_scales(key_cache, k_scale, v_scale),
     )
 
 
-def _block_scales(key_cache, k_scale, v_scale):
-    """The kernel's ``[num_blocks, num_kv_heads]`` scales (views), or None, None."""
-    if k_scale is None:
-        return None, None
-    return kv_quant.block_scales(k_scale, key_cache), kv_quant.block_scales(v_scale, key_cache)
-
-
+@functools.cache
 def _kernel():
     return build(isa())
 

@@ -131,7 +131,7 @@ def paged_attention_decode(
         )
     if version not in (0, 1, 2):
         raise ValueError(f"version must be 0, 1 or 2, got {version!r}")
-    scales = _block_scales(key_cache, k_scale, v_scale)
+    scales = kv_quant.kernel_scales(key_cache, k_scale, v_scale)
     if version == 0 and kv_quant.is_quantized(key_cache.dtype):
         raise ValueError(f"version 0 reads no {key_cache.dtype} KV cache: use version 1 or 2")
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -181,14 +181,6 @@ def paged_attention_prefill(
         v_scale,
         max_query_len=max_query_len,
     )
-
-
-def _block_scales(key_cache, k_scale, v_scale) -> tuple:
-    """A quantized cache's scales as the kernels read them, ``[num_blocks, num_kv_heads]``
-    float32 views (`kv_quant.block_scales`); None for a cache in the query's dtype."""
-    if not kv_quant.is_quantized(key_cache.dtype):
-        return None, None
-    return kv_quant.block_scales(k_scale, key_cache), kv_quant.block_scales(v_scale, key_cache)
 
 
 def _check_one(name, value, allowed):

@@ -11,16 +11,20 @@ the choice ``kv_cache_dtype``; its values, and ours:
 - ``"fp8_e5m2"`` (``torch.float8_e5m2``): 5 exponent bits, 2 mantissa bits, largest
   57344, half a step 2^-3 of a value;
 - ``"int8"``: our teaching variant, which vLLM does not ship: integers in [-127, 127]
-  times a scale per block and KV head, the largest magnitude of that head in that block
-  over 127, so a block's error is at most half its step, ``scale / 2``.
+  times a scale per token and KV head, the largest magnitude of that token's head over
+  127, so an element's error is at most half its step, ``scale / 2``.  The scale is
+  fitted to the token alone, so the bytes a token leaves in the cache do not depend on
+  which tokens were written with it: recomputing a preempted request, or chunking its
+  prompt differently, writes the same bytes (a scale fitted per block would change as
+  the block fills, and with it the rounding of the tokens already there).
 
 A stored element ``q`` means ``q * scale``.  fp8 follows vLLM: one ``k_scale`` and one
 ``v_scale`` per layer, 1.0 unless computed from the first batch (``calculate_kv_scales``,
 vLLM's ``Attention.calc_kv_scales``: the largest magnitude over a constant, 200 for keys
 and 100 for values, leaving headroom for later tokens).  Either way every kernel reads
-the scale of an element as ``scale[block, kv_head]`` from a ``[num_blocks,
-num_kv_heads]`` float32 tensor (`block_scales`): fp8's per-layer scale is the same
-number expanded to that shape, with strides 0.
+the scale of an element as ``scale[block, slot, kv_head]`` from a ``[num_blocks,
+block_size, num_kv_heads]`` float32 tensor (`slot_scales`): fp8's per-layer scale is the
+same number expanded to that shape, with strides 0.
 
 Writing (`write_kv`) quantizes here, in torch, for every backend but the CPU's, whose
 C++ store (``write_kv_quantized`` in ``kernels/cpu/paged_attention.cpp``) follows the
@@ -37,13 +41,14 @@ __all__ = [
     "FORMATS",
     "K_SCALE_CONSTANT",
     "V_SCALE_CONSTANT",
-    "block_scales",
     "cache_dtype",
     "calculate_kv_scales",
     "dequantize",
     "is_quantized",
+    "kernel_scales",
     "new_scales",
     "quantize",
+    "slot_scales",
     "write_kv",
 ]
 
@@ -76,19 +81,28 @@ def is_quantized(dtype: torch.dtype) -> bool:
     return dtype in QUANTIZED_DTYPES
 
 
-def new_scales(dtype, num_blocks, num_kv_heads, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's fresh ``(k_scale, v_scale)``: fp8's one number each (1.0, vLLM's
-    default), int8's one per block and KV head (0 until a token is written)."""
+def new_scales(dtype, cache_shape, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's fresh ``(k_scale, v_scale)`` for a cache of ``cache_shape``: fp8's one
+    number each (1.0, vLLM's default), int8's one per slot and KV head, ``[num_blocks,
+    block_size, num_kv_heads]`` (0 until a token is written)."""
     if dtype == torch.int8:
-        shape = (num_blocks, num_kv_heads)
+        shape = tuple(cache_shape[:3])
         return torch.zeros(shape, device=device), torch.zeros(shape, device=device)
     return torch.ones((), device=device), torch.ones((), device=device)
 
 
-def block_scales(scale: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """``scale`` as ``[num_blocks, num_kv_heads]`` for ``cache``: a view, strides 0 for
-    a per-layer scale, so kernels read one layout."""
-    return scale.expand(cache.shape[0], cache.shape[2])
+def slot_scales(scale: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """``scale`` as ``[num_blocks, block_size, num_kv_heads]`` for ``cache``: a view,
+    strides 0 for a per-layer scale, so kernels read one layout."""
+    return scale.expand(cache.shape[:3])
+
+
+def kernel_scales(key_cache, k_scale, v_scale) -> tuple:
+    """The scales a kernel reads (`slot_scales` views), or ``(None, None)`` for a cache
+    in the model's dtype."""
+    if k_scale is None:
+        return None, None
+    return slot_scales(k_scale, key_cache), slot_scales(v_scale, key_cache)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -131,27 +145,13 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def _write_int8(x, cache, scale, slots) -> None:
-    """Store ``x [T, H, D]`` at ``slots`` of an int8 cache whose ``scale [num_blocks, H]``
-    is each block's largest magnitude per head over 127.
-
-    A block fills from its first slot on, so a write at offset 0 starts the block
-    afresh: the previous owner's scale is forgotten.  Where new tokens are larger than
-    a block's scale allows, the scale grows and the tokens already there are rounded
-    again to the coarser step (each such growth costs them at most half a new step).
-    """
-    block_size = cache.shape[1]
-    blocks = slots // block_size
-    scale[blocks[slots % block_size == 0]] = 0.0
-    grown = scale.clone()
-    amax = x.float().abs().amax(-1) / INT8_MAX  # [T, H]
-    grown.scatter_reduce_(0, blocks[:, None].expand_as(amax), amax, "amax")
-    touched = blocks.unique()
-    ratio = scale[touched] / grown[touched].clamp_min(torch.finfo(torch.float32).tiny)
-    old = cache[touched].float() * ratio[:, None, :, None]
-    cache[touched] = old.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    scale.copy_(grown)
-    step = grown[blocks].clamp_min(torch.finfo(torch.float32).tiny)[..., None]
-    _store(cache, slots, quantize(x, step, torch.int8))
+    """Store ``x [T, H, D]`` at ``slots`` of an int8 cache, each token's head over its
+    own scale, its largest magnitude over 127 (kept at ``scale`` viewed as ``[slots,
+    H]``): a function of the token alone, however the tokens arrive."""
+    step = x.float().abs().amax(-1) / INT8_MAX  # [T, H]
+    scale.view(-1, scale.shape[-1]).index_copy_(0, slots, step)
+    tiny = torch.finfo(torch.float32).tiny  # an all-zero head: any step stores zeros
+    _store(cache, slots, quantize(x, step.clamp_min(tiny)[..., None], torch.int8))
 
 
 def _store(cache, slots, q) -> None:

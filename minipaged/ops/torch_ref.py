@@ -130,7 +130,7 @@ def _gather_kv(
     its last token, may hold anything (even NaN), and a zero attention weight times NaN
     would still be NaN.  Both tensors live in `_workspace` buffers, valid until the
     next call; from a quantized cache they are new float32 tensors, each position
-    times its block's scale.
+    times its slot's scale.
     """
     block_size = key_cache.shape[1]
     pos = torch.arange(max_len, device=key_cache.device)
@@ -145,10 +145,9 @@ def _gather_kv(
         for name, cache in (("key", key_cache), ("value", value_cache))
     )
     if kv_quant.is_quantized(key_cache.dtype):
-        blocks = slots // block_size
         k, v = (
-            kv_quant.dequantize(x, kv_quant.block_scales(s, cache)[blocks].view(*shape[:3], 1))
-            for x, s, cache in ((k, k_scale, key_cache), (v, v_scale, value_cache))
+            kv_quant.dequantize(x, s.flatten(0, 1)[slots].view(*shape[:3], 1))
+            for x, s in zip((k, v), kv_quant.kernel_scales(key_cache, k_scale, v_scale))
         )
     return k, v, valid
 

@@ -106,6 +106,7 @@ def _load_kv_tile(
     stride_cd,
     scale_ptr,
     stride_sb,
+    stride_ss,
     stride_sh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -113,7 +114,8 @@ def _load_kv_tile(
 ):
     """Load keys (or values) of token positions ``n [BLOCK_N]`` of one sequence and one
     KV head -> ``[BLOCK_N, BLOCK_D]``; from a ``QUANTIZED`` cache (fp8, int8:
-    ``kv_quant``), float32, each row times its block's scale, ``scale[block, kv_head]``.
+    ``kv_quant``), float32, each row times its slot's scale, ``scale[block, slot,
+    kv_head]``.
 
     Position ``n`` is in logical block ``n // block_size``; the block table maps that to
     a physical block, and the token sits at offset ``n % block_size`` inside it (§4.1).
@@ -131,7 +133,10 @@ def _load_kv_tile(
     tile = tl.load(ptrs, mask=mask, other=0.0)
     if QUANTIZED:
         scale = tl.load(
-            scale_ptr + physical.to(tl.int64) * stride_sb + kv_head * stride_sh,
+            scale_ptr
+            + physical.to(tl.int64) * stride_sb
+            + (n % block_size) * stride_ss
+            + kv_head * stride_sh,
             mask=in_context,
             other=0.0,
         )
@@ -162,6 +167,7 @@ def _attend_tile(
     k_scale_ptr,
     v_scale_ptr,
     stride_sb,
+    stride_ss,
     stride_sh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -196,6 +202,7 @@ def _attend_tile(
         stride_cd,
         k_scale_ptr,
         stride_sb,
+        stride_ss,
         stride_sh,
         HEAD_DIM,
         BLOCK_D,
@@ -221,6 +228,7 @@ def _attend_tile(
         stride_cd,
         v_scale_ptr,
         stride_sb,
+        stride_ss,
         stride_sh,
         HEAD_DIM,
         BLOCK_D,
@@ -261,6 +269,7 @@ def decode_kernel(
     k_scale_ptr,
     v_scale_ptr,
     stride_sb,
+    stride_ss,
     stride_sh,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -329,6 +338,7 @@ def decode_kernel(
             k_scale_ptr,
             v_scale_ptr,
             stride_sb,
+            stride_ss,
             stride_sh,
             HEAD_DIM,
             BLOCK_D,
@@ -433,6 +443,7 @@ def prefill_kernel(
     k_scale_ptr,
     v_scale_ptr,
     stride_sb,
+    stride_ss,
     stride_sh,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -507,6 +518,7 @@ def prefill_kernel(
             k_scale_ptr,
             v_scale_ptr,
             stride_sb,
+            stride_ss,
             stride_sh,
             HEAD_DIM,
             BLOCK_D,

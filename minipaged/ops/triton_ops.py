@@ -237,20 +237,26 @@ def paged_attention_prefill(
 
 
 def _scale_args(key_cache, k_scale, v_scale) -> dict:
-    """The kernels' scale arguments: ``scale[block, kv_head]`` of a quantized cache
-    (one layout, strides 0 for fp8's per-layer scale), or none to read."""
+    """The kernels' scale arguments: ``scale[block, slot, kv_head]`` of a quantized
+    cache (one layout, strides 0 for fp8's per-layer scale), or none to read."""
     if k_scale is None:
         # Never read: QUANTIZED is a compile-time False.
         return dict(
-            k_scale_ptr=key_cache, v_scale_ptr=key_cache, stride_sb=0, stride_sh=0, QUANTIZED=False
+            k_scale_ptr=key_cache,
+            v_scale_ptr=key_cache,
+            stride_sb=0,
+            stride_ss=0,
+            stride_sh=0,
+            QUANTIZED=False,
         )
     # One pair of strides for both: ``minipaged.ops`` checks they have one shape.
-    k_scale, v_scale = (kv_quant.block_scales(s, key_cache) for s in (k_scale, v_scale))
+    k_scale, v_scale = kv_quant.kernel_scales(key_cache, k_scale, v_scale)
     return dict(
         k_scale_ptr=k_scale,
         v_scale_ptr=v_scale,
         stride_sb=k_scale.stride(0),
-        stride_sh=k_scale.stride(1),
+        stride_ss=k_scale.stride(1),
+        stride_sh=k_scale.stride(2),
         QUANTIZED=True,
     )
 
