@@ -66,14 +66,16 @@ kernels-check-or-skip: ## kernels-check where nvcc is installed (or REQUIRE_NVCC
 	fi
 
 # The tests run in PYTEST_WORKERS processes (pytest-xdist; each test is single-threaded,
-# see tests/conftest.py); the lessons run after them, alone, as a lesson's one-minute
-# limit (conftest.py) is meant for a machine that does nothing else.
+# see tests/conftest.py); those marked serial (memory-hungry) and the lessons run after
+# them, alone, as a lesson's one-minute limit (conftest.py) is meant for a machine that
+# does nothing else.
 PYTEST_WORKERS ?= 2
 pytest: $(STAMP) ## unit and property tests, the real-weights tests, every lesson notebook
 	@$(VENV)/bin/minipaged download smollm2 || \
 		echo "*** SmolLM2 could not be fetched: the tests on real weights will skip"
-	$(PY) -m pytest -q -m "not site" -n $(PYTEST_WORKERS) --dist loadgroup tests \
-		--doctest-modules minipaged/memory
+	$(PY) -m pytest -q -m "not site and not serial" -n $(PYTEST_WORKERS) --dist loadgroup \
+		--max-worker-restart=0 tests --doctest-modules minipaged/memory
+	$(PY) -m pytest -q -m "serial and not site" tests
 	$(PY) -m pytest -q --nbmake lessons --nbmake-timeout=120
 
 docs-build: $(STAMP) ## build the docs site into site/ (strict: a broken link fails)
