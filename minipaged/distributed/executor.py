@@ -228,7 +228,27 @@ def on_all_ranks(workers: WorkerGroup | None, runner: ModelRunner, method: str, 
         raise
 
 
-class WorkerGroup:
+class DriverGroup:
+    """What the driver asks of its workers however they were started (`WorkerGroup`:
+    spawned here; `launcher.LaunchedGroup`: started by torchrun): a subclass says how
+    messages travel (``send``, ``receive``) and how a failure is handled (``fail``)."""
+
+    def executor(
+        self, runner: ModelRunner, calculate_kv_scales: bool = False
+    ) -> TensorParallelExecutor:
+        """The driver's executor over this group, rank 0's shard run by ``runner``."""
+        return TensorParallelExecutor(runner, self, calculate_kv_scales)
+
+    def wait_loaded(self) -> None:
+        """Wait for every worker to have loaded its shard."""
+        try:
+            self.receive()
+        except BaseException as error:
+            self.fail(error)
+            raise
+
+
+class WorkerGroup(DriverGroup):
     """Ranks 1..``size``-1 as spawned processes, and the driver's place (rank 0) in
     their ``torch.distributed`` group, ``tp``.
 
@@ -293,20 +313,6 @@ class WorkerGroup:
             group.fail(error)
             raise
         return group
-
-    def executor(
-        self, runner: ModelRunner, calculate_kv_scales: bool = False
-    ) -> TensorParallelExecutor:
-        """The driver's executor over this group, rank 0's shard run by ``runner``."""
-        return TensorParallelExecutor(runner, self, calculate_kv_scales)
-
-    def wait_loaded(self) -> None:
-        """Wait for every worker to have loaded its shard."""
-        try:
-            self.receive()
-        except BaseException as error:
-            self.fail(error)
-            raise
 
     def send(self, method: str, *args) -> None:
         for conn in self.conns:

@@ -36,7 +36,7 @@ import weakref
 import torch
 
 from minipaged.config import EngineConfig
-from minipaged.distributed.executor import TensorParallelExecutor, worker_args
+from minipaged.distributed.executor import DriverGroup, worker_args
 from minipaged.distributed.parallel_state import (
     NO_PIPELINE,
     PipelineStage,
@@ -47,7 +47,6 @@ from minipaged.distributed.parallel_state import (
     split_pipeline,
 )
 from minipaged.distributed.worker import run_rank
-from minipaged.model_runner import ModelRunner
 
 __all__ = ["GroupChannel", "Heartbeat", "LaunchedGroup", "join_launched", "run_launched_worker"]
 
@@ -164,7 +163,7 @@ def pulse_key(rank: int) -> str:
     return f"minipaged/heartbeat/{rank}"
 
 
-class LaunchedGroup:
+class LaunchedGroup(DriverGroup):
     """The driver's side of ranks a launcher started: what a `WorkerGroup` answers
     (`executor`, the set-up calls, `check`, `fail`, `shutdown`), with every message on
     the group itself and failures found by heartbeat rather than by process."""
@@ -196,18 +195,6 @@ class LaunchedGroup:
             group.fail(error)
             raise
         return group
-
-    def executor(
-        self, runner: ModelRunner, calculate_kv_scales: bool = False
-    ) -> TensorParallelExecutor:
-        return TensorParallelExecutor(runner, self, calculate_kv_scales)
-
-    def wait_loaded(self) -> None:
-        try:
-            self.receive()
-        except BaseException as error:
-            self.fail(error)
-            raise
 
     def send(self, method: str, *args) -> None:
         self.world.broadcast_object((method, args))
