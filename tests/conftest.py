@@ -20,11 +20,14 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
-    # The network-namespace tests build hosts and clusters of their own: under
-    # pytest-xdist (`make test`) they share one worker, so they run one at a time.
+    # Under pytest-xdist (`make test`) a module's tests share one worker, in order: a
+    # module-scoped fixture such as a server is built once, and a module may go on from
+    # what its earlier tests did to it (one engine killed, then the other).  The
+    # network-namespace tests build hosts and clusters of their own, so they all share
+    # one worker and run one at a time.
     for item in items:
-        if "netns" in item.keywords:
-            item.add_marker(pytest.mark.xdist_group("netns"))
+        group = "netns" if "netns" in item.keywords else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `make gpu-test` on the GPU machine)")
