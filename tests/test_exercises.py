@@ -16,6 +16,8 @@ import pytest
 
 from minipaged.commands.check import EXERCISES, ROOT, reference, run
 
+pytestmark = pytest.mark.spread  # each test runs its own pytest processes
+
 STUBS = ROOT / "exercises"
 
 

@@ -40,6 +40,8 @@ from minipaged.ops import (
 )
 from minipaged.ops.testing import assert_close
 
+pytestmark = pytest.mark.spread  # independent cases; each ISA is a build of its own
+
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
 
