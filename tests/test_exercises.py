@@ -119,7 +119,7 @@ def test_a_broken_exercise_is_named_in_one_line_and_breaks_nothing_else(tmp_path
     assert out.stdout.strip() == "0"
 
 
-def test_a_cpp_compile_error_is_its_first_line_and_breaks_nothing_else(tmp_path):
+def test_a_broken_cpp_exercise_is_named_in_one_line_and_breaks_nothing_else(tmp_path):
     (exercise,) = [e for e in EXERCISES if e.file.endswith(".cpp")]
     path = tmp_path / exercise.file
     stub = (STUBS / exercise.file).read_text()
@@ -130,6 +130,12 @@ def test_a_cpp_compile_error_is_its_first_line_and_breaks_nothing_else(tmp_path)
     assert re.fullmatch(
         rf"{shown} does not compile: {shown}:{line}:\d+: .*undeclared_check.*", problem
     ), problem
+    # A write far out of bounds kills the test process: named, not a traceback.
+    crash = "state.acc[first - (int64_t{1} << 40)] = q[0];  // "
+    path.write_text(stub.replace("TORCH_CHECK_NOT_IMPLEMENTED(", crash, 1))
+    assert run(exercise, tmp_path).problem == (
+        "the tests crashed (SIGSEGV): does your code read or write out of bounds?"
+    )
     # The exercise's next build starts from the stub again, and the package's kernel,
     # another build, still runs (in a process of its own, as a learner's next command).
     stub_says = f"not implemented yet (write attend_tile() in exercises/{exercise.file})"

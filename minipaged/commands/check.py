@@ -25,6 +25,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -226,6 +227,10 @@ def run(exercise: Exercise, exercises_dir: Path, verbose: bool = False) -> Resul
             )
         except subprocess.TimeoutExpired:
             problem = f"the tests did not finish in {TIMEOUT_S} s: is there an endless loop?"
+            return Result(exercise, problem=problem)
+        if done.returncode < 0:  # a signal: a C++ exercise's stray pointer kills the process
+            name = signal.Signals(-done.returncode).name
+            problem = f"the tests crashed ({name}): does your code read or write out of bounds?"
             return Result(exercise, problem=problem)
         if not report.exists():
             tail = (done.stdout or "")[-2000:] + (done.stderr or "")[-2000:]
