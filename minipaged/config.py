@@ -247,8 +247,10 @@ class SpeculativeConfig:
             latter from ``model``.
         num_speculative_tokens: ``k``, the guesses verified per sequence and step.
         model: the draft checkpoint, as `EngineConfig.model` names one.
-        prompt_lookup_max, prompt_lookup_min: the longest and shortest n-gram the
-            ``ngram`` method matches (vLLM: either defaults to the other, both to 5).
+        prompt_lookup_max: the longest n-gram the ``ngram`` method matches (vLLM:
+            ``prompt_lookup_min`` if unset, and 5 if both are).
+        prompt_lookup_min: the shortest (vLLM: ``prompt_lookup_max`` if unset, and 5
+            if both are).
     """
 
     method: str

@@ -7,6 +7,7 @@ import ast
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -25,6 +26,8 @@ def solved(exercise, into: Path) -> Path:
     """The exercise file with each stub's body replaced by the reference's source, and
     imports of the module globals that source uses: what a learner who copied the
     package's code would have written."""
+    if exercise.file.endswith(".cpp"):
+        return solved_cpp(exercise, into)
     source = (STUBS / exercise.file).read_text()
     lines = source.splitlines()
     imports = []
@@ -51,13 +54,39 @@ def solved(exercise, into: Path) -> Path:
     return path
 
 
+def cpp_definition(name: str, source: str) -> re.Match:
+    """The definition of C++ function ``name`` in ``source``: from its ``template``
+    line (if any) to the ``}`` that closes it, alone on its line."""
+    found = re.search(
+        rf"^(template <[^>]*>\n)?[^\n]*\b{name}\(.*?^}}\n", source, re.MULTILINE | re.DOTALL
+    )
+    assert found, f"no definition of {name}() in the source"
+    return found
+
+
+def solved_cpp(exercise, into: Path) -> Path:
+    """The C++ exercise with each stub's definition replaced by the reference's, from
+    the package's C++ file, and that file's includes."""
+    source = (STUBS / exercise.file).read_text()
+    includes = []
+    for name, target in exercise.replaces.items():
+        reference_source = (ROOT / target).read_text()
+        stub = cpp_definition(name, source)
+        code = cpp_definition(name, reference_source)[0]
+        source = source[: stub.start()] + code + source[stub.end() :]
+        includes += re.findall(r"^#include .*\n", reference_source, re.MULTILINE)
+    path = into / exercise.file
+    path.write_text("".join(includes) + source)
+    return path
+
+
 def lesson_text(number: str) -> str:
     (path,) = (ROOT / "lessons").glob(f"{number}_*.ipynb")
     cells = json.loads(path.read_text())["cells"]
     return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
 
 
-@pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.file.removesuffix(".py"))
+@pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: Path(e.file).stem)
 def test_stub_fails_every_test_and_the_reference_passes_them(exercise, tmp_path):
     stub = run(exercise, STUBS)
     assert stub.problem is None, stub.problem
@@ -90,6 +119,37 @@ def test_a_broken_exercise_is_named_in_one_line_and_breaks_nothing_else(tmp_path
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env
     )
     assert out.stdout.strip() == "0"
+
+
+def test_a_broken_cpp_exercise_is_named_in_one_line_and_breaks_nothing_else(tmp_path):
+    (exercise,) = [e for e in EXERCISES if e.file.endswith(".cpp")]
+    path = tmp_path / exercise.file
+    stub = (STUBS / exercise.file).read_text()
+    path.write_text(stub.replace("TORCH_CHECK_NOT_IMPLEMENTED(", "undeclared_check(", 1))
+    line = stub[: stub.index("TORCH_CHECK_NOT_IMPLEMENTED(")].count("\n") + 1
+    problem = run(exercise, tmp_path).problem
+    shown = re.escape(str(path))
+    assert re.fullmatch(
+        rf"{shown} does not compile: {shown}:{line}:\d+: .*undeclared_check.*", problem
+    ), problem
+    # A write far out of bounds kills the test process: named, not a traceback.
+    crash = "state.acc[first - (int64_t{1} << 40)] = q[0];  // "
+    path.write_text(stub.replace("TORCH_CHECK_NOT_IMPLEMENTED(", crash, 1))
+    assert run(exercise, tmp_path).problem == (
+        "the tests crashed (SIGSEGV): does your code read or write out of bounds?"
+    )
+    # The exercise's next build starts from the stub again, and the package's kernel,
+    # another build, still runs (in a process of its own, as a learner's next command).
+    stub_says = f"not implemented yet (write attend_tile() in exercises/{exercise.file})"
+    assert run(exercise, STUBS).failures[0].endswith(stub_says)
+    code = (
+        "import torch; from minipaged.ops import paged_attention_decode as d; "
+        "c = torch.ones(2, 4, 1, 8); t = torch.tensor([[1]], dtype=torch.int32); "
+        "print(d(torch.ones(1, 1, 8), c, 2 * c, t, torch.tensor([3]), 0.5, 'cpu').tolist())"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == str([[[2.0] * 8]]), out.stderr
 
 
 def test_the_command_prints_counts_and_the_first_failure(tmp_path):

@@ -52,6 +52,10 @@
 #include <type_traits>
 #include <vector>
 
+#ifdef MINIPAGED_ATTEND_TILE
+#include "attend_tile.h"
+#endif
+
 namespace {
 
 // -- W floats at a time ----------------------------------------------------------------
@@ -411,6 +415,45 @@ struct Attention {
   }
 };
 
+#ifdef MINIPAGED_ATTEND_TILE
+// Lesson 07's exercise build (attend_tile.h): `attend` done by attend_tile, one query
+// row at a time, each row folding the partition's positions it sees into its own
+// running softmax, then written as `attend` writes it (the output, or a partial).
+template <typename scalar_t, typename cache_t>
+void attend_rows(const Attention<scalar_t, cache_t>& a, const Task& task, const Tile& tile,
+                 std::vector<float>& buffer) {
+  if constexpr (!std::is_same_v<scalar_t, cache_t>) {
+    TORCH_CHECK(false, "attend_tile reads a cache of the query's dtype, not fp8 or int8");
+  } else {
+    const int64_t kv_head = task.kv_head, first = task.partition * kPartitionSize;
+    const int64_t last = std::min(first + kPartitionSize, tile.last_len());
+    const PagedKV<cache_t> kv{a.key_cache,  a.value_cache, a.tables + tile.seq * a.width,
+                              a.block_size, a.num_kv_heads, kv_head, a.head_dim};
+    buffer.resize(2 * a.head_dim);
+    float* q = buffer.data();
+    float* acc = q + a.head_dim;
+    for (int64_t i = 0; i < tile.rows; ++i)
+      for (int64_t g = 0; g < a.group; ++g) {
+        const scalar_t* src = a.query + a.at(tile, i, kv_head, g);
+        for (int64_t d = 0; d < a.head_dim; ++d) q[d] = static_cast<float>(src[d]);
+        std::fill(acc, acc + a.head_dim, 0.f);
+        RunningSoftmax state{-std::numeric_limits<float>::infinity(), 0.f, acc};
+        // Row i sees the positions before first_len + i: maybe none of this partition's.
+        attend_tile(q, kv, first, std::min(last, tile.first_len + i), a.scale, state);
+        if (tile.partitions == 1) {
+          scalar_t* o = a.out + a.at(tile, i, kv_head, g);
+          for (int64_t d = 0; d < a.head_dim; ++d) o[d] = static_cast<scalar_t>(acc[d] / state.sum);
+        } else {
+          float* p = a.partial(tile, i, kv_head, g, task.partition);
+          p[0] = state.max;
+          p[1] = state.sum;
+          std::copy(acc, acc + a.head_dim, p + kPartialHeader);
+        }
+      }
+  }
+}
+#endif
+
 template <typename scalar_t, typename cache_t>
 void run(const torch::Tensor& query, const torch::Tensor& key_cache,
          const torch::Tensor& value_cache, const Scales& k_scale, const Scales& v_scale,
@@ -435,7 +478,11 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache,
       partials.data()};
   parallel_tasks(plan.tasks.size(), [&](int64_t i, std::vector<float>& buffer) {
     const Task& task = plan.tasks[i];
+#ifdef MINIPAGED_ATTEND_TILE
+    attend_rows(attention, task, plan.tiles[task.tile], buffer);
+#else
     attention.attend(task, plan.tiles[task.tile], buffer);
+#endif
   });
   parallel_tasks(plan.split.size() * num_kv_heads, [&](int64_t i, std::vector<float>& buffer) {
     attention.reduce(plan.tiles[plan.split[i / num_kv_heads]], i % num_kv_heads, buffer);

@@ -11,8 +11,11 @@ exercise, so a broken exercise breaks neither ``minipaged`` nor another lesson.
 The swap happens once the tests are collected (`ExercisePlugin`): every module of the
 checkout (the package's and the tests') that holds the reference object gets the
 learner's instead, and a method is replaced on its class, so subclasses that inherit
-it use the learner's too.  This is the tiny-llm way of teaching (write the code, run
-the command, watch the counts go from 0 to all), over this engine's own test suite.
+it use the learner's too.  A C++ exercise (lesson 07's kernel loop) is compiled instead:
+the CPU kernel is built again, in a folder of its own, with the learner's file in place
+of the reference one, and a compile error is reported as its first line.  This is the
+tiny-llm way of teaching (write the code, run the command, watch the counts go from 0
+to all), over this engine's own test suite.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -47,8 +51,9 @@ class Exercise:
     """One stub file: the functions it defines, what each replaces, and its tests.
 
     ``replaces`` maps a function of the file to ``"module:qualname"`` of the reference
-    it stands in for (a method is ``Class.method``); ``tests`` are pytest arguments
-    (files, node ids, ``-k`` expressions) relative to the checkout."""
+    it stands in for (a method is ``Class.method``), or, for a C++ file, to the
+    package's C++ file that holds the reference; ``tests`` are pytest arguments (files,
+    node ids, ``-k`` expressions) relative to the checkout."""
 
     lesson: str
     file: str
@@ -135,6 +140,32 @@ EXERCISES = (
         {"attend_tile": "minipaged.ops.triton_kernels:_attend_tile"},
         ("tests/test_ops_triton.py", "-k", "decode_matches_oracle and bs16 and not Cuda"),
     ),
+    Exercise(
+        "07",
+        "cpu_attend_tile.cpp",
+        {"attend_tile": "kernels/cpu/attend_tile.cpp"},
+        (
+            "tests/test_ops_cpu.py",
+            "-k",
+            "(decode_matches_oracle or long_contexts) and not avx2 and not bfloat16",
+        ),
+    ),
+    Exercise(
+        "13",
+        "rejection_sampling.py",
+        {
+            "modified_rejection_sampling": (
+                "minipaged.spec_decode.rejection_sampler:_modified_rejection_sampling"
+            )
+        },
+        (
+            "tests/test_spec_rejection.py",
+            "tests/test_spec_decode.py",
+            "-k",
+            "follow_the_target or greedy_target or seeded_verification"
+            " or greedy_equals_hf_whatever",
+        ),
+    ),
 )
 
 
@@ -196,6 +227,10 @@ def run(exercise: Exercise, exercises_dir: Path, verbose: bool = False) -> Resul
             )
         except subprocess.TimeoutExpired:
             problem = f"the tests did not finish in {TIMEOUT_S} s: is there an endless loop?"
+            return Result(exercise, problem=problem)
+        if done.returncode < 0:  # a signal: a C++ exercise's stray pointer kills the process
+            name = signal.Signals(-done.returncode).name
+            problem = f"the tests crashed ({name}): does your code read or write out of bounds?"
             return Result(exercise, problem=problem)
         if not report.exists():
             tail = (done.stdout or "")[-2000:] + (done.stderr or "")[-2000:]
@@ -289,7 +324,10 @@ class _LoadError(Exception):
 
 def swap_in(path: Path, replaces: dict[str, str]) -> None:
     """Load the exercise at ``path`` and put its functions in place of the references,
-    in every module of the checkout that holds them."""
+    in every module of the checkout that holds them (a C++ exercise: `build_in`)."""
+    if path.suffix == ".cpp":
+        build_in(path)
+        return
     shown = _shown(path)
     spec = importlib.util.spec_from_file_location(f"exercise_{path.stem}", path)
     if spec is None:
@@ -307,6 +345,32 @@ def swap_in(path: Path, replaces: dict[str, str]) -> None:
         for other in list(sys.modules.values()):
             if _in_checkout(other) and getattr(other, attribute, None) is original:
                 setattr(other, attribute, getattr(module, name))
+
+
+def build_in(path: Path) -> None:
+    """A C++ exercise (lesson 07's CPU kernel): the kernel built with the learner's file in
+    place of its reference inner loop (`cpu_ops.build_with_attend_tile`), then used by
+    every call of the ``cpu`` backend in this process."""
+    from minipaged.ops import cpu_ops
+
+    shown = _shown(path)
+    if not path.is_file():
+        raise _LoadError(f"{shown} is not there")
+    try:
+        kernel = cpu_ops.build_with_attend_tile(path)
+    except (RuntimeError, OSError, ImportError) as error:  # compiler, linker, loader
+        raise _LoadError(f"{shown} does not compile: {first_error(str(error))}") from None
+    cpu_ops._kernel = lambda: kernel
+
+
+def first_error(output: str) -> str:
+    """The compiler's first error in ``output`` as ``file:line:column: message``; else
+    the output's last line (a linker's or loader's complaint)."""
+    for line in output.splitlines():
+        found = re.match(r"(\S+?):(\d+:\d+): (?:fatal )?error: (.*)", line)
+        if found:
+            return f"{_shown(Path(found[1]))}:{found[2]}: {found[3]}"
+    return output.strip().splitlines()[-1]
 
 
 def _in_checkout(module) -> bool:

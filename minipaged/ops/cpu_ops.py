@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -38,6 +39,9 @@ __all__ = [
 ]
 
 SOURCE = cuda_build.KERNELS_DIR / "cpu" / "paged_attention.cpp"
+# The kernel's inner loop as one scalar function (lesson 07's exercise), declared here
+# and defined in attend_tile.cpp or the learner's file (`build_with_attend_tile`).
+ATTEND_TILE_HEADER = SOURCE.parent / "attend_tile.h"
 # The instruction sets the kernel is built for, best first, with their compiler flags:
 # AVX-512's 16 floats an instruction, AVX2's 8 (both with fused multiply-adds and F16C's
 # half-precision conversions), or the compiler's default (one float at a time).
@@ -188,4 +192,34 @@ def build(name: str):
         [str(SOURCE)],
         build_directory=str(build_dir),
         extra_cflags=["-O3", *ISA_FLAGS[name]],
+    )
+
+
+def build_with_attend_tile(path: Path):
+    """The kernel with its inner loop done by ``attend_tile`` of the C++ file ``path``
+    (``kernels/cpu/attend_tile.cpp``, or lesson 07's ``exercises/cpu_attend_tile.cpp``),
+    one query row and one position at a time, in place of the vectorized passes.
+
+    Built with ``-DMINIPAGED_ATTEND_TILE`` (the only build that sets it) under a name
+    and folder of its own, so the package's build is never touched.  ``path`` is a
+    translation unit of its own, over c10's headers alone: after the first build, which
+    compiles the kernel, a changed ``path`` alone is compiled again, in seconds.  Raises
+    ``RuntimeError`` with the compiler's output if it does not build."""
+    from torch.utils import cpp_extension
+
+    name = f"minipaged_cpu_attend_tile_{isa()}"
+    build_dir = cuda_build.cached_build_dir(name, [SOURCE, ATTEND_TILE_HEADER])
+    unit = build_dir / "attend_tile_instances.cpp"
+    # The learner's file, then its function for each cache dtype the kernel reads.
+    dtypes = ("float", "double", "c10::Half", "c10::BFloat16")
+    lines = [f'#include "{path.resolve()}"', *(f"ATTEND_TILE_INSTANCE({t})" for t in dtypes)]
+    code = "\n".join(lines) + "\n"
+    if not unit.exists() or unit.read_text() != code:  # unchanged: ninja keeps the .o
+        unit.write_text(code)
+    return cpp_extension.load(
+        name,
+        [str(SOURCE), str(unit)],
+        build_directory=str(build_dir),
+        extra_cflags=["-O3", "-DMINIPAGED_ATTEND_TILE", *ISA_FLAGS[isa()]],
+        extra_include_paths=[str(SOURCE.parent)],
     )

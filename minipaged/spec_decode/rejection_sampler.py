@@ -57,6 +57,19 @@ def rejection_sample(
             f"draft_probs must be [k, vocab] = [{k}, {target_probs.shape[1]}], "
             f"got {tuple(draft_probs.shape)}"
         )
+    return _modified_rejection_sampling(target_probs, draft_token_ids, draft_probs, generator)
+
+
+def _modified_rejection_sampling(
+    target_probs: torch.Tensor,
+    draft_token_ids: list[int],
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> list[int]:
+    """The rule of the module's docstring on well-formed arguments (`rejection_sample`'s):
+    vLLM's ``RejectionSampler._batch_modified_rejection_sampling``, one sequence at a
+    time.  An outcome that is certain draws no random number."""
+    k = len(draft_token_ids)
     accepted: list[int] = []
     for i, x in enumerate(draft_token_ids):
         p = target_probs[i]
