@@ -26,6 +26,7 @@ from attention_cases import (
     NUM_HEADS,
     PREFILL_CASES,
     AttentionSuite,
+    Case,
     make_paged_kv,
 )
 from minipaged.models.resolve import resolve_backend
@@ -107,6 +108,25 @@ def test_prefill_long_contexts_and_bf16(case, isa):
     out = paged_attention_prefill(*args, case.scale, "cpu")
     expected = prefill_oracle(query.double(), starts, *exact(kv), case.scale)
     assert_matches(out, expected)
+
+
+@pytest.mark.parametrize("head_dim", [32, 72, 100])
+def test_head_sizes_other_than_64_and_128(head_dim, isa):
+    # Their loops are counted at run time, and 72 and 100 are no multiple of the vector
+    # width (a scalar tail on each dot product); a long context, and a prefill's causal
+    # tiles, in bf16 and fp32.
+    for dtype in (torch.float32, BF16):
+        case = Case((1, 37, 300), block_size=16, num_kv_heads=4, head_dim=head_dim, dtype=dtype)
+        g = torch.Generator().manual_seed(0)
+        kv = make_paged_kv(case, g, "cpu")
+        query = torch.randn(3, NUM_HEADS, head_dim, generator=g).to(dtype)
+        cache = (kv.key_cache, kv.value_cache, kv.block_tables)
+        out = paged_attention_decode(query, *cache, kv.context_lens, case.scale, "cpu")
+        assert_matches(out, decode_oracle(query.double(), *exact(kv), case.scale))
+        query = torch.randn(61, NUM_HEADS, head_dim, generator=g).to(dtype)
+        starts = torch.tensor([0, 1, 21, 61], dtype=torch.int32)
+        out = paged_attention_prefill(query, *cache, starts, kv.context_lens, case.scale, "cpu")
+        assert_matches(out, prefill_oracle(query.double(), starts, *exact(kv), case.scale))
 
 
 @pytest.fixture

@@ -9,23 +9,28 @@
 // One function serves decode and prefill: sequence b's query rows are
 // query_start_loc[b] .. query_start_loc[b+1], its last positions, and row j of them sees
 // seq_lens[b] - n_new + j + 1 positions (decode: one row, the whole context).  The work
-// is split three ways (`Tile`, `plan`):
-// - by KV head: the GQA group's query heads share each key and value read;
+// is split two ways into tasks (`Tile`, `plan`), and a task takes the KV heads in turn:
 // - by tiles of up to kTileRows consecutive query rows of one sequence (prefill,
 //   chunked prefill, speculative verification): each key and value is read once per
 //   tile, not once per row;
-// - by partitions of kPartitionSize positions (vLLM's paged_attention_v2): one long
-//   sequence keeps every core busy, each partition's softmax is kept as (max, sum,
-//   weighted values) and `reduce` merges them.
+// - by partitions of kPartitionSize positions (vLLM's paged_attention_v2), smaller when
+//   the batch has too few tasks for the cores: one long sequence keeps every core busy,
+//   each partition's softmax is kept as (max, sum, weighted values) and `reduce` merges
+//   them.
 // The split depends on the shapes only, and every output is summed by one thread in a
 // fixed order, so the result does not depend on the number of threads.
 //
-// Each key or value row is widened to float32 once (`widen`) and every query of the
-// tile uses it; all arithmetic is float32 (fp32 accumulation for bf16 and fp16 caches,
-// read natively).  A quantized cache (fp8 or int8, minipaged/ops/kv_quant.py) stores a
+// Inside a task, for one KV head (`Attention::attend`), the positions go W at a time (a
+// vector's width): `dots` gives the scores of W positions for one query as one vector
+// (a multiply-add per W elements of each key, the W sums reduced together), the
+// softmax's exponentials are W at a time (`exp_nonpositive`), and `weighted_sum` adds
+// the weighted value rows into sums held in registers.  The GQA group's query heads,
+// and the tile's rows, share each key and value read.  Keys and values are read in the
+// cache's dtype straight into the arithmetic, all float32 (fp32 accumulation for bf16
+// and fp16 caches).  A quantized cache (fp8 or int8, minipaged/ops/kv_quant.py) stores a
 // byte per element that means byte * scale, the scale one float per (slot, KV head):
 // the byte is widened with a few vector instructions (fp8 through fp16's bit layout),
-// and the scale multiplies a whole dot product or value row at once.  The vector width
+// a key's scale multiplies its score and a value's scale its weight.  The vector width
 // is the build's: AVX-512 (16 floats) or AVX2 (8), chosen by minipaged/ops/cpu_ops.py
 // from the CPU's flags, or one float at a time elsewhere.
 //
@@ -81,6 +86,32 @@ inline fvec fmadd(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
 inline fvec add(fvec a, fvec b) { return _mm512_add_ps(a, b); }
 inline fvec mul(fvec a, fvec b) { return _mm512_mul_ps(a, b); }
 inline float hsum(fvec a) { return _mm512_reduce_add_ps(a); }
+inline fvec max(fvec a, fvec b) { return _mm512_max_ps(a, b); }
+inline float hmax(fvec a) { return _mm512_reduce_max_ps(a); }
+inline fvec round_nearest(fvec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline fvec times_pow2(fvec a, fvec n) { return _mm512_scalef_ps(a, n); }
+inline fvec zero_below(fvec a, fvec x, fvec low) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, low, _CMP_GE_OQ), a); }
+// Lanes [0, n) of a, the others `fill`.
+inline fvec first_lanes(fvec a, int64_t n, float fill) {
+  const __mmask16 keep = n >= W ? 0xFFFF : (1u << n) - 1;
+  return _mm512_mask_blend_ps(keep, splat(fill), a);
+}
+// Lane j: the sum of a[j]'s lanes.  Pairs of vectors are interleaved and added, halving
+// the lanes each holds per vector: 15 steps of two shuffles and an add, where 16
+// separate horizontal sums take 4 dependent steps each.
+inline fvec transpose_sum(const fvec* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // per 128 bits: a[2i]'s, a[2i+1]'s, a[2i]'s, a[2i+1]'s pair sums
+    b[i] = add(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128 bits: the sums of a[4i], ..., a[4i+3] over it
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = add(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // the 128-bit quarters of two vectors, added in pairs
+    d[i] = add(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+               _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  return add(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
 inline void store(float* p, fvec a) { _mm512_storeu_ps(p, a); }
 inline fvec load_floats(const float* p) { return _mm512_loadu_ps(p); }
 inline fvec load_floats(const double* p) {  // float64 (a test's dtype): one at a time
@@ -115,6 +146,34 @@ inline float hsum(fvec a) {
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
+inline fvec max(fvec a, fvec b) { return _mm256_max_ps(a, b); }
+inline float hmax(fvec a) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+inline fvec round_nearest(fvec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline fvec times_pow2(fvec a, fvec n) {  // n in [-126, 0]: added to a's exponent bits
+  const __m256i bits = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(a), bits));
+}
+inline fvec zero_below(fvec a, fvec x, fvec low) { return _mm256_and_ps(_mm256_cmp_ps(x, low, _CMP_GE_OQ), a); }
+inline fvec first_lanes(fvec a, int64_t n, float fill) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, W))), lane));
+  return _mm256_blendv_ps(splat(fill), a, keep);
+}
+// Lane j: the sum of a[j]'s lanes, as AVX-512's (7 steps of two shuffles and an add).
+inline fvec transpose_sum(const fvec* a) {
+  __m256 b[4], c[2];
+  for (int i = 0; i < 4; ++i)
+    b[i] = add(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 2; ++i) {
+    const __m256d x = _mm256_castps_pd(b[2 * i]), y = _mm256_castps_pd(b[2 * i + 1]);
+    c[i] = add(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  }
+  return add(_mm256_permute2f128_ps(c[0], c[1], 0x20), _mm256_permute2f128_ps(c[0], c[1], 0x31));
+}
 inline void store(float* p, fvec a) { _mm256_storeu_ps(p, a); }
 inline fvec load_floats(const float* p) { return _mm256_loadu_ps(p); }
 inline fvec load_floats(const double* p) {  // float64 (a test's dtype): one at a time
@@ -141,74 +200,153 @@ using fvec = float;
 inline fvec splat(float x) { return x; }
 inline fvec fmadd(fvec a, fvec b, fvec c) { return a * b + c; }
 inline fvec add(fvec a, fvec b) { return a + b; }
+inline fvec mul(fvec a, fvec b) { return a * b; }
 inline float hsum(fvec a) { return a; }
+inline fvec max(fvec a, fvec b) { return std::max(a, b); }
+inline float hmax(fvec a) { return a; }
+inline fvec round_nearest(fvec a) { return std::nearbyint(a); }
+inline fvec times_pow2(fvec a, fvec n) { return std::ldexp(a, static_cast<int>(n)); }
+inline fvec zero_below(fvec a, fvec x, fvec low) { return x >= low ? a : 0.f; }
+inline fvec first_lanes(fvec a, int64_t n, float fill) { return n >= 1 ? a : fill; }
+inline fvec transpose_sum(const fvec* a) { return a[0]; }
 inline void store(float* p, fvec a) { *p = a; }
 template <typename T>
 inline fvec load_floats(const T* p) { return static_cast<float>(*p); }
 #endif
 
-// A key or value row of `n` elements as float32: the cache itself when it holds floats,
-// else `buffer`, filled once for all the queries that read the row.
+// The query row as float32, copied into `q` once per task.
 template <typename T>
-const float* widen_any(const T* x, int64_t n, float* buffer) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else {
-    int64_t d = 0;
-    for (; d + W <= n; d += W) store(buffer + d, load_floats(x + d));
-    for (; d < n; ++d) buffer[d] = static_cast<float>(x[d]);  // c10's exact conversion
-    return buffer;
-  }
-}
-
-// The common head sizes as constants, unrolled (as `dot` below).
-template <typename T>
-const float* widen(const T* x, int64_t n, float* buffer) {
-  if (n == 64) return widen_any(x, 64, buffer);
-  if (n == 128) return widen_any(x, 128, buffer);
-  return widen_any(x, n, buffer);
-}
-
-// Two partial sums in flight: an FMA's latency is longer than its issue interval.
-inline float dot_any(const float* a, const float* b, int64_t n) {
-  fvec s0 = splat(0.f), s1 = splat(0.f);
+void widen(const T* x, int64_t n, float* q) {
   int64_t d = 0;
-  for (; d + 2 * W <= n; d += 2 * W) {
-    s0 = fmadd(load_floats(a + d), load_floats(b + d), s0);
-    s1 = fmadd(load_floats(a + d + W), load_floats(b + d + W), s1);
-  }
-  for (; d + W <= n; d += W) s0 = fmadd(load_floats(a + d), load_floats(b + d), s0);
-  float sum = hsum(add(s0, s1));
-  for (; d < n; ++d) sum += a[d] * b[d];
-  return sum;
+  for (; d + W <= n; d += W) store(q + d, load_floats(x + d));
+  for (; d < n; ++d) q[d] = static_cast<float>(x[d]);  // c10's exact conversion
 }
 
-inline void axpy_any(float w, const float* x, float* y, int64_t n) {
+inline void axpy(float w, const float* x, float* y, int64_t n) {
   const fvec ws = splat(w);
   int64_t d = 0;
   for (; d + W <= n; d += W) store(y + d, fmadd(ws, load_floats(x + d), load_floats(y + d)));
   for (; d < n; ++d) y[d] += w * x[d];
 }
 
-// The common head sizes get loops of a constant length, which the compiler unrolls
-// completely: in these innermost loops, the loop's own counting cost a fifth of the time.
-inline float dot(const float* a, const float* b, int64_t n) {
-  if (n == 64) return dot_any(a, b, 64);
-  if (n == 128) return dot_any(a, b, 128);
-  return dot_any(a, b, n);
+// e^x for x <= 0 (a score minus its row's largest), W at once, within float32's
+// rounding: x = n ln2 + r with |r| <= ln2 / 2, e^r by the degree-6 polynomial of Cephes'
+// expf, times 2^n.  Below -87.33 (e^x under float32's smallest normal) it is 0, exactly:
+// a masked score (-inf) weighs nothing.
+inline fvec exp_nonpositive(fvec x) {
+  const fvec low = splat(-87.33654f);
+  const fvec clamped = max(x, low);
+  const fvec n = round_nearest(mul(clamped, splat(1.44269504f)));
+  fvec r = fmadd(n, splat(-0.693359375f), clamped);  // ln2 in two parts, exact products
+  r = fmadd(n, splat(2.12194440e-4f), r);
+  fvec p = splat(1.9875691500e-4f);
+  p = fmadd(p, r, splat(1.3981999507e-3f));
+  p = fmadd(p, r, splat(8.3334519073e-3f));
+  p = fmadd(p, r, splat(4.1665795894e-2f));
+  p = fmadd(p, r, splat(1.6666665459e-1f));
+  p = fmadd(p, r, splat(5.0000001201e-1f));
+  p = fmadd(mul(p, r), r, add(r, splat(1.f)));
+  return zero_below(times_pow2(p, n), x, low);
 }
 
-inline void axpy(float w, const float* x, float* y, int64_t n) {
-  if (n == 64) return axpy_any(w, x, y, 64);
-  if (n == 128) return axpy_any(w, x, y, 128);
-  axpy_any(w, x, y, n);
+// -- scores and weighted values, W positions at a time ----------------------------------
+
+// The head sizes the inner loops are compiled for (0: any other, counted at run time):
+// loops of a constant length unroll completely, and a query's sums stay in registers.
+template <typename F>
+void with_head_dim(int64_t head_dim, F f) {
+  if (head_dim == 64) return f(std::integral_constant<int64_t, 64>{});
+  if (head_dim == 128) return f(std::integral_constant<int64_t, 128>{});
+  f(std::integral_constant<int64_t, 0>{});
+}
+
+// Lane j: query q's dot product with the key at cache + rows[j], for W keys.  Each key
+// has its own accumulator (no chain of dependent adds), and the W sums are reduced
+// together at the end (`transpose_sum`) instead of one horizontal sum per key.  A key is
+// read in its cache's dtype straight into the multiply-add.
+template <int64_t D, typename cache_t>
+inline fvec dots(const float* q, const cache_t* cache, const int64_t* rows, int64_t head_dim) {
+  const int64_t dim = D ? D : head_dim;
+  fvec acc[W];
+  for (int64_t j = 0; j < W; ++j) acc[j] = splat(0.f);
+  int64_t d = 0;
+  for (; d + W <= dim; d += W) {
+    const fvec qd = load_floats(q + d);
+    for (int64_t j = 0; j < W; ++j) acc[j] = fmadd(qd, load_floats(cache + rows[j] + d), acc[j]);
+  }
+  fvec sums = transpose_sum(acc);
+  if (d < dim) {  // a head size that is not a multiple of W
+    float tail[W];
+    for (int64_t j = 0; j < W; ++j) {
+      tail[j] = 0.f;
+      for (int64_t e = d; e < dim; ++e) tail[j] += q[e] * static_cast<float>(cache[rows[j] + e]);
+    }
+    sums = add(sums, load_floats(static_cast<const float*>(tail)));
+  }
+  return sums;
+}
+
+// Asks for a key or value row ahead of its use: the next block is anywhere in the pool,
+// where the CPU's own prefetcher cannot guess it.
+template <typename cache_t>
+inline void prefetch(const cache_t* row, int64_t head_dim) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < head_dim * static_cast<int64_t>(sizeof(cache_t)); b += 64)
+    __builtin_prefetch(bytes + b);
+}
+
+// How many query rows' value sums fit in registers at once (16 vectors of W floats).
+template <int64_t D>
+constexpr int64_t kRowsInRegisters = D ? std::max<int64_t>(1, 16 * W / D) : 1;
+
+// out[r] = sum over p < count of w[r * stride + p] * value(p), for R query rows: the
+// R × D sums stay in registers while each value row is read once, in its dtype.
+template <int64_t D, int64_t R, typename cache_t>
+void weighted_sum(const float* w, int64_t stride, const cache_t* cache, const int64_t* rows,
+                  int64_t count, float* out) {
+  constexpr int64_t V = D / W;
+  fvec acc[R][V];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t k = 0; k < V; ++k) acc[r][k] = splat(0.f);
+  for (int64_t p = 0; p < count; ++p) {
+    if (p + W < count) prefetch(cache + rows[p + W], D);
+    fvec weight[R];
+    for (int64_t r = 0; r < R; ++r) weight[r] = splat(w[r * stride + p]);
+    const cache_t* x = cache + rows[p];
+    for (int64_t k = 0; k < V; ++k) {
+      const fvec xk = load_floats(x + k * W);
+      for (int64_t r = 0; r < R; ++r) acc[r][k] = fmadd(weight[r], xk, acc[r][k]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t k = 0; k < V; ++k) store(out + r * D + k * W, acc[r][k]);
+}
+
+// The same for `n` <= R rows (R is a constant, so n picks one of R loops), or for a head
+// size of no constant (D = 0), row by row through memory.
+template <int64_t D, int64_t R, typename cache_t>
+void weighted_sums(int64_t n, const float* w, int64_t stride, const cache_t* cache,
+                   const int64_t* rows, int64_t count, int64_t head_dim, float* out) {
+  if constexpr (D == 0) {
+    std::vector<float> x(head_dim);
+    std::fill(out, out + n * head_dim, 0.f);
+    for (int64_t p = 0; p < count; ++p) {
+      widen(cache + rows[p], head_dim, x.data());
+      for (int64_t r = 0; r < n; ++r) axpy(w[r * stride + p], x.data(), out + r * head_dim, head_dim);
+    }
+  } else if constexpr (R > 1) {
+    if (n < R) return weighted_sums<D, R - 1>(n, w, stride, cache, rows, count, head_dim, out);
+    weighted_sum<D, R>(w, stride, cache, rows, count, out);
+  } else {
+    weighted_sum<D, 1>(w, stride, cache, rows, count, out);
+  }
 }
 
 // -- the cache's layout ----------------------------------------------------------------
 
 // A cache's dequantization scales, scale[block, slot, kv_head] = data[block *
 // block_stride + slot * slot_stride + kv_head * head_stride]; strides 0 for one scale
-// per layer (fp8), and for a cache that is not quantized, whose scale is 1.
+// per layer (fp8); none (nullptr) for a cache that is not quantized.
 struct Scales {
   const float* data;
   int64_t block_stride, slot_stride, head_stride;
@@ -217,34 +355,21 @@ struct Scales {
   }
 };
 
-const float kOne = 1.f;
-
 Scales scales_of(const c10::optional<torch::Tensor>& scale) {
-  if (!scale) return {&kOne, 0, 0, 0};
+  if (!scale) return {nullptr, 0, 0, 0};
   TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->dim() == 3,
               "the CPU kernel reads scales as float32 [num_blocks, block_size, num_kv_heads]");
   return {scale->data_ptr<float>(), scale->stride(0), scale->stride(1), scale->stride(2)};
-}
-
-// Positions [first, last) of a sequence, in order: f(pos, offset of the position's
-// row for `kv_head` in the cache, physical block).  Position pos is in physical block
-// table[pos / block_size] at slot pos % block_size (§4.1); walking whole blocks spares
-// a division per position.
-template <typename F>
-void for_each_position(const int32_t* table, int64_t first, int64_t last, int64_t kv_head,
-                       int64_t num_kv_heads, int64_t block_size, int64_t head_dim, F f) {
-  for (int64_t pos = first; pos < last;) {
-    const int64_t block = table[pos / block_size];
-    const int64_t end = std::min(last, (pos / block_size + 1) * block_size);
-    int64_t row = (block * block_size + pos % block_size) * num_kv_heads + kv_head;
-    for (; pos < end; ++pos, row += num_kv_heads) f(pos, row * head_dim, block);
-  }
 }
 
 // -- the split of the work -------------------------------------------------------------
 
 constexpr int64_t kTileRows = 16;        // query rows that share a pass over the keys
 constexpr int64_t kPartitionSize = 256;  // positions per task; its scores stay in L1
+// Fewer tasks than this (a batch of one or two sequences) leave cores idle: the
+// partitions are halved, down to kMinPartitionSize positions, until there are as many.
+constexpr int64_t kMinTasks = 8;
+constexpr int64_t kMinPartitionSize = 64;
 
 // Query rows row .. row + rows - 1, of sequence seq; row i sees first_len + i positions.
 // With more than one partition, its partial softmaxes start at `partial` in the
@@ -255,7 +380,7 @@ struct Tile {
 };
 
 struct Task {
-  int64_t tile, partition, kv_head;
+  int64_t tile, partition;
 };
 
 // One partition's softmax for one query head: its largest score, the sum of exp(score
@@ -263,43 +388,60 @@ struct Task {
 constexpr int64_t kPartialHeader = 2;
 
 struct Plan {
+  int64_t partition_size = kPartitionSize;
   std::vector<Tile> tiles;
   std::vector<Task> tasks;
   std::vector<int64_t> split;  // the tiles with more than one partition
   int64_t num_partials = 0;
 };
 
-Plan plan(const int32_t* starts, const int32_t* seq_lens, int64_t num_seqs, int64_t num_kv_heads,
-          int64_t num_heads) {
+// The tiles and tasks for partitions of `size` positions.
+Plan plan(const int32_t* starts, const int32_t* seq_lens, int64_t num_seqs, int64_t num_heads,
+          int64_t size) {
   Plan p;
+  p.partition_size = size;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t begin = starts ? starts[seq] : seq, end = starts ? starts[seq + 1] : seq + 1;
     const int64_t first_len = seq_lens[seq] - (end - begin) + 1;
     for (int64_t row = begin; row < end; row += kTileRows) {
       const int64_t rows = std::min(kTileRows, end - row);
       Tile tile{seq, row, rows, first_len + row - begin, 0, p.num_partials};
-      tile.partitions = (tile.last_len() + kPartitionSize - 1) / kPartitionSize;
+      tile.partitions = (tile.last_len() + size - 1) / size;
       if (tile.partitions > 1) {
         p.split.push_back(p.tiles.size());
         p.num_partials += rows * num_heads * tile.partitions;
       }
       for (int64_t part = 0; part < tile.partitions; ++part)
-        for (int64_t h = 0; h < num_kv_heads; ++h)
-          p.tasks.push_back({static_cast<int64_t>(p.tiles.size()), part, h});
+        p.tasks.push_back({static_cast<int64_t>(p.tiles.size()), part});
       p.tiles.push_back(tile);
     }
   }
   return p;
 }
 
+// kPartitionSize, or smaller for a batch too small to give every core work.
+Plan plan(const int32_t* starts, const int32_t* seq_lens, int64_t num_seqs, int64_t num_heads) {
+  Plan p = plan(starts, seq_lens, num_seqs, num_heads, kPartitionSize);
+  while (static_cast<int64_t>(p.tasks.size()) < kMinTasks && p.partition_size > kMinPartitionSize)
+    p = plan(starts, seq_lens, num_seqs, num_heads, p.partition_size / 2);
+  return p;
+}
+
+// A thread's working memory, reused by its tasks.
+struct Scratch {
+  std::vector<float> floats;
+  std::vector<int64_t> rows;
+};
+
 // Run f(i) for i in [0, n) on torch's threads, each taking the next i as it finishes
 // (tiles of a causal prefill differ in cost); which thread runs i changes nothing.
 template <typename F>
 void parallel_tasks(int64_t n, F f) {
+  if (n == 0) return;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> buffer;  // reused by this thread's tasks
-    for (int64_t i; (i = next.fetch_add(1)) < n;) f(i, buffer);
+    Scratch scratch;
+    for (int64_t i; (i = next.fetch_add(1)) < n;) f(i, scratch);
   });
 }
 
@@ -327,52 +469,106 @@ struct Attention {
     return partials + (tile.partial + slot) * (kPartialHeader + head_dim);
   }
 
-  // One task: the tile's rows × the group's heads against one partition of positions:
-  // scores, softmax, weighted sum of values; the output, or a partial for `reduce`.
-  void attend(const Task& task, const Tile& tile, std::vector<float>& buffer) const {
-    const int64_t n = tile.rows * group, kv_head = task.kv_head;
-    const int64_t first = task.partition * kPartitionSize;
-    const int64_t last = std::min(first + kPartitionSize, tile.last_len()), len = last - first;
-    buffer.resize(n * (2 * head_dim + len + 2) + head_dim);
-    float* q = buffer.data();        // [n, head_dim], widened
-    float* acc = q + n * head_dim;   // [n, head_dim]
-    float* scores = acc + n * head_dim;  // [n, len]
-    float* max = scores + n * len;   // [n]
-    float* total = max + n;          // [n]
-    float* row = total + n;          // [head_dim]: the key or value row being read
-    std::fill(acc, acc + n * head_dim, 0.f);
-    std::fill(scores, scores + n * len, -std::numeric_limits<float>::infinity());
-    for (int64_t i = 0; i < tile.rows; ++i)
-      for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* src = query + at(tile, i, kv_head, g);
-        float* dst = q + (i * group + g) * head_dim;
-        const float* wide = widen(src, head_dim, dst);
-        if (wide != dst) std::copy(wide, wide + head_dim, dst);
+  // Where positions [first, first + len) of the sequence lie in the cache, for kv_head:
+  // rows[p], the offset of position first + p's row.  Position pos is in physical block
+  // table[pos / block_size] at slot pos % block_size (§4.1); walking whole blocks spares
+  // a division per position.  The rows up to `padded` repeat the last one, so a vector of
+  // W positions never reads a slot past the sequence (NaN for all we know); their lanes
+  // are masked.  A quantized cache's scales are looked up on the same walk.
+  void locate(const int32_t* table, int64_t first, int64_t len, int64_t padded, int64_t kv_head,
+              int64_t* rows, float* k_scales, float* v_scales) const {
+    for (int64_t p = 0; p < len;) {
+      const int64_t pos = first + p, block = table[pos / block_size];
+      const int64_t slot = pos % block_size, end = std::min(len, p + block_size - slot);
+      int64_t row = ((block * block_size + slot) * num_kv_heads + kv_head) * head_dim;
+      for (int64_t s = slot; p < end; ++p, ++s, row += num_kv_heads * head_dim) {
+        rows[p] = row;
+        if (k_scale.data) {
+          k_scales[p] = scale * k_scale.at(block, s, kv_head);
+          v_scales[p] = v_scale.at(block, s, kv_head);
+        }
       }
-    const int32_t* table = tables + tile.seq * width;
-    // Row i sees position pos when pos < first_len + i: the rows from `visible` on.
-    auto visible = [&](int64_t pos) { return std::max<int64_t>(0, pos - tile.first_len + 1); };
-    for_each_position(table, first, last, kv_head, num_kv_heads, block_size, head_dim,
-                      [&](int64_t pos, int64_t offset, int64_t block) {
-                        const float* k = widen(key_cache + offset, head_dim, row);
-                        const float s = scale * k_scale.at(block, pos % block_size, kv_head);
-                        for (int64_t v = visible(pos) * group; v < n; ++v)
-                          scores[v * len + pos - first] = s * dot(q + v * head_dim, k, head_dim);
-                      });
-    for (int64_t v = 0; v < n; ++v) {
-      float* s = scores + v * len;
-      max[v] = *std::max_element(s, s + len);
-      total[v] = 0.f;
-      if (max[v] == -std::numeric_limits<float>::infinity()) continue;  // sees none of them
-      for (int64_t p = 0; p < len; ++p) total[v] += (s[p] = std::exp(s[p] - max[v]));
     }
-    for_each_position(table, first, last, kv_head, num_kv_heads, block_size, head_dim,
-                      [&](int64_t pos, int64_t offset, int64_t block) {
-                        const float* x = widen(value_cache + offset, head_dim, row);
-                        const float s = v_scale.at(block, pos % block_size, kv_head);
-                        for (int64_t v = visible(pos) * group; v < n; ++v)
-                          axpy(s * scores[v * len + pos - first], x, acc + v * head_dim, head_dim);
-                      });
+    std::fill(rows + len, rows + padded, rows[len - 1]);
+    if (k_scale.data) {
+      std::fill(k_scales + len, k_scales + padded, 0.f);
+      std::fill(v_scales + len, v_scales + padded, 0.f);
+    }
+  }
+
+  // One task: the tile's rows against one partition of positions, one KV head after
+  // another.  The heads of a slot lie side by side in the cache, in the same pages and
+  // often the same lines, which the CPU fetches for all of them at once: the same core
+  // reads them while they are in its caches.
+  void attend(const Task& task, const Tile& tile, int64_t partition_size, Scratch& scratch) const {
+    with_head_dim(head_dim, [&](auto D) {
+      for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
+        attend<D>(task.partition, partition_size, kv_head, tile, scratch);
+    });
+  }
+
+  // The tile's rows × the GQA group's heads of kv_head against one partition: scores,
+  // softmax, weighted sum of values; the output, or a partial for `reduce`.
+  template <int64_t D>
+  void attend(int64_t partition, int64_t partition_size, int64_t kv_head, const Tile& tile,
+              Scratch& scratch) const {
+    const float inf = std::numeric_limits<float>::infinity();
+    const int64_t n = tile.rows * group;
+    const int64_t first = partition * partition_size;
+    const int64_t last = std::min(first + partition_size, tile.last_len()), len = last - first;
+    const int64_t padded = (len + W - 1) / W * W;
+    scratch.floats.resize(2 * n * head_dim + n * padded + 2 * padded + 2 * n);
+    scratch.rows.resize(padded);
+    float* q = scratch.floats.data();    // [n, head_dim], widened
+    float* acc = q + n * head_dim;       // [n, head_dim]
+    float* scores = acc + n * head_dim;  // [n, padded], then the weights
+    float* k_scales = scores + n * padded;  // [padded]: scale * each key's scale
+    float* v_scales = k_scales + padded;    // [padded]
+    float* max = v_scales + padded;         // [n]
+    float* total = max + n;                 // [n]
+    int64_t* rows = scratch.rows.data();
+    for (int64_t i = 0; i < tile.rows; ++i)
+      for (int64_t g = 0; g < group; ++g)
+        widen(query + at(tile, i, kv_head, g), head_dim, q + (i * group + g) * head_dim);
+    locate(tables + tile.seq * width, first, len, padded, kv_head, rows, k_scales, v_scales);
+    // Row v (query row v / group) sees the positions before first_len + v / group.
+    auto seen = [&](int64_t v) { return std::min(last, tile.first_len + v / group) - first; };
+    // Scores, W positions at a time; the keys of those positions stay in L1 for every
+    // query of the tile.
+    for (int64_t c = 0; c < padded; c += W) {
+      for (int64_t j = c + W; j < std::min(c + 2 * W, padded); ++j) prefetch(key_cache + rows[j], head_dim);
+      const fvec key_scale = k_scale.data ? load_floats(k_scales + c) : splat(scale);
+      for (int64_t v = 0; v < n; ++v) {
+        fvec s = splat(-inf);
+        if (c < seen(v))
+          s = first_lanes(mul(key_scale, dots<D>(q + v * head_dim, key_cache, rows + c, head_dim)),
+                          seen(v) - c, -inf);
+        store(scores + v * padded + c, s);
+      }
+    }
+    // Softmax numerators and their sums, in a fixed order.
+    for (int64_t v = 0; v < n; ++v) {
+      float* s = scores + v * padded;
+      fvec m = splat(-inf);
+      for (int64_t c = 0; c < padded; c += W) m = ::max(m, load_floats(s + c));
+      max[v] = hmax(m);
+      fvec sum = splat(0.f);
+      for (int64_t c = 0; c < padded; c += W) {
+        const fvec e = max[v] == -inf ? splat(0.f)  // a row that sees none of them
+                                      : exp_nonpositive(add(load_floats(s + c), splat(-max[v])));
+        sum = add(sum, e);
+        store(s + c, v_scale.data ? mul(e, load_floats(v_scales + c)) : e);
+      }
+      total[v] = hsum(sum);
+    }
+    // The weighted values, kRowsInRegisters query rows at a time; the last of them sees
+    // the most positions, and the others' weights there are 0.
+    constexpr int64_t R = kRowsInRegisters<D>;
+    for (int64_t v = 0; v < n; v += R) {
+      const int64_t r = std::min(R, n - v), count = std::max<int64_t>(0, seen(v + r - 1));
+      weighted_sums<D, R>(r, scores + v * padded, padded, value_cache, rows, count, head_dim,
+                          acc + v * head_dim);
+    }
     for (int64_t i = 0; i < tile.rows; ++i)
       for (int64_t g = 0; g < group; ++g) {
         const int64_t v = i * group + g;
@@ -381,7 +577,7 @@ struct Attention {
           for (int64_t d = 0; d < head_dim; ++d)
             o[d] = static_cast<scalar_t>(acc[v * head_dim + d] / total[v]);
         } else {
-          float* p = partial(tile, i, kv_head, g, task.partition);
+          float* p = partial(tile, i, kv_head, g, partition);
           p[0] = max[v];
           p[1] = total[v];
           std::copy(acc + v * head_dim, acc + (v + 1) * head_dim, p + kPartialHeader);
@@ -391,9 +587,9 @@ struct Attention {
 
   // Merge a split tile's partitions for one KV head (paged_attention_v2's reduce): each
   // partition's sum and values rescaled from its own max to the largest.
-  void reduce(const Tile& tile, int64_t kv_head, std::vector<float>& buffer) const {
-    buffer.resize(head_dim);
-    float* acc = buffer.data();
+  void reduce(const Tile& tile, int64_t kv_head, Scratch& scratch) const {
+    scratch.floats.resize(head_dim);
+    float* acc = scratch.floats.data();
     for (int64_t i = 0; i < tile.rows; ++i)
       for (int64_t g = 0; g < group; ++g) {
         float max = -std::numeric_limits<float>::infinity(), total = 0.f;
@@ -421,35 +617,38 @@ struct Attention {
 // running softmax, then written as `attend` writes it (the output, or a partial).
 template <typename scalar_t, typename cache_t>
 void attend_rows(const Attention<scalar_t, cache_t>& a, const Task& task, const Tile& tile,
-                 std::vector<float>& buffer) {
+                 int64_t partition_size, Scratch& scratch) {
   if constexpr (!std::is_same_v<scalar_t, cache_t>) {
     TORCH_CHECK(false, "attend_tile reads a cache of the query's dtype, not fp8 or int8");
   } else {
-    const int64_t kv_head = task.kv_head, first = task.partition * kPartitionSize;
-    const int64_t last = std::min(first + kPartitionSize, tile.last_len());
-    const PagedKV<cache_t> kv{a.key_cache,  a.value_cache, a.tables + tile.seq * a.width,
-                              a.block_size, a.num_kv_heads, kv_head, a.head_dim};
-    buffer.resize(2 * a.head_dim);
-    float* q = buffer.data();
+    const int64_t first = task.partition * partition_size;
+    const int64_t last = std::min(first + partition_size, tile.last_len());
+    scratch.floats.resize(2 * a.head_dim);
+    float* q = scratch.floats.data();
     float* acc = q + a.head_dim;
-    for (int64_t i = 0; i < tile.rows; ++i)
-      for (int64_t g = 0; g < a.group; ++g) {
-        const scalar_t* src = a.query + a.at(tile, i, kv_head, g);
-        for (int64_t d = 0; d < a.head_dim; ++d) q[d] = static_cast<float>(src[d]);
-        std::fill(acc, acc + a.head_dim, 0.f);
-        RunningSoftmax state{-std::numeric_limits<float>::infinity(), 0.f, acc};
-        // Row i sees the positions before first_len + i: maybe none of this partition's.
-        attend_tile(q, kv, first, std::min(last, tile.first_len + i), a.scale, state);
-        if (tile.partitions == 1) {
-          scalar_t* o = a.out + a.at(tile, i, kv_head, g);
-          for (int64_t d = 0; d < a.head_dim; ++d) o[d] = static_cast<scalar_t>(acc[d] / state.sum);
-        } else {
-          float* p = a.partial(tile, i, kv_head, g, task.partition);
-          p[0] = state.max;
-          p[1] = state.sum;
-          std::copy(acc, acc + a.head_dim, p + kPartialHeader);
+    for (int64_t kv_head = 0; kv_head < a.num_kv_heads; ++kv_head) {
+      const PagedKV<cache_t> kv{a.key_cache,  a.value_cache, a.tables + tile.seq * a.width,
+                                a.block_size, a.num_kv_heads, kv_head, a.head_dim};
+      for (int64_t i = 0; i < tile.rows; ++i)
+        for (int64_t g = 0; g < a.group; ++g) {
+          const scalar_t* src = a.query + a.at(tile, i, kv_head, g);
+          for (int64_t d = 0; d < a.head_dim; ++d) q[d] = static_cast<float>(src[d]);
+          std::fill(acc, acc + a.head_dim, 0.f);
+          RunningSoftmax state{-std::numeric_limits<float>::infinity(), 0.f, acc};
+          // Row i sees the positions before first_len + i: maybe none of this partition's.
+          attend_tile(q, kv, first, std::min(last, tile.first_len + i), a.scale, state);
+          if (tile.partitions == 1) {
+            scalar_t* o = a.out + a.at(tile, i, kv_head, g);
+            for (int64_t d = 0; d < a.head_dim; ++d)
+              o[d] = static_cast<scalar_t>(acc[d] / state.sum);
+          } else {
+            float* p = a.partial(tile, i, kv_head, g, task.partition);
+            p[0] = state.max;
+            p[1] = state.sum;
+            std::copy(acc, acc + a.head_dim, p + kPartialHeader);
+          }
         }
-      }
+    }
   }
 }
 #endif
@@ -476,16 +675,16 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache,
       scale,
       out.data_ptr<scalar_t>(),
       partials.data()};
-  parallel_tasks(plan.tasks.size(), [&](int64_t i, std::vector<float>& buffer) {
+  parallel_tasks(plan.tasks.size(), [&](int64_t i, Scratch& scratch) {
     const Task& task = plan.tasks[i];
 #ifdef MINIPAGED_ATTEND_TILE
-    attend_rows(attention, task, plan.tiles[task.tile], buffer);
+    attend_rows(attention, task, plan.tiles[task.tile], plan.partition_size, scratch);
 #else
-    attention.attend(task, plan.tiles[task.tile], buffer);
+    attention.attend(task, plan.tiles[task.tile], plan.partition_size, scratch);
 #endif
   });
-  parallel_tasks(plan.split.size() * num_kv_heads, [&](int64_t i, std::vector<float>& buffer) {
-    attention.reduce(plan.tiles[plan.split[i / num_kv_heads]], i % num_kv_heads, buffer);
+  parallel_tasks(plan.split.size() * num_kv_heads, [&](int64_t i, Scratch& scratch) {
+    attention.reduce(plan.tiles[plan.split[i / num_kv_heads]], i % num_kv_heads, scratch);
   });
 }
 
@@ -515,8 +714,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache,
   if (query_start_loc) starts = query_start_loc->contiguous();
   auto out = torch::empty_like(query);
   const Plan work = plan(query_start_loc ? starts.data_ptr<int32_t>() : nullptr,
-                         seq_lens.data_ptr<int32_t>(), seq_lens.size(0), key_cache.size(2),
-                         query.size(1));
+                         seq_lens.data_ptr<int32_t>(), seq_lens.size(0), query.size(1));
   const Scales ks = scales_of(k_scale), vs = scales_of(v_scale);
   const float s = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(
