@@ -303,7 +303,7 @@ class LlamaModel(nn.Module):
         hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``hidden``: the previous pipeline stage's output (None on the first stage,
-        which embeds ``input_ids``)."""
+        which embeds ``input_ids``); the fused ops may write into it (the residual)."""
         if len(kv_caches) != len(self.stage_layers):
             raise ValueError(
                 f"kv_caches must hold one (key_cache, value_cache) pair per "
