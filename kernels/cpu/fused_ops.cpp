@@ -56,20 +56,20 @@ inline fvec round_nearest(fvec x) {
 }
 inline fvec times_pow2(fvec y, fvec n) { return _mm512_scalef_ps(y, n); }  // y * 2^n
 inline float hsum(fvec a) { return _mm512_reduce_add_ps(a); }
-inline fvec load(const float* p) { return _mm512_loadu_ps(p); }
-inline fvec load(const c10::Half* p) {
+inline fvec load_floats(const float* p) { return _mm512_loadu_ps(p); }
+inline fvec load_floats(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline fvec load(const c10::BFloat16* p) {  // a bf16 is a float32's upper half
+inline fvec load_floats(const c10::BFloat16* p) {  // a bf16 is a float32's upper half
   __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
-inline void store(float* p, fvec x) { _mm512_storeu_ps(p, x); }
-inline void store(c10::Half* p, fvec x) {
+inline void store_floats(float* p, fvec x) { _mm512_storeu_ps(p, x); }
+inline void store_floats(c10::Half* p, fvec x) {
   __m256i half = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), half);
 }
-inline void store(c10::BFloat16* p, fvec x) {
+inline void store_floats(c10::BFloat16* p, fvec x) {
   // Round to nearest even on the upper half (c10's rule), a NaN staying a quiet NaN.
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -103,20 +103,20 @@ inline float hsum(fvec a) {
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
-inline fvec load(const float* p) { return _mm256_loadu_ps(p); }
-inline fvec load(const c10::Half* p) {
+inline fvec load_floats(const float* p) { return _mm256_loadu_ps(p); }
+inline fvec load_floats(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-inline fvec load(const c10::BFloat16* p) {
+inline fvec load_floats(const c10::BFloat16* p) {
   __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
-inline void store(float* p, fvec x) { _mm256_storeu_ps(p, x); }
-inline void store(c10::Half* p, fvec x) {
+inline void store_floats(float* p, fvec x) { _mm256_storeu_ps(p, x); }
+inline void store_floats(c10::Half* p, fvec x) {
   __m128i half = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), half);
 }
-inline void store(c10::BFloat16* p, fvec x) {
+inline void store_floats(c10::BFloat16* p, fvec x) {
   const __m256i bits = _mm256_castps_si256(x);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
   __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
@@ -140,9 +140,9 @@ inline fvec div(fvec a, fvec b) { return a / b; }
 inline fvec fmadd(fvec a, fvec b, fvec c) { return a * b + c; }
 inline float hsum(fvec a) { return a; }
 template <typename T>
-inline fvec load(const T* p) { return static_cast<float>(*p); }
+inline fvec load_floats(const T* p) { return static_cast<float>(*p); }
 template <typename T>
-inline void store(T* p, fvec x) { *p = static_cast<T>(x); }
+inline void store_floats(T* p, fvec x) { *p = static_cast<T>(x); }
 #endif
 
 // x rounded to T and back: where HF's math rounds to the model's dtype between ops.
@@ -152,8 +152,8 @@ inline fvec rounded(fvec x) {
     return x;
   } else {
     T buffer[W];
-    store(buffer, x);
-    return load(static_cast<const T*>(buffer));
+    store_floats(buffer, x);
+    return load_floats(static_cast<const T*>(buffer));
   }
 }
 
@@ -192,7 +192,7 @@ void normalize_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
   fvec squares = splat(0.f);
   int64_t d = 0;
   for (; d + W <= n; d += W) {
-    const fvec v = load(x + d);
+    const fvec v = load_floats(x + d);
     squares = fmadd(v, v, squares);
   }
   float sum = hsum(squares);
@@ -200,7 +200,7 @@ void normalize_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
   const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
   const fvec scale = splat(inv_rms);
   for (d = 0; d + W <= n; d += W) {
-    store(out + d, mul(load(weight + d), rounded<T>(mul(load(x + d), scale))));
+    store_floats(out + d, mul(load_floats(weight + d), rounded<T>(mul(load_floats(x + d), scale))));
   }
   for (; d < n; ++d) {
     const float normed = round_to<T>(static_cast<float>(x[d]) * inv_rms);
@@ -211,7 +211,7 @@ void normalize_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
 template <typename T>
 void add_row(T* x, T* residual, int64_t n) {
   int64_t d = 0;
-  for (; d + W <= n; d += W) store(residual + d, add(load(x + d), load(residual + d)));
+  for (; d + W <= n; d += W) store_floats(residual + d, add(load_floats(x + d), load_floats(residual + d)));
   for (; d < n; ++d) {
     residual[d] = static_cast<T>(static_cast<float>(x[d]) + static_cast<float>(residual[d]));
   }
@@ -221,9 +221,9 @@ template <typename T>
 void silu_and_mul_row(const T* gate, const T* up, T* out, int64_t n) {
   int64_t d = 0;
   for (; d + W <= n; d += W) {
-    const fvec g = load(gate + d);
+    const fvec g = load_floats(gate + d);
     const fvec silu = div(g, add(splat(1.f), exp_approx(sub(splat(0.f), g))));
-    store(out + d, mul(silu, load(up + d)));
+    store_floats(out + d, mul(silu, load_floats(up + d)));
   }
   for (; d < n; ++d) {
     const float g = static_cast<float>(gate[d]);
@@ -236,9 +236,9 @@ template <typename T>
 void rotate_row(T* x, const T* cos, const T* sin, int64_t half) {
   int64_t d = 0;
   for (; d + W <= half; d += W) {
-    const fvec x1 = load(x + d), x2 = load(x + half + d), c = load(cos + d), s = load(sin + d);
-    store(x + d, sub(mul(x1, c), mul(x2, s)));
-    store(x + half + d, add(mul(x2, c), mul(x1, s)));
+    const fvec x1 = load_floats(x + d), x2 = load_floats(x + half + d), c = load_floats(cos + d), s = load_floats(sin + d);
+    store_floats(x + d, sub(mul(x1, c), mul(x2, s)));
+    store_floats(x + half + d, add(mul(x2, c), mul(x1, s)));
   }
   for (; d < half; ++d) {
     const float x1 = x[d], x2 = x[half + d], c = cos[d], s = sin[d];
