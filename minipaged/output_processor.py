@@ -194,7 +194,7 @@ def completion(seq: Sequence, params: SamplingParams, delta: bool) -> Completion
         seq.index,
         text,
         list(tokens),
-        seq.cumulative_logprob,
+        None if seq.logprobs is None else seq.cumulative_logprob,  # vLLM V1's
         logprobs,
         seq.finish_reason,
         seq.stop_reason,

@@ -11,6 +11,8 @@ class CompletionOutput:
 
     ``logprobs`` is None unless the request asked for them; then one
     ``{token_id: logprob}`` per generated token (`minipaged.sampler.SamplerOutput`).
+    ``cumulative_logprob``, their sum, is None with them (vLLM V1: only a request that
+    asks for logprobs pays for normalising the logits).
     ``finish_reason`` is ``"stop"`` (EOS, a stop token or string), ``"length"``
     (``max_tokens`` or ``max_model_len``), ``"abort"``, or None while running.
     ``stop_reason`` is the stop string or token id that ended it, if any.
@@ -19,7 +21,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float
+    cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

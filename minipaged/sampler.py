@@ -26,7 +26,9 @@ requests.  Unseeded rows share one generator and are drawn in one batched call.
 Logprobs describe the model, not the sampling knobs: they are ``log_softmax`` of the raw
 logits, before penalties, temperature, top-k, top-p and min-p, which is what vLLM returns
 by default (``logprobs_mode="raw_logprobs"``).  So a greedy and a sampled request over
-the same prompt report the same numbers for the same tokens.
+the same prompt report the same numbers for the same tokens.  As in vLLM V1, only the
+rows whose request asks for logprobs get them (and a ``cumulative_logprob``): the others
+skip the pass over the vocabulary that normalising takes.
 
 Beam search (paper §4.4) samples nothing: `beam_candidates` gives each beam's best next
 tokens and the engine ranks them by cumulative logprob.
@@ -69,8 +71,9 @@ class SamplerOutput:
 
     Attributes:
         token_ids: the chosen token of each row.
-        logprobs: the chosen token's log-probability under the raw logits, for every row
-            (the engine sums them into ``cumulative_logprob``).
+        logprobs: the chosen token's log-probability under the raw logits, for rows
+            whose ``logprobs`` is not None (the engine sums them into
+            ``cumulative_logprob``); None for the others.
         top_logprobs: None for rows whose ``logprobs`` is None; otherwise
             ``{token_id: logprob}`` holding the chosen token first, then the
             ``logprobs`` most likely tokens, best first: ``logprobs + 1`` entries, or
@@ -78,7 +81,7 @@ class SamplerOutput:
     """
 
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float | None]
     top_logprobs: list[dict[int, float] | None]
 
 
@@ -181,12 +184,29 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
 def logprobs_of(
     raw: torch.Tensor, token_ids: list[int], params: Sequence[SamplingParams]
 ) -> SamplerOutput:
-    """The chosen ``token_ids`` of the rows of ``raw [N, vocab]`` with their logprobs
-    and each row's top logprobs (module docstring: of the raw logits)."""
-    lse = raw.logsumexp(dim=-1)
-    index = torch.tensor(token_ids, device=raw.device)[:, None]
-    chosen = (raw.gather(1, index).squeeze(1) - lse).tolist()
-    return SamplerOutput(token_ids, chosen, _top_logprobs(raw, lse, token_ids, chosen, params))
+    """The chosen ``token_ids`` of the rows of ``raw [N, vocab]`` with, for the rows whose
+    request asks for logprobs, their logprobs and top logprobs (module docstring: of the
+    raw logits); None for the others."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out = SamplerOutput(token_ids, [None] * len(token_ids), [None] * len(token_ids))
+    if not rows:
+        return out
+    part = raw if len(rows) == raw.shape[0] else raw[rows]
+    lse = part.logsumexp(dim=-1)
+    index = torch.tensor([token_ids[i] for i in rows], device=raw.device)[:, None]
+    chosen = (part.gather(1, index).squeeze(1) - lse).tolist()
+    # log_softmax only shifts a row, so the top logits are the top logprobs.
+    top = part.topk(min(max(params[i].logprobs for i in rows), raw.shape[1]))
+    top_logprobs = (top.values - lse[:, None]).tolist()
+    top_ids = top.indices.tolist()
+    for j, i in enumerate(rows):
+        k = params[i].logprobs
+        out.logprobs[i] = chosen[j]
+        out.top_logprobs[i] = {
+            token_ids[i]: chosen[j],
+            **dict(zip(top_ids[j][:k], top_logprobs[j][:k])),
+        }
+    return out
 
 
 def apply_penalties(
@@ -365,21 +385,6 @@ def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torc
     # cumulative sum above any value is where a token of non-zero probability starts.
     value = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, value, right=True)[:, 0]
-
-
-def _top_logprobs(logits, lse, token_ids, chosen, params) -> list[dict[int, float] | None]:
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    out: list[dict[int, float] | None] = [None] * len(params)
-    if not rows:
-        return out
-    # log_softmax only shifts a row, so the top logits are the top logprobs.
-    top = logits[rows].topk(min(max(params[i].logprobs for i in rows), logits.shape[1]))
-    top_logprobs = (top.values - lse[rows, None]).tolist()
-    top_ids = top.indices.tolist()
-    for j, i in enumerate(rows):
-        k = params[i].logprobs
-        out[i] = {token_ids[i]: chosen[i], **dict(zip(top_ids[j][:k], top_logprobs[j][:k]))}
-    return out
 
 
 def _check_logits(logits) -> None:

@@ -76,9 +76,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append_token(self, token_id: int, logprob: float) -> None:
+    def append_token(self, token_id: int, logprob: float | None) -> None:
+        """``logprob`` None: the request asked for no logprobs (its cumulative logprob
+        is not reported, `output_processor.completion`)."""
         self.token_ids.append(token_id)
-        self.cumulative_logprob += logprob
+        if logprob is not None:
+            self.cumulative_logprob += logprob
         # A beam's candidates were for the token it just got; a sampled sequence has none.
         self.beam_candidates = None
 

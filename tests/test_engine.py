@@ -550,6 +550,11 @@ def test_sampled_logprobs_are_the_models_raw_logprobs(tiny):
         torch.testing.assert_close(torch.tensor([ours[t] for t in ids]), hf[ids], **FP32)
         total += float(hf[token])
     assert out.cumulative_logprob == pytest.approx(total, abs=1e-3)
+    # Without logprobs, vLLM V1 reports no cumulative logprob either.
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=5, max_tokens=10)
+    (plain,) = generate(llm, [prompt], params)[0].outputs
+    assert plain.token_ids == out.token_ids
+    assert plain.logprobs is None and plain.cumulative_logprob is None
     assert_all_blocks_free(llm)
 
 

@@ -25,6 +25,7 @@ from minipaged.models import (
     token_positions,
 )
 from minipaged.models.llama import rope_frequencies
+from minipaged.ops import fused
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 VOCAB = 272
@@ -137,6 +138,21 @@ def test_prefill_logits_equal_hf(models, arch):
     tokens = random_tokens(40, seed=1)
     (logits,) = PagedRunner(ours, block_size=16).step([("A", tokens, 0)])
     torch.testing.assert_close(logits, hf_logits(hf, tokens), **FP32)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_torch_reference_ops_equal_hf_too(models, arch):
+    """The path CUDA runs (`fused.reference_ops`: the norms, residual adds, rotary and
+    SiLU as torch ops), prefill then decode, against HF."""
+    _, hf, ours = models(arch)
+    tokens = random_tokens(20, seed=2)
+    runner = PagedRunner(ours, block_size=16)
+    with fused.reference_ops():
+        (prefill,) = runner.step([("A", tokens[:-1], 0)])
+        (decode,) = runner.step([("A", tokens[-1:], len(tokens) - 1)])
+    expected = hf_logits(hf, tokens)
+    torch.testing.assert_close(prefill, expected[:-1], **FP32)
+    torch.testing.assert_close(decode, expected[-1:], **FP32)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -296,7 +296,8 @@ def test_the_shared_generator_makes_unseeded_rows_reproducible():
     assert sample(logits, params, generator=make_generator(6)).token_ids != first
 
 
-def test_logprobs_are_those_of_the_raw_logits():
+def test_logprobs_are_those_of_the_raw_logits_for_the_rows_that_ask():
+    """A row without ``logprobs`` gets none (vLLM V1: no pass over its vocabulary)."""
     logits = fixture_logits(rows=5, vocab=200, seed=7)
     params = [
         SamplingParams(temperature=0.6, top_k=10, logprobs=3),
@@ -308,10 +309,10 @@ def test_logprobs_are_those_of_the_raw_logits():
     out = sample(logits, params, generator=make_generator(0))
     raw = torch.log_softmax(logits.double(), dim=-1)
     for r, (token, p) in enumerate(zip(out.token_ids, params)):
-        assert out.logprobs[r] == pytest.approx(raw[r, token].item(), abs=1e-5)
         if p.logprobs is None:
-            assert out.top_logprobs[r] is None
+            assert out.logprobs[r] is None and out.top_logprobs[r] is None
             continue
+        assert out.logprobs[r] == pytest.approx(raw[r, token].item(), abs=1e-5)
         entries = list(out.top_logprobs[r].items())
         assert entries[0] == (token, out.logprobs[r])
         best = sorted(range(200), key=lambda t: -raw[r, t].item())[: p.logprobs]

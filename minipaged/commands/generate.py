@@ -140,11 +140,13 @@ def main(args) -> None:
 def _completion_lines(output) -> list[str]:
     lines = []
     for c in output.outputs:
+        # Reported with logprobs only (vLLM V1's `CompletionOutput`).
+        cumulative = c.cumulative_logprob
+        cumulative = "" if cumulative is None else f", cumulative_logprob={cumulative:.4f}"
         # repr(): one line per completion, whatever bytes the model produced.
         lines.append(
             f"completion {c.index}: {c.text!r}  [{len(c.token_ids)} tokens, "
-            f"finish_reason={c.finish_reason}, cumulative_logprob="
-            f"{c.cumulative_logprob:.4f}]"
+            f"finish_reason={c.finish_reason}{cumulative}]"
         )
         for step, top in enumerate(c.logprobs or []):
             lines.append(

@@ -13,6 +13,7 @@ tests nor the engine repeat that logic.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import struct
 from dataclasses import dataclass
@@ -189,12 +190,12 @@ class PagedAttention(nn.Module):
         if self.calculate_kv_scales:
             kv_quant.calculate_kv_scales(key, value, *scales)
             self.calculate_kv_scales = False
-        impl = get_backend(self.backend, key_cache.device)
+        impl = _backend(self.backend, key_cache.device)
         impl.write_kv(key, value, key_cache, value_cache, attn.slot_mapping, *scales)
         n = attn.num_prefill_tokens
-        out = torch.empty_like(query)
+        prefill = decode = None
         if n > 0:
-            out[:n] = impl.paged_attention_prefill(
+            prefill = impl.paged_attention_prefill(
                 query[:n],
                 key_cache,
                 value_cache,
@@ -206,7 +207,7 @@ class PagedAttention(nn.Module):
                 max_query_len=attn.max_prefill_query_len,
             )
         if n < query.shape[0]:
-            out[n:] = impl.paged_attention_decode(
+            decode = impl.paged_attention_decode(
                 query[n:],
                 key_cache,
                 value_cache,
@@ -216,10 +217,20 @@ class PagedAttention(nn.Module):
                 *scales,
                 max_context_len=attn.max_decode_context_len,
             )
-        return out
+        if prefill is None:
+            return torch.empty_like(query) if decode is None else decode
+        # A step of one kind (every decode step) returns its op's output, uncopied.
+        return prefill if decode is None else torch.cat((prefill, decode))
 
     def extra_repr(self) -> str:
         return f"scale={self.scale:.4g}, backend={self.backend!r}"
+
+
+@functools.cache
+def _backend(name: str, device: torch.device):
+    # `get_backend` imports and checks the backend: asked by every layer of every step,
+    # with an answer that does not change (a failure raises and is asked again).
+    return get_backend(name, device)
 
 
 def calculate_kv_scales_on_next_batch(model: nn.Module) -> None:

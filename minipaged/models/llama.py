@@ -31,9 +31,14 @@ With ``pp``, a `PipelineStage` of more than one, the model holds one stage's lay
 (GPipe; vLLM's ``make_layers``): the decoder layers ``pp.layers(num_hidden_layers)``,
 the others `PPMissingLayer` placeholders that keep every layer's HF name, the embedding
 on the first stage only, the final norm and the LM head on the last only.  A stage's
-forward takes the previous stage's hidden states instead of token ids.  (Our layers
-carry the residual stream in the hidden states themselves, so there is no separate
-residual to hand on, as vLLM's fused add-and-norm has.)
+forward takes the previous stage's hidden states instead of token ids: the residual
+stream, which a stage hands on as one tensor (vLLM hands on hidden states and residual).
+
+The layers carry the residual stream beside the hidden states, as vLLM's do: each norm
+but the first adds the sublayer's output to the residual and normalises the sum in one
+op (`fused.fused_add_rms_norm`).  On the CPU the norms, the rotary embedding and SwiGLU's
+activation run as fused C++ ops; the torch ops of `minipaged.ops.fused`, HF's, run
+everywhere else (`fused.uses_cpu_kernels` decides).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from minipaged.distributed.parallel_state import (
     kv_heads_per_rank,
 )
 from minipaged.models.attention import AttentionMetadata, PagedAttention, head_dim
+from minipaged.ops import fused
 
 __all__ = [
     "MODELS",
@@ -91,18 +97,20 @@ class ArchOptions:
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` (Zhang & Sennrich 2019), as HF's
-    ``LlamaRMSNorm``: normalised in float32, cast back before the scale."""
+    ``LlamaRMSNorm`` (`fused.rms_norm`).  Given the ``residual`` too, vLLM's fused form:
+    ``residual = x + residual``, returning ``(norm(residual), residual)``."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return fused.rms_norm(x, self.weight, self.eps)
+        return fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_frequencies(config) -> tuple[torch.Tensor, float]:
@@ -143,13 +151,6 @@ class RotaryEmbedding(nn.Module):
             (angles.cos() * self.attention_scaling).to(dtype),
             (angles.sin() * self.attention_scaling).to(dtype),
         )
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, head_dim]``: HF's layout pairs dimension ``i`` with
-    ``i + head_dim / 2`` (not adjacent pairs as in the paper)."""
-    first, second = x.chunk(2, dim=-1)
-    return x * cos[:, None] + torch.cat((-second, first), dim=-1) * sin[:, None]
 
 
 class LlamaAttention(nn.Module):
@@ -193,8 +194,8 @@ class LlamaAttention(nn.Module):
         q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = self.attn(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, kv_cache, attn)
-        return self.o_proj(out.flatten(1))
+        q, k = fused.rotary_embedding(q, k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, kv_cache, attn).flatten(1))
 
 
 class LlamaMLP(nn.Module):
@@ -211,15 +212,20 @@ class LlamaMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, tp=tp)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.silu = config.hidden_act == "silu"  # the family's; `fused.silu_and_mul`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.silu:
+            return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj.split(x)
         return self.down_proj(self.act_fn(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``, with the
-    family's attention and MLP (`LlamaForCausalLM.make_layer`)."""
+    family's attention and MLP (`LlamaForCausalLM.make_layer`).  As in vLLM, the stream
+    ``x`` is carried as ``hidden + residual``: each layer returns its MLP's output and
+    the residual before it, and the next norm adds them (`RMSNorm` with a residual)."""
 
     def __init__(self, config, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
@@ -231,13 +237,20 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
         attn: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual`` None: ``hidden`` is the stream itself (the first layer)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, attn)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 def sliding_window(config) -> int | None:
@@ -290,7 +303,7 @@ class LlamaModel(nn.Module):
         hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``hidden``: the previous pipeline stage's output (None on the first stage,
-        which embeds ``input_ids``)."""
+        which embeds ``input_ids``); the fused ops may write into it (the residual)."""
         if len(kv_caches) != len(self.stage_layers):
             raise ValueError(
                 f"kv_caches must hold one (key_cache, value_cache) pair per "
@@ -300,9 +313,12 @@ class LlamaModel(nn.Module):
         if hidden is None:
             hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
+        residual = None
         for i, kv_cache in zip(self.stage_layers, kv_caches):
-            hidden = self.layers[i](hidden, cos, sin, kv_cache, attn)
-        return hidden if self.norm is None else self.norm(hidden)
+            hidden, residual = self.layers[i](hidden, residual, cos, sin, kv_cache, attn)
+        if self.norm is not None:
+            return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+        return hidden if residual is None else hidden + residual
 
     def _check_window(self, positions: torch.Tensor) -> None:
         # Within the window HF's sliding mask hides nothing, so full attention is exact;

@@ -38,10 +38,10 @@ from minipaged.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
-    apply_rotary,
     check_tensor_parallel,
 )
 from minipaged.models.moe import SparseMoeBlock
+from minipaged.ops import fused
 
 __all__ = ["MODELS", "MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM"]
 
@@ -226,8 +226,8 @@ class OlmoeAttention(LlamaAttention):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = self.attn(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, kv_cache, attn)
-        return self.o_proj(out.flatten(1))
+        q, k = fused.rotary_embedding(q, k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, kv_cache, attn).flatten(1))
 
 
 # config.architectures[0] -> class, for the loader.

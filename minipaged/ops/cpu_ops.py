@@ -15,6 +15,11 @@ positions.  ``write_kv`` is the torch backend's ``index_copy_`` for a cache of t
 model's dtype, and the kernel's own quantizing store for fp8 or int8 (`kv_quant`'s
 rules).  Arguments are checked in ``minipaged.ops``; these functions assume well-formed
 input.
+
+The same build compiles ``kernels/cpu/fused_ops.cpp``, the small ops around a layer's
+projections fused as vLLM's CPU backend has them (`rms_norm`, `fused_add_rms_norm`,
+`silu_and_mul`, `rotary_embedding`), which `minipaged.ops.fused` runs for a model on the
+CPU.
 """
 
 from __future__ import annotations
@@ -30,11 +35,16 @@ from minipaged.ops import cuda_build, kv_quant, torch_ref
 
 __all__ = [
     "ISA_ENV",
+    "available",
     "check_available",
+    "fused_add_rms_norm",
     "isa",
     "machine_isas",
     "paged_attention_decode",
     "paged_attention_prefill",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
     "write_kv",
 ]
 
@@ -42,6 +52,9 @@ SOURCE = cuda_build.KERNELS_DIR / "cpu" / "paged_attention.cpp"
 # The kernel's inner loop as one scalar function (lesson 07's exercise), declared here
 # and defined in attend_tile.cpp or the learner's file (`build_with_attend_tile`).
 ATTEND_TILE_HEADER = SOURCE.parent / "attend_tile.h"
+# One extension: paged_attention.cpp holds its Python module, fused_ops.cpp registers
+# its ops with torch's dispatcher under the extension's name.
+SOURCES = [SOURCE, cuda_build.KERNELS_DIR / "cpu" / "fused_ops.cpp"]
 # The instruction sets the kernel is built for, best first, with their compiler flags:
 # AVX-512's 16 floats an instruction, AVX2's 8 (both with fused multiply-adds and F16C's
 # half-precision conversions), or the compiler's default (one float at a time).
@@ -65,13 +78,20 @@ def check_available(device: torch.device) -> None:
         raise RuntimeError(reason)
 
 
+def available() -> bool:
+    """Whether the C++ extension runs here (built on the first call, as
+    `check_available`)."""
+    return _unavailable() is None
+
+
 @functools.cache  # asked once per layer per step: the answer does not change
 def _unavailable() -> str | None:
-    if not SOURCE.is_file():
-        return (
-            f"the 'cpu' attention backend compiles {SOURCE}, which is not there: install "
-            "minipaged from a source checkout (pip install -e .)"
-        )
+    for source in SOURCES:
+        if not source.is_file():
+            return (
+                f"the 'cpu' attention backend compiles {source}, which is not there: install "
+                "minipaged from a source checkout (pip install -e .)"
+            )
     from torch.utils import cpp_extension
 
     if not cpp_extension.is_ninja_available():
@@ -85,6 +105,7 @@ def _unavailable() -> str | None:
     return None
 
 
+@functools.cache  # torch reads the CPU's flags once; asked by every kernel call
 def machine_isas() -> tuple[str, ...]:
     """The instruction sets of `ISA_FLAGS` this CPU runs, best first, as torch detects
     its flags (the capability its own kernels dispatch on)."""
@@ -167,9 +188,45 @@ def paged_attention_prefill(
     )
 
 
-@functools.cache
+def rms_norm(x, weight, eps):
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension, a new tensor."""
+    return _fused().rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    """``residual += x``, then ``x = rms_norm(residual)``, in place (on contiguous
+    copies if they are not); returns ``(x, residual)``."""
+    x, residual = x.contiguous(), residual.contiguous()
+    _fused().fused_add_rms_norm(x, residual, weight, eps)
+    return x, residual
+
+
+def silu_and_mul(gate_up):
+    """``silu(gate) * up`` of ``gate_up [..., 2 * d]``, a new ``[..., d]``."""
+    return _fused().silu_and_mul(gate_up)
+
+
+def rotary_embedding(query, key, cos, sin):
+    """Rotate ``query [T, heads, head_dim]`` and ``key [T, kv_heads, head_dim]`` in place
+    by ``cos, sin [T, head_dim / 2]``; returns them."""
+    _fused().rotary_embedding(query, key, cos, sin)
+    return query, key
+
+
 def _kernel():
+    # `build` caches each instruction set's module: `MINIPAGED_CPU_ISA` set later (as the
+    # tests do, one ISA after another) takes effect at the next call.
     return build(isa())
+
+
+def _fused():
+    """The fused ops of `_kernel`'s build (torch.ops under the extension's name)."""
+    return fused_ops(_kernel())
+
+
+def fused_ops(module):
+    """The fused ops a `build` registered, as ``torch.ops`` namespace."""
+    return getattr(torch.ops, module.__name__)
 
 
 @functools.cache
@@ -180,7 +237,7 @@ def build(name: str):
     from torch.utils import cpp_extension
 
     module = f"minipaged_cpu_{name}"
-    build_dir = cuda_build.cached_build_dir(module, [SOURCE])
+    build_dir = cuda_build.cached_build_dir(module, SOURCES)
     if not (build_dir / f"{module}.so").exists():
         print(
             f"minipaged: compiling the CPU attention kernel for {name} (once; cached in "
@@ -189,7 +246,7 @@ def build(name: str):
         )
     return cpp_extension.load(
         module,
-        [str(SOURCE)],
+        [str(source) for source in SOURCES],
         build_directory=str(build_dir),
         extra_cflags=["-O3", *ISA_FLAGS[name]],
     )

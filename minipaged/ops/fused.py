@@ -1,0 +1,116 @@
+"""The small ops around a decoder layer's projections and attention, fused on the CPU.
+
+A decode step's projections and attention run in oneDNN and C++; what is left of a
+layer is RMSNorm, the residual adds, SwiGLU's activation and the rotary embedding, a
+dozen torch ops of a few rows each, whose cost at decode is launching them and writing
+their temporaries.  vLLM's CPU backend fuses them into four C++ ops (csrc/cpu), and so
+does ``kernels/cpu/fused_ops.cpp`` (`cpu_ops`):
+
+- `rms_norm`: HF's ``LlamaRMSNorm``, one pass;
+- `fused_add_rms_norm`: the residual add and the next norm in one pass, in place (vLLM's
+  name and semantics: the layers carry the residual stream beside the hidden states);
+- `silu_and_mul`: SwiGLU's ``silu(gate) * up`` from the packed gate/up projection;
+- `rotary_embedding`: the query's and key's rotation, in place.
+
+Each function here is the torch reference, the readable definition that runs on CUDA,
+in other dtypes, and wherever the C++ extension cannot be built, and this one place
+picks the C++ op instead for CPU tensors (`uses_cpu_kernels`).  `reference_ops` forces
+the torch path, to compare the two in one process (``tests/test_fused_ops.py``,
+``minipaged bench cpu_step``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from minipaged.ops import cpu_ops
+
+__all__ = [
+    "fused_add_rms_norm",
+    "reference_ops",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "uses_cpu_kernels",
+]
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_force_reference = False
+
+
+def uses_cpu_kernels(x: torch.Tensor) -> bool:
+    """Whether the ops run ``x`` through the C++ extension: a CPU tensor of a dtype it
+    handles, the extension built here (on the first call), and no `reference_ops`."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in KERNEL_DTYPES
+        and not _force_reference
+        and cpu_ops.available()
+    )
+
+
+@contextlib.contextmanager
+def reference_ops():
+    """Run the torch references, not the C++ ops, inside the ``with`` block."""
+    global _force_reference
+    previous, _force_reference = _force_reference, True
+    try:
+        yield
+    finally:
+        _force_reference = previous
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension (Zhang & Sennrich
+    2019), as HF's ``LlamaRMSNorm``: normalised in float32, cast back to ``x``'s dtype
+    before the weight multiplies."""
+    if weight.dtype == x.dtype and uses_cpu_kernels(x):
+        return cpu_ops.rms_norm(x, weight, eps)
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual = x + residual`` (in ``x``'s dtype, as HF's layers add), then
+    ``(rms_norm(residual), residual)``.  The C++ op writes both into ``x`` and
+    ``residual`` (vLLM's in-place semantics): use the returned tensors, not those."""
+    if weight.dtype == x.dtype == residual.dtype and uses_cpu_kernels(x):
+        return cpu_ops.fused_add_rms_norm(x, residual, weight, eps)
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` (Shazeer 2020) from ``gate_up [..., 2 * d]``, the gate
+    projection's outputs then the up projection's (the packed ``gate_up_proj``)."""
+    if uses_cpu_kernels(gate_up):
+        return cpu_ops.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_embedding(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``query [T, heads, head_dim]`` and ``key [T, kv_heads, head_dim]`` rotated by
+    ``cos, sin [T, head_dim]`` (RoFormer, Su et al. 2021; HF's layout pairs dimension
+    ``i`` with ``i + head_dim / 2``, not adjacent pairs as in the paper).  The C++ op
+    rotates them in place (vLLM's): use the returned tensors."""
+    if query.dtype == key.dtype == cos.dtype and uses_cpu_kernels(query):
+        half = query.shape[-1] // 2  # HF's cos and sin repeat their first half
+        return cpu_ops.rotary_embedding(query, key, cos[:, :half], sin[:, :half])
+    return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]`` by ``cos, sin [T, head_dim]`` (HF's
+    ``apply_rotary_pos_emb`` for one tensor)."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos[:, None] + torch.cat((-second, first), dim=-1) * sin[:, None]
