@@ -103,7 +103,8 @@ def test_all_penalties_together_and_rows_without_any_untouched():
 def test_greedy_takes_the_argmax_of_the_penalized_logits_and_reports_raw_logprobs():
     rows = histories(8, seed=3)
     logits = random_logits(8, seed=3)
-    params = [SamplingParams(temperature=0, repetition_penalty=3.0)] * 8
+    # logprobs=0: the sampled token's logprob alone (none are computed unless asked).
+    params = [SamplingParams(temperature=0, repetition_penalty=3.0, logprobs=0)] * 8
     out = sample(logits, params, token_ids=[t for t, _ in rows], prompt_lens=[p for _, p in rows])
     hf = RepetitionPenaltyLogitsProcessor(3.0)
     want = [
