@@ -257,10 +257,12 @@ def test_the_router_sends_a_prefix_where_it_went_unless_that_replica_is_too_busy
 # -- faults ---------------------------------------------------------------------------
 def test_a_dead_engine_fails_only_its_own_requests(server, oracle):
     """A stream starts on engine 0 (both idle: the lower index), which is then frozen; a
-    long request goes to engine 1, and while it runs, another to engine 0 (a tie).
+    long request goes to engine 1, and while it runs, another to engine 0 (a tie, which
+    ``minipaged:router_load`` shows).
     Engine 0 killed: its two requests fail in OpenAI's shape (the stream with an error
     event), engine 1's answer is whole, and the server goes on with engine 1."""
-    asyncio.run(_requests_around_a_death(server, oracle, psutil.Process(server.engine_pids[0])))
+    engines = [psutil.Process(pid) for pid in server.engine_pids]
+    asyncio.run(_requests_around_a_death(server, oracle, *engines))
     now = engine_metrics(server.base_url)
     assert now[("minipaged:engine_alive", "0")] == 0 and now[("minipaged:engine_alive", "1")] == 1
     assert ("minipaged:num_requests_running", "0") not in now  # a dead engine has no gauges
@@ -271,7 +273,9 @@ def test_a_dead_engine_fails_only_its_own_requests(server, oracle):
     assert re.search(r"ERROR:.*data-parallel engine 0 \(pid \d+\) died", server.log())
 
 
-async def _requests_around_a_death(server, oracle, engine_0: psutil.Process) -> None:
+async def _requests_around_a_death(
+    server, oracle, engine_0: psutil.Process, engine_1: psutil.Process
+) -> None:
     async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
         started = asyncio.Event()
         stream = asyncio.ensure_future(_stream_events(http, [3, 4, 5], started))
@@ -290,13 +294,16 @@ async def _requests_around_a_death(server, oracle, engine_0: psutil.Process) -> 
                     },
                 )
             )
-            deadline = time.monotonic() + 30
-            while engine_metrics(server.base_url)[("minipaged:num_requests_running", "1")] < 1:
-                assert time.monotonic() < deadline, "the long request never ran on engine 1"
-                await asyncio.sleep(0.01)
+            await _until(server, ("minipaged:num_requests_running", "1"), 1, "long ran on 1")
+            # engine 1 paused too, so the long request is still there to tie with when
+            # the next is routed, however slow the machine (else: an idle engine 1)
+            engine_1.suspend()
             on_engine_0 = asyncio.ensure_future(
                 http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4})
             )
+            await _until(server, ("minipaged:router_load", "0"), 2, "routed to engine 0")
+            assert engine_metrics(server.base_url)[("minipaged:router_load", "1")] == 1
+            engine_1.resume()
             answer = await long
             assert (
                 answer.json()["choices"][0]["text"]
@@ -311,6 +318,14 @@ async def _requests_around_a_death(server, oracle, engine_0: psutil.Process) -> 
         events = await stream
         assert events[-1] == "[DONE]"
         assert_openai_error(json.loads(events[-2]), 0)
+
+
+async def _until(server, sample: tuple[str, str], value: float, what: str) -> None:
+    """Until ``/metrics`` shows ``sample`` at ``value`` or more (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while engine_metrics(server.base_url)[sample] < value:
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        await asyncio.sleep(0.01)
 
 
 async def _stream_events(http: httpx.AsyncClient, prompt: list[int], started) -> list[str]:

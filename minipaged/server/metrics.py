@@ -115,7 +115,8 @@ SPEC_DECODE_METRICS = [
 class EngineCollector:
     """A prometheus_client collector over the engine's published stats; with
     data-parallel replicas, every sample labelled by its replica's ``engine`` index (as
-    vLLM labels them), ``minipaged:engine_alive`` saying which still run."""
+    vLLM labels them), ``minipaged:engine_alive`` saying which still run and
+    ``minipaged:router_load`` what the router counts against each."""
 
     def __init__(self, engine: AsyncEngine | DataParallelEngine) -> None:
         self.engine = engine
@@ -130,9 +131,16 @@ class EngineCollector:
             "1 while the data-parallel engine's process runs, 0 once it has died.",
             labels=["engine"],
         )
+        load = GAUGE(
+            "minipaged:router_load",
+            "Requests the router sent to the engine that have not finished (what it routes by).",
+            labels=["engine"],
+        )
         for replica, _ in replicas:
             alive.add_metric([str(replica.index)], int(replica.alive))
+            load.add_metric([str(replica.index)], replica.load)
         yield alive
+        yield load
         live = [(str(replica.index), stats) for replica, stats in replicas if stats]
         yield from engine_metrics([stats for _, stats in live], [index for index, _ in live])
 
