@@ -254,9 +254,11 @@ async def _run_clients(
     url = urlsplit(base_url)
     address = (url.hostname, url.port or 80)
     limit = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(
-        base_url=base_url, timeout=120, limits=httpx.Limits(max_connections=concurrency)
-    ) as client:
+    # A connection per request: the server closes a keep-alive connection left idle for
+    # its head timeout, and a request sent on one just as it closes would fail through
+    # the client's reuse, not anything the server did with the request.
+    pool = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=pool) as client:
 
         async def bounded(kind, request_seed):
             async with limit:
