@@ -152,6 +152,14 @@ def test_output_does_not_depend_on_the_thread_count(threads, case):
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_the_tasks_run_on_as_many_threads_as_torch_uses(threads, num_threads):
+    # at::parallel_for is OpenMP code inlined into the build: compiled without OpenMP
+    # it runs every task on the calling thread, whatever torch is set to.
+    threads(num_threads)
+    assert cpu_ops.build(cpu_ops.isa()).task_threads() == num_threads
+
+
 def test_each_instruction_set_is_its_own_build(isa):
     """The build cache's key names the instruction set: a cache shared with another CPU
     never loads a build this one cannot run."""

@@ -433,16 +433,31 @@ struct Scratch {
   std::vector<int64_t> rows;
 };
 
+// g() once on each of torch's threads.  at::parallel_for is OpenMP code inlined from
+// ATen's headers: it runs on torch's threads only in a build with -fopenmp
+// (minipaged/ops/cpu_ops.py), and on the calling thread alone without.
+template <typename G>
+void on_each_thread(G g) {
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) { g(); });
+}
+
 // Run f(i) for i in [0, n) on torch's threads, each taking the next i as it finishes
 // (tiles of a causal prefill differ in cost); which thread runs i changes nothing.
 template <typename F>
 void parallel_tasks(int64_t n, F f) {
   if (n == 0) return;
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  on_each_thread([&] {
     Scratch scratch;
     for (int64_t i; (i = next.fetch_add(1)) < n;) f(i, scratch);
   });
+}
+
+// How many threads `parallel_tasks` runs its tasks on (what the tests check).
+int64_t task_threads() {
+  std::atomic<int64_t> threads{0};
+  on_each_thread([&] { threads.fetch_add(1); });
+  return threads.load();
 }
 
 // -- attention -------------------------------------------------------------------------
@@ -827,5 +842,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "PagedAttention over the paged KV cache, each query row through its block table");
   m.def("write_kv_quantized", &write_kv_quantized,
         "Quantize new keys and values into their slots of an fp8 or int8 cache");
+  m.def("task_threads", &task_threads, "How many of torch's threads the kernel's tasks run on");
   m.attr("VECTOR_WIDTH") = W;
 }

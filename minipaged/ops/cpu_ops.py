@@ -63,6 +63,13 @@ ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "scalar": [],
 }
+# The kernels split their work with at::parallel_for, OpenMP code inlined from ATen's
+# headers: compiled without -fopenmp it runs on the calling thread alone.  Linked with
+# -fopenmp, the extension asks for libgomp.so.1, which the process has already loaded
+# from torch's own lib folder, so its threads are torch's (torch.set_num_threads).
+OPENMP_FLAGS = (
+    ("-fopenmp",) if sys.platform == "linux" and torch.backends.openmp.is_available() else ()
+)
 # Set to one of ISA_FLAGS to build and run that one instead of the machine's best (the
 # tests run every one the CPU can).
 ISA_ENV = "MINIPAGED_CPU_ISA"
@@ -237,7 +244,8 @@ def build(name: str):
     from torch.utils import cpp_extension
 
     module = f"minipaged_cpu_{name}"
-    build_dir = cuda_build.cached_build_dir(module, SOURCES)
+    flags = ["-O3", *ISA_FLAGS[name], *OPENMP_FLAGS]
+    build_dir = cuda_build.cached_build_dir(module, SOURCES, flags)
     if not (build_dir / f"{module}.so").exists():
         print(
             f"minipaged: compiling the CPU attention kernel for {name} (once; cached in "
@@ -248,7 +256,8 @@ def build(name: str):
         module,
         [str(source) for source in SOURCES],
         build_directory=str(build_dir),
-        extra_cflags=["-O3", *ISA_FLAGS[name]],
+        extra_cflags=flags,
+        extra_ldflags=[*OPENMP_FLAGS],  # a list of its own: load() appends to it
     )
 
 
@@ -265,7 +274,8 @@ def build_with_attend_tile(path: Path):
     from torch.utils import cpp_extension
 
     name = f"minipaged_cpu_attend_tile_{isa()}"
-    build_dir = cuda_build.cached_build_dir(name, [SOURCE, ATTEND_TILE_HEADER])
+    flags = ["-O3", "-DMINIPAGED_ATTEND_TILE", *ISA_FLAGS[isa()], *OPENMP_FLAGS]
+    build_dir = cuda_build.cached_build_dir(name, [SOURCE, ATTEND_TILE_HEADER], flags)
     unit = build_dir / "attend_tile_instances.cpp"
     # The learner's file, then its function for each cache dtype the kernel reads.
     dtypes = ("float", "double", "c10::Half", "c10::BFloat16")
@@ -277,6 +287,7 @@ def build_with_attend_tile(path: Path):
         name,
         [str(SOURCE), str(unit)],
         build_directory=str(build_dir),
-        extra_cflags=["-O3", "-DMINIPAGED_ATTEND_TILE", *ISA_FLAGS[isa()]],
+        extra_cflags=flags,
+        extra_ldflags=[*OPENMP_FLAGS],  # a list of its own: load() appends to it
         extra_include_paths=[str(SOURCE.parent)],
     )

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -137,10 +138,11 @@ def _emulated_sources(build_dir: Path) -> list[str]:
     return paths
 
 
-def cached_build_dir(name: str, sources: list[Path]) -> Path:
-    """The folder that caches extension ``name`` built from ``sources``, named after a
-    hash of their contents (created; builds of earlier versions of them removed)."""
-    digest = hashlib.sha256()
+def cached_build_dir(name: str, sources: list[Path], flags: Sequence[str] = ()) -> Path:
+    """The folder that caches extension ``name`` built from ``sources`` with compiler
+    ``flags``, named after a hash of both (created; builds of earlier versions of them
+    removed)."""
+    digest = hashlib.sha256(" ".join(flags).encode())
     for path in sources:
         digest.update(path.name.encode() + path.read_bytes())
     build_dir = CACHE_DIR / f"{name}-{digest.hexdigest()[:12]}"
