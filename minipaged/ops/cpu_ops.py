@@ -75,6 +75,11 @@ OPENMP_FLAGS = (
 ISA_ENV = "MINIPAGED_CPU_ISA"
 
 
+def compile_flags(name: str, *defines: str) -> list[str]:
+    """The compiler flags of a build for instruction set ``name``, with ``defines``."""
+    return ["-O3", *defines, *ISA_FLAGS[name], *OPENMP_FLAGS]
+
+
 def check_available(device: torch.device) -> None:
     """Raise ``RuntimeError`` saying why the C++ kernel cannot run on ``device``; the
     first call on a CPU builds it (about half a minute, then cached on disk)."""
@@ -244,7 +249,7 @@ def build(name: str):
     from torch.utils import cpp_extension
 
     module = f"minipaged_cpu_{name}"
-    flags = ["-O3", *ISA_FLAGS[name], *OPENMP_FLAGS]
+    flags = compile_flags(name)
     build_dir = cuda_build.cached_build_dir(module, SOURCES, flags)
     if not (build_dir / f"{module}.so").exists():
         print(
@@ -274,7 +279,7 @@ def build_with_attend_tile(path: Path):
     from torch.utils import cpp_extension
 
     name = f"minipaged_cpu_attend_tile_{isa()}"
-    flags = ["-O3", "-DMINIPAGED_ATTEND_TILE", *ISA_FLAGS[isa()], *OPENMP_FLAGS]
+    flags = compile_flags(isa(), "-DMINIPAGED_ATTEND_TILE")
     build_dir = cuda_build.cached_build_dir(name, [SOURCE, ATTEND_TILE_HEADER], flags)
     unit = build_dir / "attend_tile_instances.cpp"
     # The learner's file, then its function for each cache dtype the kernel reads.
