@@ -19,18 +19,22 @@ if not torch.cuda.is_available():
     torch.set_num_threads(1)
 
 
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
     # Under pytest-xdist (`make test`) a module's tests share one worker, in order: a
     # module-scoped fixture such as a server is built once, and a module may go on from
     # what its earlier tests did to it (one engine killed, then the other).  A module
     # marked `spread` (long tests that share nothing) lets them go to any worker.  The
     # network-namespace tests build hosts and clusters of their own, so they all share
-    # one worker and run one at a time.
+    # one worker and run one at a time.  The marks go on before pytest-xdist's own hook
+    # (this wraps it), which appends each group to its tests' ids; the data-parallel
+    # tests check that it did.
     for item in items:
         if "netns" in item.keywords:
             item.add_marker(pytest.mark.xdist_group("netns"))
         elif "spread" not in item.keywords:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    yield
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `make gpu-test` on the GPU machine)")

@@ -146,6 +146,18 @@ def greedy(oracle: LLM, prompts, max_tokens=MAX_TOKENS, ignore_eos=False) -> lis
 
 
 # -- serving --------------------------------------------------------------------------
+def test_this_module_runs_on_one_worker(request):
+    """Under ``make test`` the next tests go on from each other (one engine killed, then
+    the other) on one server, so pytest-xdist must give them all to one worker; it does
+    so for an id ending in the module's group (tests/conftest.py adds the mark)."""
+    if not request.config.getoption("loadgroup", False):
+        pytest.skip("not under pytest-xdist's --dist loadgroup")
+    assert request.node.nodeid.endswith("@tests/test_data_parallel.py"), (
+        "pytest-xdist did not group this module's tests: a pytest its version does not "
+        "know (pyproject.toml pins one that works)"
+    )
+
+
 def test_a_burst_of_the_bench_serve_workload_is_answered_by_both_engines(server):
     before = engine_metrics(server.base_url)
     summary, records = bench_serve.run(

@@ -56,6 +56,8 @@ from minipaged.ops import (
 )
 from minipaged.ops.testing import assert_close
 
+pytestmark = pytest.mark.spread  # independent cases; each ISA is a build of its own
+
 FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8")
 # (relative half step, absolute half step below the smallest normal, in units of the scale)
 FP8_PRECISION = {torch.float8_e4m3fn: (2**-4, 2**-10), torch.float8_e5m2: (2**-3, 2**-17)}

@@ -31,6 +31,8 @@ from attention_cases import (
 from minipaged.ops import cuda_build, cuda_ops, decode_oracle, paged_attention_decode
 from minipaged.ops.testing import assert_close
 
+pytestmark = pytest.mark.spread  # independent cases (emulated where there is no GPU)
+
 # Every test of a decode version, once per version, selectable by id: `pytest -k v2`.
 each_version = pytest.mark.parametrize("version", [0, 1, 2], ids=lambda v: f"v{v}")
 
