@@ -14,6 +14,9 @@ outputs are held to against the float64 oracle, plus 1e-5 for the float32 part.
 """
 
 import dataclasses
+import fcntl
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -33,6 +36,7 @@ from minipaged.models.resolve import resolve_backend
 from minipaged.ops import (
     BackendUnavailableError,
     cpu_ops,
+    cuda_build,
     decode_oracle,
     get_backend,
     paged_attention_decode,
@@ -188,3 +192,40 @@ def test_without_the_kernel_auto_falls_back_to_torch(monkeypatch):
 def test_refuses_cuda_tensors():
     with pytest.raises(BackendUnavailableError, match="runs on the CPU, not cuda"):
         get_backend("cpu", torch.device("cuda"))
+
+
+def test_a_killed_builds_lock_file_does_not_stop_the_next_load():
+    """A build killed mid-way leaves torch's ``lock`` file in its folder; the next load
+    (of the cached kernel, here) removes it and goes on, where torch alone would wait
+    for it forever."""
+    isa = cpu_ops.isa()
+    build_dir = cuda_build.cached_build_dir(
+        f"minipaged_cpu_{isa}", cpu_ops.SOURCES, cpu_ops.compile_flags(isa)
+    )
+    with cuda_build.build_lock(build_dir):  # so that no live build holds torch's lock
+        (build_dir / "lock").touch()
+    code = f"from minipaged.ops import cpu_ops; cpu_ops.build({isa!r}); print('loaded')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout == "loaded\n", done.stderr
+    assert not (build_dir / "lock").exists()
+
+
+def test_the_build_lock_excludes_others_and_dies_with_its_holder(tmp_path):
+    code = (
+        "import sys, time; from pathlib import Path; from minipaged.ops import cuda_build\n"
+        "with cuda_build.build_lock(Path(sys.argv[1])):\n"
+        "    print('held', flush=True); time.sleep(600)"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with open(tmp_path / "build.lock") as handle:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        holder.kill()
+        holder.wait()
+    with open(tmp_path / "build.lock") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: no error

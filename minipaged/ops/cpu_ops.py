@@ -257,13 +257,14 @@ def build(name: str):
             f"{build_dir})",
             file=sys.stderr,
         )
-    return cpp_extension.load(
-        module,
-        [str(source) for source in SOURCES],
-        build_directory=str(build_dir),
-        extra_cflags=flags,
-        extra_ldflags=[*OPENMP_FLAGS],  # a list of its own: load() appends to it
-    )
+    with cuda_build.build_lock(build_dir):
+        return cpp_extension.load(
+            module,
+            [str(source) for source in SOURCES],
+            build_directory=str(build_dir),
+            extra_cflags=flags,
+            extra_ldflags=[*OPENMP_FLAGS],  # a list of its own: load() appends to it
+        )
 
 
 def build_with_attend_tile(path: Path):
@@ -286,13 +287,14 @@ def build_with_attend_tile(path: Path):
     dtypes = ("float", "double", "c10::Half", "c10::BFloat16")
     lines = [f'#include "{path.resolve()}"', *(f"ATTEND_TILE_INSTANCE({t})" for t in dtypes)]
     code = "\n".join(lines) + "\n"
-    if not unit.exists() or unit.read_text() != code:  # unchanged: ninja keeps the .o
-        unit.write_text(code)
-    return cpp_extension.load(
-        name,
-        [str(SOURCE), str(unit)],
-        build_directory=str(build_dir),
-        extra_cflags=flags,
-        extra_ldflags=[*OPENMP_FLAGS],  # a list of its own: load() appends to it
-        extra_include_paths=[str(SOURCE.parent)],
-    )
+    with cuda_build.build_lock(build_dir):
+        if not unit.exists() or unit.read_text() != code:  # unchanged: ninja keeps the .o
+            unit.write_text(code)
+        return cpp_extension.load(
+            name,
+            [str(SOURCE), str(unit)],
+            build_directory=str(build_dir),
+            extra_cflags=flags,
+            extra_ldflags=[*OPENMP_FLAGS],  # a list of its own: load() appends to it
+            extra_include_paths=[str(SOURCE.parent)],
+        )

@@ -13,6 +13,8 @@ Triton).  That build needs only a C++ compiler and the CUDA toolkit's headers.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
@@ -105,22 +107,23 @@ def _build(emulated: bool):
             file=sys.stderr,
         )
     binding = str(KERNELS_DIR / BINDING)
-    if emulated:
+    with build_lock(build_dir):
+        if emulated:
+            return cpp_extension.load(
+                name,
+                [binding, *_emulated_sources(build_dir)],
+                build_directory=str(build_dir),
+                extra_cflags=["-O2", "-DMINIPAGED_CPU_EMULATION"],
+                extra_include_paths=[str(KERNELS_DIR), str(_cuda_include())],
+            )
         return cpp_extension.load(
             name,
-            [binding, *_emulated_sources(build_dir)],
+            [binding, *(str(KERNELS_DIR / s) for s in KERNEL_SOURCES)],
             build_directory=str(build_dir),
-            extra_cflags=["-O2", "-DMINIPAGED_CPU_EMULATION"],
-            extra_include_paths=[str(KERNELS_DIR), str(_cuda_include())],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3", "-std=c++17"],
+            extra_include_paths=[str(KERNELS_DIR)],
         )
-    return cpp_extension.load(
-        name,
-        [binding, *(str(KERNELS_DIR / s) for s in KERNEL_SOURCES)],
-        build_directory=str(build_dir),
-        extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3", "-std=c++17"],
-        extra_include_paths=[str(KERNELS_DIR)],
-    )
 
 
 def _emulated_sources(build_dir: Path) -> list[str]:
@@ -151,6 +154,19 @@ def cached_build_dir(name: str, sources: list[Path], flags: Sequence[str] = ()) 
             shutil.rmtree(stale, ignore_errors=True)
     build_dir.mkdir(parents=True, exist_ok=True)
     return build_dir
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path):
+    """Held around every ``cpp_extension.load`` of ``build_dir``, by one process at a
+    time.  torch's own lock there is a file, ``lock``, that a build killed mid-way
+    leaves behind, and every later load of the folder (a cached one too) then waits
+    for it forever.  This one is an ``flock``, which the kernel drops when its holder
+    dies: a ``lock`` file found while holding it is a dead build's, and is removed."""
+    with open(build_dir / "build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
 
 
 def _cuda_homes() -> list[Path]:
