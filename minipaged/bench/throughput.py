@@ -336,9 +336,9 @@ def bench_throughput(
     per_round, notes = [], []
     with cpu_threads(device, num_threads):
         for r in range(rounds):
-            # Every other round backwards: whichever system runs second can be slower
-            # for reasons of the machine's (docs/performance.md), so each goes first
-            # as often as the rounds allow.
+            # Every other round backwards: a machine's speed drifts from minute to
+            # minute (docs/performance.md), and taking turns spreads the drift over
+            # every system alike.
             order = list(systems) if r % 2 == 0 else list(systems)[::-1]
             runs, round_notes = _run_systems(
                 path,
