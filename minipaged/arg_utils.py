@@ -49,6 +49,11 @@ def json_object(text: str) -> dict:
     return value
 
 
+def mode_or_json_object(text: str) -> int | dict:
+    """vLLM's ``--compilation-config``: a mode (``1``) or a JSON object (``'{"mode": 1}'``)."""
+    return int(text) if text.strip().lstrip("-").isdigit() else json_object(text)
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an int >= 1, or argparse's error naming the flag."""
     try:
@@ -61,7 +66,7 @@ def positive_int(text: str) -> int:
 
 
 # Fields whose flag parses its value other than by the field's type.
-TYPES = {"speculative_config": json_object}
+TYPES = {"speculative_config": json_object, "compilation_config": mode_or_json_object}
 # Not flags: the model is an argument of its own; a trace needs code to read it.
 NOT_ENGINE_FLAGS = ("model", "trace")
 # vLLM's convention: `serve MODEL`, `--model MODEL` everywhere else; each resolved by
@@ -130,7 +135,9 @@ def add_fields(group, cls, names, flags: dict[str, str] | None = None) -> dict[s
 def _metavar(name, kind) -> str | None:
     if name in CHOICES:
         return None  # argparse shows {a,b,c}
-    return {int: "N", float: "X", json_object: "JSON"}.get(kind, name.upper())
+    return {int: "N", float: "X", json_object: "JSON", mode_or_json_object: "MODE|JSON"}.get(
+        kind, name.upper()
+    )
 
 
 def field_kwargs(args, dests: dict[str, str]) -> dict:

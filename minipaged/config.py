@@ -76,6 +76,12 @@ class EngineConfig:
             (a C++ kernel, built on first use), ``"triton"`` or ``"cuda"``.
         enforce_eager: run every decode step op by op; by default, on CUDA with the
             triton or cuda backend, decode steps replay CUDA graphs captured at start-up.
+        compilation_config: torch.compile, as vLLM's: its mode, an int or
+            ``{"mode": m}`` (`CompilationConfig`).  Mode 1 (``STOCK_TORCH_COMPILE``):
+            on a CPU, decode steps run the model compiled by inductor at start-up
+            (`minipaged.compiled_decode`); mode 0 (``NONE``, the default): eager.  vLLM
+            compiles by default; minipaged does not, as the compile takes about a
+            minute on two cores, for every engine a lesson or test starts.
         seed: seeds the random stream of requests without a seed of their own.
         trace: record an event trace (`minipaged.trace`).
         cpu_kv_space: GiB of KV pool on the CPU when ``num_gpu_blocks`` is None (vLLM's
@@ -129,6 +135,7 @@ class EngineConfig:
     max_model_len: int | None = None
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    compilation_config: CompilationConfig | int | dict | None = None
     seed: int = 0
     trace: bool = False
     cpu_kv_space: float = 1
@@ -206,6 +213,12 @@ class EngineConfig:
             )
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        self.compilation_config = CompilationConfig.from_value(self.compilation_config)
+        if self.enforce_eager and self.compilation_config.mode:
+            raise ValueError(
+                "enforce_eager=True runs every step eagerly, and compilation_config "
+                f"mode {self.compilation_config.mode} compiles: ask for one of them"
+            )
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.speculative_config is not None:
@@ -231,6 +244,44 @@ class EngineConfig:
                     f"{name} cannot run with pipeline_parallel_size="
                     f"{self.pipeline_parallel_size} in minipaged"
                 )
+
+
+# vLLM's CompilationMode values that minipaged runs: NONE, STOCK_TORCH_COMPILE.
+COMPILATION_MODES = (0, 1)
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """torch.compile's settings, with vLLM's ``compilation_config`` keys (its mode only).
+
+    Args:
+        mode: vLLM's ``CompilationMode``: 0 (``NONE``) runs every step eagerly; 1
+            (``STOCK_TORCH_COMPILE``) compiles the decode forward with inductor, on a
+            CPU.  vLLM's 2 (``DYNAMO_TRACE_ONCE``) and 3 (``VLLM_COMPILE``: its own
+            graph splitting and fusion passes) are refused.
+    """
+
+    mode: int = 0
+
+    @classmethod
+    def from_value(cls, value) -> CompilationConfig:
+        """vLLM's forms: None (the default), a mode, or a dict of keys; an unknown key
+        is refused, never ignored."""
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        if isinstance(value, dict):
+            if unknown := [key for key in value if key != "mode"]:
+                raise ValueError(
+                    f"compilation_config key {unknown[0]!r} is not supported by minipaged "
+                    "(it takes mode)"
+                )
+            value = value.get("mode", 0)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(
+                f"compilation_config must be a mode (int), a dict or None, got {value!r}"
+            )
+        _choice("compilation_config mode", value, COMPILATION_MODES)
+        return cls(mode=value)
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

@@ -121,17 +121,11 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
 
     def _metadata(self, size: int) -> AttentionMetadata:
-        none = self.context_lens[:0]
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            num_prefill_tokens=0,
-            prefill_block_tables=self.block_tables[:0],
-            prefill_query_start_loc=none,
-            prefill_context_lens=none,
-            max_prefill_query_len=0,
-            decode_block_tables=self.block_tables[:size],
-            decode_context_lens=self.context_lens[:size],
-            max_decode_context_len=self.max_context_len,
+        return AttentionMetadata.decode(
+            self.slot_mapping[:size],
+            self.block_tables[:size],
+            self.context_lens[:size],
+            self.max_context_len,
         )
 
     def run(

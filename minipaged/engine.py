@@ -35,6 +35,7 @@ from minipaged.adapters import Adapters
 from minipaged.batch import ScheduledSeq, StepSamples, logit_rows
 from minipaged.beam_search import BeamSearch
 from minipaged.cache_engine import block_bytes, fit_max_model_len, pool_sizes
+from minipaged.compiled_decode import check_compiled_decode
 from minipaged.config import EngineConfig
 from minipaged.cuda_graphs import capture_decode_graphs, uses_decode_graphs
 from minipaged.distributed.parallel_state import NO_PIPELINE, SINGLE
@@ -73,6 +74,8 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         path = resolve_model(config.model)
         self.attention_backend = resolve_backend(config.attention_backend, self.device)
+        if config.compilation_config.mode:
+            check_compiled_decode(config, self.device, self.attention_backend, read_config(path))
         self.workers = start_workers(config, path, self.device, self.attention_backend)
         try:
             self._load_model(path)
@@ -119,7 +122,7 @@ class LLMEngine:
         """The KV pools, as many blocks as the memory allows (§4.5), on every rank, of
         ``kv_cache_dtype`` (a draft model's pool beside them counted in); the KV cache
         manager over their block ids (§4.2); the decode graphs that replay over them
-        (CUDA only)."""
+        (CUDA), or the compiled decode forward (CPU)."""
         config, dtype = self.config, self.model.model.embed_tokens.weight.dtype
         self.kv_cache_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, dtype)
         models = [m for m in (self.model, self.draft_model) if m is not None]
@@ -161,6 +164,8 @@ class LLMEngine:
             capture_decode_graphs(
                 self.runner, self.cache_engine.gpu_cache, config.max_num_seqs, self.max_model_len
             )
+        elif config.compilation_config.mode:
+            self.runner.compile_decode(self.cache_engine.gpu_cache)
         if config.calculate_kv_scales:  # after the capture's dummy batches
             for model in models:
                 calculate_kv_scales_on_next_batch(model)

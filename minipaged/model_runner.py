@@ -11,7 +11,8 @@ decoding, a sequence's new tokens are its last token and a draft's guesses, and 
 their positions is projected: the target's verdict on every guess, in one pass
 (`minipaged.spec_decode`).
 With `capture_decode_graphs`, a step of decodes only replays a CUDA graph instead
-(`minipaged.cuda_graphs`).  With `enable_lora`, each token also gets its adapter's
+(`minipaged.cuda_graphs`); with `compile_decode`, on a CPU, it runs the model compiled
+by inductor (`minipaged.compiled_decode`).  With `enable_lora`, each token also gets its adapter's
 LoRA term (`minipaged.models.lora`): the batch is ordered by adapter slot within its
 prefills and its decodes, so each adapter's tokens form few segments.
 On a pipeline stage (``pipeline_parallel_size`` > 1) the runner runs the stage's layers
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from minipaged.batch import ScheduledSeq
+from minipaged.compiled_decode import CompiledDecode
 from minipaged.cuda_graphs import DecodeGraphs
 from minipaged.distributed.parallel_state import TIMELINE
 from minipaged.lora_request import LoRARequest
@@ -44,7 +46,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: DecodeGraphs | CompiledDecode | None = None
         self.lora: LoRAModelManager | None = None
 
     def enable_lora(self, max_loras: int, max_lora_rank: int, max_cpu_loras: int) -> None:
@@ -63,6 +65,12 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.model, kv_caches, self.block_size, max_num_seqs, max_model_len, self.device
             )
+
+    def compile_decode(self, kv_caches) -> None:
+        """Compile the decode forward over ``kv_caches`` (which must stay the tensors
+        every later step passes)."""
+        with torch.inference_mode():
+            self.graphs = CompiledDecode(self.model, kv_caches, self.device)
 
     @torch.inference_mode()
     def execute(

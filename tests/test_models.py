@@ -68,6 +68,7 @@ class PagedRunner:
 
     def __init__(self, model, block_size, num_blocks=64, seed=0, prefix_caching=False):
         self.model, self.block_size = model, block_size
+        self.forward = model  # what runs a step (`test_compiled_decode` puts its own)
         dtype = model.model.embed_tokens.weight.dtype
         self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, "cpu")
         for key_cache, value_cache in self.kv_caches:
@@ -105,7 +106,7 @@ class PagedRunner:
         )
         with torch.no_grad():
             positions = token_positions(num_cached, num_new)
-            hidden = self.model(torch.tensor(ids), positions, self.kv_caches, attn)
+            hidden = self.forward(torch.tensor(ids), positions, self.kv_caches, attn)
             return self.model.compute_logits(hidden).split(num_new)
 
 

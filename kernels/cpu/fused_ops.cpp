@@ -386,14 +386,21 @@ void rotary_embedding(torch::Tensor& query, torch::Tensor& key, const torch::Ten
 }
 
 // Registered with the dispatcher (torch.ops.<this extension's name>), as vLLM's ops are:
-// paged_attention.cpp holds the extension's one Python module.  The indirection lets the
-// build's name expand before TORCH_LIBRARY pastes it.
-#define MINIPAGED_LIBRARY(name, m) TORCH_LIBRARY(name, m)
-MINIPAGED_LIBRARY(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm(Tensor input, Tensor weight, float epsilon) -> Tensor", &rms_norm);
-  m.def("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float epsilon) -> ()",
-        &fused_add_rms_norm);
-  m.def("silu_and_mul(Tensor input) -> Tensor", &silu_and_mul);
-  m.def("rotary_embedding(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()",
-        &rotary_embedding);
+// a schema, which says what each op writes (`Tensor(a!)`), then a CPU kernel.  With no
+// kernel for every backend, torch.compile may trace them on shape-only tensors
+// (`minipaged.ops.cpu_ops.register_fakes`).  The indirection lets the build's name
+// expand before the macro pastes it.
+#define MINIPAGED_FRAGMENT(name, m) TORCH_LIBRARY_FRAGMENT(name, m)
+#define MINIPAGED_CPU_IMPL(name, m) TORCH_LIBRARY_IMPL(name, CPU, m)
+MINIPAGED_FRAGMENT(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm(Tensor input, Tensor weight, float epsilon) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float epsilon) -> ()");
+  m.def("silu_and_mul(Tensor input) -> Tensor");
+  m.def("rotary_embedding(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
+}
+MINIPAGED_CPU_IMPL(TORCH_EXTENSION_NAME, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
 }

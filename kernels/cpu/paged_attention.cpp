@@ -53,8 +53,10 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifdef MINIPAGED_ATTEND_TILE
@@ -837,11 +839,52 @@ void write_kv_quantized(torch::Tensor key, torch::Tensor value, torch::Tensor ke
   store_quantized(value.contiguous(), value_cache, slots, v_scale);
 }
 
+// key, value [T, num_kv_heads, head_dim] into key_cache, value_cache [num_blocks, block_size,
+// num_kv_heads, head_dim] of their dtype (contiguous): token t's heads, one contiguous row,
+// copied to row slot_mapping[t] of the cache seen as [num_blocks * block_size, ...] (-1:
+// skip).  The torch backend's index_copy_ without its mask: no host sync, one pass.
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
+              torch::Tensor value_cache, torch::Tensor slot_mapping) {
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "write_kv stores into contiguous caches");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type(),
+              "write_kv stores into a cache of the keys' dtype");
+  slot_mapping = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t tokens = key.size(0);
+  const int64_t row_bytes = key_cache.size(2) * key_cache.size(3) * key_cache.element_size();
+  for (auto [x, cache] : {std::pair{key, key_cache}, std::pair{value, value_cache}}) {
+    // Each token's heads must be one run of memory (a row of the packed qkv is).
+    if (x.stride(2) != 1 || x.stride(1) != x.size(2)) x = x.contiguous();
+    const char* src = static_cast<const char*>(x.data_ptr());
+    char* dst = static_cast<char*>(cache.data_ptr());
+    const int64_t src_stride = x.stride(0) * x.element_size();
+    for (int64_t t = 0; t < tokens; ++t) {
+      if (slots[t] >= 0) std::memcpy(dst + slots[t] * row_bytes, src + t * src_stride, row_bytes);
+    }
+  }
+}
+
+// The ops a model layer calls, registered with the dispatcher as fused_ops.cpp's are
+// (torch.ops.<this extension's name>); the Python module keeps what only Python asks.
+#define MINIPAGED_FRAGMENT(name, m) TORCH_LIBRARY_FRAGMENT(name, m)
+#define MINIPAGED_CPU_IMPL(name, m) TORCH_LIBRARY_IMPL(name, CPU, m)
+MINIPAGED_FRAGMENT(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor? query_start_loc, Tensor seq_lens, float scale, Tensor? k_scale, "
+        "Tensor? v_scale) -> Tensor");
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping) -> ()");
+  m.def("write_kv_quantized(Tensor key, Tensor value, Tensor(a!) key_cache, "
+        "Tensor(b!) value_cache, Tensor slot_mapping, Tensor k_scale, Tensor v_scale) -> ()");
+}
+MINIPAGED_CPU_IMPL(TORCH_EXTENSION_NAME, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv", &write_kv);
+  m.impl("write_kv_quantized", &write_kv_quantized);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention,
-        "PagedAttention over the paged KV cache, each query row through its block table");
-  m.def("write_kv_quantized", &write_kv_quantized,
-        "Quantize new keys and values into their slots of an fp8 or int8 cache");
   m.def("task_threads", &task_threads, "How many of torch's threads the kernel's tasks run on");
   m.attr("VECTOR_WIDTH") = W;
 }

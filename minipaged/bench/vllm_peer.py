@@ -71,6 +71,7 @@ ITS_OWN = (
     "attention_backend",
     "trace",
     "cpu_kv_space",  # as kv_cache_memory_bytes
+    "compilation_config",  # vLLM compiles by default, as its CPU build chooses
 )
 
 

@@ -46,8 +46,10 @@ ALL = (slice(None),)
 
 def linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ layer.weight.T (+ bias)``: through oneDNN's packed copy of the weight where
-    `minipaged.models.cpu_linear` made one (on a CPU), else ``F.linear``."""
-    if layer.packed_weight is None:
+    `minipaged.models.cpu_linear` made one (on a CPU), else ``F.linear``, which is also
+    what torch.compile traces: inductor packs the weights of its graph itself (its
+    ``freezing``), and cannot take a packed copy as an input."""
+    if layer.packed_weight is None or torch.compiler.is_compiling():
         return F.linear(x, layer.weight, bias)
     return torch.ops.mkldnn._linear_pointwise(
         x.contiguous(), layer.packed_weight, bias, "none", [], ""

@@ -13,7 +13,6 @@ tests nor the engine repeat that logic.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import struct
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ __all__ = [
     "AttentionMetadata",
     "PagedAttention",
     "allocate_kv_caches",
+    "bind_backends",
     "calculate_kv_scales_on_next_batch",
     "check_backend",
     "head_dim",
@@ -103,6 +103,29 @@ class AttentionMetadata:
             max_decode_context_len=max(context_lens[split:], default=0),
         )
 
+    @classmethod
+    def decode(
+        cls,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        max_context_len: int,
+    ) -> AttentionMetadata:
+        """The metadata of a step of decodes only, from its tensors as they are (the
+        decode graphs' fixed buffers, `minipaged.cuda_graphs`)."""
+        none = context_lens[:0]
+        return cls(
+            slot_mapping=slot_mapping,
+            num_prefill_tokens=0,
+            prefill_block_tables=block_tables[:0],
+            prefill_query_start_loc=none,
+            prefill_context_lens=none,
+            max_prefill_query_len=0,
+            decode_block_tables=block_tables,
+            decode_context_lens=context_lens,
+            max_decode_context_len=max_context_len,
+        )
+
 
 def token_positions(
     num_cached: list[int], num_new: list[int], device: torch.device | str = "cpu"
@@ -173,7 +196,15 @@ class PagedAttention(nn.Module):
         super().__init__()
         _check_name(backend)
         self.scale, self.backend = scale, backend
+        self.impl = None  # the backend's ops, resolved for the cache's device (`bind`)
         self.calculate_kv_scales = False
+
+    def bind(self, device: torch.device):
+        """Resolve this layer's backend for ``device`` (`get_backend` imports and checks
+        it): once, since every step asks; torch.compile needs it resolved before it
+        traces (`bind_backends`)."""
+        self.impl = get_backend(self.backend, device)
+        return self.impl
 
     def forward(
         self,
@@ -190,7 +221,7 @@ class PagedAttention(nn.Module):
         if self.calculate_kv_scales:
             kv_quant.calculate_kv_scales(key, value, *scales)
             self.calculate_kv_scales = False
-        impl = _backend(self.backend, key_cache.device)
+        impl = self.impl or self.bind(key_cache.device)
         impl.write_kv(key, value, key_cache, value_cache, attn.slot_mapping, *scales)
         n = attn.num_prefill_tokens
         prefill = decode = None
@@ -226,11 +257,11 @@ class PagedAttention(nn.Module):
         return f"scale={self.scale:.4g}, backend={self.backend!r}"
 
 
-@functools.cache
-def _backend(name: str, device: torch.device):
-    # `get_backend` imports and checks the backend: asked by every layer of every step,
-    # with an answer that does not change (a failure raises and is asked again).
-    return get_backend(name, device)
+def bind_backends(model: nn.Module, device: torch.device) -> None:
+    """Resolve every attention layer's backend for ``device`` now (`PagedAttention.bind`)."""
+    for module in model.modules():
+        if isinstance(module, PagedAttention):
+            module.bind(device)
 
 
 def calculate_kv_scales_on_next_batch(model: nn.Module) -> None:

@@ -11,10 +11,11 @@ instruction set the CPU has (`ISA_FLAGS`: AVX-512, AVX2, or plain C++), and cach
 the CUDA kernels (`cuda_build.cached_build_dir`), one build per instruction set.
 
 Decode and prefill are the same kernel: each sequence's query rows are its last
-positions.  ``write_kv`` is the torch backend's ``index_copy_`` for a cache of the
-model's dtype, and the kernel's own quantizing store for fp8 or int8 (`kv_quant`'s
+positions.  ``write_kv`` copies each token's keys and values to its slot in C++ too
+(vLLM's ``reshape_and_cache``), quantizing them for an fp8 or int8 cache (`kv_quant`'s
 rules).  Arguments are checked in ``minipaged.ops``; these functions assume well-formed
-input.
+input.  Every op is registered with torch's dispatcher, with a shape-only version for
+torch.compile (`register_fakes`), as vLLM's C++ ops are.
 
 The same build compiles ``kernels/cpu/fused_ops.cpp``, the small ops around a layer's
 projections fused as vLLM's CPU backend has them (`rms_norm`, `fused_add_rms_norm`,
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from minipaged.ops import cuda_build, kv_quant, torch_ref
+from minipaged.ops import cuda_build, kv_quant
 
 __all__ = [
     "ISA_ENV",
@@ -90,6 +91,7 @@ def check_available(device: torch.device) -> None:
         raise RuntimeError(reason)
 
 
+@torch.compiler.assume_constant_result  # torch.compile asks once, while tracing
 def available() -> bool:
     """Whether the C++ extension runs here (built on the first call, as
     `check_available`)."""
@@ -140,13 +142,13 @@ def isa() -> str:
 
 
 def write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None):
-    """Store the new keys and values at their slots: the torch backend's
-    ``index_copy_`` for a cache of the model's dtype, the kernel's quantizing store
-    (`kv_quant`'s rules, one pass in C++) for fp8 or int8."""
+    """Store the new keys and values at their slots (slot -1: skip), one pass in C++:
+    copied into a cache of the model's dtype, quantized by `kv_quant`'s rules into fp8
+    or int8."""
     if not kv_quant.is_quantized(key_cache.dtype):
-        torch_ref.write_kv(key, value, key_cache, value_cache, slot_mapping)
+        _ops().write_kv(key, value, key_cache, value_cache, slot_mapping)
         return
-    _kernel().write_kv_quantized(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    _ops().write_kv_quantized(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention_decode(
@@ -161,7 +163,7 @@ def paged_attention_decode(
     max_context_len=None,
 ):
     """One new token per sequence attends to its ``context_lens[b]`` cached tokens."""
-    return _kernel().paged_attention(
+    return _ops().paged_attention(
         query,
         key_cache,
         value_cache,
@@ -188,7 +190,7 @@ def paged_attention_prefill(
     """Sequence ``b``'s new tokens are rows ``query_start_loc[b]:query_start_loc[b+1]``,
     its last ``n_new`` positions: new token ``j`` sees ``context_lens[b] - n_new + j + 1``
     of them (the cached prefix, the new tokens before it, itself)."""
-    return _kernel().paged_attention(
+    return _ops().paged_attention(
         query,
         key_cache,
         value_cache,
@@ -202,26 +204,26 @@ def paged_attention_prefill(
 
 def rms_norm(x, weight, eps):
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension, a new tensor."""
-    return _fused().rms_norm(x, weight, eps)
+    return _ops().rms_norm(x, weight, eps)
 
 
 def fused_add_rms_norm(x, residual, weight, eps):
     """``residual += x``, then ``x = rms_norm(residual)``, in place (on contiguous
     copies if they are not); returns ``(x, residual)``."""
     x, residual = x.contiguous(), residual.contiguous()
-    _fused().fused_add_rms_norm(x, residual, weight, eps)
+    _ops().fused_add_rms_norm(x, residual, weight, eps)
     return x, residual
 
 
 def silu_and_mul(gate_up):
     """``silu(gate) * up`` of ``gate_up [..., 2 * d]``, a new ``[..., d]``."""
-    return _fused().silu_and_mul(gate_up)
+    return _ops().silu_and_mul(gate_up)
 
 
 def rotary_embedding(query, key, cos, sin):
     """Rotate ``query [T, heads, head_dim]`` and ``key [T, kv_heads, head_dim]`` in place
     by ``cos, sin [T, head_dim / 2]``; returns them."""
-    _fused().rotary_embedding(query, key, cos, sin)
+    _ops().rotary_embedding(query, key, cos, sin)
     return query, key
 
 
@@ -231,14 +233,38 @@ def _kernel():
     return build(isa())
 
 
-def _fused():
-    """The fused ops of `_kernel`'s build (torch.ops under the extension's name)."""
-    return fused_ops(_kernel())
+def _ops():
+    """The ops of `_kernel`'s build (torch.ops under the extension's name)."""
+    return getattr(torch.ops, _namespace())
 
 
-def fused_ops(module):
-    """The fused ops a `build` registered, as ``torch.ops`` namespace."""
+@torch.compiler.assume_constant_result  # torch.compile asks once, while tracing
+def _namespace() -> str:
+    return _kernel().__name__
+
+
+def registered_ops(module):
+    """The ops a `build` registered with torch's dispatcher, as a ``torch.ops``
+    namespace: the attention kernel's and the fused ops."""
     return getattr(torch.ops, module.__name__)
+
+
+def register_fakes(namespace: str) -> None:
+    """Tell torch the shape of each op's output without running it (its "fake"
+    kernel), so that torch.compile traces a model through them on shape-only tensors
+    and keeps each one as a single call in its graph (vLLM registers its C++ ops so).
+    The ops that write in place return nothing: their schemas say what they write."""
+    fakes = {
+        "paged_attention": lambda query, *rest: torch.empty_like(query),
+        "write_kv": lambda *args: None,
+        "write_kv_quantized": lambda *args: None,
+        "rms_norm": lambda x, weight, eps: torch.empty_like(x),
+        "fused_add_rms_norm": lambda *args: None,
+        "silu_and_mul": lambda x: x.new_empty(*x.shape[:-1], x.shape[-1] // 2),
+        "rotary_embedding": lambda *args: None,
+    }
+    for name, fake in fakes.items():
+        torch.library.register_fake(f"{namespace}::{name}")(fake)
 
 
 @functools.cache
@@ -258,13 +284,15 @@ def build(name: str):
             file=sys.stderr,
         )
     with cuda_build.build_lock(build_dir):
-        return cpp_extension.load(
+        extension = cpp_extension.load(
             module,
             [str(source) for source in SOURCES],
             build_directory=str(build_dir),
             extra_cflags=flags,
             extra_ldflags=[*OPENMP_FLAGS],  # a list of its own: load() appends to it
         )
+    register_fakes(module)
+    return extension
 
 
 def build_with_attend_tile(path: Path):
