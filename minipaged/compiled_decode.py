@@ -79,7 +79,7 @@ class CompiledDecode:
 
     def __init__(self, model, kv_caches, device: torch.device) -> None:
         bind_backends(model, device)
-        self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.kv_caches, self.device = kv_caches, device
         # Each engine its own graphs: torch would count them against one limit per class.
         self.forward = torch.compile(model, dynamic=True, fullgraph=True, isolate_recompiles=True)
         self.num_runs = 0

