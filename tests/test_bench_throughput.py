@@ -185,24 +185,6 @@ def test_every_request_gets_exactly_its_wanted_tokens(tiny):
     assert batched.generated == [7, 7, 9, 9, 2] and batched.output == wanted
 
 
-def test_the_compiled_system_runs_its_decode_steps_through_the_graph(tiny):
-    requests = [RequestSpec(5, 7), RequestSpec(12, 3), RequestSpec(3, 9)]
-    prompts = [[(7 * i + j) % 256 for j in range(r.prompt_len)] for i, r in enumerate(requests)]
-    result = bench.bench_throughput(
-        tiny,
-        ["minipaged-cpu", bench.COMPILED],
-        requests,
-        prompts,
-        {"device": "cpu"},
-        progress=False,
-    )
-    eager, compiled = (result.runs[s].row for s in ("minipaged-cpu", bench.COMPILED))
-    assert compiled["system"] == bench.COMPILED and eager["num_compiled_steps"] == 0
-    # Every step after the three prompts' (one step: they fit its token budget) decodes.
-    assert compiled["num_compiled_steps"] == compiled["num_steps"] - 1 == 8
-    assert result.runs[bench.COMPILED].generated == [7, 3, 9]
-
-
 def test_lengths_are_scaled_to_the_models_context():
     drawn = synthetic_requests("sharegpt", 50, seed=3, max_len=presets.PAPER_CONTEXT)
     assert presets.make_requests(50, 2048, 1.0, seed=3) == drawn

@@ -24,9 +24,11 @@ from engine_helpers import (
     random_prompt,
 )
 from minipaged import LLM, SamplingParams
+from minipaged.bench import throughput as bench
 from minipaged.compiled_decode import CompiledDecode
 from minipaged.config import CompilationConfig
 from minipaged.models import load_model, make_tiny_model
+from minipaged.workloads import RequestSpec
 from test_models import FP32, PagedRunner, hf_logits, random_tokens
 
 pytestmark = pytest.mark.skipif(
@@ -231,3 +233,21 @@ def test_enforce_eager_and_a_compile_are_refused_together(tmp_path):
 def test_what_one_graph_cannot_hold_is_refused_before_loading(llama, settings, message):
     with pytest.raises(ValueError, match=f"compilation_config mode 1 compiles {message}"):
         make_llm(llama[0], compilation_config=1, **settings)
+
+
+def test_the_compiled_system_runs_its_decode_steps_through_the_graph(llama):
+    requests = [RequestSpec(5, 7), RequestSpec(12, 3), RequestSpec(3, 9)]
+    prompts = [[(7 * i + j) % 256 for j in range(r.prompt_len)] for i, r in enumerate(requests)]
+    result = bench.bench_throughput(
+        llama[0],
+        ["minipaged-cpu", bench.COMPILED],
+        requests,
+        prompts,
+        {"device": "cpu"},
+        progress=False,
+    )
+    eager, compiled = (result.runs[s].row for s in ("minipaged-cpu", bench.COMPILED))
+    assert compiled["system"] == bench.COMPILED and eager["num_compiled_steps"] == 0
+    # Every step after the three prompts' (one step: they fit its token budget) decodes.
+    assert compiled["num_compiled_steps"] == compiled["num_steps"] - 1 == 8
+    assert result.runs[bench.COMPILED].generated == [7, 3, 9]
