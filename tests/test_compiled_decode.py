@@ -8,7 +8,7 @@ graph must serve every batch size and block-table width, so the tests count the
 graphs torch compiled.  The pairs with the engine's other features run here: prefix
 caching, chunked prefill, preemption by recompute and by swap, a quantized cache,
 n > 1, beam search, speculative decoding; the features that cannot run in one graph
-are refused.
+are refused.  ``bench throughput``'s compiled system runs its decode steps through it.
 """
 
 import pytest
