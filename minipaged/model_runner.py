@@ -12,9 +12,9 @@ their positions is projected: the target's verdict on every guess, in one pass
 (`minipaged.spec_decode`).
 With `capture_decode_graphs`, a step of decodes only replays a CUDA graph instead
 (`minipaged.cuda_graphs`); with `compile_decode`, on a CPU, it runs the model compiled
-by inductor (`minipaged.compiled_decode`).  With `enable_lora`, each token also gets its adapter's
-LoRA term (`minipaged.models.lora`): the batch is ordered by adapter slot within its
-prefills and its decodes, so each adapter's tokens form few segments.
+by inductor (`minipaged.compiled_decode`).  With `enable_lora`, each token also gets
+its adapter's LoRA term (`minipaged.models.lora`): the batch is ordered by adapter slot
+within its prefills and its decodes, so each adapter's tokens form few segments.
 On a pipeline stage (``pipeline_parallel_size`` > 1) the runner runs the stage's layers
 only, micro-batch by micro-batch, receiving and sending the hidden states between
 stages (`ModelRunner._execute_stage`).
