@@ -1,6 +1,6 @@
 """Lesson 05: the scheduler's admission of a waiting request (paper §4.5).
 
-Write ``admission_plan``, the method of `minipaged.scheduler.Scheduler` that sizes a
+Write ``admission_plan``, the method of `minipaged.core.sched.scheduler.Scheduler` that sizes a
 waiting request's first chunk: how many of each sequence's prompt tokens it can
 compute this step.  ``self.kv.num_cached_tokens(token_ids)`` says how many leading
 tokens the prefix cache already holds (0 without prefix caching); those are not
@@ -10,7 +10,7 @@ free, so a long prompt is *chunked* (chunked prefill) rather than refused.
 Check with ``make check LESSON=05``.
 """
 
-from minipaged.scheduler import _later  # noqa: F401  (tokens to leave for later sequences)
+from minipaged.core.sched.scheduler import _later  # noqa: F401  (tokens to leave for later sequences)
 from minipaged.sequence import Sequence
 
 

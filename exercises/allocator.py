@@ -1,6 +1,6 @@
 """Lesson 01: the block allocator's two moves (paper §4.2).
 
-Write ``allocate`` and ``free``, methods of `minipaged.memory.allocator.BlockAllocator`
+Write ``allocate`` and ``free``, methods of `minipaged.core.memory.allocator.BlockAllocator`
 (``self`` is the pool).  What they may use:
 
 * ``self._free``: the free list, a list of block ids used as a stack (``pop()`` takes
@@ -15,7 +15,7 @@ Write ``allocate`` and ``free``, methods of `minipaged.memory.allocator.BlockAll
 Check with ``make check LESSON=01`` (or ``minipaged check 01``).
 """
 
-from minipaged.memory.allocator import NoFreeBlocksError  # noqa: F401  (raise it)
+from minipaged.core.memory.allocator import NoFreeBlocksError  # noqa: F401  (raise it)
 
 
 def allocate(self) -> int:

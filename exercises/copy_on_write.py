@@ -1,6 +1,6 @@
 """Lesson 03: copy-on-write (paper §4.4).
 
-Write ``copy_on_write``, the method `minipaged.memory.block_table.BlockTable` calls
+Write ``copy_on_write``, the method `minipaged.core.memory.block_table.BlockTable` calls
 before it writes into a last block that another sequence shares (its reference count
 is above 1).  ``self`` is the block table: ``self.blocks`` lists its physical blocks,
 ``self.allocator`` is the pool (``allocate()``, ``free(block)``, ``ref_count(block)``).

@@ -1,7 +1,7 @@
 """Lesson 04: prefix caching's chained block hashes, and the lookup (paper §4.4).
 
 Write ``hash_block`` and ``match_prefix`` (a method of
-`minipaged.memory.prefix_cache.PrefixCachingBlockAllocator`; ``self`` is the pool).
+`minipaged.core.memory.prefix_cache.PrefixCachingBlockAllocator`; ``self`` is the pool).
 ``match_prefix`` may use:
 
 * ``self.block_size``;
@@ -12,7 +12,7 @@ Write ``hash_block`` and ``match_prefix`` (a method of
 Check with ``make check LESSON=04``.
 """
 
-from minipaged.memory.prefix_cache import ROOT_ID, CachedBlock, root_hash  # noqa: F401  (use them)
+from minipaged.core.memory.prefix_cache import ROOT_ID, CachedBlock, root_hash  # noqa: F401  (use them)
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:

@@ -1,7 +1,7 @@
 """Lesson 13: modified rejection sampling, which makes speculation lossless (Leviathan et
 al. 2023, §2.3; Chen et al. 2023, Algorithm 2).
 
-Write ``modified_rejection_sampling``, the rule `minipaged.spec_decode.rejection_sampler`'s
+Write ``modified_rejection_sampling``, the rule `minipaged.sample.rejection_sampler`'s
 ``rejection_sample`` applies once it has checked the shapes.  A draft drew guess ``x_i``
 from its distribution ``q_i``; the target's distribution at the same position is
 ``p_i = target_probs[i]``.  For ``i = 1..k``: accept ``x_i`` with probability
@@ -19,7 +19,7 @@ Check with ``make check LESSON=13``.
 
 import torch
 
-from minipaged.spec_decode.rejection_sampler import _draw  # noqa: F401  (use it)
+from minipaged.sample.rejection_sampler import _draw  # noqa: F401  (use it)
 
 
 def modified_rejection_sampling(

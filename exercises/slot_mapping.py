@@ -1,6 +1,6 @@
 """Lesson 02: slot mapping, logical positions to physical cache slots (paper §4.2, §4.3).
 
-Write ``slot_mapping``, which `minipaged.memory.block_table` uses wherever a token's
+Write ``slot_mapping``, which `minipaged.core.memory.block_table` uses wherever a token's
 key and value must be stored.  Check with ``make check LESSON=02``.
 """
 

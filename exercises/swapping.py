@@ -1,6 +1,6 @@
 """Lesson 06: planning a swap, out to the CPU pool or back in (paper §4.5).
 
-Write ``swap``, the method of `minipaged.memory.kv_cache_manager.KVCacheManager` behind
+Write ``swap``, the method of `minipaged.core.memory.kv_cache_manager.KVCacheManager` behind
 both ``swap_out`` and ``swap_in``.  It moves a whole request, all or nothing, from the
 pool ``src`` to the pool ``dst`` (each a `BlockAllocator`: ``allocate()``,
 ``free(block)``, ``incref(block)``, ``num_free_blocks``, ``device``).  It may use:
@@ -13,7 +13,7 @@ pool ``src`` to the pool ``dst`` (each a `BlockAllocator`: ``allocate()``,
 Check with ``make check LESSON=06``.
 """
 
-from minipaged.memory.allocator import BlockAllocator, NoFreeBlocksError  # noqa: F401
+from minipaged.core.memory.allocator import BlockAllocator, NoFreeBlocksError  # noqa: F401
 
 
 def swap(

@@ -16,7 +16,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from minipaged.memory.contiguous import POLICIES
+from minipaged.core.memory.contiguous import POLICIES
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
 DEVICES = ("auto", "cpu", "cuda")
@@ -29,7 +29,7 @@ ALL2ALL_BACKENDS = ("alltoall", "allgather_reducescatter")
 # How the ranks of tensor_parallel_size > 1 start: spawned by the engine's process
 # (vLLM's "mp"), or each started by a launcher such as torchrun, on any host.
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")
-# The names of the memory simulation's systems (minipaged.memory.simulate.SYSTEMS).
+# The names of the memory simulation's systems (minipaged.core.memory.simulate.SYSTEMS).
 MEMORY_MODES = ("paged", *(f"contiguous-{policy}" for policy in POLICIES))
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -79,7 +79,7 @@ class EngineConfig:
         compilation_config: torch.compile, as vLLM's: its mode, an int or
             ``{"mode": m}`` (`CompilationConfig`).  Mode 1 (``STOCK_TORCH_COMPILE``):
             on a CPU, decode steps run the model compiled by inductor at start-up
-            (`minipaged.compiled_decode`); mode 0 (``NONE``, the default): eager.  vLLM
+            (`minipaged.worker.compiled_decode`); mode 0 (``NONE``, the default): eager.  vLLM
             compiles by default; minipaged does not, as the compile takes about a
             minute on two cores, for every engine a lesson or test starts.
         seed: seeds the random stream of requests without a seed of their own.

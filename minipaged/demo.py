@@ -23,9 +23,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .memory.simulate import OPT13B_A100_SLOTS, simulate_systems
+from .core.memory.simulate import OPT13B_A100_SLOTS, simulate_systems
+from .core.memory.workloads import MEMORY_NUM_REQUESTS, synthetic_requests
 from .sampling_params import RequestOutputKind, SamplingParams
-from .workloads import MEMORY_NUM_REQUESTS, synthetic_requests
 
 DEMO_MODEL = "smollm2"
 SYSTEM_PROMPT = "You are a helpful assistant. Answer in one or two short sentences."

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from minipaged.config import EngineConfig
-from minipaged.engine import LLMEngine
+from minipaged.engine.llm_engine import LLMEngine
 from minipaged.lora_request import LoRARequest
 from minipaged.outputs import BeamSearchOutput, Output, RequestOutput
 from minipaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams

@@ -10,7 +10,7 @@ class CompletionOutput:
     """One completion of a request.
 
     ``logprobs`` is None unless the request asked for them; then one
-    ``{token_id: logprob}`` per generated token (`minipaged.sampler.SamplerOutput`).
+    ``{token_id: logprob}`` per generated token (`minipaged.sample.sampler.SamplerOutput`).
     ``cumulative_logprob``, their sum, is None with them (vLLM V1: only a request that
     asks for logprobs pays for normalising the logits).
     ``finish_reason`` is ``"stop"`` (EOS, a stop token or string), ``"length"``

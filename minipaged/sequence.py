@@ -47,7 +47,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     generator: Any = None  # its own torch.Generator when the request has a seed
-    # Its text so far, decoded a few tokens at a time (minipaged.detokenizer), and how
+    # Its text so far, decoded a few tokens at a time (minipaged.engine.detokenizer), and how
     # much of it and of its tokens a DELTA output has already reported.
     output_text: str = ""
     detokenizer: Any = None

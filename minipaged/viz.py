@@ -29,8 +29,8 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
-from .memory import KVCacheManager, PrefixCachingBlockAllocator
-from .memory.simulate import MemoryReport
+from .core.memory import KVCacheManager, PrefixCachingBlockAllocator
+from .core.memory.simulate import MemoryReport
 
 _FREE, _CACHED, _EDGE = "#f4f4f4", "#bdbdbd", "#555555"
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from minipaged.memory.block_table import slot_mapping
+from minipaged.core.memory.block_table import slot_mapping
 from minipaged.ops import (
     cpu_ops,
     decode_oracle,

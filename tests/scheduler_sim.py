@@ -1,7 +1,7 @@
 """A scheduler simulator: drives a :class:`Scheduler` the way an engine does, with a fake model.
 
 Written from the scheduler's and the KV cache manager's contracts (not from
-``minipaged.engine``), and torch-free.  Each step:
+``minipaged.engine.llm_engine``), and torch-free.  Each step:
 
 1. ``schedule()``;
 2. the step's block operations run on a *shadow* KV store, in the contract's order
@@ -30,10 +30,10 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 
-from minipaged.batch import SchedulerOutput
-from minipaged.memory import KVCacheManager
+from minipaged.core.memory import KVCacheManager
+from minipaged.core.sched.output import SchedulerOutput
+from minipaged.core.sched.scheduler import Scheduler
 from minipaged.sampling_params import SamplingParams
-from minipaged.scheduler import Scheduler
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.trace import Trace
 

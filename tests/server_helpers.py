@@ -64,7 +64,7 @@ def in_process_app(path, api_key: str | None = None, engine_kwargs=None, **app_k
     import uvicorn
 
     from minipaged.config import EngineConfig
-    from minipaged.engine import LLMEngine
+    from minipaged.engine.llm_engine import LLMEngine
     from minipaged.server.app import ServerLimits, build_app, uvicorn_config
     from minipaged.server.async_engine import AsyncEngine
 

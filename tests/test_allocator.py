@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from minipaged.memory import (
+from minipaged.core.memory import (
     BlockAllocator,
     KVCacheManager,
     NoFreeBlocksError,

@@ -13,7 +13,7 @@ import pytest
 
 from engine_helpers import EOS, as_inputs, assert_all_blocks_free, make_llm, random_prompt
 from minipaged import BeamSearchParams
-from minipaged.memory.block_table import blocks_for
+from minipaged.core.memory.block_table import blocks_for
 
 MAX_TOKENS = 8
 

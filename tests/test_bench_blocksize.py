@@ -17,9 +17,9 @@ from matplotlib.figure import Figure
 from cli_helpers import run_main
 from minipaged.bench import blocksize as bench
 from minipaged.bench.presets import make_prompts, preset_device
+from minipaged.core.memory.workloads import RequestSpec
 from minipaged.llm import LLM
 from minipaged.models import make_tiny_model
-from minipaged.workloads import RequestSpec
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ from minipaged.bench import latency as bench
 from minipaged.bench.presets import make_prompts
 from minipaged.bench.results import write_results
 from minipaged.config import MEMORY_MODES
+from minipaged.core.memory.workloads import RequestSpec, arrival_times, synthetic_requests
 from minipaged.models import make_tiny_model
 from minipaged.sampling_params import SamplingParams
-from minipaged.workloads import RequestSpec, arrival_times, synthetic_requests
 
 ROW_FIELDS = {
     "mode",

@@ -11,8 +11,8 @@ import pytest
 from cli_helpers import run_main
 from minipaged.bench import results
 from minipaged.bench.memory import bench_memory, slots_for
-from minipaged.memory.simulate import OPT13B_A100_SLOTS, SYSTEMS, simulate_memory
-from minipaged.workloads import MEMORY_NUM_REQUESTS, synthetic_requests
+from minipaged.core.memory.simulate import OPT13B_A100_SLOTS, SYSTEMS, simulate_memory
+from minipaged.core.memory.workloads import MEMORY_NUM_REQUESTS, synthetic_requests
 
 KEYS = {"token_share", "reserved_share", "internal_share", "external_share", "max_batch"}
 

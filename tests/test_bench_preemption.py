@@ -14,11 +14,11 @@ from matplotlib.figure import Figure
 from cli_helpers import run_main
 from minipaged.bench import preemption as bench
 from minipaged.bench.presets import make_prompts
-from minipaged.cache_engine import GIB
+from minipaged.core.memory.workloads import RequestSpec
 from minipaged.llm import LLM
 from minipaged.models import make_tiny_model
 from minipaged.models.tiny import BASE_CONFIG
-from minipaged.workloads import RequestSpec
+from minipaged.worker.cache_engine import GIB
 
 # The tiny model's KV per token and block slot: keys and values, every layer, its KV heads.
 LAYERS, KV_HEADS, HEAD_DIM = (

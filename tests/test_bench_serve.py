@@ -13,7 +13,7 @@ import pytest
 
 from minipaged.bench import serve
 from minipaged.bench.serve import Request, RequestRecord, ServerError
-from minipaged.workloads import synthetic_requests
+from minipaged.core.memory.workloads import synthetic_requests
 
 
 def hand_made_records() -> list[RequestRecord]:

@@ -16,10 +16,10 @@ import pytest
 from cli_helpers import run_main
 from minipaged.bench.results import committed_path
 from minipaged.bench.sharing import measure_sharing
+from minipaged.core.memory.simulate import OPT13B_A100_SLOTS
+from minipaged.core.memory.workloads import SHARING_NUM_REQUESTS
 from minipaged.llm import LLM
-from minipaged.memory.simulate import OPT13B_A100_SLOTS
 from minipaged.models.tiny import cached_checkpoint
-from minipaged.workloads import SHARING_NUM_REQUESTS
 
 P, OUT = 8, 6  # P and O above
 

@@ -13,9 +13,9 @@ from minipaged.bench import hf_baselines, presets
 from minipaged.bench import overhead as probe
 from minipaged.bench import throughput as bench
 from minipaged.cli import main
+from minipaged.core.memory.workloads import RequestSpec, synthetic_requests
 from minipaged.models import make_tiny_model
 from minipaged.models.tiny import BOS_ID, EOS_ID, PAD_ID
-from minipaged.workloads import RequestSpec, synthetic_requests
 
 # Its Hugging Face baselines hold about 12 GB at their peak: never beside another test.
 pytestmark = pytest.mark.serial

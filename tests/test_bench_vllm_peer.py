@@ -14,8 +14,8 @@ from cli_helpers import run_main
 from minipaged.bench import throughput
 from minipaged.bench import vllm_peer as peer
 from minipaged.bench.common import usable_cores
+from minipaged.core.memory.workloads import RequestSpec
 from minipaged.models import make_tiny_model
-from minipaged.workloads import RequestSpec
 
 REQUESTS = [RequestSpec(3, 5), RequestSpec(7, 2), RequestSpec(4, 6)]
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20, 21, 22, 23]]

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from minipaged.memory import BlockAllocator, BlockTable, NoFreeBlocksError
-from minipaged.memory.prefix_cache import PrefixCachingBlockAllocator
+from minipaged.core.memory import BlockAllocator, BlockTable, NoFreeBlocksError
+from minipaged.core.memory.prefix_cache import PrefixCachingBlockAllocator
 
 
 def ceil_div(a, b):

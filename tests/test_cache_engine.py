@@ -16,9 +16,9 @@ import pytest
 import torch
 from transformers import AutoConfig, LlamaConfig
 
-from minipaged.batch import SchedulerOutput
-from minipaged.cache_engine import CacheEngine, block_bytes
+from minipaged.core.sched.output import SchedulerOutput
 from minipaged.models.tiny import make_tiny_model
+from minipaged.worker.cache_engine import CacheEngine, block_bytes
 from scheduler_sim import SchedulerSim, expected_tokens
 
 CPU = torch.device("cpu")

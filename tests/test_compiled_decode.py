@@ -1,4 +1,4 @@
-"""Decode steps through the model compiled by inductor (`minipaged.compiled_decode`,
+"""Decode steps through the model compiled by inductor (`minipaged.worker.compiled_decode`,
 ``compilation_config`` mode 1).
 
 The oracles: Hugging Face's model on the same tiny checkpoints (greedy tokens and
@@ -25,10 +25,10 @@ from engine_helpers import (
 )
 from minipaged import LLM, SamplingParams
 from minipaged.bench import throughput as bench
-from minipaged.compiled_decode import CompiledDecode
 from minipaged.config import CompilationConfig
+from minipaged.core.memory.workloads import RequestSpec
 from minipaged.models import load_model, make_tiny_model
-from minipaged.workloads import RequestSpec
+from minipaged.worker.compiled_decode import CompiledDecode
 from test_models import FP32, PagedRunner, hf_logits, random_tokens
 
 pytestmark = pytest.mark.skipif(

@@ -5,9 +5,9 @@ The simulation is checked on workloads small enough to work out by hand.
 
 import pytest
 
-from minipaged.memory.contiguous import ContiguousAllocator, reservation_size
-from minipaged.memory.simulate import SYSTEMS, simulate_memory
-from minipaged.workloads import RequestSpec, synthetic_requests
+from minipaged.core.memory.contiguous import ContiguousAllocator, reservation_size
+from minipaged.core.memory.simulate import SYSTEMS, simulate_memory
+from minipaged.core.memory.workloads import RequestSpec, synthetic_requests
 
 
 @pytest.mark.parametrize(

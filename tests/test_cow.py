@@ -13,7 +13,7 @@ import random
 import pytest
 
 from memory_shadow import Shadow, ceil_div
-from minipaged.memory import BlockAllocator, BlockTable, KVCacheManager, NoFreeBlocksError
+from minipaged.core.memory import BlockAllocator, BlockTable, KVCacheManager, NoFreeBlocksError
 
 
 def pool_state(pool):

@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs (minipaged.cuda_graphs).  On a CPU: which batch
+"""Decode steps replayed from CUDA graphs (minipaged.worker.cuda_graphs).  On a CPU: which batch
 sizes are captured and how a batch is padded, worked out by hand, and that nothing is
 captured where graphs cannot run.  On a GPU (``gpu``-marked): greedy tokens identical
 with and without graphs, for batches that need padding, with every block freed."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from minipaged import LLM, SamplingParams
-from minipaged.cuda_graphs import graph_batch_sizes, padded_batch_size
 from minipaged.models import make_tiny_model
+from minipaged.worker.cuda_graphs import graph_batch_sizes, padded_batch_size
 
 
 @pytest.mark.parametrize(

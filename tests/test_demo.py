@@ -10,7 +10,7 @@ import pytest
 
 from minipaged import LLM, SamplingParams, demo
 from minipaged.cli import main
-from minipaged.memory.block_table import blocks_for
+from minipaged.core.memory.block_table import blocks_for
 from minipaged.models.tiny import cached_checkpoint
 
 N, MAX_TOKENS, BLOCK = 2, 12, 16

@@ -1,4 +1,4 @@
-"""Incremental detokenization (minipaged.detokenizer) against the oracle: the tokenizer's
+"""Incremental detokenization (minipaged.engine.detokenizer) against the oracle: the tokenizer's
 own ``decode`` of the whole completion.
 
 Two tokenizers with the two traps: the tiny checkpoints' byte-level one (a character may
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tokenizers import SentencePieceBPETokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from minipaged.detokenizer import IncrementalDetokenizer
+from minipaged.engine.detokenizer import IncrementalDetokenizer
 from minipaged.models import make_tiny_model
 from minipaged.models.tiny import BOS_ID, EOS_ID
 

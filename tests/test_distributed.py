@@ -29,7 +29,7 @@ from engine_helpers import (
     random_prompt,
 )
 from minipaged import LLM, SamplingParams
-from minipaged.memory.block_table import blocks_for
+from minipaged.core.memory.block_table import blocks_for
 from minipaged.sampling_params import BeamSearchParams
 
 MAX_TOKENS = 10
@@ -272,7 +272,7 @@ def test_tensor_parallel_size_flag(command):
 
 def test_bench_throughput_reports_communication_per_step(tiny):
     from minipaged.bench.throughput import run_minipaged
-    from minipaged.workloads import RequestSpec
+    from minipaged.core.memory.workloads import RequestSpec
 
     path, _ = tiny("llama")
     requests = [RequestSpec(5, 4), RequestSpec(9, 6)]

@@ -18,7 +18,7 @@ from engine_helpers import (
     random_prompt,
 )
 from minipaged import LLM, BeamSearchParams, SamplingParams
-from minipaged.memory.block_table import blocks_for
+from minipaged.core.memory.block_table import blocks_for
 from minipaged.sampling_params import RequestOutputKind
 
 MAX_TOKENS = 20

@@ -113,7 +113,7 @@ def test_a_broken_exercise_is_named_in_one_line_and_breaks_nothing_else(tmp_path
     (tmp_path / exercise.file).write_text("def allocate(self):\n    return 0\n")
     assert "has no function free()" in run(exercise, tmp_path).problem
     # The package imports, and runs, without the exercises.
-    code = "import minipaged.memory as m; print(m.BlockAllocator(2).allocate())"
+    code = "import minipaged.core.memory as m; print(m.BlockAllocator(2).allocate())"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env

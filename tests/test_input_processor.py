@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from minipaged import BeamSearchParams, SamplingParams
-from minipaged.input_processor import InputProcessor
-from minipaged.memory import KVCacheManager
-from minipaged.scheduler import Scheduler
+from minipaged.core.memory import KVCacheManager
+from minipaged.core.sched.scheduler import Scheduler
+from minipaged.engine.input_processor import InputProcessor
 
 VOCAB, MAX_MODEL_LEN, BLOCK_SIZE, NUM_BLOCKS = 100, 32, 4, 16
 TOKENIZER = object()

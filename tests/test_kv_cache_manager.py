@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memory_shadow import Shadow, ceil_div
-from minipaged.memory import (
+from minipaged.core.memory import (
     Allocation,
     KVCacheManager,
     NoFreeBlocksError,

@@ -24,9 +24,9 @@ import torch
 
 from engine_helpers import as_inputs, assert_all_blocks_free, make_llm, random_prompt
 from minipaged import SamplingParams
-from minipaged.cache_engine import GIB
-from minipaged.memory.block_table import blocks_for
+from minipaged.core.memory.block_table import blocks_for
 from minipaged.sampling_params import BeamSearchParams
+from minipaged.worker.cache_engine import GIB
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 10

@@ -19,10 +19,10 @@ def modules_loaded_by(*names: str) -> set[str]:
 
 def test_memory_layer_needs_nothing_but_the_standard_library():
     loaded = modules_loaded_by(
-        "minipaged.memory",
-        "minipaged.memory.simulate",
-        "minipaged.memory.contiguous",
-        "minipaged.workloads",
+        "minipaged.core.memory",
+        "minipaged.core.memory.simulate",
+        "minipaged.core.memory.contiguous",
+        "minipaged.core.memory.workloads",
     )
     at_start_up = modules_loaded_by("sys")  # the interpreter's and the venv's own
     third_party = loaded - at_start_up - set(sys.stdlib_module_names) - {"minipaged"}
@@ -205,7 +205,7 @@ def package_imports(at_import: bool = False) -> dict[str, set[str]]:
 def test_the_layers_are_documented_top_down():
     layers = documented_layers()
     assert len(layers) == 10 and layers[0][0] == "minipaged.cli"
-    assert layers[-1] == ["minipaged.memory", "minipaged.workloads"]
+    assert layers[-1] == ["minipaged.core.memory", "minipaged.core.memory.workloads"]
 
 
 def test_every_import_points_down_the_layers():
@@ -223,7 +223,9 @@ def test_every_import_points_down_the_layers():
 def test_the_checker_orders_layers():
     """An import of the engine from the memory layer would count as pointing up."""
     layers = documented_layers()
-    assert layer_of("minipaged.engine", layers) < layer_of("minipaged.memory.allocator", layers)
+    assert layer_of("minipaged.engine.llm_engine", layers) < layer_of(
+        "minipaged.core.memory.allocator", layers
+    )
     assert layer_of("minipaged.bench.common", layers) < layer_of("minipaged.models.tiny", layers)
 
 
@@ -261,8 +263,8 @@ def test_the_engine_enters_distributed_in_one_place():
         if name.startswith("minipaged.distributed") and name != GROUP_OBJECT
     )
     assert lazy == [
-        "minipaged.engine -> minipaged.distributed.executor",
-        "minipaged.engine -> minipaged.distributed.launcher",
+        "minipaged.engine.llm_engine -> minipaged.distributed.executor",
+        "minipaged.engine.llm_engine -> minipaged.distributed.launcher",
     ]
 
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from engine_helpers import assert_all_blocks_free, make_llm
-from minipaged import LLM, SamplingParams, cache_engine
-from minipaged.cache_engine import GIB, block_bytes
+from minipaged import LLM, SamplingParams
 from minipaged.config import EngineConfig
 from minipaged.models.loader import read_config
+from minipaged.worker import cache_engine
+from minipaged.worker.cache_engine import GIB, block_bytes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 

@@ -22,9 +22,9 @@ from transformers import AutoConfig
 from engine_helpers import as_inputs, assert_all_blocks_free, make_llm, random_prompt
 from lora_helpers import PeftOracle, make_adapter
 from minipaged import BeamSearchParams, SamplingParams
+from minipaged.core.memory import KVCacheManager, prefix_cache
+from minipaged.core.memory.lora_slots import LoRASlots
 from minipaged.lora_request import LoRARequest
-from minipaged.memory import KVCacheManager, prefix_cache
-from minipaged.memory.lora_slots import LoRASlots
 from minipaged.models.lora import read_adapter
 from minipaged.ops.punica import bgmv, sgmv
 from test_beam_search import reference_beam_search

@@ -2,7 +2,7 @@
 
 ``memory_mode="contiguous-max" | "-pow2" | "-oracle"`` admits a request only when a
 contiguous range of slots for its whole final length can be placed first-fit in the
-pool; the KV stays paged underneath.  Oracles, none of them ``minipaged.scheduler``:
+pool; the KV stays paged underneath.  Oracles, none of them ``minipaged.core.sched.scheduler``:
 
 * admission scenarios worked out by hand (reservation sizes, first-fit starts, the
   step at which each request is admitted and finishes), run through the scheduler
@@ -26,10 +26,10 @@ from engine_helpers import (
 )
 from minipaged import BeamSearchParams, SamplingParams
 from minipaged.config import MEMORY_MODES
-from minipaged.memory import KVCacheManager
-from minipaged.memory.contiguous import ContiguousReservations
-from minipaged.memory.simulate import SYSTEMS
-from minipaged.scheduler import Scheduler, make_scheduler
+from minipaged.core.memory import KVCacheManager
+from minipaged.core.memory.contiguous import ContiguousReservations
+from minipaged.core.memory.simulate import SYSTEMS
+from minipaged.core.sched.scheduler import Scheduler, make_scheduler
 from scheduler_sim import SchedulerSim, ceil_div
 
 CONTIGUOUS = [m for m in MEMORY_MODES if m != "paged"]

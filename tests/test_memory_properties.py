@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import minipaged.memory.prefix_cache as prefix_cache
+import minipaged.core.memory.prefix_cache as prefix_cache
 from memory_shadow import ceil_div, copy_blocks
-from minipaged.memory import KVCacheManager, NoFreeBlocksError, PrefixCachingBlockAllocator
+from minipaged.core.memory import KVCacheManager, NoFreeBlocksError, PrefixCachingBlockAllocator
 
 SETTINGS = settings(
     max_examples=400,

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from engine_helpers import FP32, random_prompt
-from minipaged.batch import ScheduledSeq
-from minipaged.memory import KVCacheManager
-from minipaged.model_runner import ModelRunner
+from minipaged.core.memory import KVCacheManager
+from minipaged.core.sched.output import ScheduledSeq
 from minipaged.models.attention import allocate_kv_caches
 from minipaged.models.loader import load_model
 from minipaged.sequence import Sequence
+from minipaged.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
 

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from minipaged.memory import KVCacheManager
-from minipaged.memory.block_table import slot_mapping
+from minipaged.core.memory import KVCacheManager
+from minipaged.core.memory.block_table import slot_mapping
 from minipaged.models import (
     MODELS,
     AttentionMetadata,

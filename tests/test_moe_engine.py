@@ -19,7 +19,7 @@ from engine_helpers import (
     random_prompt,
 )
 from minipaged import SamplingParams
-from minipaged.memory.block_table import blocks_for
+from minipaged.core.memory.block_table import blocks_for
 
 MAX_TOKENS = 8
 BLOCK_SIZE = 4

@@ -138,6 +138,6 @@ def test_unknown_backend_is_a_value_error(op):
 def test_ops_do_not_import_the_memory_layer():
     code = (
         "import sys, minipaged.ops; "
-        "sys.exit(any(m.startswith('minipaged.memory') for m in sys.modules))"
+        "sys.exit(any(m.startswith('minipaged.core.memory') for m in sys.modules))"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

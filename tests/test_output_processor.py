@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from minipaged import BeamSearchParams, SamplingParams
-from minipaged.batch import Sample, StepSamples
-from minipaged.beam_search import BeamSearch
-from minipaged.input_processor import InputProcessor
-from minipaged.memory import KVCacheManager
-from minipaged.output_processor import OutputProcessor
+from minipaged.core.memory import KVCacheManager
+from minipaged.core.sched.output import Sample, StepSamples
+from minipaged.core.sched.scheduler import Scheduler
+from minipaged.engine.input_processor import InputProcessor
+from minipaged.engine.output_processor import OutputProcessor
+from minipaged.sample.beam_search import BeamSearch
 from minipaged.sampling_params import RequestOutputKind
-from minipaged.scheduler import Scheduler
 
 EOS, MAX_MODEL_LEN = 26, 64
 

@@ -9,9 +9,9 @@ sampler drawing the same row alone from a generator seeded by hand with vLLM's r
 import torch
 
 from minipaged import SamplingParams
-from minipaged.batch import ScheduledSeq
-from minipaged.parallel_sampling import ParallelSampling
-from minipaged.sampler import sample
+from minipaged.core.sched.output import ScheduledSeq
+from minipaged.sample.parallel_sampling import ParallelSampling
+from minipaged.sample.sampler import sample
 from minipaged.sequence import Sequence, SequenceGroup
 
 VOCAB, EOS = 50, 49

@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from engine_helpers import EOS, assert_all_blocks_free, make_llm, random_prompt
-from minipaged.sampler import apply_min_tokens, apply_penalties, sample
+from minipaged.sample.sampler import apply_min_tokens, apply_penalties, sample
 from minipaged.sampling_params import SamplingParams
 
 VOCAB = 64

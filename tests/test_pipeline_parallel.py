@@ -27,7 +27,7 @@ from engine_helpers import (
     make_llm,
     random_prompt,
 )
-from minipaged.memory.block_table import blocks_for
+from minipaged.core.memory.block_table import blocks_for
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
 
 MAX_TOKENS = 10
@@ -298,7 +298,7 @@ def test_layers_split_as_vllm_splits_them(layers, stages, counts):
 def test_micro_batches_cut_the_batch_in_order(counts):
     from types import SimpleNamespace
 
-    from minipaged.model_runner import micro_batches
+    from minipaged.worker.model_runner import micro_batches
 
     seqs = [SimpleNamespace(num_new_tokens=n) for n in counts]
     for stages in (1, 2, 3):

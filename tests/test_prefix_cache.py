@@ -9,9 +9,9 @@ decided.
 
 import pytest
 
-import minipaged.memory.prefix_cache as prefix_cache
+import minipaged.core.memory.prefix_cache as prefix_cache
 from memory_shadow import Shadow
-from minipaged.memory import KVCacheManager, NoFreeBlocksError
+from minipaged.core.memory import KVCacheManager, NoFreeBlocksError
 
 
 def snapshot(mgr):

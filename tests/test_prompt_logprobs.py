@@ -19,7 +19,7 @@ from engine_helpers import (
     random_prompt,
 )
 from minipaged import SamplingParams
-from minipaged.memory.block_table import blocks_for
+from minipaged.core.memory.block_table import blocks_for
 
 K = 3
 PROMPTS = [random_prompt(length, seed) for seed, length in enumerate([1, 2, 9, 37, 20])]
@@ -101,7 +101,7 @@ def test_preemption_neither_duplicates_nor_loses_an_entry(tiny, mode):
 def test_a_long_prompt_is_projected_a_chunk_of_rows_at_a_time(tiny, monkeypatch):
     """Never a ``[prompt_len, vocab]`` tensor: with room for 7 rows of logits per chunk,
     no projection gets more rows, and the result is the same."""
-    import minipaged.prompt_logprobs as module
+    import minipaged.sample.prompt_logprobs as module
 
     path, oracle = tiny("llama")
     llm = make_llm(path, block_size=4, num_gpu_blocks=64)

@@ -62,7 +62,7 @@ ORACLE = {k: v for k, v in ENGINE.items() if k != "device"}  # make_llm sets the
 def replica(tiny):
     """One replica's app (the server's) over its engine, and the offline LLM beside it."""
     from minipaged.config import EngineConfig
-    from minipaged.engine import LLMEngine
+    from minipaged.engine.llm_engine import LLMEngine
     from minipaged.server.app import build_app
     from minipaged.server.async_engine import AsyncEngine
 

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from minipaged.sampler import beam_candidates, filter_logits, make_generator, sample
+from minipaged.sample.sampler import beam_candidates, filter_logits, make_generator, sample
 from minipaged.sampling_params import SamplingParams
 
 VOCAB = 32

@@ -1,6 +1,6 @@
 """The scheduler (paper §4.5): continuous batching, chunked prefill, preemption and swapping.
 
-Oracles, all independent of ``minipaged.scheduler``'s code:
+Oracles, all independent of ``minipaged.core.sched.scheduler``'s code:
 
 * scenarios worked out by hand from the rules in the scheduler's docstring (block counts
   are ``ceil(tokens / block_size)``, computed here), with the expected step of every
@@ -24,8 +24,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
 
-from minipaged.memory import KVCacheManager
-from minipaged.scheduler import Scheduler
+from minipaged.core.memory import KVCacheManager
+from minipaged.core.sched.scheduler import Scheduler
 from minipaged.sequence import SequenceStatus
 from scheduler_sim import SchedulerSim, ceil_div, expected_tokens
 
@@ -62,7 +62,7 @@ def test_scheduler_imports_no_torch():
     importing it, the sequences and the trace loads no third-party module, torch least
     of all."""
     code = (
-        "import sys, minipaged.scheduler, minipaged.sequence, minipaged.trace; "
+        "import sys, minipaged.core.sched.scheduler, minipaged.sequence, minipaged.trace; "
         "print('\\n'.join(sorted({m.split('.')[0] for m in sys.modules})))"
     )
     base = "import sys; print('\\n'.join(sorted({m.split('.')[0] for m in sys.modules})))"

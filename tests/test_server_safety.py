@@ -25,7 +25,7 @@ pytest.importorskip("fastapi")  # the server extra; the GPU machine has none
 
 import httpx
 
-import minipaged.parallel_sampling as sampling_module
+import minipaged.sample.parallel_sampling as sampling_module
 from cli_helpers import run_main
 from engine_helpers import (
     assert_all_blocks_free,
@@ -576,7 +576,7 @@ def stop(process: subprocess.Popen, sig=None) -> tuple[int, str]:
 
 
 BROKEN_STEP = """
-from minipaged.engine import LLMEngine
+from minipaged.engine.llm_engine import LLMEngine
 def step(self, fail_alone=False):
     raise RuntimeError("a kernel fell over")
 LLMEngine.step = step
@@ -614,7 +614,7 @@ def test_a_dead_engine_loop_exits_the_server_nonzero_with_its_traceback(checkpoi
 
 SLOW_STEP = """
 import time
-from minipaged.engine import LLMEngine
+from minipaged.engine.llm_engine import LLMEngine
 step = LLMEngine.step
 def slow_step(self, fail_alone=False):
     time.sleep(0.02)  # a slower model: requests are still running at the signal
@@ -746,7 +746,7 @@ def test_after_end_all_requests_still_on_their_way_are_turned_back(checkpoint):
     """A request that passed the checks just before a shutdown ended everything gets
     the same error, instead of running with no one left to stop it."""
     from minipaged.config import EngineConfig
-    from minipaged.engine import LLMEngine
+    from minipaged.engine.llm_engine import LLMEngine
     from minipaged.server.async_engine import AsyncEngine, ServerClosingError
 
     engine = AsyncEngine(LLMEngine(EngineConfig(model=str(checkpoint), **ENGINE)))

@@ -31,10 +31,10 @@ from engine_helpers import (
 )
 from lora_helpers import PeftOracle, make_adapter
 from minipaged import LLM, BeamSearchParams, SamplingParams
-from minipaged.cache_engine import pool_sizes
 from minipaged.config import EngineConfig
+from minipaged.core.memory.block_table import blocks_for
 from minipaged.lora_request import LoRARequest
-from minipaged.memory.block_table import blocks_for
+from minipaged.worker.cache_engine import pool_sizes
 
 MAX_TOKENS = 20
 GREEDY_LOGPROBS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3)

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from memory_shadow import Shadow, ceil_div
-from minipaged.memory import KVCacheManager
+from minipaged.core.memory import KVCacheManager
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])

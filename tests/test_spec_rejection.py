@@ -27,8 +27,8 @@ from safetensors.torch import load_file, save_file
 
 from engine_helpers import make_llm
 from minipaged import SamplingParams
-from minipaged.spec_decode import rejection_sampler
-from minipaged.spec_decode.rejection_sampler import rejection_sample
+from minipaged.sample import rejection_sampler
+from minipaged.sample.rejection_sampler import rejection_sample
 
 V, LENGTH, NUM_SAMPLES = 4, 3, 4000
 

@@ -9,8 +9,8 @@ import pytest  # noqa: E402
 from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.text import Annotation  # noqa: E402
 
-from minipaged.memory import KVCacheManager  # noqa: E402
-from minipaged.memory.simulate import MemoryReport  # noqa: E402
+from minipaged.core.memory import KVCacheManager  # noqa: E402
+from minipaged.core.memory.simulate import MemoryReport  # noqa: E402
 from minipaged.viz import (  # noqa: E402
     draw_block_pool,
     draw_block_tables,

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from minipaged.workloads import WORKLOADS, arrival_times, synthetic_requests
+from minipaged.core.memory.workloads import WORKLOADS, arrival_times, synthetic_requests
 
 
 @pytest.mark.parametrize("workload", sorted(WORKLOADS))

@@ -60,8 +60,8 @@ from minipaged.bench.presets import (
     with_overrides,
 )
 from minipaged.bench.results import device_name
-from minipaged.memory.simulate import OPT13B_A100_SLOTS, MemoryReport, simulate_memory
-from minipaged.workloads import WORKLOADS, RequestSpec, synthetic_requests
+from minipaged.core.memory.simulate import OPT13B_A100_SLOTS, MemoryReport, simulate_memory
+from minipaged.core.memory.workloads import WORKLOADS, RequestSpec, synthetic_requests
 
 NAME = "block-size"
 HELP = "block size: internal fragmentation vs throughput (Fig. 18b)"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from minipaged.workloads import RequestSpec
+    from minipaged.core.memory.workloads import RequestSpec
 
 
 def usable_cores() -> list[int]:

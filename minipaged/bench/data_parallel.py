@@ -21,9 +21,9 @@ from tqdm.auto import tqdm
 
 from minipaged.bench.common import check_lengths, system_row
 from minipaged.config import EngineConfig
+from minipaged.core.memory.workloads import RequestSpec
 from minipaged.sampling_params import SamplingParams
 from minipaged.server.data_parallel import DataParallelEngine
-from minipaged.workloads import RequestSpec
 
 ROUNDS = 3  # alternating rounds of one replica and of N
 

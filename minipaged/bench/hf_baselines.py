@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minipaged.bench.common import SystemRun, check_lengths, free_memory, system_row, timed
-from minipaged.workloads import RequestSpec
+from minipaged.core.memory.workloads import RequestSpec
 
 HF_SYSTEMS = ("hf-generate", "hf-generate-batch", "hf-continuous-batching")
 

@@ -65,8 +65,8 @@ from minipaged.bench.presets import (
 )
 from minipaged.bench.results import device_name
 from minipaged.config import MEMORY_MODES
-from minipaged.memory.simulate import OPT13B_A100_SLOTS
-from minipaged.workloads import WORKLOADS, RequestSpec, arrival_times
+from minipaged.core.memory.simulate import OPT13B_A100_SLOTS
+from minipaged.core.memory.workloads import WORKLOADS, RequestSpec, arrival_times
 
 NAME = "latency"
 HELP = "normalized latency against request rate: paged vs contiguous (Fig. 12)"

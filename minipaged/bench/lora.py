@@ -35,7 +35,7 @@ from minipaged.bench import common
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column, one_cpu_thread
 from minipaged.config import EngineConfig
-from minipaged.engine import LLMEngine
+from minipaged.engine.llm_engine import LLMEngine
 from minipaged.llm import LLM
 from minipaged.lora_request import LoRARequest
 from minipaged.models.hub import resolve_model

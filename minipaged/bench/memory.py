@@ -23,9 +23,9 @@ from minipaged.bench import common
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column
 from minipaged.config import KV_CACHE_DTYPES
-from minipaged.memory.simulate import OPT13B_A100_SLOTS, MemoryReport, simulate_systems
+from minipaged.core.memory.simulate import OPT13B_A100_SLOTS, MemoryReport, simulate_systems
+from minipaged.core.memory.workloads import MEMORY_NUM_REQUESTS, WORKLOADS, synthetic_requests
 from minipaged.viz import draw_memory_shares
-from minipaged.workloads import MEMORY_NUM_REQUESTS, WORKLOADS, synthetic_requests
 
 NAME = "memory"
 HELP = "KV memory waste and batch size: paged vs contiguous (Fig. 2, 13)"
@@ -42,7 +42,7 @@ OPT13B_HEAD_DIM = 128
 def slots_for(fp16_slots: int, kv_cache_dtype: str) -> int:
     """The tokens that the bytes of ``fp16_slots`` fp16 tokens hold in ``kv_cache_dtype``:
     a byte per element for fp8 and int8, plus int8's float32 scale per token and head
-    (`minipaged.cache_engine.block_bytes`), for OPT-13B's heads of 128."""
+    (`minipaged.worker.cache_engine.block_bytes`), for OPT-13B's heads of 128."""
     if kv_cache_dtype == "auto":
         return fp16_slots
     if kv_cache_dtype not in KV_CACHE_DTYPES:

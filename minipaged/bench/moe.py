@@ -22,10 +22,10 @@ from matplotlib.figure import Figure
 from minipaged.bench import common
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column, one_cpu_thread
+from minipaged.core.memory.workloads import synthetic_requests
 from minipaged.llm import LLM
 from minipaged.models.tiny import cached_checkpoint
 from minipaged.sampling_params import SamplingParams
-from minipaged.workloads import synthetic_requests
 
 NAME = "moe"
 HELP = "a mixture of experts (OLMoE's shape, scaled down) against a dense model"

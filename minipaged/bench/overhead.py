@@ -113,8 +113,8 @@ def measure_engine_overhead(
     (the breakdown, which sums to its own, slightly larger, total).
     """
     from minipaged.config import EngineConfig
-    from minipaged.engine import LLMEngine
-    from minipaged.memory.block_table import blocks_for
+    from minipaged.core.memory.block_table import blocks_for
+    from minipaged.engine.llm_engine import LLMEngine
     from minipaged.sampling_params import SamplingParams
 
     warmup, budget = 5, max(2048, num_seqs)  # budget: max_num_batched_tokens' default
@@ -173,7 +173,7 @@ def _check_all_running(engine, num_seqs: int) -> None:
 def _phase_breakdown(engine, num_steps: int) -> dict[str, float]:
     """Time ``num_steps`` steps phase by phase: the engine's parts are wrapped on the
     instance (the sampler, a module-level function, is patched where it is called)."""
-    import minipaged.parallel_sampling as sampling_module
+    import minipaged.sample.parallel_sampling as sampling_module
 
     timer = PhaseTimer(engine.device)
     engine.runner.model.timer = timer

@@ -46,7 +46,6 @@ from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from minipaged.arg_utils import add_engine_flags, add_model_flag, engine_kwargs
-from minipaged.batch import SchedulerOutput
 from minipaged.bench import common
 from minipaged.bench.args import (
     SYNTHETIC_MODEL_HELP,
@@ -72,11 +71,12 @@ from minipaged.bench.presets import (
     with_overrides,
 )
 from minipaged.bench.results import device_name
-from minipaged.cache_engine import GIB, KVCaches, block_bytes
 from minipaged.config import PREEMPTION_MODES
-from minipaged.memory.block_table import blocks_for
-from minipaged.memory.simulate import OPT13B_A100_SLOTS
-from minipaged.workloads import RequestSpec
+from minipaged.core.memory.block_table import blocks_for
+from minipaged.core.memory.simulate import OPT13B_A100_SLOTS
+from minipaged.core.memory.workloads import RequestSpec
+from minipaged.core.sched.output import SchedulerOutput
+from minipaged.worker.cache_engine import GIB, KVCaches, block_bytes
 
 NAME = "preemption"
 HELP = "preempted requests: swap vs recompute per block size (Fig. 19)"

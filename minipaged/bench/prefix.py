@@ -28,11 +28,11 @@ from minipaged.bench import common
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column, one_cpu_thread
 from minipaged.bench.presets import make_prompts
+from minipaged.core.memory.simulate import OPT13B_A100_SLOTS
+from minipaged.core.memory.workloads import synthetic_requests
 from minipaged.llm import LLM
-from minipaged.memory.simulate import OPT13B_A100_SLOTS
 from minipaged.models.tiny import cached_checkpoint
 from minipaged.sampling_params import SamplingParams
-from minipaged.workloads import synthetic_requests
 
 NAME = "prefix"
 HELP = "a shared few-shot prefix with prefix caching off and on (§6.4)"

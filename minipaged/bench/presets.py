@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from minipaged.workloads import RequestSpec, synthetic_requests
+from minipaged.core.memory.workloads import RequestSpec, synthetic_requests
 
 if TYPE_CHECKING:
     import torch

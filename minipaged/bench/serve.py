@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from minipaged.bench.args import add_output_flags, results_path
 from minipaged.bench.results import write_results
-from minipaged.workloads import WORKLOADS, arrival_times, synthetic_requests
+from minipaged.core.memory.workloads import WORKLOADS, arrival_times, synthetic_requests
 
 NAME = "serve"
 HELP = "online serving: latency and throughput against a running server"

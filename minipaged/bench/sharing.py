@@ -28,16 +28,16 @@ from minipaged.bench import common
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column
 from minipaged.bench.presets import make_prompts
-from minipaged.llm import LLM
-from minipaged.memory.simulate import OPT13B_A100_SLOTS
-from minipaged.models.tiny import BASE_CONFIG, cached_checkpoint
-from minipaged.sampling_params import BeamSearchParams, SamplingParams
-from minipaged.workloads import (
+from minipaged.core.memory.simulate import OPT13B_A100_SLOTS
+from minipaged.core.memory.workloads import (
     SHARING_NUM_REQUESTS,
     WORKLOADS,
     RequestSpec,
     synthetic_requests,
 )
+from minipaged.llm import LLM
+from minipaged.models.tiny import BASE_CONFIG, cached_checkpoint
+from minipaged.sampling_params import BeamSearchParams, SamplingParams
 
 NAME = "sharing"
 HELP = "KV memory saved by sharing blocks: parallel sampling, beam search (Fig. 15)"

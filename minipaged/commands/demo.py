@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from minipaged.arg_utils import DEFAULT_MODEL, add_model_flag
-from minipaged.workloads import MEMORY_NUM_REQUESTS
+from minipaged.core.memory.workloads import MEMORY_NUM_REQUESTS
 
 NAME = "demo"
 HELP = "a real model answers; the blocks paging saves, measured"

@@ -11,5 +11,5 @@
 The first two sit below the models; the last two above the model runner and cache
 engine, beside the engine (``docs/architecture.md``).  One device runs nothing here but
 the parallel layers (plain layers then) and passes the group object (`parallel_state`)
-around; its executor is `minipaged.executor`.  Import the modules directly.
+around; its executor is `minipaged.executor.uniproc_executor`.  Import the modules directly.
 """

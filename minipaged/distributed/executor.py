@@ -3,11 +3,11 @@
 `TensorParallelExecutor` is the paper's distributed execution: the engine (scheduler,
 KV cache manager, sampler) runs once, in the driver, which is also rank 0;
 `WorkerGroup` starts ranks 1..N-1 as processes of their own.  It answers what the
-single-device `minipaged.executor.Executor` answers, for every rank: the tightest rank's
-KV memory budget, each rank's pools, and each step, after the driver broadcasts the
-step's plan, the same step on every shard, the driver alone receiving the logits,
-gathered.  So the engine's step still reads schedule -> execute -> sample -> update,
-whatever the number of ranks.
+single-device `minipaged.executor.uniproc_executor.Executor` answers, for every rank:
+the tightest rank's KV memory budget, each rank's pools, and each step, after the
+driver broadcasts the step's plan, the same step on every shard, the driver alone
+receiving the logits, gathered.  So the engine's step still reads schedule -> execute
+-> sample -> update, whatever the number of ranks.
 
 With ``pipeline_parallel_size`` P > 1 the group holds ``tensor_parallel_size * P``
 ranks, a pipeline of P stages (`PipelineStage`) each split over its own tensor-parallel
@@ -28,9 +28,8 @@ import weakref
 
 import torch
 
-from minipaged.batch import ScheduledSeq, SchedulerOutput
-from minipaged.cache_engine import CacheEngine
 from minipaged.config import EngineConfig
+from minipaged.core.sched.output import ScheduledSeq, SchedulerOutput
 from minipaged.distributed.parallel_state import (
     NO_PIPELINE,
     TIMELINE,
@@ -49,9 +48,10 @@ from minipaged.distributed.worker import (
     rank_kv_config,
     worker_main,
 )
-from minipaged.executor import Executor
-from minipaged.model_runner import ModelRunner
+from minipaged.executor.uniproc_executor import Executor
 from minipaged.models.loader import model_class, read_config
+from minipaged.worker.cache_engine import CacheEngine
+from minipaged.worker.model_runner import ModelRunner
 
 __all__ = [
     "TensorParallelExecutor",

@@ -12,7 +12,7 @@ block id means the same slot on all of them.
 
 Under pipeline parallelism the plan goes to every rank of every stage, and each runs
 the block operations on the pools of its own layers; the forward pass then goes stage
-to stage (`minipaged.model_runner.ModelRunner`).  Between steps the driver may ask
+to stage (`minipaged.worker.model_runner.ModelRunner`).  Between steps the driver may ask
 instead for every rank's `TIMELINE` (`TIMELINE_REQUEST`), to draw the pipeline.
 """
 
@@ -26,8 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minipaged.batch import ScheduledSeq, SchedulerOutput
-from minipaged.cache_engine import CacheEngine
+from minipaged.core.sched.output import ScheduledSeq, SchedulerOutput
 from minipaged.distributed.parallel_state import (
     TIMELINE,
     PipelineStage,
@@ -37,10 +36,11 @@ from minipaged.distributed.parallel_state import (
     kv_heads_per_rank,
     split_pipeline,
 )
-from minipaged.model_runner import ModelRunner
 from minipaged.models.attention import calculate_kv_scales_on_next_batch, head_dim
 from minipaged.models.loader import load_model
 from minipaged.sequence import Sequence
+from minipaged.worker.cache_engine import CacheEngine
+from minipaged.worker.model_runner import ModelRunner
 
 __all__ = [
     "TIMELINE_REQUEST",

@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import Message, Receive, Scope, Send
 
 from minipaged.config import EngineConfig
-from minipaged.engine import LLMEngine
+from minipaged.engine.llm_engine import LLMEngine
 from minipaged.server.app import (
     APIError,
     build_app,

@@ -112,7 +112,7 @@ class AttentionMetadata:
         max_context_len: int,
     ) -> AttentionMetadata:
         """The metadata of a step of decodes only, from its tensors as they are (the
-        decode graphs' fixed buffers, `minipaged.cuda_graphs`)."""
+        decode graphs' fixed buffers, `minipaged.worker.cuda_graphs`)."""
         none = context_lens[:0]
         return cls(
             slot_mapping=slot_mapping,

@@ -10,7 +10,7 @@ Serving many adapters (Punica, S-LoRA): each projection of the model is wrapped
 (`ColumnParallelLinearWithLoRA`, `RowParallelLinearWithLoRA`) with room for
 ``max_loras`` adapters stacked in *slots*; a step's tokens each name their slot (-1:
 the base model) and `minipaged.ops.punica` adds every token's term (SGMV).  Which
-adapter sits in which slot is the scheduler's decision (`minipaged.memory.lora_slots`);
+adapter sits in which slot is the scheduler's decision (`minipaged.core.memory.lora_slots`);
 `LoRAModelManager` carries it out, reading adapters from disk into an LRU of
 ``max_cpu_loras`` in host memory first.
 

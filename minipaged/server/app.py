@@ -48,7 +48,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from minipaged.config import EngineConfig
-from minipaged.engine import LLMEngine
+from minipaged.engine.llm_engine import LLMEngine
 from minipaged.lora_request import LoRARequest
 from minipaged.outputs import CompletionOutput, RequestOutput
 from minipaged.server.async_engine import (

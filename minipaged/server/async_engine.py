@@ -29,7 +29,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from minipaged.engine import LLMEngine
+from minipaged.engine.llm_engine import LLMEngine
 from minipaged.lora_request import LoRARequest
 from minipaged.outputs import RequestOutput
 from minipaged.sampling_params import SamplingParams

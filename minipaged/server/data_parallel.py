@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from minipaged.config import EngineConfig
-from minipaged.engine import LLMEngine
+from minipaged.engine.llm_engine import LLMEngine
 from minipaged.outputs import RequestOutput
 from minipaged.server.async_engine import (
     AsyncEngine,

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from minipaged.batch import ScheduledSeq
-from minipaged.memory import KVCacheManager
-from minipaged.model_runner import ModelRunner
+from minipaged.core.memory import KVCacheManager
+from minipaged.core.sched.output import ScheduledSeq
 from minipaged.models.attention import allocate_kv_caches
 from minipaged.sequence import Sequence
+from minipaged.worker.model_runner import ModelRunner
 
 __all__ = ["DraftModelProposer"]
 

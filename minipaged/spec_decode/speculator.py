@@ -40,16 +40,16 @@ from __future__ import annotations
 
 import torch
 
-from minipaged.batch import ScheduledSeq, Verified
 from minipaged.config import SpeculativeConfig
+from minipaged.core.sched.output import ScheduledSeq, Verified
 from minipaged.models.hub import resolve_model
 from minipaged.models.loader import load_model
 from minipaged.models.resolve import resolve_max_model_len
-from minipaged.sampler import logprobs_of, processed_logits, target_probs
+from minipaged.sample.rejection_sampler import rejection_sample
+from minipaged.sample.sampler import logprobs_of, processed_logits, target_probs
 from minipaged.sequence import SequenceGroup
 from minipaged.spec_decode.draft_model import DraftModelProposer
 from minipaged.spec_decode.ngram import NgramProposer
-from minipaged.spec_decode.rejection_sampler import rejection_sample
 
 
 def load_draft_model(

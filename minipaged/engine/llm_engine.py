@@ -31,21 +31,18 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from minipaged.adapters import Adapters
-from minipaged.batch import ScheduledSeq, StepSamples, logit_rows
-from minipaged.beam_search import BeamSearch
-from minipaged.cache_engine import block_bytes, fit_max_model_len, pool_sizes
-from minipaged.compiled_decode import check_compiled_decode
 from minipaged.config import EngineConfig
-from minipaged.cuda_graphs import capture_decode_graphs, uses_decode_graphs
+from minipaged.core.memory import KVCacheManager
+from minipaged.core.memory.lora_slots import LoRASlots
+from minipaged.core.sched.output import ScheduledSeq, StepSamples, logit_rows
+from minipaged.core.sched.scheduler import make_scheduler
 from minipaged.distributed.parallel_state import NO_PIPELINE, SINGLE
-from minipaged.executor import Executor
-from minipaged.fail_alone import sample_failing_alone
-from minipaged.input_processor import InputProcessor, Params
+from minipaged.engine.adapters import Adapters
+from minipaged.engine.fail_alone import sample_failing_alone
+from minipaged.engine.input_processor import InputProcessor, Params
+from minipaged.engine.output_processor import OutputProcessor
+from minipaged.executor.uniproc_executor import Executor
 from minipaged.lora_request import LoRARequest
-from minipaged.memory import KVCacheManager
-from minipaged.memory.lora_slots import LoRASlots
-from minipaged.model_runner import ModelRunner
 from minipaged.models.attention import calculate_kv_scales_on_next_batch, head_dim
 from minipaged.models.hub import resolve_model
 from minipaged.models.loader import load_model, model_class, read_config
@@ -57,13 +54,16 @@ from minipaged.models.resolve import (
     resolve_max_model_len,
 )
 from minipaged.ops import check_supported, kv_quant
-from minipaged.output_processor import OutputProcessor
 from minipaged.outputs import Output
-from minipaged.parallel_sampling import ParallelSampling
-from minipaged.scheduler import make_scheduler
+from minipaged.sample.beam_search import BeamSearch
+from minipaged.sample.parallel_sampling import ParallelSampling
 from minipaged.sequence import SequenceGroup
 from minipaged.spec_decode.speculator import Speculator, load_draft_model, make_proposer
 from minipaged.trace import Trace
+from minipaged.worker.cache_engine import block_bytes, fit_max_model_len, pool_sizes
+from minipaged.worker.compiled_decode import check_compiled_decode
+from minipaged.worker.cuda_graphs import capture_decode_graphs, uses_decode_graphs
+from minipaged.worker.model_runner import ModelRunner
 
 
 class LLMEngine:

@@ -8,8 +8,8 @@ Removing an adapter no request uses frees its device slot and its host copy.
 
 from __future__ import annotations
 
+from minipaged.core.memory.lora_slots import LoRASlots
 from minipaged.lora_request import LoRARequest
-from minipaged.memory.lora_slots import LoRASlots
 from minipaged.models.lora import LoRAModelManager
 from minipaged.sequence import SequenceGroup
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from minipaged.batch import ScheduledSeq, StepSamples, logit_rows
+from minipaged.core.sched.output import ScheduledSeq, StepSamples, logit_rows
 from minipaged.sequence import SequenceGroup
 
 SamplePhase = Callable[[list[ScheduledSeq], torch.Tensor], StepSamples]

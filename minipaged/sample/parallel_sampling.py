@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from minipaged.batch import Sample, ScheduledSeq
-from minipaged.sampler import sample, seq_generator
+from minipaged.core.sched.output import Sample, ScheduledSeq
+from minipaged.sample.sampler import sample, seq_generator
 
 
 class ParallelSampling:

@@ -34,7 +34,7 @@ from .contiguous import ContiguousAllocator, reservation_size
 from .kv_cache_manager import KVCacheManager
 
 if TYPE_CHECKING:  # the memory layer imports nothing of ours at run time
-    from ..workloads import RequestSpec
+    from .workloads import RequestSpec
 
 SYSTEMS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 # The paper's §6 setting: OPT-13B on an A100-40GB has about 12 GB for KV, 800 KB a token.

@@ -7,7 +7,7 @@ graph (TorchDynamo) and has inductor turn it into generated code: the layers' gl
 (views, casts, adds) fused into a few C++ loops, each projection's weight packed once
 for oneDNN (inductor's ``freezing``, which treats the weights as constants), and every
 step one call of that code: the CPU's counterpart of the CUDA graphs a GPU replays
-(`minipaged.cuda_graphs`).  The eager model stays the readable reference, and what
+(`minipaged.worker.cuda_graphs`).  The eager model stays the readable reference, and what
 runs unless ``compilation_config`` asks for mode 1.
 
 What the graph may contain decides what compiles:

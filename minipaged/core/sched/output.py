@@ -33,7 +33,7 @@ class ScheduledSeq:
     block_table: list[int]
     slot_mapping: list[int]  # the cache slot of each new token, from the KV cache manager
     samples: bool  # does this step reach the sequence's end, so its last logits are used?
-    lora_slot: int = -1  # the slot of its LoRA adapter (minipaged.memory.lora_slots); -1: none
+    lora_slot: int = -1  # the slot of its LoRA adapter (minipaged.core.memory.lora_slots); -1: none
     # Positions whose logits score a prompt token (SamplingParams.prompt_logprobs).
     prompt_logprob_positions: range = range(0)
     # A draft's guesses, run after the sequence's real tokens (the last ones of the

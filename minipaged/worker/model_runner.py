@@ -6,13 +6,13 @@ their positions, and `AttentionMetadata` tells every layer where their keys and 
 go and what they attend to (paper §4.3).  Only the last token of a sequence that reached
 its end is projected to logits; a chunk that stops mid-prompt samples nothing.  The
 rows of a request that asked for its prompt's logprobs are projected too, a chunk at a
-time, and scored into the request (`minipaged.prompt_logprobs`).  With speculative
+time, and scored into the request (`minipaged.sample.prompt_logprobs`).  With speculative
 decoding, a sequence's new tokens are its last token and a draft's guesses, and each of
 their positions is projected: the target's verdict on every guess, in one pass
 (`minipaged.spec_decode`).
 With `capture_decode_graphs`, a step of decodes only replays a CUDA graph instead
-(`minipaged.cuda_graphs`); with `compile_decode`, on a CPU, it runs the model compiled
-by inductor (`minipaged.compiled_decode`).  With `enable_lora`, each token also gets
+(`minipaged.worker.cuda_graphs`); with `compile_decode`, on a CPU, it runs the model compiled
+by inductor (`minipaged.worker.compiled_decode`).  With `enable_lora`, each token also gets
 its adapter's LoRA term (`minipaged.models.lora`): the batch is ordered by adapter slot
 within its prefills and its decodes, so each adapter's tokens form few segments.
 On a pipeline stage (``pipeline_parallel_size`` > 1) the runner runs the stage's layers
@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from minipaged.batch import ScheduledSeq
-from minipaged.compiled_decode import CompiledDecode
-from minipaged.cuda_graphs import DecodeGraphs
+from minipaged.core.memory import KVCacheManager
+from minipaged.core.memory.block_table import blocks_for
+from minipaged.core.sched.output import ScheduledSeq
 from minipaged.distributed.parallel_state import TIMELINE
 from minipaged.lora_request import LoRARequest
-from minipaged.memory import KVCacheManager
-from minipaged.memory.block_table import blocks_for
 from minipaged.models.attention import (
     AttentionMetadata,
     allocate_kv_caches,
@@ -38,7 +36,9 @@ from minipaged.models.attention import (
     token_positions,
 )
 from minipaged.models.lora import LoRAModelManager
-from minipaged.prompt_logprobs import compute_prompt_logprobs
+from minipaged.sample.prompt_logprobs import compute_prompt_logprobs
+from minipaged.worker.compiled_decode import CompiledDecode
+from minipaged.worker.cuda_graphs import DecodeGraphs
 
 
 class ModelRunner:
@@ -77,7 +77,7 @@ class ModelRunner:
         self, seqs: list[ScheduledSeq], kv_caches
     ) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
         """Run ``seqs``; returns those that sample, and their logits: one row each, and
-        one more per guess it verifies (`minipaged.batch.logit_rows`)."""
+        one more per guess it verifies (`minipaged.core.sched.output.logit_rows`)."""
         if not seqs:
             return [], None
         # Prefills first: the trailing run of one-token sequences goes to the decode op.

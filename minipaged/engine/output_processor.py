@@ -15,17 +15,17 @@ holder.
 Then it turns the step's requests into what `LLMEngine.step` returns: each finished
 request's output (its last sequence done, it leaves the scheduler), and, for requests
 that stream (``output_kind`` other than ``FINAL_ONLY``), what the step added.  Text is
-decoded incrementally (`minipaged.detokenizer`), and only where it is needed before the
+decoded incrementally (`minipaged.engine.detokenizer`), and only where it is needed before the
 end.
 """
 
 from __future__ import annotations
 
-from minipaged.batch import Sample, SchedulerOutput, StepSamples, Verified
-from minipaged.beam_search import BeamSearch
+from minipaged.core.sched.output import Sample, SchedulerOutput, StepSamples, Verified
+from minipaged.core.sched.scheduler import Scheduler
 from minipaged.outputs import CompletionOutput, Output, RequestOutput
+from minipaged.sample.beam_search import BeamSearch
 from minipaged.sampling_params import RequestOutputKind, SamplingParams
-from minipaged.scheduler import Scheduler
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from minipaged.batch import ScheduledSeq
+from minipaged.core.sched.output import ScheduledSeq
 
 # The most bytes of float32 logits one chunk of rows may take.
 CHUNK_BYTES = 32 * 2**20

@@ -14,7 +14,7 @@ will never write) and *external fragmentation* (free gaps too small for anyone).
 
 `ContiguousReservations` puts the same rule in front of the real engine
 (``LLM(memory_mode="contiguous-max")`` and so on): its scheduler
-(`minipaged.contiguous_scheduler`) admits a request only once its range can be placed,
+(`minipaged.core.sched.contiguous_scheduler`) admits a request only once its range can be placed,
 which is what costs those systems their batch size.
 """
 

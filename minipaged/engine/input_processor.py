@@ -18,10 +18,10 @@ import itertools
 
 import torch
 
-from minipaged.detokenizer import IncrementalDetokenizer
-from minipaged.sampler import seq_generator
+from minipaged.core.sched.scheduler import Scheduler
+from minipaged.engine.detokenizer import IncrementalDetokenizer
+from minipaged.sample.sampler import seq_generator
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
-from minipaged.scheduler import Scheduler
 from minipaged.sequence import Sequence, SequenceGroup
 
 Params = SamplingParams | BeamSearchParams

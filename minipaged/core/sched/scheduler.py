@@ -22,12 +22,12 @@ prefill*).  One `schedule()` call, first come first served:
    and only the rest is computed, §4.4).
 
 With LoRA adapters, a request runs only while it holds its adapter's slot
-(`minipaged.memory.lora_slots`): one whose adapter can get none waits, and later
+(`minipaged.core.memory.lora_slots`): one whose adapter can get none waits, and later
 requests may pass it; a swapped one comes back only with its slot.
 
 The paper's baseline, Orca's contiguous reservations (``memory_mode`` other than
 ``"paged"``), is a subclass with one more admission rule
-(`minipaged.contiguous_scheduler`); `make_scheduler` gives an engine the one its
+(`minipaged.core.sched.contiguous_scheduler`); `make_scheduler` gives an engine the one its
 ``memory_mode`` asks for.
 
 The scheduler holds every request from `add` until it retires or is aborted
@@ -47,11 +47,11 @@ from __future__ import annotations
 
 import bisect
 
-from minipaged.batch import ScheduledSeq, SchedulerOutput
 from minipaged.config import PREEMPTION_MODES
-from minipaged.memory import Allocation, KVCacheManager
-from minipaged.memory.block_table import blocks_for
-from minipaged.memory.lora_slots import LoRASlots
+from minipaged.core.memory import Allocation, KVCacheManager
+from minipaged.core.memory.block_table import blocks_for
+from minipaged.core.memory.lora_slots import LoRASlots
+from minipaged.core.sched.output import ScheduledSeq, SchedulerOutput
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.trace import Trace
@@ -67,11 +67,11 @@ def make_scheduler(
     max_model_len: int | None = None,
 ) -> Scheduler:
     """The scheduler of ``memory_mode``: vLLM's paged one, or Orca's contiguous baseline
-    (`minipaged.contiguous_scheduler`, a subclass, so imported only when asked for)."""
+    (`minipaged.core.sched.contiguous_scheduler`, a subclass, so imported only when asked for)."""
     args = (kv, max_num_seqs, max_num_batched_tokens, preemption_mode, trace, max_model_len)
     if memory_mode == "paged":
         return Scheduler(*args)
-    from minipaged.contiguous_scheduler import ContiguousScheduler  # noqa: PLC0415
+    from minipaged.core.sched.contiguous_scheduler import ContiguousScheduler  # noqa: PLC0415
 
     return ContiguousScheduler(*args, memory_mode=memory_mode)
 

@@ -9,7 +9,8 @@ waiting request is admitted only if its range can be placed first-fit
 The ranges cover every token their requests can write, so nothing is ever preempted.
 The KV stays paged underneath: the range decides who runs, never what is computed.
 
-`minipaged.scheduler.make_scheduler` gives it to an engine whose ``memory_mode`` asks for it.
+`minipaged.core.sched.scheduler.make_scheduler` gives it to an engine whose
+``memory_mode`` asks for it.
 
 Standard library only.
 """
@@ -17,10 +18,10 @@ Standard library only.
 from __future__ import annotations
 
 from minipaged.config import MEMORY_MODES
-from minipaged.memory import KVCacheManager
-from minipaged.memory.contiguous import ContiguousReservations
+from minipaged.core.memory import KVCacheManager
+from minipaged.core.memory.contiguous import ContiguousReservations
+from minipaged.core.sched.scheduler import Scheduler, width_of
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
-from minipaged.scheduler import Scheduler, width_of
 from minipaged.sequence import SequenceGroup
 from minipaged.trace import Trace
 

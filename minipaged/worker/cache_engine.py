@@ -24,9 +24,9 @@ from collections.abc import Callable
 
 import torch
 
-from minipaged.batch import SchedulerOutput
 from minipaged.config import EngineConfig
-from minipaged.memory.block_table import blocks_for
+from minipaged.core.memory.block_table import blocks_for
+from minipaged.core.sched.output import SchedulerOutput
 from minipaged.models.attention import allocate_kv_caches, head_dim
 
 logger = logging.getLogger("minipaged")

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from minipaged.batch import ScheduledSeq, SchedulerOutput
-from minipaged.cache_engine import CacheEngine
 from minipaged.config import EngineConfig
-from minipaged.model_runner import ModelRunner
+from minipaged.core.sched.output import ScheduledSeq, SchedulerOutput
+from minipaged.worker.cache_engine import CacheEngine
+from minipaged.worker.model_runner import ModelRunner
 
 
 class Executor:

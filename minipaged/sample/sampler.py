@@ -171,7 +171,7 @@ def processed_logits(
 def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """The distribution `sample` draws each row of `processed_logits` from, ``[N,
     vocab]``: steps 2-3, a greedy row all on its argmax (speculative decoding's target
-    distribution, `minipaged.spec_decode.rejection_sampler`)."""
+    distribution, `minipaged.sample.rejection_sampler`)."""
     probs = torch.zeros_like(logits)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:

@@ -19,9 +19,9 @@ from collections import defaultdict
 
 import torch
 
-from minipaged.batch import Sample, ScheduledSeq, StepSamples
+from minipaged.core.sched.output import Sample, ScheduledSeq, StepSamples
 from minipaged.outputs import BeamSearchOutput, BeamSearchSequence
-from minipaged.sampler import beam_candidates
+from minipaged.sample.sampler import beam_candidates
 from minipaged.sequence import SequenceGroup
 
 
