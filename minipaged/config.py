@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from minipaged.core.memory.contiguous import POLICIES
 
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda", "flash_attn", "flashinfer")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
 # vLLM's names (fp8 is fp8_e4m3), and our int8 (`minipaged.ops.kv_quant`).
@@ -73,7 +73,8 @@ class EngineConfig:
             chunked.  None: ``max(2048, max_num_seqs)``.
         max_model_len: the longest sequence (prompt + output); None: the model's limit.
         attention_backend: ``"auto"`` (the fastest available), ``"torch"``, ``"cpu"``
-            (a C++ kernel, built on first use), ``"triton"`` or ``"cuda"``.
+            (a C++ kernel, built on first use), ``"triton"``, ``"cuda"``, or on a GPU
+            where the library is installed ``"flash_attn"`` or ``"flashinfer"``.
         enforce_eager: run every decode step op by op; by default, on CUDA with the
             triton or cuda backend, decode steps replay CUDA graphs captured at start-up.
         compilation_config: torch.compile, as vLLM's: its mode, an int or

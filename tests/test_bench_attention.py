@@ -27,8 +27,11 @@ ROW_FIELDS = {
     "block_size",
     "dtype",
     "time_us",
-    "bandwidth_gbs",
-    "fraction_of_read_bw",
+}
+# Decode is reported against the read bandwidth, prefill against the tensor-core peak.
+OP_FIELDS = {
+    "decode": {"bandwidth_gbs", "fraction_of_read_bw"},
+    "prefill": {"tflops", "fraction_of_peak"},
 }
 TOP_FIELDS = {"device", "torch", "triton", "date", "command", "results", "read_bandwidth_gbs"}
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -56,7 +59,7 @@ def test_json_has_every_contract_field(cpu_run):
     )
     assert doc["results"]
     for row in doc["results"]:
-        assert ROW_FIELDS <= row.keys()
+        assert ROW_FIELDS | OP_FIELDS[row["op"]] == row.keys() - {"num_new_tokens"}
         assert ("num_new_tokens" in row) == (row["op"] == "prefill")
     shapes = {
         (r["op"], r["batch"], r["context_len"], r.get("num_new_tokens")) for r in doc["results"]
@@ -64,9 +67,9 @@ def test_json_has_every_contract_field(cpu_run):
     assert shapes == {("decode", 2, 64, None), ("prefill", 2, 64, 64), ("prefill", 2, 64, 32)}
 
 
-def test_bandwidth_is_bytes_moved_over_time(cpu_run):
+def test_decode_bandwidth_is_bytes_moved_over_time(cpu_run):
     doc, _, _ = cpu_run
-    for row in doc["results"]:
+    for row in (r for r in doc["results"] if r["op"] == "decode"):
         kv = row["batch"] * row["context_len"] * row["num_kv_heads"] * row["head_dim"] * 2
         q_out = row["batch"] * row.get("num_new_tokens", 1) * row["num_heads"] * row["head_dim"] * 2
         nbytes = (kv + q_out) * ELEMENT_BYTES[row["dtype"]]
@@ -74,6 +77,37 @@ def test_bandwidth_is_bytes_moved_over_time(cpu_run):
         assert row["fraction_of_read_bw"] == pytest.approx(
             row["bandwidth_gbs"] / doc["read_bandwidth_gbs"]
         )
+
+
+def test_prefill_tflops_are_the_causal_masks_flops_over_time(cpu_run):
+    doc, stdout, _ = cpu_run
+    assert doc["peak_tflops"] is None  # a CPU has no tensor-core peak in the table
+    for row in (r for r in doc["results"] if r["op"] == "prefill"):
+        n, length = row["num_new_tokens"], row["context_len"]
+        # The pairs a query meets, counted on the mask itself: the last n of L positions.
+        visible = torch.ones(length, length).tril()[length - n :].sum().item()
+        flops = 4 * row["batch"] * row["num_heads"] * row["head_dim"] * visible
+        assert row["tflops"] == pytest.approx(flops / (row["time_us"] * 1e-6) / 1e12)
+        assert row["fraction_of_peak"] is None
+    assert "TFLOP/s" in stdout and "dense bf16 peak: unknown here" in stdout
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.4),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H200", 989.4),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA L40S", 362.0),
+        ("NVIDIA L4", 121.0),
+        ("NVIDIA GeForce GTX 1080", None),
+    ],
+)
+def test_peak_is_looked_up_by_the_device_name(monkeypatch, name, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert bench.peak_tflops(torch.device("cuda")) == peak
+    assert bench.peak_tflops(torch.device("cpu")) is None
 
 
 def test_cpu_times_torch_cpp_and_sdpa_and_notes_the_rest(cpu_run):
@@ -230,5 +264,6 @@ def test_gpu_run_times_every_backend(tmp_path):
     decode = {r["backend"] for r in doc["results"] if r["op"] == "decode"}
     assert {"cuda-v1", "cuda-v2"} <= decode
     assert all(math.isfinite(r["time_us"]) and r["time_us"] > 0 for r in doc["results"])
+    assert all(r["tflops"] > 0 for r in doc["results"] if r["op"] == "prefill")
     assert not any("differs" in note for note in doc["notes"])
     assert path.with_suffix(".png").exists()

@@ -183,6 +183,36 @@ def test_every_request_gets_exactly_its_wanted_tokens(tiny):
         assert result.runs[system].output == wanted
     batched = result.runs["hf-generate-batch"]
     assert batched.generated == [7, 7, 9, 9, 2] and batched.output == wanted
+    assert not any(result.runs[s].row["partial"] for s in hf_baselines.HF_SYSTEMS)
+
+
+def test_a_baseline_out_of_time_reports_what_it_finished_as_partial(tiny):
+    """A budget spent at once: each baseline still finishes its first batch (hf-generate
+    one request, hf-generate-batch two) or first request (continuous batching), then
+    stops; its rates are over those, and a note says so."""
+    requests = [RequestSpec(5, 7), RequestSpec(1, 1), RequestSpec(12, 3), RequestSpec(3, 9)]
+    prompts = [[(7 * i + j) % 256 for j in range(r.prompt_len)] for i, r in enumerate(requests)]
+    result = bench.bench_throughput(
+        tiny,
+        hf_baselines.HF_SYSTEMS,
+        requests,
+        prompts,
+        {"device": "cpu"},
+        hf_batch_size=2,
+        progress=False,
+        hf_time_budget_s=1e-9,
+    )
+    for system, done in (("hf-generate", 1), ("hf-generate-batch", 2)):
+        row = result.runs[system].row
+        assert row["partial"] is True and row["num_requests"] == done
+        assert row["output_tokens"] == sum(r.output_len for r in requests[:done])
+    row = result.runs["hf-continuous-batching"].row
+    assert row["partial"] is True and row["num_requests"] == 1
+    assert row["output_tokens"] in {r.output_len for r in requests}
+    for system in hf_baselines.HF_SYSTEMS:
+        row = result.runs[system].row
+        assert row["output_tokens_per_s"] == pytest.approx(row["output_tokens"] / row["elapsed_s"])
+        assert any(note.startswith(f"{system}: out of its 1e-09 s budget") for note in result.notes)
 
 
 def test_lengths_are_scaled_to_the_models_context():
@@ -227,6 +257,7 @@ def test_available_systems_on_a_cpu_skip_interpreted_triton():
         (["--systems", "vllm"], "argument --systems: invalid choice: 'vllm'"),
         (["--num-requests", "0"], "num_requests must be an int >= 1, got 0"),
         (["--hf-batch-size", "0"], "hf_batch_size must be an int >= 1, got 0"),
+        (["--hf-time-budget-s", "0"], "hf_time_budget_s must be > 0, got 0.0"),
         (["--length-scale", "0"], "length_scale must be > 0, got 0.0"),
         (["--overhead-steps", "-1"], "overhead_steps must be >= 0, got -1"),
         (["--block-size", "0"], "block_size must be an int >= 1, got 0"),

@@ -18,6 +18,7 @@ from attention_cases import (
     NUM_HEADS,
     PREFILL_CASES,
     AttentionSuite,
+    Case,
     make_paged_kv,
     real_paged_kv,
     refusal_on_cpu,
@@ -182,9 +183,54 @@ def test_big_batch_needs_no_split():
 
 @pytest.mark.parametrize("batch", [1, 2, 4])
 def test_long_context_is_split_until_the_gpu_is_full(batch):
-    splits = _triton_ops().choose_num_splits(batch, 8, 32768, H100_SMS)
-    assert batch * 8 * splits >= H100_SMS
-    assert 32768 / splits >= _triton_ops().MIN_TOKENS_PER_SPLIT
+    ops = _triton_ops()
+    splits = ops.choose_num_splits(batch, 8, 32768, H100_SMS)
+    assert batch * 8 * splits >= ops.PROGRAMS_PER_SM * H100_SMS or splits == ops.MAX_SPLITS
+    assert 32768 / splits >= ops.MIN_TOKENS_PER_SPLIT
+
+
+@pytest.mark.parametrize(
+    "batch, num_sms, splits",
+    [
+        # One 32K-token sequence of 8 KV heads: 8 programs; 4 per SM of an H100's 132
+        # would be 66 splits, capped at 64 (512 programs of 512 tokens).
+        (1, 132, 64),
+        # Four: 32 programs, ceil(528 / 32) = 17 splits (544 programs).
+        (4, 132, 17),
+        # An H200 or an A100 (108 SMs): ceil(432 / 32) = 14.
+        (4, 108, 14),
+        # Sixteen: 128 programs, not yet one per SM: ceil(528 / 128) = 5.
+        (16, 132, 5),
+    ],
+)
+def test_split_count_fills_the_multiprocessors_four_programs_deep(batch, num_sms, splits):
+    assert _triton_ops().choose_num_splits(batch, 8, 32768, num_sms) == splits
+
+
+def test_the_chosen_split_count_matches_the_oracle(monkeypatch):
+    """The heuristic's own choice, not a forced one, on a GPU of 4 multiprocessors: two
+    sequences of one KV head are 2 programs, so ceil(4 * 4 / 2) = 8 splits are wanted and
+    the 528-token bound allows ceil(528 / 256) = 3."""
+    ops = _triton_ops()
+    monkeypatch.setattr(ops, "_num_sms", lambda device: 4)
+    chosen = []
+    choose = ops.choose_num_splits
+    monkeypatch.setattr(
+        ops, "choose_num_splits", lambda *a: chosen.append(choose(*a)) or chosen[-1]
+    )
+    case = Case((520, 3), block_size=16, num_kv_heads=1)
+    kv, query = _decode_inputs(case)
+    out = paged_attention_decode(
+        query,
+        kv.key_cache,
+        kv.value_cache,
+        kv.block_tables,
+        kv.context_lens,
+        case.scale,
+        backend="triton",
+    )
+    assert chosen == [3]
+    assert_close(out, decode_oracle(query, kv.keys, kv.values, case.scale))
 
 
 def test_short_context_is_not_split_into_slivers():

@@ -23,8 +23,10 @@ Every shape lays the same K/V out three ways:
   ``scaled_dot_product_attention`` (FlashAttention on a GPU), the speed with no paging.
 
 Every output is checked against the torch reference backend before it is timed: a
-wrong kernel gets a note, not a number.  Prefill rows are reported the same way for
-comparison, though prefill is compute-bound and sits far below the read bandwidth.
+wrong kernel gets a note, not a number.  Prefill is compute-bound (each key meets many
+queries), so its rows report arithmetic instead: the causal attention's FLOPs over the
+time in TFLOP/s (`Shape.flops`), and on a GPU whose dense 16-bit tensor-core peak is
+known (`PEAK_TFLOPS`, from the vendors' datasheets) the share of it.
 """
 
 from __future__ import annotations
@@ -75,6 +77,20 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # The decode goal as a fraction of the read bandwidth: 80% on an H100, half on a CPU's
 # cores (a benchmark figure, never a test assert).
 GOAL_FRACTION = {"cuda": 0.8, "cpu": 0.5}
+# Dense (not 2:4 sparse) bf16 / fp16 tensor-core peaks in TFLOP/s, from NVIDIA's
+# datasheets, by a piece of the name torch reports; the first match wins, so the more
+# specific names come first ("NVIDIA H100 PCIe" before "H100", "L40S" before "L4").
+PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H200 NVL", 835.0),
+    ("H100", 989.4),  # SXM: "NVIDIA H100 80GB HBM3"
+    ("H200", 989.4),  # "NVIDIA H200", "NVIDIA GH200 480GB"
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+)
 # Before torch 2.5, sdpa cannot broadcast K/V heads over query groups by itself.
 _SDPA_HAS_GQA = torch.__version__ >= (2, 5)  # TorchVersion compares as a version
 
@@ -130,6 +146,16 @@ class Shape:
         kv = self.batch * self.context_len * self.num_kv_heads * self.head_dim * 2
         q_out = self.batch * self.num_new_tokens * self.num_heads * self.head_dim * 2
         return (kv + q_out) * DTYPES[self.dtype].itemsize
+
+    @property
+    def flops(self) -> int:
+        """The floating-point operations of causal attention: query ``j`` of the
+        ``n`` new ones sits at position ``L - n + j`` and meets ``L - n + j + 1`` keys,
+        each once in ``q k^T`` and once in ``p v``, a multiply and an add per element of
+        ``head_dim`` in every query head."""
+        n, length = self.num_new_tokens, self.context_len
+        pairs = n * (length - n) + n * (n + 1) // 2
+        return 4 * self.batch * self.num_heads * self.head_dim * pairs
 
     def fields(self) -> dict:
         """The contract's shape fields of a result row (``num_new_tokens`` for prefill)."""
@@ -270,6 +296,15 @@ def time_us(fn: Callable[[], object], device: torch.device) -> float:
     return statistics.median(times) * 1e6
 
 
+def peak_tflops(device: torch.device) -> float | None:
+    """The dense bf16 / fp16 tensor-core peak of ``device`` (`PEAK_TFLOPS`), None for
+    a CPU or a GPU not in the table."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for part, peak in PEAK_TFLOPS if part in name), None)
+
+
 def read_bandwidth_gbs(device: torch.device, nbytes: int | None = None) -> float:
     """The streaming-read bandwidth of ``device`` in GB/s: ``sum()`` over a float32
     buffer of ``nbytes`` (default 1 GiB on a GPU, 256 MiB on a CPU), far larger than any
@@ -282,12 +317,14 @@ def read_bandwidth_gbs(device: torch.device, nbytes: int | None = None) -> float
 
 @dataclass
 class AttentionBench:
-    """What one run measured: contract rows, the read bandwidth they are a fraction
-    of, and one line for each backend that was skipped and why."""
+    """What one run measured: contract rows, the read bandwidth the decode rows are a
+    fraction of, the tensor-core peak the prefill rows are (None: unknown), and one line
+    for each backend that was skipped and why."""
 
     rows: list[dict]
     read_bandwidth_gbs: float
     notes: list[str]
+    peak_tflops: float | None = None
 
 
 def bench_attention(
@@ -303,7 +340,7 @@ def bench_attention(
     bad = [b for b in backends if b not in BACKENDS]
     if bad or not backends:
         raise ValueError(f"backends must be a non-empty subset of {BACKENDS}, got {list(backends)}")
-    read_bw = read_bandwidth_gbs(device)
+    read_bw, peak = read_bandwidth_gbs(device), peak_tflops(device)
     rows, notes = [], []
 
     def note(text):
@@ -319,13 +356,13 @@ def bench_attention(
             expected = _runner("torch", inputs, checked=True)()
             for backend in backends:
                 bar.set_postfix_str(f"{shape.op} {_label(shape.fields())} {backend}")
-                row = _measure(backend, inputs, expected, read_bw, note)
+                row = _measure(backend, inputs, expected, read_bw, peak, note)
                 if row is not None:
                     rows.append(row)
                 bar.update()
     if not rows:
         raise ValueError(f"backends {list(backends)} could not run here: " + "; ".join(notes))
-    return AttentionBench(rows, read_bw, notes)
+    return AttentionBench(rows, read_bw, notes, peak)
 
 
 @dataclass
@@ -425,7 +462,7 @@ def _sdpa_runner(x: _Inputs) -> Callable[[], torch.Tensor]:
     return lambda: sdpa_attention(query, *kv, x.scale)
 
 
-def _measure(backend, inputs, expected, read_bw, note) -> dict | None:
+def _measure(backend, inputs, expected, read_bw, peak, note) -> dict | None:
     """One result row, or ``None`` (and a note) when ``backend`` cannot run or is wrong."""
     shape = inputs.shape
     if inputs.query.device.type == "cpu" and backend.startswith(("triton", "cuda")):
@@ -457,14 +494,14 @@ def _measure(backend, inputs, expected, read_bw, note) -> dict | None:
         )
         return None
     time = time_us(_runner(backend, inputs), out.device)
-    bandwidth = shape.bytes_moved / time / 1e3
-    return {
-        "backend": backend,
-        **shape.fields(),
-        "time_us": time,
-        "bandwidth_gbs": bandwidth,
-        "fraction_of_read_bw": bandwidth / read_bw,
-    }
+    row = {"backend": backend, **shape.fields(), "time_us": time}
+    if shape.op == "decode":
+        bandwidth = shape.bytes_moved / time / 1e3
+        return {**row, "bandwidth_gbs": bandwidth, "fraction_of_read_bw": bandwidth / read_bw}
+    tflops = shape.flops / time / 1e6
+    # The peak is a 16-bit tensor-core one: a float32 prefill is not measured against it.
+    of_peak = tflops / peak if peak and shape.dtype != "float32" else None
+    return {**row, "tflops": tflops, "fraction_of_peak": of_peak}
 
 
 def _label(fields: dict) -> str:
@@ -483,8 +520,10 @@ def format_table(bench: AttentionBench) -> str:
             Column("shape", _label),
             Column("backend", "backend"),
             Column("time us", "time_us", "{:.1f}"),
-            Column("GB/s", "bandwidth_gbs", "{:.1f}"),
-            Column("of read", "fraction_of_read_bw", "{:.1%}"),
+            Column("GB/s", lambda r: r.get("bandwidth_gbs"), "{:.1f}"),
+            Column("of read", lambda r: r.get("fraction_of_read_bw"), "{:.1%}"),
+            Column("TFLOP/s", lambda r: r.get("tflops"), "{:.1f}"),
+            Column("of peak", lambda r: r.get("fraction_of_peak"), "{:.1%}"),
         ],
     )
     # Paging overhead: the same kernel on the same bytes, through shuffled blocks or not,
@@ -515,21 +554,34 @@ def format_table(bench: AttentionBench) -> str:
             *(Column(f"{k} of read", k, "{:.1%}") for k in kernels),
         ],
     )
+    peak = (
+        f"dense bf16 peak: {bench.peak_tflops:.0f} TFLOP/s"
+        if bench.peak_tflops
+        else "dense bf16 peak: unknown here (prefill in TFLOP/s only)"
+    )
     return "\n".join(
-        [f"streaming read bandwidth: {bench.read_bandwidth_gbs:.1f} GB/s", "", rows, "", overheads]
+        [
+            f"streaming read bandwidth: {bench.read_bandwidth_gbs:.1f} GB/s; {peak}",
+            "",
+            rows,
+            "",
+            overheads,
+        ]
     )
 
 
 def plot_fractions(rows: list[dict], goal: float = GOAL_FRACTION["cuda"]):
-    """One panel per op: bars of ``fraction_of_read_bw`` per shape and backend, with
-    the decode ``goal`` dashed.  Returns a matplotlib ``Figure``, drawn without pyplot so
-    that no GUI backend is needed."""
+    """One panel per op: bars per shape and backend of decode's ``fraction_of_read_bw``,
+    with the ``goal`` dashed, and of prefill's ``fraction_of_peak`` (``tflops`` where
+    the peak is unknown).  Returns a matplotlib ``Figure``, drawn without pyplot so that
+    no GUI backend is needed."""
     from matplotlib.figure import Figure  # imported here, like causal_lower_right
 
     ops = [op for op in OPS if any(row["op"] == op for row in rows)]
     fig = Figure(figsize=(6.5 * len(ops), 4.2), layout="constrained")
     for ax, op in zip(fig.subplots(1, len(ops), squeeze=False)[0], ops):
         op_rows = [row for row in rows if row["op"] == op]
+        key, ylabel = _plotted(op_rows)
         shapes = list(dict.fromkeys(map(_label, op_rows)))
         backends = list(dict.fromkeys(row["backend"] for row in op_rows))
         width = 0.8 / len(backends)
@@ -538,7 +590,7 @@ def plot_fractions(rows: list[dict], goal: float = GOAL_FRACTION["cuda"]):
             offset = (i - (len(backends) - 1) / 2) * width
             ax.bar(
                 [shapes.index(_label(row)) + offset for row in mine],
-                [row["fraction_of_read_bw"] for row in mine],
+                [row[key] for row in mine],
                 width,
                 label=backend,
             )
@@ -549,12 +601,21 @@ def plot_fractions(rows: list[dict], goal: float = GOAL_FRACTION["cuda"]):
             f"{op}: {op_rows[0]['num_heads']}/{op_rows[0]['num_kv_heads']} heads, "
             f"head_dim {op_rows[0]['head_dim']}, {op_rows[0]['dtype']}"
         )
-        ax.set_ylabel("fraction of streaming read bandwidth")
+        ax.set_ylabel(ylabel)
         # Below the panel: bars may reach the top anywhere.
         ax.legend(
             fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=3, frameon=False
         )
     return fig
+
+
+def _plotted(op_rows: list[dict]) -> tuple[str, str]:
+    """The field an op's panel plots, and its axis label."""
+    if op_rows[0]["op"] == "decode":
+        return "fraction_of_read_bw", "fraction of streaming read bandwidth"
+    if all(row["fraction_of_peak"] is not None for row in op_rows):
+        return "fraction_of_peak", "fraction of the dense bf16 tensor-core peak"
+    return "tflops", "TFLOP/s"
 
 
 # -- the command ----------------------------------------------------------------------
@@ -622,5 +683,6 @@ def main(args) -> None:
         plot_fractions(bench.rows, GOAL_FRACTION[device.type]),
         preset=args.preset,
         read_bandwidth_gbs=bench.read_bandwidth_gbs,
+        peak_tflops=bench.peak_tflops,
         notes=bench.notes,
     )

@@ -11,12 +11,17 @@ requests, on the same weights in the same dtype, through transformers.
   attention (what ``model.generate_batch`` runs), every request queued at once.
 
 One request at a time is slow, so a preset may run the first two on the first requests
-only; every row records how many it ran, and its rates are over those.
+only; every row records how many it ran, and its rates are over those.  A time budget
+(``time_budget_s``) caps each baseline's timed run as well: once it is spent the
+baseline takes no more batches (or, continuously batched, stops waiting), and its row,
+marked ``"partial": true``, has its rates over the requests it finished (for continuous
+batching a lower bound: the unfinished requests' tokens are not counted).
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 
 import torch
@@ -39,10 +44,12 @@ def run_hf_baselines(
     hf_batch_num_requests: int | None,
     hf_batch_size: int,
     progress: bool = True,
+    time_budget_s: float | None = None,
 ) -> dict[str, SystemRun]:
     """Each of ``systems`` (of `HF_SYSTEMS`) on the checkpoint at ``path`` in ``dtype``
     (``LLM``'s ``dtype``, ``"auto"`` included), the batched ones on the first
-    ``hf_num_requests`` / ``hf_batch_num_requests`` of ``requests``."""
+    ``hf_num_requests`` / ``hf_batch_num_requests`` of ``requests``, each timed run
+    within ``time_budget_s`` seconds (None: no limit)."""
     from transformers import AutoConfig
 
     from minipaged.models.loader import resolve_dtype
@@ -51,7 +58,7 @@ def run_hf_baselines(
     runs = {}
     if "hf-continuous-batching" in systems:
         runs["hf-continuous-batching"] = run_hf_continuous(
-            path, torch_dtype, device, requests, prompts, progress
+            path, torch_dtype, device, requests, prompts, progress, time_budget_s
         )
     generate = [s for s in systems if s in ("hf-generate", "hf-generate-batch")]
     if generate:
@@ -67,6 +74,7 @@ def run_hf_baselines(
                 hf_batch_num_requests,
                 hf_batch_size,
                 progress,
+                time_budget_s,
             )
         )
     return runs
@@ -127,9 +135,11 @@ def run_hf(
     batch_size: int,
     pad_id: int,
     progress: bool = True,
+    time_budget_s: float | None = None,
 ) -> SystemRun:
     """``hf-generate`` (``batch_size`` 1) or ``hf-generate-batch``: requests in arrival
-    order, ``batch_size`` at a time, after a warm-up."""
+    order, ``batch_size`` at a time, after a warm-up; no batch starts once
+    ``time_budget_s`` is spent (`budget_spent`)."""
     if batch_size < 1:
         raise ValueError(f"hf_batch_size must be >= 1, got {batch_size!r}")
     device = next(model.parameters()).device
@@ -137,9 +147,14 @@ def run_hf(
         range(i, min(i + batch_size, len(requests))) for i in range(0, len(requests), batch_size)
     ]
     generated = [0] * len(requests)
+    done = 0
 
     def run():
+        nonlocal done
+        start = time.perf_counter()
         for batch in tqdm(batches, desc=system, unit="batch", disable=not progress, leave=False):
+            if budget_spent(start, time_budget_s, done):
+                break
             new = _hf_batch(
                 model,
                 [prompts[i] for i in batch],
@@ -149,13 +164,26 @@ def run_hf(
             )
             for i in batch:
                 generated[i] = new
+            done = batch.stop
 
     with _quiet_transformers():
         _hf_batch(model, [prompts[i] for i in batches[0]], 4, pad_id, device)  # warm-up
         _, elapsed = timed(run, device)
-    output = [r.output_len for r in requests]  # the wanted ones; the rest is padding work
-    extra = {"batch_size": batch_size, "generated_tokens": sum(generated)}
-    return SystemRun(system_row(system, requests, output, elapsed, **extra), generated, output)
+    output = [r.output_len for r in requests[:done]]  # the wanted ones; the rest is padding
+    extra = {
+        "batch_size": batch_size,
+        "generated_tokens": sum(generated),
+        "partial": done < len(requests),
+    }
+    return SystemRun(
+        system_row(system, requests[:done], output, elapsed, **extra), generated[:done], output
+    )
+
+
+def budget_spent(start: float, time_budget_s: float | None, done: int) -> bool:
+    """Whether a run begun at ``start`` (``time.perf_counter``) has spent its budget; never
+    before its first request is ``done``, so that every row has a rate."""
+    return bool(done) and time_budget_s is not None and time.perf_counter() - start >= time_budget_s
 
 
 def run_hf_continuous(
@@ -165,10 +193,12 @@ def run_hf_continuous(
     requests: Sequence[RequestSpec],
     prompts: Sequence[list[int]],
     progress: bool = True,
+    time_budget_s: float | None = None,
 ) -> SystemRun:
     """``hf-continuous-batching``: transformers' continuous batching manager (the engine
     behind ``generate_batch``) over SDPA; each request added with its own
-    ``max_new_tokens`` and no EOS, after a warm-up, all at once."""
+    ``max_new_tokens`` and no EOS, after a warm-up, all at once; the results are
+    collected until every request is done or ``time_budget_s`` is spent."""
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -182,15 +212,22 @@ def run_hf_continuous(
     config = GenerationConfig(
         do_sample=True, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=-1, pad_token_id=0
     )  # -1: no token ends a request
-    generated = [0] * len(requests)
+    generated = {}
 
-    def run(manager, todo: Sequence[int], lengths: Sequence[int]) -> None:
+    def run(manager, todo: Sequence[int], lengths: Sequence[int], budget=None) -> None:
+        generated.clear()
+        start = time.perf_counter()
         for i in todo:
             manager.add_request(list(prompts[i]), request_id=str(i), max_new_tokens=lengths[i])
         for _ in tqdm(
             todo, desc="hf-continuous-batching", unit="req", disable=not progress, leave=False
         ):
-            result = manager.get_result(timeout=600)
+            if budget_spent(start, budget, len(generated)):
+                return
+            left = 600 if budget is None or not generated else budget - time.perf_counter() + start
+            result = manager.get_result(timeout=max(left, 0.0))
+            if result is None and generated and budget is not None:
+                return  # the budget ran out while waiting
             if result is None or result.error:
                 raise RuntimeError(f"hf-continuous-batching: {result and result.error}")
             generated[int(result.request_id)] = len(result.generated_tokens)
@@ -200,16 +237,22 @@ def run_hf_continuous(
         manager.start()
         try:
             run(manager, range(min(8, len(requests))), [4] * len(requests))  # warm-up
-            output = [r.output_len for r in requests]
-            _, elapsed = timed(lambda: run(manager, range(len(requests)), output), device)
+            wanted = [r.output_len for r in requests]
+            _, elapsed = timed(
+                lambda: run(manager, range(len(requests)), wanted, time_budget_s), device
+            )
         finally:
             manager.stop(block=True)
             del model
             free_memory(device)
-    check_lengths("hf-continuous-batching", generated, requests)
-    return SystemRun(
-        system_row("hf-continuous-batching", requests, output, elapsed), generated, output
+    finished = sorted(generated)
+    done = [requests[i] for i in finished]
+    output = [r.output_len for r in done]
+    check_lengths("hf-continuous-batching", [generated[i] for i in finished], done)
+    row = system_row(
+        "hf-continuous-batching", done, output, elapsed, partial=len(done) < len(requests)
     )
+    return SystemRun(row, [generated[i] for i in finished], output)
 
 
 def _run_hf_generate(
@@ -223,6 +266,7 @@ def _run_hf_generate(
     hf_batch_num_requests,
     hf_batch_size,
     progress,
+    time_budget_s,
 ) -> dict[str, SystemRun]:
     model = load_hf_model(path, dtype, device)
     config = model.config
@@ -239,7 +283,14 @@ def _run_hf_generate(
             )
             count = len(requests) if count is None else min(count, len(requests))
             runs[system] = run_hf(
-                model, system, requests[:count], prompts[:count], batch, pad_id, progress
+                model,
+                system,
+                requests[:count],
+                prompts[:count],
+                batch,
+                pad_id,
+                progress,
+                time_budget_s,
             )
     finally:
         del model

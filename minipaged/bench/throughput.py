@@ -114,6 +114,7 @@ SETTING = (
     "hf_num_requests",
     "hf_batch_num_requests",
     "hf_batch_size",
+    "hf_time_budget_s",
 )
 # The qwen2.5-0.5b preset's model: Qwen2.5-0.5B's public config.json (24 layers, hidden
 # 896, GQA 14/2 heads of 64, q/k/v biases, a tied 151,936-row embedding), random bf16
@@ -133,12 +134,20 @@ QWEN_MODEL = dict(
 )
 
 
+# On a GPU each Hugging Face baseline gets 30 s of timed run: at full ShareGPT lengths
+# they took minutes on an H200 (hf-continuous-batching did 174 of 500 requests in 42 s),
+# and `benchmarks/run_gpu.sh throughput` must finish within 4 minutes.
+HF_GPU_BUDGET_S = 30.0
+
+
 @dataclass(frozen=True)
 class Preset:
     """One benchmark setting.  ``hf_num_requests`` and ``hf_batch_num_requests`` cap
     the requests the Hugging Face baselines run (the first ones of the same list; None:
     all), because one request at a time takes minutes where the engine takes seconds;
-    each row says how many requests it ran."""
+    ``hf_time_budget_s`` caps each baseline's timed run in seconds (None: no cap; one
+    out of time is marked partial, `hf_baselines`); each row says how many requests it
+    ran."""
 
     device: str
     num_requests: int
@@ -147,6 +156,7 @@ class Preset:
     hf_batch_num_requests: int | None
     hf_batch_size: int
     model: dict = field(default_factory=dict)  # make_tiny_model overrides
+    hf_time_budget_s: float | None = None
 
 
 PRESETS = {
@@ -169,6 +179,7 @@ PRESETS = {
         hf_batch_num_requests=64,
         hf_batch_size=32,
         model=GPU_MODEL,
+        hf_time_budget_s=HF_GPU_BUDGET_S,
     ),
     # vLLM's benchmark_throughput default of 1000 requests, on Qwen2.5-0.5B's shape.
     "qwen2.5-0.5b": Preset(
@@ -179,6 +190,7 @@ PRESETS = {
         hf_batch_num_requests=64,
         hf_batch_size=32,
         model=QWEN_MODEL,
+        hf_time_budget_s=HF_GPU_BUDGET_S,
     ),
 }
 
@@ -189,6 +201,7 @@ def check_setting(
     hf_num_requests: int | None,
     hf_batch_num_requests: int | None,
     hf_batch_size: int,
+    hf_time_budget_s: float | None = None,
 ) -> None:
     """Raise ``ValueError`` naming the first bad value, before anything runs."""
     for name, value in (
@@ -201,6 +214,8 @@ def check_setting(
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if not length_scale > 0:
         raise ValueError(f"length_scale must be > 0, got {length_scale!r}")
+    if hf_time_budget_s is not None and not hf_time_budget_s > 0:
+        raise ValueError(f"hf_time_budget_s must be > 0, got {hf_time_budget_s!r}")
 
 
 def available_systems(device: torch.device) -> list[str]:
@@ -335,9 +350,11 @@ def bench_throughput(
     progress: bool = True,
     num_threads: int = 1,
     rounds: int = 1,
+    hf_time_budget_s: float | None = None,
 ) -> ThroughputBench:
     """Run each of ``systems`` on ``requests`` (the HF ones on the first
-    ``hf_num_requests`` / ``hf_batch_num_requests`` of them), on a CPU with
+    ``hf_num_requests`` / ``hf_batch_num_requests`` of them, each for at most
+    ``hf_time_budget_s`` seconds), on a CPU with
     ``num_threads`` threads each, ``rounds`` times (`_over_rounds`).  ``engine_kwargs``
     are ``LLM``'s, less ``attention_backend``; their ``device`` and ``dtype`` apply to HF
     and vLLM too.  A system that cannot run here gets a note; none at all is a
@@ -375,6 +392,7 @@ def bench_throughput(
                 hf_batch_size,
                 progress,
                 num_threads,
+                hf_time_budget_s,
             )
             per_round.append(runs)
             notes += [n for n in round_notes if n not in notes]
@@ -446,6 +464,7 @@ def _run_systems(
     hf_batch_size,
     progress,
     num_threads,
+    hf_time_budget_s=None,
 ):
     runs, notes = {}, []
     for system in systems:
@@ -500,8 +519,15 @@ def _run_systems(
                 hf_batch_num_requests,
                 hf_batch_size,
                 progress,
+                hf_time_budget_s,
             )
         )
+        notes += [
+            f"{s}: out of its {hf_time_budget_s:g} s budget after "
+            f"{runs[s].row['num_requests']} requests; its rates are over those (partial)"
+            for s in hf
+            if runs[s].row["partial"]
+        ]
     return runs, notes
 
 
@@ -580,7 +606,11 @@ def plot_throughput(rows: list[dict], overhead: dict | None = None, device: str 
     # A baseline that ran fewer requests says so under its bar.
     labels = [
         r["system"]
-        + ("" if r["num_requests"] == most else f"\n(first {r['num_requests']} requests)")
+        + (
+            f"\n({r['num_requests']} done, out of time)"
+            if r.get("partial")
+            else ("" if r["num_requests"] == most else f"\n(first {r['num_requests']} requests)")
+        )
         + (f"\n{r['vs_vllm_cpu']:.2f}x {VLLM_CPU}" if "vs_vllm_cpu" in r else "")
         for r in rows
     ]
@@ -645,6 +675,13 @@ def add_arguments(parser) -> None:
         ("--hf-batch-size", "requests per hf-generate-batch call"),
     ]:
         parser.add_argument(flag, type=int, metavar="N", help=f"{help_} (default: the preset's)")
+    parser.add_argument(
+        "--hf-time-budget-s",
+        type=float,
+        metavar="S",
+        help="each HF baseline's timed run stops taking requests after S seconds and "
+        "reports its rates over those it finished, marked partial (default: the preset's)",
+    )
     parser.add_argument(
         "--length-scale",
         type=float,
@@ -726,6 +763,7 @@ def main(args) -> None:
         setting["hf_batch_size"],
         num_threads=args.num_threads,
         rounds=args.rounds,
+        hf_time_budget_s=setting["hf_time_budget_s"],
     )
     overhead = None
     if args.overhead_steps:

@@ -19,7 +19,9 @@ required.
 Backends: ``torch`` (``torch_ref``, gather then attend: short and slow), ``triton``
 (``triton_ops`` launching ``triton_kernels``: online softmax over blocks, GQA groups,
 split-KV), ``cuda`` (``cuda_ops`` launching the CUDA C++ kernels of ``kernels/``, built
-on first use; prefill borrows Triton's).  The Triton module is imported on first use, so
+on first use; prefill borrows Triton's), and two libraries' kernels where they are
+installed on a GPU: ``flash_attn`` (FlashAttention-2, `flash_attn_ops`) and
+``flashinfer`` (FlashInfer, `flashinfer_ops`).  The Triton module is imported on first use, so
 ``import minipaged.ops`` needs no Triton, and ``TRITON_INTERPRET`` may be set any time
 before the first Triton call.
 """
@@ -46,12 +48,14 @@ __all__ = [
     "prefill_oracle",
 ]
 
-BACKENDS = ("torch", "cpu", "triton", "cuda")
+BACKENDS = ("torch", "cpu", "triton", "cuda", "flash_attn", "flashinfer")
+LIBRARY_BACKENDS = ("flash_attn", "flashinfer")  # another library's kernels, optional
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-class BackendUnavailableError(RuntimeError):
-    """The requested attention backend cannot run here."""
+class BackendUnavailableError(RuntimeError, ValueError):
+    """The requested attention backend cannot run here: a ``ValueError`` too, as an
+    ``attention_backend`` argument this machine cannot honour."""
 
 
 def write_kv(
@@ -176,6 +180,14 @@ def get_backend(name: str, device: torch.device):
         except RuntimeError as error:
             raise BackendUnavailableError(str(error)) from None
         return triton_ops
+    if name in LIBRARY_BACKENDS:
+        # torch only at import: the library itself is imported by check_available.
+        impl = importlib.import_module(f"minipaged.ops.{name}_ops")
+        try:
+            impl.check_available(device)
+        except RuntimeError as error:
+            raise BackendUnavailableError(str(error)) from None
+        return impl
     if name in ("cpu", "cuda"):
         # torch only: their C++ is built when check_available (cpu) or the first call
         # (cuda) needs it.
@@ -200,9 +212,13 @@ def check_supported(
 
     The torch, CPU and Triton backends take any; the CUDA kernels are compiled for a few
     dtypes, head dims and block sizes (``cuda_ops.check_supported``), and read any cache
-    dtype of `kv_quant` besides the query's: an engine asks once, before it allocates
-    anything.
+    dtype of `kv_quant` besides the query's; FlashAttention and FlashInfer take fp16 and
+    bf16, their head dims, no quantized cache, and FlashAttention's paged kernels blocks
+    of a multiple of 256 tokens: an engine asks once, before it allocates anything.
     """
+    if backend in LIBRARY_BACKENDS:
+        impl = importlib.import_module(f"minipaged.ops.{backend}_ops")
+        impl.check_supported(backend, dtype, head_dim, block_size, kv_cache_dtype)
     if backend == "cuda":
         from minipaged.ops import cuda_ops
 

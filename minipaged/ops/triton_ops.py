@@ -41,6 +41,12 @@ MIN_DOT_ROWS = 16
 # Flash-decoding: a split shorter than this is not worth its partial result and merge.
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
+# Decode programs wanted per streaming multiprocessor when a batch is split.  One program
+# keeps only one tile's loads in flight; at 64 sequences of 8 KV heads (512 programs,
+# about 4 per SM of an H100 or H200) the unsplit kernel reads at the memory's rate,
+# while 2 per SM (the split count that took "two waves") read at 18% of it on an H200
+# for one 32K-token sequence.
+PROGRAMS_PER_SM = 4
 
 
 def check_available(device: torch.device) -> None:
@@ -86,15 +92,17 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_s
     """How many splits of the context each decode program gets (flash-decoding).
 
     Decode launches one program per (sequence, KV head).  A big batch already gives
-    every streaming multiprocessor several programs, and splitting would only add a
+    every streaming multiprocessor a program or more, and splitting would only add a
     merge.  A few long sequences leave most of the GPU idle; cutting each context into
-    splits that run in parallel fills it, as long as each split keeps at least
-    ``MIN_TOKENS_PER_SPLIT`` tokens to amortise its partial result.
+    splits that run in parallel fills it, up to ``PROGRAMS_PER_SM`` programs on each
+    multiprocessor (enough loads in flight to read at the memory's rate), as long as
+    each split keeps at least ``MIN_TOKENS_PER_SPLIT`` tokens to amortise its partial
+    result, and no more than ``MAX_SPLITS``.
     """
     programs = batch * num_kv_heads
     if programs >= num_sms:
         return 1
-    wanted = math.ceil(2 * num_sms / programs)  # two waves hide the tail of the first
+    wanted = math.ceil(PROGRAMS_PER_SM * num_sms / programs)
     worth_it = math.ceil(max_context_len / MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, worth_it, MAX_SPLITS))
 

@@ -14,9 +14,14 @@ sizes, so everything a step varies must live in fixed buffers and fixed shapes:
 - the inputs (token ids, positions, slot mapping, block tables, context lengths) are
   copied into static buffers before each replay; block tables are as wide as
   ``max_model_len`` needs;
-- the decode op's launch must not depend on this step's longest context, so the graphs
-  pass the block tables' full width as its bound (``max_decode_context_len``); the
-  kernels read each sequence's real length from ``decode_context_lens``.
+- the decode op's launch depends on a bound on the step's longest context
+  (``max_decode_context_len``): the CUDA kernels size their shared memory and choose
+  between versions 1 and 2 by it, Triton its split count.  So each batch size is
+  captured once per context bound of `graph_context_bounds` (1K, 4K, 16K, ... tokens,
+  up to what ``max_model_len`` needs), and a step replays the graph of the smallest
+  bound that holds its longest context (`context_bound`): a batch of short sequences
+  launches what it needs, not what the longest possible one would.  The kernels read
+  each sequence's real length from ``decode_context_lens``.
 
 Prefill steps, and mixed steps, run eagerly: their token counts vary too much to pad.
 The engine captures the graphs at start-up where they can run (`uses_decode_graphs`).
@@ -35,6 +40,11 @@ from minipaged.models.llama import sliding_window
 
 SMALL_BATCHES = (1, 2, 4, 8)
 BATCH_STEP = 16
+# Context bounds captured: 1K tokens, then x4 each (4K, 16K, 64K), then the largest.
+# Factor 4 keeps the graphs few (4 per batch size at a 32K context) while a step's bound
+# is at most 4x its longest context.
+FIRST_CONTEXT_BOUND = 1024
+CONTEXT_BOUND_STEP = 4
 
 
 def uses_decode_graphs(
@@ -82,8 +92,32 @@ def padded_batch_size(num_seqs: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
+def graph_context_bounds(max_model_len: int, block_size: int) -> list[int]:
+    """The context bounds captured, ascending: `FIRST_CONTEXT_BOUND` times powers of
+    `CONTEXT_BOUND_STEP` below the block tables' capacity, then the capacity itself
+    (``max_model_len`` rounded up to whole blocks); each a whole number of blocks."""
+    capacity = math.ceil(max_model_len / block_size) * block_size
+    bounds, bound = [], FIRST_CONTEXT_BOUND
+    while bound < capacity:
+        bounds.append(math.ceil(bound / block_size) * block_size)
+        bound *= CONTEXT_BOUND_STEP
+    return sorted({*bounds, capacity})
+
+
+def context_bound(max_context_len: int, bounds: list[int]) -> int:
+    """The smallest of ``bounds`` that holds ``max_context_len`` tokens (a step's longest
+    context never exceeds the largest: the block tables' capacity)."""
+    i = bisect.bisect_left(bounds, max_context_len)
+    if i == len(bounds):
+        raise ValueError(
+            f"max_context_len {max_context_len} exceeds the largest captured bound {bounds[-1]}"
+        )
+    return bounds[i]
+
+
 class DecodeGraphs:
-    """One CUDA graph of the model's decode forward per batch size, over static buffers."""
+    """One CUDA graph of the model's decode forward per batch size and context bound,
+    over static buffers."""
 
     def __init__(
         self,
@@ -95,37 +129,40 @@ class DecodeGraphs:
         device: torch.device,
     ) -> None:
         self.sizes = graph_batch_sizes(max_num_seqs)
+        self.context_bounds = graph_context_bounds(max_model_len, block_size)
         rows, width = self.sizes[-1], math.ceil(max_model_len / block_size)
-        self.max_context_len = width * block_size
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((rows,), -1, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(rows, width, dtype=torch.int32, device=device)
         self.context_lens = torch.ones(rows, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0
+        self.replays_per_bound = dict.fromkeys(self.context_bounds, 0)
         self._capture(model, kv_caches, device)
 
     def _capture(self, model, kv_caches, device) -> None:
         # Largest first: the smaller graphs then fit in the memory pool it leaves.
         pool = None
         for size in reversed(self.sizes):
-            args = (self.input_ids[:size], self.positions[:size], kv_caches, self._metadata(size))
-            model(*args)  # compiles every kernel, outside the capture
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                hidden = model(*args)
-            pool = graph.pool()
-            self.graphs[size] = graph, hidden
+            for bound in reversed(self.context_bounds):
+                metadata = self._metadata(size, bound)
+                args = (self.input_ids[:size], self.positions[:size], kv_caches, metadata)
+                model(*args)  # compiles every kernel, outside the capture
+                torch.cuda.synchronize(device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool):
+                    hidden = model(*args)
+                pool = graph.pool()
+                self.graphs[size, bound] = graph, hidden
         torch.cuda.synchronize(device)
 
-    def _metadata(self, size: int) -> AttentionMetadata:
+    def _metadata(self, size: int, bound: int) -> AttentionMetadata:
         return AttentionMetadata.decode(
             self.slot_mapping[:size],
             self.block_tables[:size],
             self.context_lens[:size],
-            self.max_context_len,
+            bound,
         )
 
     def run(
@@ -145,7 +182,9 @@ class DecodeGraphs:
         self.block_tables[:n, :width].copy_(attn.decode_block_tables)
         self.context_lens[:n].copy_(attn.decode_context_lens)
         self.context_lens[n:size].fill_(1)  # and attend to one token of any block
-        graph, hidden = self.graphs[size]
+        bound = context_bound(attn.max_decode_context_len, self.context_bounds)
+        graph, hidden = self.graphs[size, bound]
         graph.replay()
         self.num_replays += 1
+        self.replays_per_bound[bound] += 1
         return hidden[:n]
