@@ -19,6 +19,9 @@ Every shape lays the same K/V out three ways:
 - paged with an identity block table, sequence ``b`` owning consecutive blocks, which is
   byte for byte a contiguous cache: ``triton-contiguous``.  ``triton`` over
   ``triton-contiguous`` is the price of paging; the paper's kernel paid 20-26% (§7.1);
+- paged and shuffled too, through another library's kernels where it is installed:
+  ``flash_attn`` (FlashAttention-2, whose paged kernels want blocks of 256 tokens, so it
+  is skipped at the presets' 16) and ``flashinfer`` (FlashInfer);
 - dense ``[B, num_kv_heads, L, head_dim]``: ``sdpa-contiguous``, torch's
   ``scaled_dot_product_attention`` (FlashAttention on a GPU), the speed with no paging.
 
@@ -47,7 +50,9 @@ from minipaged.bench import common
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column
 from minipaged.ops import (
+    LIBRARY_BACKENDS,
     BackendUnavailableError,
+    check_supported,
     cuda_ops,
     get_backend,
     paged_attention_decode,
@@ -71,6 +76,8 @@ BACKENDS = (
     "cuda-v0",
     "cuda-v1",
     "cuda-v2",
+    "flash_attn",
+    "flashinfer",
     "sdpa-contiguous",
 )
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -476,6 +483,9 @@ def _measure(backend, inputs, expected, read_bw, peak, note) -> dict | None:
         )
         return None
     try:
+        if backend in LIBRARY_BACKENDS:
+            get_backend(backend, inputs.query.device)  # unavailable before unsupported
+            check_supported(backend, DTYPES[shape.dtype], shape.head_dim, shape.block_size, None)
         out = _runner(backend, inputs, checked=True)()
     except BackendUnavailableError as error:
         note(f"skipped {backend}: {error}")

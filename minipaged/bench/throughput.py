@@ -79,7 +79,7 @@ from minipaged.bench.results import cpu_facts, device_name
 from minipaged.bench.vllm_peer import SYSTEM as VLLM_CPU
 from minipaged.bench.vllm_peer import PeerUnavailableError, run_vllm_cpu
 from minipaged.core.memory.workloads import RequestSpec
-from minipaged.ops import BackendUnavailableError, get_backend
+from minipaged.ops import LIBRARY_BACKENDS, BackendUnavailableError, get_backend
 
 NAME = "throughput"
 DP_NAME = "throughput_dp"  # the results of --data-parallel-size
@@ -98,6 +98,8 @@ SYSTEMS = (
     COMPILED,
     "minipaged-triton",
     "minipaged-cuda",
+    "minipaged-flash_attn",
+    "minipaged-flashinfer",
     "hf-generate",
     "hf-generate-batch",
     "hf-continuous-batching",
@@ -221,7 +223,11 @@ def check_setting(
 def available_systems(device: torch.device) -> list[str]:
     """``minipaged-<backend>`` for every backend that really runs on ``device`` (on a
     CPU Triton would only be interpreted, so not there), then both HF baselines."""
-    backends = ["triton", "cuda", "torch"] if device.type == "cuda" else ["cpu", "torch"]
+    backends = (
+        ["triton", "cuda", "flash_attn", "flashinfer", "torch"]
+        if device.type == "cuda"
+        else ["cpu", "torch"]
+    )
     return [f"minipaged-{b}" for b in backends if _backend_error(b, device) is None] + list(
         HF_SYSTEMS
     )
@@ -496,6 +502,13 @@ def _run_systems(
                         runs[system].row["output_tokens_per_s"]
                         / one_rank.row["output_tokens_per_s"]
                     )
+            except ValueError as error:
+                if backend not in LIBRARY_BACKENDS:
+                    raise
+                # A library's kernels that do not take this model or block size
+                # (FlashAttention's paged KV wants blocks of 256 tokens).
+                notes.append(f"skipped {system}: {error}")
+                tqdm.write(notes[-1])
             except torch.cuda.OutOfMemoryError as error:
                 # The torch backend gathers each sequence's K/V densely, beyond what the
                 # KV pool's sizing (profiled on a prefill) left free; the others still run.
