@@ -1,35 +1,54 @@
-"""Repository-wide pytest setup: how `--nbmake` runs the lessons, and how long they may
-take."""
+"""Repository-wide pytest setup: how `--nbmake` runs the lessons, and what their times
+are measured against.
 
-import os
+A lesson fails under `make test` on an error, a wrong output (a failed assert) or a cell
+that hangs (``--nbmake-timeout``, several times the budget); its time is a measurement:
+the run ends with the lessons and cells that took longest against the minute a lesson
+should take (`scripts/execute_lessons.py`'s `budget_report`).  nbmake is imported only
+when `--nbmake` is given, so the tests run where it is not installed.
+"""
 
-import nbmake.nb_run
+import time
+
 import pytest
 
-from scripts.execute_lessons import KERNEL_CONFIG
-
-# nbmake starts each lesson's kernel through nbclient, over TCP unless configured, and
-# ipykernel then warns that the channel is unencrypted: give it the IPC transport that
-# `make lessons` uses.
-_NotebookClient = nbmake.nb_run.NotebookClient
-nbmake.nb_run.NotebookClient = lambda nb, **kwargs: _NotebookClient(
-    nb, config=KERNEL_CONFIG, **kwargs
-)
+_RUNS = {}  # lesson name -> (seconds, [(cell index, seconds)])
+_CLIENTS = []  # the lesson clients made during the current lesson
 
 
-LESSON_LIMIT_S = float(os.environ.get("MINIPAGED_LESSON_LIMIT_S", 60))
-"""A lesson must run in under a minute on a CPU: `make test` fails one that does not."""
+def pytest_configure(config):
+    if not config.getoption("nbmake", default=False):
+        return
+    import nbmake.nb_run
+
+    from scripts.execute_lessons import LessonClient
+
+    # nbmake builds a plain NotebookClient: ours adds the IPC transport that `make lessons`
+    # uses (ipykernel warns about unencrypted TCP), retries a failed kernel start-up, and
+    # times each cell.
+    def client(nb, **kwargs):
+        _CLIENTS.append(LessonClient(nb, **kwargs))
+        return _CLIENTS[-1]
+
+    nbmake.nb_run.NotebookClient = client
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item, call):
-    report = yield
-    is_lesson = item.path.suffix == ".ipynb"
-    if is_lesson and call.when == "call" and report.passed and call.duration > LESSON_LIMIT_S:
-        report.outcome = "failed"
-        report.longrepr = (
-            f"{item.path.name} ran for {call.duration:.0f} s, over the {LESSON_LIMIT_S} s a "
-            "lesson may take: `make lessons` records each cell's seconds in its metadata "
-            "(minipaged.seconds), which show the slow ones"
-        )
-    return report
+def pytest_runtest_call(item):
+    if item.path.suffix != ".ipynb":
+        return (yield)
+    _CLIENTS.clear()
+    start = time.perf_counter()
+    try:
+        return (yield)
+    finally:
+        cells = [cell for client in _CLIENTS for cell in client.cell_seconds]
+        _RUNS[item.path.stem] = (time.perf_counter() - start, cells)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _RUNS:
+        from scripts.execute_lessons import budget_report
+
+        terminalreporter.write_sep("-", "lesson times")
+        terminalreporter.write_line(budget_report(_RUNS))

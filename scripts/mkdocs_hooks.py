@@ -2,7 +2,8 @@
 served by the site itself.
 
 A lesson links to the next as ``[...](05_scheduler.ipynb)``, which is right in Jupyter
-and on GitHub.  mkdocs-jupyter renders each notebook as a page of its own folder
+and on GitHub; it links a docs page as ``[...](../docs/glossary.md#...)``, likewise.
+mkdocs-jupyter renders each notebook as a page of its own folder
 (``lessons/05_scheduler/``) but leaves its links as written, so on the site they would
 point at a file that is not there.  This hook rewrites them to the pages.
 """
@@ -12,6 +13,7 @@ import shutil
 from pathlib import Path
 
 _NOTEBOOK_LINK = re.compile(r'href="(?:\./)?([\w-]+)\.ipynb(#[^"]*)?"')
+_DOCS_LINK = re.compile(r'href="\.\./docs/([\w-]+)\.md(#[^"]*)?"')
 
 
 # The MathJax that jupyter-server-mathjax ships has the STIX-Web fonts only: say so
@@ -31,6 +33,7 @@ def on_post_page(output: str, page, config) -> str:
     if not page.file.src_uri.endswith(".ipynb"):
         return output
     output = output.replace("<!-- Load mathjax -->", _MATHJAX_FONTS, 1)
+    output = _DOCS_LINK.sub(lambda m: f'href="../../{m[1]}/{m[2] or ""}"', output)
     return _NOTEBOOK_LINK.sub(lambda m: f'href="../{m[1]}/{m[2] or ""}"', output)
 
 

@@ -1,6 +1,6 @@
 """The lessons are committed with their outputs, which the docs site shows as they are:
 each was executed top to bottom in one run (`make lessons`), and no cell failed.  (How
-long each took is `conftest.py`'s to check, where `make test` runs them.)"""
+long each takes is measured where `make test` runs them, and reported: `conftest.py`.)"""
 
 import json
 from pathlib import Path

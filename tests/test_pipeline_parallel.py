@@ -275,7 +275,8 @@ def test_bench_throughput_measures_the_bubble_and_the_bytes_between_stages(three
     assert stats["num_stages"] == 2 and 0 < stats["bubble_fraction"] < 1
     assert stats["bubble_fraction"] == pytest.approx(1 - sum(stats["busy_fraction_per_stage"]) / 2)
     link = staged["projection"]["InfiniBand NDR 400 Gb/s (between nodes)"]
-    assert link["us_per_step"] == pytest.approx(stats["activation_bytes_per_step"] / 50e9 * 1e6)
+    assert link["transfer_us"] == pytest.approx(stats["activation_bytes_per_step"] / 50e9 * 1e6)
+    assert link["us_per_step"] == pytest.approx(link["transfer_us"] + 3.6 + 2.7)
     assert "CPU cores" in doc["notes"][-1] and json_path.with_suffix(".png").is_file()
 
 

@@ -1,7 +1,8 @@
 """The docs site as readers see it.
 
 Without a browser: the nav lists every lesson, in order, between the architecture and
-the results, and each lesson ends with a link to the next.
+the results, the home page's table lists the same, the exercises page every exercise,
+and each lesson ends with a link to the next.
 
 In headless Chromium (marked ``site``; `make site-check` runs it on the site that
 `make docs-build` built, or it builds one): every page opens without a console error,
@@ -59,6 +60,23 @@ def test_nav_is_in_learning_order_and_lists_every_lesson():
     (lessons,) = [item["Lessons"] for item in nav() if "Lessons" in item]
     listed = [next(iter(entry.values())) for entry in lessons]
     assert listed == [f"lessons/{path.name}" for path in LESSONS]
+
+
+def test_the_home_pages_lesson_table_is_the_navs_lessons():
+    (lessons,) = [item["Lessons"] for item in nav() if "Lessons" in item]
+    home = (ROOT / "docs" / "index.md").read_text()
+    table = re.findall(r"^\| \d\d \| \[[^]]+\]\((lessons/[\w.]+\.ipynb)\)", home, re.MULTILINE)
+    assert table == [next(iter(entry.values())) for entry in lessons]
+
+
+def test_the_exercises_page_lists_every_exercise_and_is_in_the_nav():
+    from minipaged.commands.check import EXERCISES
+
+    page = (ROOT / "docs" / "exercises.md").read_text()
+    rows = re.findall(r"^\| (\d\d) \| `exercises/([\w.]+)` \|", page, re.MULTILINE)
+    assert rows == [(e.lesson, e.file) for e in EXERCISES]
+    assert "make check LESSON=NN" in page
+    assert {"Exercises": "exercises.md"} in nav()
 
 
 @pytest.mark.parametrize("path", LESSONS[:-1], ids=lambda p: p.stem)
@@ -144,6 +162,7 @@ def test_every_page_loads_cleanly_in_chromium(site, base_url, browser):
     page.on("response", lambda r: r.status >= 400 and errors.append(f"{r.url}: {r.status}"))
     links: set[str] = set()
     problems: list[str] = []
+    assert {"lessons/", "exercises/"} <= {p[: p.find("/") + 1] for p in pages(site)}
     for path in pages(site):
         page.goto(base_url + path, wait_until="load")
         broken = page.evaluate(_BROKEN_IMAGES)

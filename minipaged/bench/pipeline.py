@@ -10,23 +10,33 @@ stages' time from the first event to the last, the share no stage computed,
 ``1 - sum(busy) / (stages * window)``; the driver's scheduling and sampling count as
 idle on stage 0's lane, as a GPU waiting for its host idles.
 
-The projection divides the measured bytes per step by a link's bandwidth:
-``INTERCONNECTS`` names each with its source.  It is a lower bound on the transfer
-time (no latency, no protocol overhead), for activations of the width measured here; a
-larger model sends ``hidden_size * dtype bytes`` per token per stage boundary.
+The projection puts the measured bytes per step on a link: its latency plus the bytes
+over its bandwidth.  ``INTERCONNECTS`` names each with its source; the latencies are
+those NCCL's own cost model charges a small message (``src/graph/tuning.cc``, the ring
+algorithm's low-latency protocol: a base of 3.6 us, plus 0.47 us per NVLink hop and 2.7
+us per network hop).  It stays a lower bound (no protocol overhead beyond the model's),
+for activations of the width measured here; a larger model sends ``hidden_size * dtype
+bytes`` per token per stage boundary.
 """
 
 from __future__ import annotations
 
-# Bytes per second, one direction, with where the number comes from.
+NCCL_BASE_LATENCY_S = 3.6e-6
+"""What NCCL's cost model charges any message before its hops (``src/graph/tuning.cc``)."""
+
+# Bytes per second one direction, seconds per hop, and where the numbers come from.
 INTERCONNECTS = {
     "InfiniBand NDR 400 Gb/s (between nodes)": (
         400e9 / 8,
-        "NVIDIA ConnectX-7 product brief: 400 Gb/s NDR InfiniBand per port",
+        2.7e-6,
+        "NVIDIA ConnectX-7 product brief: 400 Gb/s NDR InfiniBand per port; "
+        "NCCL's tuning model: 2.7 us per network hop",
     ),
     "NVLink 4 (inside an H100 node)": (
         450e9,
-        "NVIDIA H100 datasheet: 900 GB/s NVLink bidirectional, 450 GB/s each way",
+        0.47e-6,
+        "NVIDIA H100 datasheet: 900 GB/s NVLink bidirectional, 450 GB/s each way; "
+        "NCCL's tuning model: 0.47 us per NVLink hop",
     ),
 }
 
@@ -63,12 +73,22 @@ def pipeline_stats(
     }
 
 
-def projection(bytes_per_step: float) -> dict[str, dict]:
-    """Microseconds per step that ``bytes_per_step`` take on each of `INTERCONNECTS`."""
-    return {
-        name: {"us_per_step": 1e6 * bytes_per_step / bandwidth, "source": source}
-        for name, (bandwidth, source) in INTERCONNECTS.items()
-    }
+def projection(bytes_per_step: float, hops: int = 1) -> dict[str, dict]:
+    """Microseconds per step that ``bytes_per_step`` take on each of `INTERCONNECTS`,
+    sent over ``hops`` steps of the link in turn (a hand-over between stages: 1; a ring
+    all-reduce over 2 ranks: 2, each of half the bytes): the latency, the transfer, and
+    their sum (``us_per_step``)."""
+    costs = {}
+    for name, (bandwidth, hop_s, source) in INTERCONNECTS.items():
+        latency_us = 1e6 * (NCCL_BASE_LATENCY_S + hops * hop_s)
+        transfer_us = 1e6 * bytes_per_step / bandwidth
+        costs[name] = {
+            "latency_us": latency_us,
+            "transfer_us": transfer_us,
+            "us_per_step": latency_us + transfer_us,
+            "source": source,
+        }
+    return costs
 
 
 def plot_timeline(ax, lanes: list[list[tuple[str, float, float]]], window_s: float | None = None):

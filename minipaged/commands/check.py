@@ -151,6 +151,33 @@ EXERCISES = (
         ),
     ),
     Exercise(
+        "10",
+        "stop_strings.py",
+        {"stop_string": "minipaged.engine.output_processor:stop_string"},
+        ("tests/test_engine.py", "tests/test_server.py", "-k", "stop_string"),
+    ),
+    Exercise(
+        "12",
+        "pipeline_split.py",
+        {
+            "pp_layer_counts": "minipaged.distributed.parallel_state:pp_layer_counts",
+            "micro_batches": "minipaged.worker.model_runner:micro_batches",
+        },
+        ("tests/test_pipeline_parallel.py", "-k", "split_as_vllm or micro_batches_cut"),
+    ),
+    Exercise(
+        "13",
+        "ngram_proposer.py",
+        {"propose": "minipaged.spec_decode.ngram:NgramProposer.propose"},
+        (
+            "tests/test_spec_proposers.py",
+            "tests/test_spec_decode.py",
+            "-k",
+            "proposes_what or longest_match or refuses_short or brute_force"
+            " or greedy_equals_hf_whatever and ngram",
+        ),
+    ),
+    Exercise(
         "13",
         "rejection_sampling.py",
         {
@@ -165,6 +192,33 @@ EXERCISES = (
             "follow_the_target or greedy_target or seeded_verification"
             " or greedy_equals_hf_whatever",
         ),
+    ),
+    Exercise(
+        "14",
+        "fp8_round_trip.py",
+        {"quantize": "minipaged.ops.kv_quant:quantize"},
+        (
+            "tests/test_kv_quant.py",
+            "-k",
+            "(rounds_within or do_not_depend) and torch or quantizing_store or saturate",
+        ),
+    ),
+    Exercise(
+        "15",
+        "punica.py",
+        {"bgmv": "minipaged.ops.punica:bgmv", "sgmv": "minipaged.ops.punica:sgmv"},
+        (
+            "tests/test_lora.py",
+            "-k",
+            # The base model alone ([None]) runs no LoRA term: not a test of yours.
+            "bgmv_and_sgmv or each_adapter_alone and not None or mixed_batch_gives",
+        ),
+    ),
+    Exercise(
+        "16",
+        "routing.py",
+        {"route": "minipaged.models.moe:route"},
+        ("tests/test_moe.py", "-k", "route_equals or routing_stats_count"),
     ),
 )
 
