@@ -142,8 +142,13 @@ class AsyncEngine(EngineClient):
         except Exception as error:  # every waiting request must hear of it
             logger.exception("the engine loop died; the server cannot go on")
             self.error = error
+            dead = EngineDeadError(f"the engine stopped: {error!r}")
             for request_id in list(self._streams):
-                self._send(request_id, EngineDeadError(f"the engine stopped: {error!r}"))
+                self._send(request_id, dead)
+            for kind, arg in self._take_commands(block=False):  # adapters being loaded
+                if kind == "add_lora":
+                    _, loop, added = arg
+                    loop.call_soon_threadsafe(added.set_exception, dead)
             if self.on_dead is not None:
                 self.on_dead(error)
 
@@ -155,9 +160,9 @@ class AsyncEngine(EngineClient):
                 request_id, RequestFailedError(f"the request failed in the engine: {error!r}")
             )
 
-    def _take_commands(self) -> list[tuple]:
+    def _take_commands(self, block: bool = True) -> list[tuple]:
         """Everything queued; an idle engine sleeps here until something is."""
-        idle = not self.engine.has_unfinished_requests()
+        idle = block and not self.engine.has_unfinished_requests()
         commands = [self._commands.get()] if idle else []
         while True:
             try:
