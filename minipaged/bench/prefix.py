@@ -304,6 +304,7 @@ def plot_overhead(ax, overhead: list[OverheadRun]) -> None:
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.axhline(0.98, color="#c44e52", linestyle="--", label="2% cost")
     ax.set_xlabel("repeat (nothing shared)")
+    ax.set_xticks(repeats)
     ax.set_ylabel("throughput, caching on / off")
     ax.legend(fontsize=8)
 
