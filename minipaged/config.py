@@ -67,7 +67,8 @@ class EngineConfig:
             final length rounded up to a power of two, or exactly the final length
             (§6.1): ``"contiguous-max"``, ``"contiguous-pow2"``, ``"contiguous-oracle"``.
             The KV stays paged; the reservation only decides when a request is admitted.
-        enable_prefix_caching: reuse the KV of cached full prompt blocks (§4.4).
+        enable_prefix_caching: reuse the KV of cached full prompt blocks (§4.4); on
+            by default, as in vLLM V1 (``--no-enable-prefix-caching`` turns it off).
         max_num_seqs: the most sequences in one step.
         max_num_batched_tokens: the most new tokens in one step; longer prompts are
             chunked.  None: ``max(2048, max_num_seqs)``.
@@ -130,7 +131,7 @@ class EngineConfig:
     swap_space: float = 4
     preemption_mode: str = "recompute"
     memory_mode: str = "paged"
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None

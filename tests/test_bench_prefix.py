@@ -9,7 +9,8 @@ import json
 import pytest
 
 from cli_helpers import run_main
-from minipaged.bench.prefix import PREFIXES, bench_prefix
+from minipaged.bench.prefix import PREFIXES, bench_overhead, bench_prefix
+from minipaged.core.memory.workloads import synthetic_requests
 
 N = 5
 
@@ -36,7 +37,8 @@ def test_results_file(tmp_path):
     out = tmp_path / "prefix.json"
     assert (
         run_main(
-            ["bench", "prefix", "--num-requests", "3", "--prefixes", "1-shot", "--json", str(out)]
+            ["bench", "prefix", "--num-requests", "3", "--prefixes", "1-shot"]
+            + ["--overhead-repeats", "2", "--json", str(out)]
         )
         == 0
     )
@@ -47,7 +49,23 @@ def test_results_file(tmp_path):
         ("1-shot", True),
     ]
     assert document["results"][0]["speedup"] == 1
+    summary = document["overhead_summary"]
+    assert (summary["repeats"], summary["hit_rate"]) == (2, 0)
+    ratios = [r["ratio"] for r in document["overhead"]]
+    assert summary["ratio_min"] == min(ratios) and summary["ratio_max"] == max(ratios)
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_with_nothing_shared_caching_finds_nothing_and_costs_only_time():
+    """The overhead workload: prompts with no prefix in common, so the cache (kept
+    across repeats) finds no block, and each engine makes every request's tokens."""
+    runs = bench_overhead(N, repeats=2, block_size=16)
+    assert [(r.repeat, r.hit_rate) for r in runs] == [(0, 0), (1, 0)]
+    for run in runs:
+        specs = synthetic_requests("alpaca", N, seed=run.repeat, max_len=512)
+        assert run.output_tokens == sum(s.output_len for s in specs)
+        assert run.ratio == run.elapsed_off_s / run.elapsed_on_s > 0
+        assert run.cpu_ratio == run.cpu_off_s / run.cpu_on_s > 0
 
 
 @pytest.mark.parametrize(
@@ -60,3 +78,5 @@ def test_results_file(tmp_path):
 def test_bad_arguments_are_refused_by_name(kwargs, name):
     with pytest.raises(ValueError, match=name):
         bench_prefix(**kwargs)
+    with pytest.raises(ValueError, match="repeats"):
+        bench_overhead(2, repeats=0)

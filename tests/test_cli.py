@@ -195,7 +195,7 @@ def test_engine_flags_reach_engine_config():
             "0",
             "--preemption-mode",
             "swap",
-            "--enable-prefix-caching",
+            "--no-enable-prefix-caching",  # on by default, as in vLLM V1
             "--max-num-seqs",
             "4",
             "--max-num-batched-tokens",
@@ -218,8 +218,9 @@ def test_engine_flags_reach_engine_config():
     assert (config.swap_space, config.preemption_mode, config.enable_prefix_caching) == (
         0,
         "swap",
-        True,
+        False,
     )
+    assert EngineConfig(model="M").enable_prefix_caching
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len) == (
         4,
         64,

@@ -215,11 +215,12 @@ def test_parallel_sampling_shares_the_prompt_blocks(tiny):
     """n=4 completions of one prompt fork after the prompt runs and share its blocks
     (§4.4): at the first decode they hold the prompt's 4 full blocks once plus one last
     block each (the partly filled one copied on write), where 4 separate requests hold
-    4 x 5 blocks.  With seeds, completion i draws as a request seeded ``seed + i``."""
+    4 x 5 blocks (without the prefix cache, which would share their full blocks too).
+    With seeds, completion i draws as a request seeded ``seed + i``."""
     path, _ = tiny("llama")
     prompt = random_prompt(37, seed=37)  # 4 full blocks of 8 and 5 tokens in a fifth
     sampled = dict(temperature=1.0, max_tokens=12)
-    llm = make_llm(path, block_size=8, num_gpu_blocks=32)
+    llm = make_llm(path, block_size=8, num_gpu_blocks=32, enable_prefix_caching=False)
     together, n_out = run_stepwise(
         llm, prompt, {"n": SamplingParams(n=4, seed=3, **sampled)}, decode_steps=1
     )

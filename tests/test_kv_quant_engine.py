@@ -212,14 +212,15 @@ def test_the_startup_log_and_metrics_show_the_pool_in_bytes(path, fmt, caplog):
     give a block's bytes in the cache's dtype and the pool's, as counted by hand; a
     swapped block moves as many (fp8: a quarter of fp32's)."""
     pytest.importorskip("prometheus_client")
-    from minipaged.server.app import engine_description, log_startup
+    from minipaged.engine.protocol import EngineFacts
+    from minipaged.server.app import log_startup
     from minipaged.server.limits import ServerLimits
     from minipaged.server.metrics import make_registry
 
     llm = make_llm(path, block_size=BLOCK_SIZE, kv_cache_dtype=fmt, num_gpu_blocks=10)
     per_block = bytes_per_block(path, fmt, torch.float32)
     with caplog.at_level("INFO", logger="minipaged.server"):
-        description = engine_description(llm.engine)
+        description = EngineFacts.of(llm.engine).description
         log_startup(description, str(path), "tiny", "127.0.0.1", 8000, None, ServerLimits(), [])
     assert f"{per_block} bytes a block, {10 * per_block / 2**20:.1f} MiB" in caplog.text
     registry = make_registry(SimpleNamespace(stats=llm.stats()))

@@ -229,6 +229,101 @@ def test_the_checker_orders_layers():
     assert layer_of("minipaged.bench.common", layers) < layer_of("minipaged.models.tiny", layers)
 
 
+# -- the server reaches the engine through its client API only -------------------------
+SERVING = ("minipaged.server", "minipaged.integrations")
+# What serving may import of the layers below it: the client API (`EngineClient`, and
+# the `LLMEngine` it is built over) and the plain data that crosses the layers.
+CLIENT_API = {"minipaged.engine.protocol", "minipaged.engine.llm_engine"}
+PLAIN_DATA = {
+    "minipaged.config",
+    "minipaged.sampling_params",
+    "minipaged.outputs",
+    "minipaged.lora_request",
+}
+
+
+def test_the_server_imports_of_the_engine_only_its_client_api():
+    wrong = [
+        f"{module} -> {name}"
+        for module, imported in package_imports().items()
+        if module.startswith(SERVING)
+        for name in imported
+        if not name.startswith(SERVING) and name not in CLIENT_API | PLAIN_DATA
+    ]
+    assert not wrong, "the server importing past the client API:\n" + "\n".join(sorted(wrong))
+
+
+def engine_internals() -> set[str]:
+    """What `LLMEngine` keeps on itself that is not its API: the attributes its methods
+    set, less its public methods and the last step's ``failed`` requests."""
+    path = ROOT / "minipaged" / "engine" / "llm_engine.py"
+    engine = next(
+        node
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.ClassDef) and node.name == "LLMEngine"
+    )
+    public = {
+        node.name
+        for node in engine.body
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
+    }
+    assigned = {
+        node.attr
+        for node in ast.walk(engine)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Store)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    }
+    return assigned - public - {"failed"}
+
+
+def last_name(node: ast.AST) -> str:
+    """``engine`` of ``self.engine`` or of ``engine``; '' for anything else."""
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
+def engine_internals_reached(source: str, internals: set[str]) -> list[str]:
+    """Each ``<...engine>.<name>`` in ``source`` reading an engine's part (``name`` in
+    ``internals``), or an engine inside an engine (``engine.engine``)."""
+    return [
+        ast.unparse(node)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute)
+        and "engine" in last_name(node.value)
+        and (node.attr in internals or node.attr == "engine")
+    ]
+
+
+def test_the_server_never_reaches_into_an_engine():
+    """The server holds an `EngineClient` and calls the `LLMEngine`'s public methods;
+    its KV cache manager, scheduler, model, tokenizer and limits are the engine's own
+    (the client's ``facts`` say what the server needs of them)."""
+    internals = engine_internals()
+    assert {"kv", "scheduler", "model", "tokenizer"} <= internals  # the finder finds
+    reached = [
+        f"{path.relative_to(ROOT)}: {chain}"
+        for package in SERVING
+        for path in sorted((ROOT / Path(*package.split("."))).rglob("*.py"))
+        for chain in engine_internals_reached(path.read_text(), internals)
+    ]
+    assert not reached, "the server reaching into an engine:\n" + "\n".join(reached)
+
+
+def test_the_internals_finder_finds_what_the_server_once_did():
+    found = engine_internals_reached(
+        "t = engine.engine.tokenizer\nn = self.engine.kv.num_gpu_blocks\n"
+        "d = engine.model.config\nok = self.engine.facts.tokenizer\nself.tokenizer = t\n",
+        {"kv", "model", "tokenizer"},
+    )
+    assert sorted(found) == [
+        "engine.engine",
+        "engine.engine.tokenizer",
+        "engine.model",
+        "self.engine.kv",
+    ]
+
+
 # -- one device never runs the multi-process code ------------------------------------
 GROUP_OBJECT = "minipaged.distributed.parallel_state"  # the process group, SINGLE on one device
 # The models are built from distributed/'s parallel layers, which are plain layers on one

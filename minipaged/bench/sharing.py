@@ -123,6 +123,7 @@ def bench_sharing(
         num_gpu_blocks=kv_slots // block_size,
         swap_space=0,
         seed=seed,
+        enable_prefix_caching=False,  # what forks share (§6.3), not what the cache keeps
     )
     assert llm.engine.max_model_len == MAX_LEN
     prompts = make_prompts(requests, llm.get_tokenizer(), llm.engine.vocab_size, seed)

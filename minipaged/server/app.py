@@ -49,6 +49,7 @@ from starlette.exceptions import HTTPException
 
 from minipaged.config import EngineConfig
 from minipaged.engine.llm_engine import LLMEngine
+from minipaged.engine.protocol import EngineClient
 from minipaged.lora_request import LoRARequest
 from minipaged.outputs import CompletionOutput, RequestOutput
 from minipaged.server.async_engine import (
@@ -146,19 +147,19 @@ class OpenAIServing:
     """The endpoints' logic: requests in, engine requests out, responses back."""
 
     def __init__(
-        self, engine: AsyncEngine, model_name: str, limits: ServerLimits | None = None
+        self, engine: EngineClient, model_name: str, limits: ServerLimits | None = None
     ) -> None:
         self.engine, self.model_name = engine, model_name
         self.limits = limits or ServerLimits()
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer = engine.facts.tokenizer
+        self.max_model_len = engine.facts.max_model_len
         # No token is longer than the vocabulary's longest entry (a byte-level entry has
         # a character per byte), so a longer prompt cannot fit; checked before tokenizing.
         longest = max(map(len, self.tokenizer.get_vocab()))
         self.max_prompt_chars = self.max_model_len * longest
         # One thread: tokenizing never blocks the event loop, and never runs twice at once.
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="minipaged-tokenize")
-        self.adapters = ServedAdapters(engine.engine)
+        self.adapters = ServedAdapters(engine)
 
     def models(self) -> dict:
         created = int(time.time())
@@ -174,9 +175,7 @@ class OpenAIServing:
     # -- LoRA adapters (vLLM's endpoints) ---------------------------------------------
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
         """Read the adapter (off the event loop) and serve it as ``lora_name``."""
-        await self._off_loop(
-            lambda: self.adapters.load(body.lora_name, body.lora_path, self.model_name)
-        )
+        await self.adapters.load(body.lora_name, body.lora_path, self.model_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
@@ -462,7 +461,7 @@ class OpenAIServing:
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
         self._check_model(body.model)
-        vocab = self.engine.engine.vocab_size
+        vocab = self.engine.facts.vocab_size
         if bad := [t for t in body.tokens if not 0 <= t < vocab]:
             raise APIError(400, f"tokens must be ids in [0, {vocab}), got {bad[0]}", "tokens")
         return {"prompt": await self._off_loop(lambda: self.tokenizer.decode(body.tokens))}
@@ -634,7 +633,7 @@ class Draining:
     load balancers), running requests have ``grace_s`` to finish, then the rest are
     ended with an error (an SSE error event and ``[DONE]``, or a 503 body)."""
 
-    def __init__(self, engine: AsyncEngine, grace_s: float) -> None:
+    def __init__(self, engine: EngineClient, grace_s: float) -> None:
         self.engine, self.grace_s = engine, grace_s
         self.started = False
 
@@ -697,16 +696,11 @@ def serve(
             server.should_exit = True
 
     config = EngineConfig(model=str(model), **engine_kwargs)
-    if data_parallel_size == 1:
-        engine = AsyncEngine(LLMEngine(config), on_dead)
-        description = engine_description(engine.engine)
-    else:
-        engine = DataParallelEngine(config, data_parallel_size, on_dead)
-        description = [
-            *engine.engine.description,
-            f"data parallel   {data_parallel_size} engines, each one process and its own "
-            f"KV pool (pids {', '.join(str(r.process.pid) for r in engine.replicas)})",
-        ]
+    engine: EngineClient = (
+        AsyncEngine(LLMEngine(config), on_dead)
+        if data_parallel_size == 1
+        else DataParallelEngine(config, data_parallel_size, on_dead)
+    )
     name = served_model_name or default_model_name(model)
     try:
         app = build_app(engine, name, api_key, limits, hosts, lora_modules)
@@ -714,7 +708,7 @@ def serve(
     except BaseException:
         engine.shutdown()
         raise
-    log_startup(description, model, name, host, port, api_key, limits, hosts)
+    log_startup(engine.facts.description, model, name, host, port, api_key, limits, hosts)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it has already handled
@@ -742,29 +736,6 @@ def uvicorn_config(
     )
 
 
-def engine_description(engine: LLMEngine) -> list[str]:
-    """What an engine runs, as lines of the startup log: device, KV pool, context."""
-    kv, config = engine.kv, engine.config
-    dtype = engine.model.model.embed_tokens.weight.dtype
-    return [
-        (
-            f"device          {engine.device}, {str(dtype).removeprefix('torch.')}, "
-            f"attention backend {engine.attention_backend}"
-        ),
-        (
-            f"KV cache        {kv.gpu.num_blocks} blocks x {config.block_size} tokens = "
-            f"{kv.gpu.num_blocks * config.block_size} tokens; {kv.cpu.num_blocks} swap blocks"
-        ),
-        (
-            f"KV dtype        {config.kv_cache_dtype} "
-            f"({str(engine.kv_cache_dtype).removeprefix('torch.')}): "
-            f"{engine.block_bytes} bytes a block, "
-            f"{kv.gpu.num_blocks * engine.block_bytes / 2**20:.1f} MiB"
-        ),
-        f"max_model_len   {engine.max_model_len} tokens",
-    ]
-
-
 def log_startup(
     description: list[str],
     model: str,
@@ -776,7 +747,7 @@ def log_startup(
     hosts,
 ) -> None:
     """One block saying what is served, where and on what (``description``: the
-    engine's, `engine_description`), as vLLM's startup log does."""
+    engine's, `EngineFacts.description`), as vLLM's startup log does."""
     lines = [
         f"model           {model} (served as {name!r})",
         *description,
@@ -793,7 +764,7 @@ def log_startup(
 
 
 def build_app(
-    engine: AsyncEngine,
+    engine: EngineClient,
     model_name: str,
     api_key: str | None = None,
     limits: ServerLimits | None = None,
@@ -815,8 +786,8 @@ def build_app(
     # No trailing-slash redirects: they would send clients to the Host they named.
     app = FastAPI(title="minipaged", lifespan=lifespan, redirect_slashes=False)
     serving, registry = OpenAIServing(engine, model_name, limits), make_registry(engine)
-    for name, path in serving.adapters.parse_modules(lora_modules or []):
-        serving.adapters.load(name, path, model_name)
+    if lora_modules:  # read before the app serves: a malformed one stops the start
+        asyncio.run(serving.adapters.load_modules(lora_modules, model_name))
     draining = app.state.draining = Draining(engine, limits.shutdown_grace_s)
     app.add_middleware(
         RequestGuard,

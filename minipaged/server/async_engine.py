@@ -30,13 +30,9 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from minipaged.engine.llm_engine import LLMEngine
+from minipaged.engine.protocol import EngineClient, EngineFacts, Request
 from minipaged.lora_request import LoRARequest
 from minipaged.outputs import RequestOutput
-from minipaged.sampling_params import SamplingParams
-
-# A request for the engine thread: (request_id, prompt_token_ids, params, prompt text).
-# (request id, prompt token ids, params, prompt text, LoRA adapter or None)
-Request = tuple[str, list[int], SamplingParams, str | None, LoRARequest | None]
 
 logger = logging.getLogger("minipaged.server")
 
@@ -53,13 +49,15 @@ class ServerClosingError(RuntimeError):
     """The server is shutting down and ended the request (its blocks are freed)."""
 
 
-class AsyncEngine:
-    """An `LLMEngine` stepped by a thread of its own, with asyncio streams of outputs."""
+class AsyncEngine(EngineClient):
+    """An `LLMEngine` stepped by a thread of its own, with asyncio streams of outputs
+    (vLLM's ``AsyncLLM``): the server's `EngineClient` for one engine."""
 
     def __init__(
         self, engine: LLMEngine, on_dead: Callable[[BaseException], None] | None = None
     ) -> None:
         self.engine = engine
+        self.facts = EngineFacts.of(engine)
         self.stats = engine.counters()
         self.error: BaseException | None = None
         self.on_dead = on_dead
@@ -106,6 +104,16 @@ class AsyncEngine:
         if self._streams.pop(request_id, None) is not None:
             self._commands.put(("abort", request_id))
 
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Have the engine read and know an adapter (between steps, on its thread);
+        ``ValueError`` naming the file if it cannot."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.error!r}")
+        loop = asyncio.get_running_loop()
+        added = loop.create_future()
+        self._commands.put(("add_lora", (lora_request, loop, added)))
+        await added
+
     def remove_lora(self, lora_int_id: int) -> None:
         """Have the engine forget an adapter the server no longer offers (between steps)."""
         self._commands.put(("remove_lora", lora_int_id))
@@ -134,8 +142,13 @@ class AsyncEngine:
         except Exception as error:  # every waiting request must hear of it
             logger.exception("the engine loop died; the server cannot go on")
             self.error = error
+            dead = EngineDeadError(f"the engine stopped: {error!r}")
             for request_id in list(self._streams):
-                self._send(request_id, EngineDeadError(f"the engine stopped: {error!r}"))
+                self._send(request_id, dead)
+            for kind, arg in self._take_commands(block=False):  # adapters being loaded
+                if kind == "add_lora":
+                    _, loop, added = arg
+                    loop.call_soon_threadsafe(added.set_exception, dead)
             if self.on_dead is not None:
                 self.on_dead(error)
 
@@ -147,9 +160,9 @@ class AsyncEngine:
                 request_id, RequestFailedError(f"the request failed in the engine: {error!r}")
             )
 
-    def _take_commands(self) -> list[tuple]:
+    def _take_commands(self, block: bool = True) -> list[tuple]:
         """Everything queued; an idle engine sleeps here until something is."""
-        idle = not self.engine.has_unfinished_requests()
+        idle = block and not self.engine.has_unfinished_requests()
         commands = [self._commands.get()] if idle else []
         while True:
             try:
@@ -173,6 +186,9 @@ class AsyncEngine:
             if kind == "remove_lora":
                 self._remove_lora(arg)
                 continue
+            if kind == "add_lora":
+                self._add_lora(*arg)
+                continue
             request_id, token_ids, params, prompt, lora_request = arg
             if self._closed is not None:
                 self._end(request_id, ServerClosingError(self._closed))
@@ -184,6 +200,14 @@ class AsyncEngine:
             except ValueError as error:  # e.g. its id reused since it was checked
                 self._send(request_id, error)
         return True
+
+    def _add_lora(self, lora_request: LoRARequest, loop, added: asyncio.Future) -> None:
+        try:
+            self.engine.add_lora(lora_request)
+        except ValueError as error:  # a malformed adapter: the caller's 400
+            loop.call_soon_threadsafe(added.set_exception, error)
+        else:
+            loop.call_soon_threadsafe(added.set_result, None)
 
     def _remove_lora(self, lora_int_id: int) -> None:
         """Free an unloaded adapter's slot and host copy, unless requests still use it:

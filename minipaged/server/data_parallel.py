@@ -39,16 +39,17 @@ import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 
 from minipaged.config import EngineConfig
 from minipaged.engine.llm_engine import LLMEngine
+from minipaged.engine.protocol import EngineClient, EngineFacts, Request
+from minipaged.lora_request import LoRARequest
 from minipaged.outputs import RequestOutput
 from minipaged.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
-    Request,
     RequestFailedError,
     ServerClosingError,
 )
@@ -59,19 +60,6 @@ STOP_TIMEOUT_S = 30.0  # a replica's time to stop before it is killed
 # Prefix-aware routing sends a request to the replica holding its prefix unless that
 # replica has this many more unfinished requests than the least busy one.
 PREFIX_SLACK = 4
-
-
-@dataclass
-class EngineFacts:
-    """What the API server needs of the engine its replicas run (the same for each):
-    the parts of `LLMEngine` that `OpenAIServing` reads, and its startup log lines."""
-
-    config: EngineConfig
-    tokenizer: object
-    max_model_len: int
-    vocab_size: int
-    num_gpu_blocks: int
-    description: list[str]
 
 
 def check_data_parallel_size(data_parallel_size, engine_kwargs: dict) -> None:
@@ -100,23 +88,13 @@ def check_data_parallel_size(data_parallel_size, engine_kwargs: dict) -> None:
 def replica_main(index: int, config: EngineConfig, commands: Connection, events: Connection):
     """A replica: build the engine, say ``("ready", EngineFacts)``, then serve commands
     until told to stop or the API server is gone; exit 1 if the engine died."""
-    from minipaged.server.app import engine_description  # noqa: PLC0415 (app imports us)
-
     # Ctrl-C reaches the whole process group; the API server decides when replicas stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.INFO, format=f"%(levelname)s:     [engine {index}] %(message)s"
     )
     engine = LLMEngine(config)
-    facts = EngineFacts(
-        config,
-        engine.tokenizer,
-        engine.max_model_len,
-        engine.vocab_size,
-        engine.kv.num_gpu_blocks,
-        engine_description(engine),
-    )
-    events.send(("ready", facts))
+    events.send(("ready", EngineFacts.of(engine)))
     replica = ReplicaLoop(engine, commands, events)
     raise SystemExit(asyncio.run(replica.run()))
 
@@ -276,9 +254,9 @@ class Router:
             replica.sent_blocks.popitem(last=False)
 
 
-class DataParallelEngine:
-    """``data_parallel_size`` replicas of ``LLMEngine(config)``, with `AsyncEngine`'s
-    methods for the API server: the engine thread's counters per replica
+class DataParallelEngine(EngineClient):
+    """``data_parallel_size`` replicas of ``LLMEngine(config)``, the API server's
+    `EngineClient` as `AsyncEngine` is for one: the engine thread's counters per replica
     (`replica_stats`) for ``/metrics``, ``error`` once every replica is dead.
     ``prefix_aware_routing`` (default: with ``enable_prefix_caching``) turns the
     router's prefix affinity on or off."""
@@ -301,13 +279,21 @@ class DataParallelEngine:
         context = multiprocessing.get_context("spawn")
         self.replicas = [self._start(context, i, config) for i in range(data_parallel_size)]
         try:
-            self.engine: EngineFacts = [self._wait_ready(r) for r in self.replicas][0]
+            facts = [self._wait_ready(r) for r in self.replicas][0]
         except BaseException:
             self.shutdown()
             raise
+        self.facts = replace(
+            facts,
+            description=[
+                *facts.description,
+                f"data parallel   {data_parallel_size} engines, each one process and its "
+                f"own KV pool (pids {', '.join(str(r.process.pid) for r in self.replicas)})",
+            ],
+        )
         if prefix_aware_routing is None:
             prefix_aware_routing = config.enable_prefix_caching
-        self.router = Router(config.block_size, prefix_aware_routing, self.engine.num_gpu_blocks)
+        self.router = Router(config.block_size, prefix_aware_routing, facts.num_gpu_blocks)
         for replica in self.replicas:
             threading.Thread(
                 target=self._read,
@@ -388,6 +374,9 @@ class DataParallelEngine:
         batch.replica.load -= len(running)
         if running:
             self._command(batch.replica, "abort", batch_id)
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        raise ValueError("data_parallel_size > 1 serves no LoRA adapters")
 
     def remove_lora(self, lora_int_id: int) -> None:
         raise ValueError("data_parallel_size > 1 serves no LoRA adapters")

@@ -4,17 +4,18 @@
 A request's ``model`` field picks what serves it: the base model's name, or an
 adapter's, which runs the request with that adapter (`minipaged.lora_request`).
 ``/v1/models`` lists the adapters beside the base model, each with the base as its
-``parent``.  An adapter is read once when it is loaded, so a malformed directory is
-refused then (400, naming the file), not at its first request; ids are never reused,
-so an adapter unloaded and loaded again is a new adapter to the engine.
+``parent``.  An adapter is read by the engine when it is loaded (`EngineClient.add_lora`),
+so a malformed directory is refused then (400, naming the file), not at its first
+request; ids are never reused, so an adapter unloaded and loaded again is a new adapter
+to the engine.
 """
 
 from __future__ import annotations
 
 import itertools
 
+from minipaged.engine.protocol import EngineClient
 from minipaged.lora_request import LoRARequest
-from minipaged.models.lora import read_adapter
 
 
 class UnknownAdapterError(LookupError):
@@ -22,13 +23,19 @@ class UnknownAdapterError(LookupError):
 
 
 class ServedAdapters:
-    """Adapters by name over ``engine`` (an `LLMEngine` built with ``enable_lora``, or
-    not: then every load is refused)."""
+    """Adapters by name over ``engine`` (built with ``enable_lora``, or not: then every
+    load is refused)."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
         self.by_name: dict[str, LoRARequest] = {}
+        self._loading: set[str] = set()  # names whose adapter the engine is reading
         self._ids = itertools.count(1)
+
+    async def load_modules(self, modules: list[str], base_name: str) -> None:
+        """Load ``--lora-modules name=path ...``, in order."""
+        for name, path in self.parse_modules(modules):
+            await self.load(name, path, base_name)
 
     def parse_modules(self, modules: list[str]) -> list[tuple[str, str]]:
         """``--lora-modules name=path ...`` as ``(name, path)`` pairs."""
@@ -40,15 +47,19 @@ class ServedAdapters:
             pairs.append((name, path))
         return pairs
 
-    def load(self, name: str, path: str, base_name: str) -> LoRARequest:
-        """Read and offer an adapter; ``ValueError`` naming what is wrong (the file)."""
-        config = self.engine.config
-        if not config.enable_lora:
+    async def load(self, name: str, path: str, base_name: str) -> LoRARequest:
+        """Have the engine read an adapter, then offer it; ``ValueError`` naming what
+        is wrong (the file)."""
+        if not self.engine.facts.config.enable_lora:
             raise ValueError("loading a LoRA adapter needs a server started with --enable-lora")
-        if name in self.by_name or name == base_name:
+        if name in self.by_name or name in self._loading or name == base_name:
             raise ValueError(f"The lora adapter '{name}' has already been loaded.")
-        read_adapter(path, self.engine.model.config, config.max_lora_rank)
         lora_request = LoRARequest(name, next(self._ids), path)
+        self._loading.add(name)
+        try:
+            await self.engine.add_lora(lora_request)
+        finally:
+            self._loading.discard(name)
         self.by_name[name] = lora_request
         return lora_request
 
