@@ -157,6 +157,20 @@ EXERCISES = (
         ("tests/test_engine.py", "tests/test_server.py", "-k", "stop_string"),
     ),
     Exercise(
+        "11",
+        "contiguous_reservation.py",
+        {
+            "reservation_size": "minipaged.memory.contiguous:reservation_size",
+            "reserve": "minipaged.memory.contiguous:ContiguousAllocator.reserve",
+        },
+        (
+            "tests/test_contiguous.py",
+            "tests/test_memory_modes.py",
+            "-k",
+            "(reservation_size or first_fit or allocator_errors or by_hand) and not paged",
+        ),
+    ),
+    Exercise(
         "12",
         "pipeline_split.py",
         {
