@@ -206,6 +206,8 @@ inline void __syncthreads() {
   emu::wait(emu::block().block_barrier, emu::block().num_threads);
 }
 
+inline int __ffs(int x) { return __builtin_ffs(x); }
+
 template <typename T>
 T __shfl_xor_sync(unsigned, T value, int lane_mask) {
   return emu::exchange(value, [&](int lane) { return lane ^ lane_mask; });

@@ -12,10 +12,10 @@ batch sizes `bench throughput` serves).
 Every shape lays the same K/V out three ways:
 
 - paged, with physical blocks in shuffled order as a real allocator leaves them: the
-  backends ``torch``, ``triton``, and ``cuda-v0``, ``cuda-v1`` and ``cuda-v2``, the three
-  versions of the CUDA decode kernel (lesson 08: v0 the plain one-thread-per-head
-  algorithm, v1 the paper's, v2 partitioned; the CUDA backend prefills with Triton's
-  kernel, so these time decode only);
+  backends ``torch``, ``triton``, and ``cuda-v0`` to ``cuda-v3``, the four versions of
+  the CUDA decode kernel (lesson 08: v0 the plain one-thread-per-head algorithm, v1 the
+  paper's, v2 partitioned, v3 flash-decoding, the engine's; the CUDA backend prefills
+  with Triton's kernel, so these time decode only);
 - paged with an identity block table, sequence ``b`` owning consecutive blocks, which is
   byte for byte a contiguous cache: ``triton-contiguous``.  ``triton`` over
   ``triton-contiguous`` is the price of paging; the paper's kernel paid 20-26% (§7.1);
@@ -25,6 +25,10 @@ Every shape lays the same K/V out three ways:
 Every output is checked against the torch reference backend before it is timed: a
 wrong kernel gets a note, not a number.  Prefill rows are reported the same way for
 comparison, though prefill is compute-bound and sits far below the read bandwidth.
+
+The CUDA kernels are built before anything is timed, the versions asked for in one
+build per shape's configuration; how long each cold build took is printed and saved
+(``cuda_builds`` in the JSON, from `cuda_build.builds`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column
 from minipaged.ops import (
     BackendUnavailableError,
+    cuda_build,
     cuda_ops,
     get_backend,
     paged_attention_decode,
@@ -69,6 +74,7 @@ BACKENDS = (
     "cuda-v0",
     "cuda-v1",
     "cuda-v2",
+    "cuda-v3",
     "sdpa-contiguous",
 )
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -288,6 +294,7 @@ class AttentionBench:
     rows: list[dict]
     read_bandwidth_gbs: float
     notes: list[str]
+    cuda_builds: list[dict] = dataclasses.field(default_factory=list)
 
 
 def bench_attention(
@@ -305,6 +312,7 @@ def bench_attention(
         raise ValueError(f"backends must be a non-empty subset of {BACKENDS}, got {list(backends)}")
     read_bw = read_bandwidth_gbs(device)
     rows, notes = [], []
+    _build_cuda_kernels(shapes, backends, device)
 
     def note(text):
         if text not in notes:
@@ -325,7 +333,27 @@ def bench_attention(
                 bar.update()
     if not rows:
         raise ValueError(f"backends {list(backends)} could not run here: " + "; ".join(notes))
-    return AttentionBench(rows, read_bw, notes)
+    return AttentionBench(rows, read_bw, notes, cuda_build.builds())
+
+
+def _build_cuda_kernels(shapes: Sequence[Shape], backends: Sequence[str], device) -> None:
+    """Build, before any timing, the CUDA decode versions among ``backends`` for every
+    configuration of ``shapes``: one build each, its versions compiled in parallel."""
+    versions = sorted({int(b[-1]) for b in backends if b.startswith("cuda-")})
+    if device.type != "cuda" or not versions or cuda_build.missing(device):
+        return
+    for shape in dict.fromkeys(
+        dataclasses.replace(s, batch=1, context_len=1) for s in shapes if s.op == "decode"
+    ):
+        dtype = DTYPES[shape.dtype]
+        kernels = cuda_build.KernelSet(
+            versions[0] if len(versions) == 1 else None,
+            dtype,
+            dtype,
+            shape.head_dim,
+            shape.block_size,
+        )
+        cuda_build.load(device, kernels)
 
 
 @dataclass
@@ -489,7 +517,7 @@ def format_table(bench: AttentionBench) -> str:
     )
     # Paging overhead: the same kernel on the same bytes, through shuffled blocks or not,
     # and each paged kernel's share of the read bandwidth, side by side.
-    kernels = ("triton", "cuda-v0", "cuda-v1", "cuda-v2")
+    kernels = ("triton", "cuda-v0", "cuda-v1", "cuda-v2", "cuda-v3")
     decode = [row for row in bench.rows if row["op"] == "decode"]
     paging = []
     for label in dict.fromkeys(map(_label, decode)):
@@ -515,8 +543,21 @@ def format_table(bench: AttentionBench) -> str:
             *(Column(f"{k} of read", k, "{:.1%}") for k in kernels),
         ],
     )
+    builds = [
+        f"CUDA build {b['module']} ({b['arch']}): {b['build_s']:.1f} s cold with {b['jobs']} jobs"
+        f"{'' if b['built_here'] else ' (cached, built earlier)'}"
+        for b in bench.cuda_builds
+        if b["build_s"] is not None
+    ]
     return "\n".join(
-        [f"streaming read bandwidth: {bench.read_bandwidth_gbs:.1f} GB/s", "", rows, "", overheads]
+        [
+            f"streaming read bandwidth: {bench.read_bandwidth_gbs:.1f} GB/s",
+            "",
+            rows,
+            "",
+            overheads,
+            *(["", *builds] if builds else []),
+        ]
     )
 
 
@@ -623,4 +664,5 @@ def main(args) -> None:
         preset=args.preset,
         read_bandwidth_gbs=bench.read_bandwidth_gbs,
         notes=bench.notes,
+        cuda_builds=bench.cuda_builds,
     )
