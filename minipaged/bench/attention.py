@@ -333,7 +333,8 @@ def bench_attention(
                 bar.update()
     if not rows:
         raise ValueError(f"backends {list(backends)} could not run here: " + "; ".join(notes))
-    return AttentionBench(rows, read_bw, notes, cuda_build.builds())
+    builds = cuda_build.builds() if device.type == "cuda" else []  # none timed on a CPU
+    return AttentionBench(rows, read_bw, notes, builds)
 
 
 def _build_cuda_kernels(shapes: Sequence[Shape], backends: Sequence[str], device) -> None:
