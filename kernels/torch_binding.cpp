@@ -7,7 +7,12 @@
 //
 // A build may hold one decode version (minipaged/ops/cuda_build.py's KernelSet sets
 // MINIPAGED_DECODE_VERSION): it binds that one, and the cache write.
-#include <torch/extension.h>
+//
+// It includes the tensor class and torch's pybind11 glue, not <torch/extension.h> (every
+// torch API): this file is the build's longest translation unit, and those headers
+// compile in a third of the time.
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
 #ifndef MINIPAGED_CPU_EMULATION
 #include <c10/cuda/CUDAGuard.h>
