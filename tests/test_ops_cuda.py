@@ -354,7 +354,7 @@ def test_cpu_tensors_without_the_emulator_are_refused():
     assert "MINIPAGED_CUDA_EMULATE=1" in message
 
 
-# v1 at 32k tokens would need 512 KiB of shared memory for its logits: v2's alone.
+# v1 at 32k tokens would need 512 KiB of shared memory for its logits: v2's and v3's.
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
@@ -368,6 +368,10 @@ def test_cpu_tensors_without_the_emulator_are_refused():
             (64, 8192, 2),
             (1, 32768, 2),
             (4, 40000, 2),
+            (64, 2048, 3),
+            (64, 8192, 3),
+            (1, 32768, 3),
+            (4, 40000, 3),
         ]
     ],
 )
