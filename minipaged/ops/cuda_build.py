@@ -11,8 +11,8 @@ instances of one configuration (query dtype, cache dtype, head_dim, block_size),
 GPU's own architecture.  ``cuda_ops`` asks for the one it launches, so the engine's
 first step builds only version 3 for its model, in well under a minute; another version
 or configuration is built the same way when first asked for, into a folder of its own.
-(Every version of every configuration for the usual architectures, as one module, took
-186 s on 16 cores: most of it in two translation units of 72 instances each.)
+(Every version of every configuration as one module took 186 s on an H200's host, 16
+cores: most of it in two translation units of 72 instances each.)
 
 With ``MINIPAGED_CUDA_EMULATE=1`` it builds the same sources for the CPU instead, against
 ``kernels/cpu_emulation.h``, which runs each CUDA thread as a fiber: slow, but the very
