@@ -123,63 +123,120 @@ __device__ __forceinline__ void block_reduce(float (&x)[N], float* scratch) {
 
 // ---- dispatch: one template instance per supported (dtype, cache dtype, head_dim,
 //      block_size) ----
+//
+// A build for one configuration (minipaged/ops/cuda_build.py builds what the engine
+// launches, and the rest on demand) compiles only its instances: -DMINIPAGED_ONLY_DTYPE
+// (a DType code), -DMINIPAGED_ONLY_CACHE_DTYPE, -DMINIPAGED_ONLY_HEAD_DIM and
+// -DMINIPAGED_ONLY_BLOCK_SIZE leave every other case out of the switches below, and a
+// launch that would need one is refused.  Left unset, every case is built.
+#ifndef MINIPAGED_ONLY_DTYPE
+#define MINIPAGED_ONLY_DTYPE -1
+#endif
+#ifndef MINIPAGED_ONLY_CACHE_DTYPE
+#define MINIPAGED_ONLY_CACHE_DTYPE -1
+#endif
+#ifndef MINIPAGED_ONLY_HEAD_DIM
+#define MINIPAGED_ONLY_HEAD_DIM -1
+#endif
+#ifndef MINIPAGED_ONLY_BLOCK_SIZE
+#define MINIPAGED_ONLY_BLOCK_SIZE -1
+#endif
+
+// Whether value is built, where `only` is -1 (all) or the one value built.
+constexpr bool built(int only, int value) { return only < 0 || only == value; }
+constexpr bool built(int only, DType value) { return built(only, static_cast<int>(value)); }
+
+[[noreturn]] inline void refuse(const std::string& what, int value, const char* supported) {
+  throw std::invalid_argument(what + " must be " + supported + " for the CUDA kernels, and " +
+                              "built into this module, got " + std::to_string(value));
+}
 
 template <typename T> struct TypeTag { using type = T; };
 template <int N> struct IntTag { static constexpr int value = N; };
 
-// Call fn(TypeTag<T>{}) with the element type that `dtype` names.
+// Call fn(TypeTag<T>{}) with the element type that `dtype` names.  (A case's call sits
+// in `if constexpr`: left out of the build, it is never instantiated.)
 template <typename Fn>
 void dispatch_dtype(DType dtype, Fn&& fn) {
+  constexpr int only = MINIPAGED_ONLY_DTYPE;
   switch (dtype) {
-    case DType::kFloat32: return fn(TypeTag<float>{});
-    case DType::kFloat16: return fn(TypeTag<__half>{});
-    case DType::kBFloat16: return fn(TypeTag<__nv_bfloat16>{});
+    case DType::kFloat32:
+      if constexpr (built(only, DType::kFloat32)) return fn(TypeTag<float>{});
+      break;
+    case DType::kFloat16:
+      if constexpr (built(only, DType::kFloat16)) return fn(TypeTag<__half>{});
+      break;
+    case DType::kBFloat16:
+      if constexpr (built(only, DType::kBFloat16)) return fn(TypeTag<__nv_bfloat16>{});
+      break;
     default: break;
   }
-  throw std::invalid_argument("dtype must be float32, float16 or bfloat16, got code " +
-                              std::to_string(static_cast<int>(dtype)));
+  refuse("dtype code", static_cast<int>(dtype), "float32, float16 or bfloat16 (0, 1, 2)");
 }
 
 // Call fn(TypeTag<T>{}, TypeTag<C>{}): the query's element type and the cache's, which
 // is the same or a quantized one.
 template <typename Fn>
 void dispatch_cache_dtype(DType dtype, DType cache_dtype, Fn&& fn) {
+  constexpr int only = MINIPAGED_ONLY_CACHE_DTYPE;
   dispatch_dtype(dtype, [&](auto type) {
-    using T = typename decltype(type)::type;
-    if (cache_dtype == dtype) return fn(type, type);
+    if (cache_dtype == dtype) {
+      if constexpr (only < 0 || only <= static_cast<int>(DType::kBFloat16)) return fn(type, type);
+    }
 #ifndef MINIPAGED_NATIVE_CACHE_ONLY  // a quarter of the instances (lesson 08's compile check)
     switch (cache_dtype) {
-      case DType::kFloat8E4M3: return fn(type, TypeTag<__nv_fp8_e4m3>{});
-      case DType::kFloat8E5M2: return fn(type, TypeTag<__nv_fp8_e5m2>{});
-      case DType::kInt8: return fn(type, TypeTag<int8_t>{});
+      case DType::kFloat8E4M3:
+        if constexpr (built(only, DType::kFloat8E4M3)) return fn(type, TypeTag<__nv_fp8_e4m3>{});
+        break;
+      case DType::kFloat8E5M2:
+        if constexpr (built(only, DType::kFloat8E5M2)) return fn(type, TypeTag<__nv_fp8_e5m2>{});
+        break;
+      case DType::kInt8:
+        if constexpr (built(only, DType::kInt8)) return fn(type, TypeTag<int8_t>{});
+        break;
       default: break;
     }
 #endif
-    throw std::invalid_argument("the cache must hold the query's dtype, fp8 or int8, got code " +
-                                std::to_string(static_cast<int>(cache_dtype)));
+    refuse("the cache's dtype code", static_cast<int>(cache_dtype),
+           "the query's dtype, fp8 or int8 (3, 4, 5)");
   });
 }
 
-// Call fn(IntTag<HEAD_DIM>{}, IntTag<BLOCK_SIZE>{}): the shapes the attention kernels
-// are compiled for.  Both fix register arrays and loop trip counts, so they must be
-// known at compile time; each pair costs one more instance of every kernel.
+// Call fn(IntTag<HEAD_DIM>{}): the head sizes the attention kernels are compiled for.
+template <typename Fn>
+void dispatch_head_dim(int head_dim, Fn&& fn) {
+  constexpr int only = MINIPAGED_ONLY_HEAD_DIM;
+  switch (head_dim) {
+    case 64:
+      if constexpr (built(only, 64)) return fn(IntTag<64>{});
+      break;
+    case 128:
+      if constexpr (built(only, 128)) return fn(IntTag<128>{});
+      break;
+  }
+  refuse("head_dim", head_dim, "64 or 128");
+}
+
+// Call fn(IntTag<HEAD_DIM>{}, IntTag<BLOCK_SIZE>{}): the shapes versions 1 and 2 are
+// compiled for.  Both fix register arrays and loop trip counts, so they must be known
+// at compile time; each pair costs one more instance of every kernel.
 template <typename Fn>
 void dispatch_shape(int head_dim, int block_size, Fn&& fn) {
-  auto with_block = [&](auto d) {
+  constexpr int only = MINIPAGED_ONLY_BLOCK_SIZE;
+  dispatch_head_dim(head_dim, [&](auto d) {
     switch (block_size) {
-      case 8: return fn(d, IntTag<8>{});
-      case 16: return fn(d, IntTag<16>{});
-      case 32: return fn(d, IntTag<32>{});
+      case 8:
+        if constexpr (built(only, 8)) return fn(d, IntTag<8>{});
+        break;
+      case 16:
+        if constexpr (built(only, 16)) return fn(d, IntTag<16>{});
+        break;
+      case 32:
+        if constexpr (built(only, 32)) return fn(d, IntTag<32>{});
+        break;
     }
-    throw std::invalid_argument("block_size must be 8, 16 or 32 for the CUDA kernels, got " +
-                                std::to_string(block_size));
-  };
-  switch (head_dim) {
-    case 64: return with_block(IntTag<64>{});
-    case 128: return with_block(IntTag<128>{});
-  }
-  throw std::invalid_argument("head_dim must be 64 or 128 for the CUDA kernels, got " +
-                              std::to_string(head_dim));
+    refuse("block_size", block_size, "8, 16 or 32");
+  });
 }
 
 // ---- host side of a launch ----

@@ -8,8 +8,10 @@
 // `kernel<<<grid, block, shared_bytes, stream>>>(args)` into
 // `::emu::launch(kernel, grid, block, shared_bytes, stream, args)`.
 //
-// Each CUDA thread of a thread block runs as a fiber (ucontext): one runs until it
-// reaches a barrier, then the next.  __syncthreads() waits for the thread block, a warp
+// Each CUDA thread of a thread block runs as a fiber: one runs until it reaches a
+// barrier, then the next.  A fiber starts on its own stack with ucontext, then switches
+// with _setjmp/_longjmp: swapcontext makes a system call (the signal mask) per switch,
+// and a kernel's shuffles and barriers switch millions of times.  __syncthreads() waits for the thread block, a warp
 // shuffle for the warp, so the kernels' synchronisation is exercised for real: a thread
 // reading shared memory another thread has not written yet sees it unwritten (dynamic
 // shared memory starts as NaN), and threads that wait at different barriers are a
@@ -18,8 +20,13 @@
 // show: speed, races between thread blocks, and the GPU's memory model.
 #pragma once
 
+// glibc's fortified longjmp takes a jump to another stack (the next fiber's) for stack
+// smashing and aborts; this header comes first in every emulated file, before features.h.
+#undef _FORTIFY_SOURCE
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <setjmp.h>
 #include <ucontext.h>
 
 #include <algorithm>
@@ -69,9 +76,10 @@ struct Barrier {
 };
 
 struct Fiber {
-  ucontext_t context;
+  ucontext_t start;  // to enter run_fiber on the fiber's own stack, once
+  jmp_buf resume;    // where it waits, once started
   dim3 thread_idx;
-  bool done = false;
+  bool started = false, done = false;
 };
 
 // Everything about the thread block being run.
@@ -80,7 +88,7 @@ struct Block {
   std::vector<Fiber> fibers;
   std::vector<std::unique_ptr<char[]>> stacks;
   int current = 0, num_threads = 0;
-  ucontext_t scheduler;
+  jmp_buf scheduler;
   const std::function<void()>* body = nullptr;
   Barrier block_barrier;
   std::vector<Barrier> warp_barriers;
@@ -102,7 +110,7 @@ inline int thread_rank() {
 
 inline void yield() {
   Block& b = block();
-  swapcontext(&b.fibers[b.current].context, &b.scheduler);
+  if (!_setjmp(b.fibers[b.current].resume)) _longjmp(b.scheduler, 1);
 }
 
 // Wait until `count` threads have arrived at barrier `bar`.
@@ -127,28 +135,39 @@ inline void run_fiber() {
   (*b.body)();
   b.fibers[b.current].done = true;
   ++b.events;
-}  // returns to uc_link: the scheduler
+  _longjmp(b.scheduler, 1);  // never returns: there is no context to return to
+}
+
+// Run fiber i until it yields or ends.
+inline void switch_to(int i) {
+  Block& b = block();
+  Fiber& f = b.fibers[i];
+  b.current = i;
+  if (_setjmp(b.scheduler)) return;  // back from the fiber
+  if (f.started) _longjmp(f.resume, 1);
+  f.started = true;
+  setcontext(&f.start);
+}
 
 // Run every thread of the current block to completion.
 inline void run_block() {
   Block& b = block();
   for (int i = 0; i < b.num_threads; ++i) {
     Fiber& f = b.fibers[i];
-    f.done = false;
+    f.started = f.done = false;
     f.thread_idx = dim3(i % b.block.x, i / b.block.x % b.block.y, i / (b.block.x * b.block.y));
-    getcontext(&f.context);
-    f.context.uc_stack.ss_sp = b.stacks[i].get();
-    f.context.uc_stack.ss_size = STACK_BYTES;
-    f.context.uc_link = &b.scheduler;
-    makecontext(&f.context, run_fiber, 0);
+    getcontext(&f.start);
+    f.start.uc_stack.ss_sp = b.stacks[i].get();
+    f.start.uc_stack.ss_size = STACK_BYTES;
+    f.start.uc_link = nullptr;
+    makecontext(&f.start, run_fiber, 0);
   }
   for (int live = b.num_threads; live > 0;) {
     const uint64_t events = b.events;
     live = 0;
     for (int i = 0; i < b.num_threads; ++i) {
       if (b.fibers[i].done) continue;
-      b.current = i;
-      swapcontext(&b.scheduler, &b.fibers[i].context);
+      switch_to(i);
       live += !b.fibers[i].done;
     }
     if (live > 0 && b.events == events)
@@ -205,6 +224,8 @@ T exchange(T value, Source source) {
 inline void __syncthreads() {
   emu::wait(emu::block().block_barrier, emu::block().num_threads);
 }
+
+inline int __ffs(int x) { return __builtin_ffs(x); }
 
 template <typename T>
 T __shfl_xor_sync(unsigned, T value, int lane_mask) {

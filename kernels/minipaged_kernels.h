@@ -58,16 +58,22 @@ struct DecodeParams {
   float scale;
   int batch, num_heads;
   int max_context_len;  // >= every context_lens[b], known on the host without a sync
-  // v2 only: one result per (sequence, head, partition), merged by the reduce kernel.
+  // v2 and v3: one result per (sequence, head, partition), merged by the reduce kernel.
+  // v3's partitions are its splits, of split_size tokens each (v2's: PARTITION_SIZE).
   float* partial_out;   // [batch, num_heads, max_num_partitions, head_dim]
   float* partial_lse;   // [batch, num_heads, max_num_partitions]
   int max_num_partitions;
+  int split_size = 0;
 };
 
 // Query heads one thread block serves: a whole GQA group, or a slice of a bigger one.
 constexpr int MAX_QUERIES_PER_BLOCK = 8;
 // Tokens per v2 partition: a multiple of every block size.
 constexpr int PARTITION_SIZE = 512;
+// v3: tokens per tile (a split is a multiple of it), and the most query heads a thread
+// block serves (the GQA group rounded up to a power of two, or a slice of it).
+constexpr int V3_TILE_SIZE = 32;
+constexpr int V3_MAX_QUERIES_PER_BLOCK = 8;
 
 void write_kv(const WriteKVParams& params, DType dtype, void* stream);
 void paged_attention_v0(const DecodeParams& params, DType dtype, void* stream);
@@ -75,6 +81,10 @@ void paged_attention_v0(const DecodeParams& params, DType dtype, void* stream);
 void paged_attention_v1(const DecodeParams& params, DType dtype, DType cache_dtype,
                         void* stream);
 void paged_attention_v2(const DecodeParams& params, DType dtype, DType cache_dtype,
+                        void* stream);
+// Version 3 splits the context in params.max_num_partitions splits of params.split_size
+// tokens; with more than one, params.partial_out and partial_lse hold their results.
+void paged_attention_v3(const DecodeParams& params, DType dtype, DType cache_dtype,
                         void* stream);
 
 // Shared memory one v1 thread block needs, static and dynamic (it holds every logit of

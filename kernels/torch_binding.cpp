@@ -4,7 +4,15 @@
 // current CUDA stream.  minipaged.ops checks the arguments users pass; the checks here
 // guard what the kernels themselves rely on (dtypes of index tensors, contiguity and
 // 16-byte alignment), which minipaged.ops.cuda_ops arranges.
-#include <torch/extension.h>
+//
+// A build may hold one decode version (minipaged/ops/cuda_build.py's KernelSet sets
+// MINIPAGED_DECODE_VERSION): it binds that one, and the cache write.
+//
+// It includes the tensor class and torch's pybind11 glue, not <torch/extension.h> (every
+// torch API): this file is the build's longest translation unit, and those headers
+// compile in a third of the time.
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
 #ifndef MINIPAGED_CPU_EMULATION
 #include <c10/cuda/CUDAGuard.h>
@@ -12,6 +20,11 @@
 #endif
 
 #include "minipaged_kernels.h"
+
+#ifndef MINIPAGED_DECODE_VERSION
+#define MINIPAGED_DECODE_VERSION -1  // every version
+#endif
+#define MINIPAGED_HAS_VERSION(v) (MINIPAGED_DECODE_VERSION < 0 || MINIPAGED_DECODE_VERSION == (v))
 
 namespace minipaged_torch {
 
@@ -131,6 +144,7 @@ DecodeParams decode_params(const at::Tensor& out, const at::Tensor& query,
           int(query.size(0)), int(query.size(1)), int(max_context_len), nullptr, nullptr, 0};
 }
 
+#if MINIPAGED_HAS_VERSION(0)
 // Version 0: out, query, the caches (in the query's dtype), the tables.
 void paged_attention_v0(const at::Tensor& out, const at::Tensor& query,
                         const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -143,7 +157,9 @@ void paged_attention_v0(const at::Tensor& out, const at::Tensor& query,
   const Launch launch(query);
   minipaged::paged_attention_v0(p, dtype_of(query), launch.stream());
 }
+#endif
 
+#if MINIPAGED_HAS_VERSION(1)
 // Version 1: the same, plus a quantized cache's scales.
 void paged_attention_v1(const at::Tensor& out, const at::Tensor& query,
                         const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -157,7 +173,9 @@ void paged_attention_v1(const at::Tensor& out, const at::Tensor& query,
   minipaged::paged_attention_v1(p, dtype_of(query), cache_dtype_of(key_cache, query),
                                 launch.stream());
 }
+#endif
 
+#if MINIPAGED_HAS_VERSION(2)
 void paged_attention_v2(const at::Tensor& out, const at::Tensor& partial_out,
                         const at::Tensor& partial_lse, const at::Tensor& query,
                         const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -183,6 +201,41 @@ void paged_attention_v2(const at::Tensor& out, const at::Tensor& partial_out,
   minipaged::paged_attention_v2(p, dtype_of(query), cache_dtype_of(key_cache, query),
                                 launch.stream());
 }
+#endif
+
+#if MINIPAGED_HAS_VERSION(3)
+// Version 3: the context in num_splits splits of split_size tokens; with more than one,
+// partial_out [batch, num_heads, num_splits, head_dim] and partial_lse hold their
+// results for the reduce kernel (with one, they may be None).
+void paged_attention_v3(const at::Tensor& out, const c10::optional<at::Tensor>& partial_out,
+                        const c10::optional<at::Tensor>& partial_lse, const at::Tensor& query,
+                        const at::Tensor& key_cache, const at::Tensor& value_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens,
+                        double scale, int64_t max_context_len, int64_t num_splits,
+                        int64_t split_size, const c10::optional<at::Tensor>& k_scale,
+                        const c10::optional<at::Tensor>& v_scale) {
+  DecodeParams p = decode_params(out, query, key_cache, value_cache, block_tables,
+                                 context_lens, scale, max_context_len, k_scale, v_scale);
+  p.max_num_partitions = int(num_splits);
+  p.split_size = int(split_size);
+  if (num_splits > 1) {
+    TORCH_CHECK(partial_out.has_value() && partial_lse.has_value() &&
+                    partial_out->is_contiguous() && partial_lse->is_contiguous() &&
+                    partial_out->scalar_type() == at::kFloat &&
+                    partial_lse->scalar_type() == at::kFloat &&
+                    partial_out->sizes() == at::IntArrayRef({query.size(0), query.size(1),
+                                                             num_splits, query.size(2)}) &&
+                    partial_lse->sizes() == partial_out->sizes().slice(0, 3),
+                "partial_out must be float32 [batch, num_heads, ", num_splits,
+                ", head_dim] and partial_lse float32 [batch, num_heads, ", num_splits, "]");
+    p.partial_out = partial_out->data_ptr<float>();
+    p.partial_lse = partial_lse->data_ptr<float>();
+  }
+  const Launch launch(query);
+  minipaged::paged_attention_v3(p, dtype_of(query), cache_dtype_of(key_cache, query),
+                                launch.stream());
+}
+#endif
 
 }  // namespace minipaged_torch
 
@@ -190,14 +243,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "minipaged's CUDA PagedAttention kernels (kernels/*.cu)";
   m.attr("PARTITION_SIZE") = minipaged::PARTITION_SIZE;
   m.attr("MAX_QUERIES_PER_BLOCK") = minipaged::MAX_QUERIES_PER_BLOCK;
+  m.attr("V3_TILE_SIZE") = minipaged::V3_TILE_SIZE;
+  m.attr("V3_MAX_QUERIES_PER_BLOCK") = minipaged::V3_MAX_QUERIES_PER_BLOCK;
   m.def("write_kv", &minipaged_torch::write_kv);
+#if MINIPAGED_HAS_VERSION(0)
   m.def("paged_attention_v0", &minipaged_torch::paged_attention_v0);
+#endif
+#if MINIPAGED_HAS_VERSION(1)
   m.def("paged_attention_v1", &minipaged_torch::paged_attention_v1);
-  m.def("paged_attention_v2", &minipaged_torch::paged_attention_v2);
   m.def("v1_shared_memory", &minipaged::paged_attention_v1_shared_memory,
         "bytes of shared memory a v1 thread block needs",
         py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
         py::arg("max_context_len"));
   m.def("max_shared_memory", &minipaged::max_shared_memory_per_block,
         "the most shared memory the current GPU grants one thread block");
+#endif
+#if MINIPAGED_HAS_VERSION(2)
+  m.def("paged_attention_v2", &minipaged_torch::paged_attention_v2);
+#endif
+#if MINIPAGED_HAS_VERSION(3)
+  m.def("paged_attention_v3", &minipaged_torch::paged_attention_v3);
+#endif
 }

@@ -120,6 +120,8 @@ def test_cpu_times_torch_cpp_and_sdpa_and_notes_the_rest(cpu_run):
     assert "skipped triton-contiguous:" in notes
     assert "skipped cuda-v1: on a CPU it runs only in an emulator" in notes
     assert "skipped cuda-v2:" in notes
+    assert "skipped cuda-v3:" in notes
+    assert doc["cuda_builds"] == []  # nothing CUDA was built for it
     assert "differs" not in notes
     assert "streaming read bandwidth" in stdout and "triton / triton-contiguous" in stdout
 
@@ -262,7 +264,10 @@ def test_gpu_run_times_every_backend(tmp_path):
         timed = {r["backend"] for r in doc["results"] if r["op"] == op}
         assert {"torch", "triton", "triton-contiguous", "sdpa-contiguous"} <= timed
     decode = {r["backend"] for r in doc["results"] if r["op"] == "decode"}
-    assert {"cuda-v1", "cuda-v2"} <= decode
+    assert {"cuda-v1", "cuda-v2", "cuda-v3"} <= decode
+    # The four versions' kernels for bf16, head_dim 128, blocks of 16: one build, timed.
+    (build,) = [b for b in doc["cuda_builds"] if b["kernels"] == "vall_bfloat16_bfloat16_d128_b16"]
+    assert build["build_s"] > 0 and build["arch"].startswith("sm_")
     assert all(math.isfinite(r["time_us"]) and r["time_us"] > 0 for r in doc["results"])
     assert all(r["tflops"] > 0 for r in doc["results"] if r["op"] == "prefill")
     assert not any("differs" in note for note in doc["notes"])

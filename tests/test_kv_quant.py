@@ -40,6 +40,7 @@ from attention_cases import (
     LONG_PREFILL_CASES,
     NUM_HEADS,
     PREFILL_CASES,
+    Case,
     make_paged_kv,
     use_backend,
 )
@@ -315,7 +316,7 @@ def test_bad_scales_are_refused_by_name():
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("version", [1, 2], ids=lambda v: f"v{v}")
+@pytest.mark.parametrize("version", [1, 2, 3], ids=lambda v: f"v{v}")
 @pytest.mark.parametrize("case", CUDA_DECODE, ids=str)
 def test_cuda_decode_reads_the_quantized_cache(case, version, fmt):
     """Both CUDA versions that read a quantized cache, each asked for by name (the
@@ -326,6 +327,19 @@ def test_cuda_decode_reads_the_quantized_cache(case, version, fmt):
     query = query.to(case.dtype)
     out = cuda_ops.paged_attention_decode(
         query, kc, vc, kv.block_tables, kv.context_lens, case.scale, ks, vs, version=version
+    )
+    assert_close(out, decode_oracle(query.double(), keys, values, case.scale), dtype=query.dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_v3_splits_read_the_quantized_cache(fmt):
+    """v3 copies a quantized tile's scales beside its bytes; across three splits too."""
+    case = Case((5, 200, 330), block_size=16, num_kv_heads=2, dtype=torch.float16)
+    g = torch.Generator().manual_seed(1)
+    kv, (kc, vc), (ks, vs), (keys, values) = quantized_cache(case, fmt, g)
+    query = torch.randn(3, NUM_HEADS, case.head_dim, generator=g).to(case.dtype)
+    out = cuda_ops.paged_attention_decode(
+        query, kc, vc, kv.block_tables, kv.context_lens, case.scale, ks, vs, num_splits=3
     )
     assert_close(out, decode_oracle(query.double(), keys, values, case.scale), dtype=query.dtype)
 

@@ -12,10 +12,10 @@ batch sizes `bench throughput` serves).
 Every shape lays the same K/V out three ways:
 
 - paged, with physical blocks in shuffled order as a real allocator leaves them: the
-  backends ``torch``, ``triton``, and ``cuda-v0``, ``cuda-v1`` and ``cuda-v2``, the three
-  versions of the CUDA decode kernel (lesson 08: v0 the plain one-thread-per-head
-  algorithm, v1 the paper's, v2 partitioned; the CUDA backend prefills with Triton's
-  kernel, so these time decode only);
+  backends ``torch``, ``triton``, and ``cuda-v0`` to ``cuda-v3``, the four versions of
+  the CUDA decode kernel (lesson 08: v0 the plain one-thread-per-head algorithm, v1 the
+  paper's, v2 partitioned, v3 flash-decoding, the engine's; the CUDA backend prefills
+  with Triton's kernel, so these time decode only);
 - paged with an identity block table, sequence ``b`` owning consecutive blocks, which is
   byte for byte a contiguous cache: ``triton-contiguous``.  ``triton`` over
   ``triton-contiguous`` is the price of paging; the paper's kernel paid 20-26% (§7.1);
@@ -30,6 +30,10 @@ wrong kernel gets a note, not a number.  Prefill is compute-bound (each key meet
 queries), so its rows report arithmetic instead: the causal attention's FLOPs over the
 time in TFLOP/s (`Shape.flops`), and on a GPU whose dense 16-bit tensor-core peak is
 known (`PEAK_TFLOPS`, from the vendors' datasheets) the share of it.
+
+The CUDA kernels are built before anything is timed, the versions asked for in one
+build per shape's configuration; how long each cold build took is printed and saved
+(``cuda_builds`` in the JSON, from `cuda_build.builds`).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from minipaged.ops import (
     LIBRARY_BACKENDS,
     BackendUnavailableError,
     check_supported,
+    cuda_build,
     cuda_ops,
     get_backend,
     paged_attention_decode,
@@ -78,6 +83,7 @@ BACKENDS = (
     "cuda-v2",
     "flash_attn",
     "flashinfer",
+    "cuda-v3",
     "sdpa-contiguous",
 )
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -332,6 +338,7 @@ class AttentionBench:
     read_bandwidth_gbs: float
     notes: list[str]
     peak_tflops: float | None = None
+    cuda_builds: list[dict] = dataclasses.field(default_factory=list)
 
 
 def bench_attention(
@@ -349,6 +356,7 @@ def bench_attention(
         raise ValueError(f"backends must be a non-empty subset of {BACKENDS}, got {list(backends)}")
     read_bw, peak = read_bandwidth_gbs(device), peak_tflops(device)
     rows, notes = [], []
+    _build_cuda_kernels(shapes, backends, device)
 
     def note(text):
         if text not in notes:
@@ -369,7 +377,28 @@ def bench_attention(
                 bar.update()
     if not rows:
         raise ValueError(f"backends {list(backends)} could not run here: " + "; ".join(notes))
-    return AttentionBench(rows, read_bw, notes, peak)
+    builds = cuda_build.builds() if device.type == "cuda" else []  # none timed on a CPU
+    return AttentionBench(rows, read_bw, notes, peak, builds)
+
+
+def _build_cuda_kernels(shapes: Sequence[Shape], backends: Sequence[str], device) -> None:
+    """Build, before any timing, the CUDA decode versions among ``backends`` for every
+    configuration of ``shapes``: one build each, its versions compiled in parallel."""
+    versions = sorted({int(b[-1]) for b in backends if b.startswith("cuda-")})
+    if device.type != "cuda" or not versions or cuda_build.missing(device):
+        return
+    for shape in dict.fromkeys(
+        dataclasses.replace(s, batch=1, context_len=1) for s in shapes if s.op == "decode"
+    ):
+        dtype = DTYPES[shape.dtype]
+        kernels = cuda_build.KernelSet(
+            versions[0] if len(versions) == 1 else None,
+            dtype,
+            dtype,
+            shape.head_dim,
+            shape.block_size,
+        )
+        cuda_build.load(device, kernels)
 
 
 @dataclass
@@ -538,7 +567,7 @@ def format_table(bench: AttentionBench) -> str:
     )
     # Paging overhead: the same kernel on the same bytes, through shuffled blocks or not,
     # and each paged kernel's share of the read bandwidth, side by side.
-    kernels = ("triton", "cuda-v0", "cuda-v1", "cuda-v2")
+    kernels = ("triton", "cuda-v0", "cuda-v1", "cuda-v2", "cuda-v3")
     decode = [row for row in bench.rows if row["op"] == "decode"]
     paging = []
     for label in dict.fromkeys(map(_label, decode)):
@@ -569,6 +598,12 @@ def format_table(bench: AttentionBench) -> str:
         if bench.peak_tflops
         else "dense bf16 peak: unknown here (prefill in TFLOP/s only)"
     )
+    builds = [
+        f"CUDA build {b['module']} ({b['arch']}): {b['build_s']:.1f} s cold with {b['jobs']} jobs"
+        f"{'' if b['built_here'] else ' (cached, built earlier)'}"
+        for b in bench.cuda_builds
+        if b["build_s"] is not None
+    ]
     return "\n".join(
         [
             f"streaming read bandwidth: {bench.read_bandwidth_gbs:.1f} GB/s; {peak}",
@@ -576,6 +611,7 @@ def format_table(bench: AttentionBench) -> str:
             rows,
             "",
             overheads,
+            *(["", *builds] if builds else []),
         ]
     )
 
@@ -695,4 +731,5 @@ def main(args) -> None:
         read_bandwidth_gbs=bench.read_bandwidth_gbs,
         peak_tflops=bench.peak_tflops,
         notes=bench.notes,
+        cuda_builds=bench.cuda_builds,
     )
