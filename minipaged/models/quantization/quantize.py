@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minipaged.models.quantization import formats
@@ -254,7 +255,7 @@ def _awq_scale(layer, inputs: dict[str, torch.Tensor], bits, group_size) -> None
 def quantize_layer(layer, inputs, method, bits, group_size, sym, act_order):
     """Quantize the decoder ``layer`` given its calibration ``inputs``; its projections
     then hold their dequantized weights.  Returns HF name -> `IntWeight`."""
-    seen = _collect(layer, inputs)
+    seen = _collect(layer, inputs) if method != "rtn" else {}
     if method == "awq":
         _awq_scale(layer, seen, bits, group_size)
     quantized = {}
@@ -302,15 +303,18 @@ def quantize_checkpoint(
     ids = torch.tensor(tokenizer(calibration_text())["input_ids"])
     samples = [ids[i * seq_len : (i + 1) * seq_len] for i in range(num_samples)]
     samples = [s for s in samples if len(s) == seq_len] or [ids[:seq_len]]
+    quantized = {}
     with torch.no_grad():
-        inputs = _layer_inputs(model, samples)
-        quantized = {}
-        for i, layer in enumerate(model.model.layers):
+        # Rounding needs no calibration: no forward pass at all.
+        inputs = _layer_inputs(model, samples) if method != "rtn" else None
+        layers = model.model.layers
+        for i, layer in enumerate(tqdm(layers, desc=f"{method} layers", leave=False)):
             for name, weight in quantize_layer(
                 layer, inputs, method, bits, group_size, sym and method != "awq", act_order
             ).items():
                 quantized[f"model.layers.{i}.{name}"] = weight
-            inputs = _run_layer(layer, inputs)
+            if inputs is not None:
+                inputs = _run_layer(layer, inputs)
     sym = sym and method != "awq"
     _write(model, model_path, out, quantized, method, bits, group_size, sym, act_order, saved_dtype)
     return out
