@@ -14,6 +14,7 @@ def test_results_file(tmp_path):
     argv = ["bench", "quant", "--model", str(model), "--schemes", "none", "int8", "rtn"]
     argv += ["--batches", "1", "2", "--steps", "1", "--group-size", "32", "--window", "32"]
     argv += ["--max-windows", "2", "--workdir", str(tmp_path / "ckpt"), "--json", str(out)]
+    argv += ["--dtype", "float32"]
     assert run_main(argv) == 0
     rows = json.loads(out.read_text())["results"]
     assert [r["scheme"] for r in rows] == ["none", "int8", "rtn"]
