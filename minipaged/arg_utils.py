@@ -24,6 +24,7 @@ from minipaged.config import (
     KV_CACHE_DTYPES,
     MEMORY_MODES,
     PREEMPTION_MODES,
+    QUANTIZATION_METHODS,
     EngineConfig,
 )
 
@@ -33,6 +34,7 @@ CHOICES = {
     "memory_mode": MEMORY_MODES,
     "attention_backend": ATTENTION_BACKENDS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
+    "quantization": QUANTIZATION_METHODS,
     "all2all_backend": ALL2ALL_BACKENDS,
     "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
 }

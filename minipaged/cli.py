@@ -22,7 +22,16 @@ from pathlib import Path
 
 # The modules behind `minipaged COMMAND` and `minipaged bench NAME`, in the order the
 # help lists them.
-COMMANDS = ("make_tiny_model", "download", "generate", "demo", "serve", "serve_ray", "check")
+COMMANDS = (
+    "make_tiny_model",
+    "download",
+    "quantize",
+    "generate",
+    "demo",
+    "serve",
+    "serve_ray",
+    "check",
+)
 BENCHES = (
     "memory",
     "sharing",
@@ -39,6 +48,7 @@ BENCHES = (
     "lora",
     "moe",
     "cpu_step",
+    "quant",
 )
 
 

@@ -23,6 +23,9 @@ DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
 # vLLM's names (fp8 is fp8_e4m3), and our int8 (`minipaged.ops.kv_quant`).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# Weight quantization (`minipaged.models.quantization`): online fp8 and int8, or the
+# checkpoint's awq or gptq.
+QUANTIZATION_METHODS = ("fp8", "int8", "awq", "gptq")
 # How expert parallelism moves tokens (minipaged.models.moe.ALL2ALL_BACKENDS): all-to-all
 # exchanges, or vLLM's all-gather + reduce-scatter.
 ALL2ALL_BACKENDS = ("alltoall", "allgather_reducescatter")
@@ -51,6 +54,12 @@ class EngineConfig:
             ``"fp8"`` / ``"fp8_e4m3"``, ``"fp8_e5m2"`` (vLLM's, a scale per layer), or
             ``"int8"`` (ours, a scale per token and KV head): a byte per element, so
             the same memory holds twice the blocks of bf16 (`minipaged.ops.kv_quant`).
+        quantization: the projections' weights in fewer bits
+            (`minipaged.models.quantization`): ``"fp8"`` or ``"int8"``, quantized as a
+            16/32-bit checkpoint loads, a scale per output channel; ``"awq"`` or
+            ``"gptq"``, a checkpoint quantized to 4 bits in Hugging Face's format (None:
+            the checkpoint's ``quantization_config``, if it has one).  Not with
+            tensor or pipeline parallelism, LoRA or compilation.
         calculate_kv_scales: fp8 only: set each layer's ``k_scale`` and ``v_scale``
             from the first batch (vLLM's), instead of 1.0.
         num_gpu_blocks: the KV pool's size in blocks; None sizes it from
@@ -125,6 +134,7 @@ class EngineConfig:
     dtype: str = "auto"
     block_size: int = 16
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
     calculate_kv_scales: bool = False
     num_gpu_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -234,6 +244,26 @@ class EngineConfig:
                     f"speculative_config needs memory_mode='paged', got {self.memory_mode!r}"
                 )
         self._check_pipeline()
+        self._check_quantization()
+
+    def _check_quantization(self) -> None:
+        """What quantized weights cannot run with in minipaged: the parallel ranks and
+        LoRA's layers read a projection's dense weight, inductor's graph packs it."""
+        if self.quantization is None:
+            return
+        _choice("quantization", self.quantization, QUANTIZATION_METHODS)
+        combos = {
+            "tensor_parallel_size": self.tensor_parallel_size > 1,
+            "pipeline_parallel_size": self.pipeline_parallel_size > 1,
+            "enable_lora": self.enable_lora,
+            "compilation_config": self.compilation_config.mode != 0,
+        }
+        for name, used in combos.items():
+            if used:
+                raise ValueError(
+                    f"quantization={self.quantization!r} cannot run with {name}="
+                    f"{getattr(self, name)!r} in minipaged"
+                )
 
     def _check_pipeline(self) -> None:
         """What pipeline stages cannot run in minipaged (the stages' runners hold no

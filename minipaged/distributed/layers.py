@@ -48,7 +48,10 @@ def linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None) 
     """``x @ layer.weight.T (+ bias)``: through oneDNN's packed copy of the weight where
     `minipaged.models.cpu_linear` made one (on a CPU), else ``F.linear``, which is also
     what torch.compile traces: inductor packs the weights of its graph itself (its
-    ``freezing``), and cannot take a packed copy as an input."""
+    ``freezing``), and cannot take a packed copy as an input.  A quantized layer's
+    ``quant_method`` multiplies by its weight (`minipaged.models.quantization`)."""
+    if (method := getattr(layer, "quant_method", None)) is not None:
+        return method.apply(layer, x, bias)
     if layer.packed_weight is None or torch.compiler.is_compiling():
         return F.linear(x, layer.weight, bias)
     return torch.ops.mkldnn._linear_pointwise(

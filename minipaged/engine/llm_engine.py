@@ -92,7 +92,15 @@ class LLMEngine:
         memory its weights share)."""
         config = self.config
         tp, pp = (self.workers.tp, self.workers.pp) if self.workers else (SINGLE, NO_PIPELINE)
-        self.model = load_model(path, config.dtype, self.device, self.attention_backend, tp, pp)
+        self.model = load_model(
+            path,
+            config.dtype,
+            self.device,
+            self.attention_backend,
+            tp,
+            pp,
+            quantization=config.quantization,
+        )
         if self.workers:
             self.workers.wait_loaded()
         self.tokenizer = AutoTokenizer.from_pretrained(

@@ -78,7 +78,8 @@ def pack_linear_weights(model: nn.Module) -> int:
     after the weights are loaded: a packed copy does not follow later writes."""
     packed = 0
     for module in model.modules():
-        if isinstance(module, PACKED_LAYERS) and can_pack(module.weight):
+        weight = getattr(module, "weight", None)  # None: quantized (`quantization`)
+        if isinstance(module, PACKED_LAYERS) and weight is not None and can_pack(weight):
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
                 module.weight.detach(), BATCH_HINT
             )

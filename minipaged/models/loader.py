@@ -33,6 +33,7 @@ from minipaged.distributed.parallel_state import (
 from minipaged.models import llama, moe_models
 from minipaged.models.attention import check_backend
 from minipaged.models.cpu_linear import pack_linear_weights
+from minipaged.models.quantization import prepare_model, process_model, resolve_quantization
 
 __all__ = [
     "DTYPES",
@@ -61,6 +62,7 @@ def load_model(
     tp: TensorParallelGroup = SINGLE,
     pp: PipelineStage = NO_PIPELINE,
     pack_weights: bool = True,
+    quantization: str | None = None,
 ):
     """The model in directory ``path``, its weights loaded, in eval mode, no grads.
 
@@ -69,7 +71,10 @@ def load_model(
     anything is built.  ``tp``: build and load this rank's slice only; ``pp``: this
     pipeline stage's layers only.  On a CPU the projections' weights are then packed
     for oneDNN (`cpu_linear`) unless ``pack_weights`` is False, which keeps
-    ``F.linear``.  The model's HF config is ``model.config``.
+    ``F.linear``.  ``quantization``: `EngineConfig.quantization` (None: the
+    checkpoint's, if any), whose projections `minipaged.models.quantization` sets up
+    before the weights load and converts after.  The model's HF config is
+    ``model.config``.
     """
     path = Path(path)
     config = read_config(path)
@@ -77,9 +82,14 @@ def load_model(
     dtype = resolve_dtype(dtype, config)
     check_backend(attention_backend, device)
     files = checkpoint_files(path)
+    quant_config = resolve_quantization(quantization, config)
     with _default_dtype(dtype), torch.device(device):
         model = cls(config, attention_backend=attention_backend, tp=tp, pp=pp)
+        if quant_config is not None:
+            prepare_model(model, quant_config)
     load_weights(model, files)
+    if quant_config is not None:
+        process_model(model)
     if pack_weights:
         pack_linear_weights(model)
     return model.requires_grad_(False).eval()
@@ -184,7 +194,9 @@ def _targets(model) -> dict[str, tuple[torch.Tensor, tuple, tuple] | None]:
             targets[name] = (param, (slice(None),), (slice(None),))
             continue
         parent = module_name.rsplit(".", 1)[0]
-        for part, target in module.load_targets(kind).items():
+        method = getattr(module, "quant_method", None)  # it knows its tensors' layout
+        parts = method.load_targets(module, kind) if method else module.load_targets(kind)
+        for part, target in parts.items():
             targets[f"{parent}.{part}.{kind}" if part else name] = target and (param, *target)
     return targets
 

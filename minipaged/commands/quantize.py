@@ -1,0 +1,57 @@
+"""``minipaged quantize MODEL --method {rtn,gptq,awq} --bits 4 --group-size 128 OUT``:
+`minipaged.models.quantization.quantize.quantize_checkpoint`."""
+
+from __future__ import annotations
+
+import argparse
+
+from minipaged.arg_utils import MODEL_HELP
+
+NAME = "quantize"
+HELP = "write an INT4 GPTQ or AWQ checkpoint of a model"
+DESCRIPTION = (
+    "Quantize a 16/32-bit checkpoint's projections to 4 bits, group-wise, by rounding "
+    "(rtn), GPTQ or AWQ on a small calibration text, and write it in Hugging Face's "
+    "GPTQ or AWQ format, which `minipaged generate --model OUT` and vLLM load."
+)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("model", help=MODEL_HELP)
+    parser.add_argument("out", help="directory to write (created if missing)")
+    parser.add_argument("--method", choices=("rtn", "gptq", "awq"), default="gptq")
+    parser.add_argument("--bits", type=int, default=4, help="bits per weight (4)")
+    parser.add_argument(
+        "--group-size", type=int, default=128, help="input columns per scale: 32, 64, 128 or -1"
+    )
+    parser.add_argument(
+        "--desc-act", action="store_true", help="GPTQ's act-order: columns by decreasing H_ii"
+    )
+    parser.add_argument(
+        "--sym",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="zero points at the middle (rtn and gptq; awq's are always asymmetric)",
+    )
+    parser.add_argument("--num-samples", type=int, default=16, help="calibration sequences")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+
+
+def main(args) -> None:
+    from minipaged.models.hub import resolve_model
+    from minipaged.models.quantization.quantize import quantize_checkpoint
+
+    out = quantize_checkpoint(
+        resolve_model(args.model),
+        args.out,
+        method=args.method,
+        bits=args.bits,
+        group_size=args.group_size,
+        sym=args.sym,
+        act_order=args.desc_act,
+        num_samples=args.num_samples,
+        seq_len=args.seq_len,
+    )
+    print(f"wrote a {args.bits}-bit {args.method} checkpoint to {out}:")
+    for file in sorted(out.iterdir()):
+        print(f"  {file.name:<28} {file.stat().st_size:>12,} bytes")

@@ -1,0 +1,362 @@
+"""Make an INT4 checkpoint from a 16/32-bit one: ``minipaged quantize MODEL --method
+{rtn,gptq,awq} --bits 4 --group-size 128 OUT``, written in Hugging Face's format
+(`formats`), so that minipaged, vLLM or transformers load it as any GPTQ or AWQ model.
+
+Three ways to pick each group's integers, all with the same grid
+(``W ~ (q - z) * s``, ``q`` in ``0 .. 15``):
+
+- **RTN** (round to nearest): each weight rounded on its group's grid, nothing else.
+  Written as a GPTQ checkpoint with ``desc_act`` false (the format does not say how
+  the integers were chosen);
+- **GPTQ** (Frantar et al. 2022, Algorithm 1): columns quantized one at a time, and
+  each one's rounding error spread over the columns not yet quantized, weighted by the
+  inverse Hessian ``H = 2 X^T X`` of the layer's inputs ``X`` on calibration text, so
+  that the *output* ``X W^T`` moves least; in blocks of 128 columns with lazy updates
+  (§"Lazy batch-updates"), via a Cholesky factor of ``H^-1`` (§"Cholesky
+  reformulation"), with 1% dampening; ``desc_act`` (act-order) takes the columns in
+  order of decreasing ``H``'s diagonal and records each one's group in ``g_idx``;
+- **AWQ** (Lin et al. 2023, §3): a per-input-channel scale ``s = mean|x|^a``, ``a``
+  searched on a grid of 20 per group of projections sharing an input, that minimises
+  the output error of ``Q(W * s) / s``; ``1 / s`` is folded into the op before
+  (RMSNorm's weight, or ``up_proj``'s rows for ``down_proj``), so the model computes
+  the same function, and the salient channels (large activations) lose less to
+  rounding.  AutoAWQ's weight clipping search is left out.
+
+Calibration runs the Hugging Face model layer by layer, each layer on the previous
+layer's quantized outputs, as both papers do.  The calibration text is the docstrings
+of some standard-library modules (`calibration_text`): no download.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from minipaged.models.quantization import formats
+from minipaged.ops.quant_linear import IntWeight
+
+__all__ = [
+    "METHODS",
+    "calibration_text",
+    "fit_grid",
+    "gptq_quantize",
+    "quantize_checkpoint",
+    "rtn_quantize",
+]
+
+METHODS = ("rtn", "gptq", "awq")
+CALIBRATION_MODULES = ("argparse", "collections", "logging", "unittest", "subprocess", "json")
+AWQ_GRID = 20
+AWQ_TOKENS = 512  # the search's sample of each group's inputs
+
+
+def calibration_text(modules=CALIBRATION_MODULES) -> str:
+    """The docstrings of ``modules`` and of their public classes and functions."""
+    parts = []
+    for name in modules:
+        module = importlib.import_module(name)
+        for obj in (module, *(getattr(module, n) for n in sorted(dir(module)))):
+            doc = inspect.getdoc(obj) if inspect.ismodule(obj) or _public(obj, name) else None
+            if doc and doc not in parts:
+                parts.append(doc)
+    return "\n\n".join(parts)
+
+
+def _public(obj, module: str) -> bool:
+    return (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__ == module
+
+
+def fit_grid(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's scale and integer zero point for the values ``w [N, g]``: symmetric
+    (zero at the middle, ``2**(bits-1)``) or spanning ``[min(w, 0), max(w, 0)]``."""
+    maxq = 2**bits - 1
+    lo, hi = w.min(1).values.clamp(max=0), w.max(1).values.clamp(min=0)
+    if sym:
+        hi = torch.maximum(-lo, hi)
+        scale = (2 * hi / maxq).clamp(min=1e-10)
+        return scale, torch.full_like(scale, 2 ** (bits - 1))
+    scale = ((hi - lo) / maxq).clamp(min=1e-10)
+    return scale, torch.round(-lo / scale).clamp(0, maxq)
+
+
+def _round(w, scale, zero, bits):
+    return torch.clamp(torch.round(w / scale[:, None]) + zero[:, None], 0, 2**bits - 1)
+
+
+def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool) -> IntWeight:
+    """Round to nearest, group by group."""
+    n, k = weight.shape
+    size = k if group_size == -1 else group_size
+    q, scales, zeros = torch.empty(n, k), [], []
+    for start in range(0, k, size):
+        w = weight[:, start : start + size].float()
+        scale, zero = fit_grid(w, bits, sym)
+        q[:, start : start + size] = _round(w, scale, zero, bits)
+        scales.append(scale), zeros.append(zero)
+    return _int_weight(q, scales, zeros, torch.arange(k) // size, bits)
+
+
+def _int_weight(q, scales, zeros, g_idx, bits) -> IntWeight:
+    return IntWeight(
+        q.to(torch.uint8),
+        torch.stack(scales, 1),
+        torch.stack(zeros, 1).to(torch.int16),
+        g_idx,
+        bits,
+    )
+
+
+@torch.no_grad()
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    bits: int,
+    group_size: int,
+    sym: bool,
+    act_order: bool = False,
+    damp: float = 0.01,
+    block: int = 128,
+) -> IntWeight:
+    """GPTQ (module docstring) of ``weight [N, K]`` given ``hessian [K, K]``."""
+    w, h = weight.float().clone(), hessian.float().clone()
+    n, k = w.shape
+    dead = torch.diag(h) == 0  # inputs always zero: any value will do
+    h[dead, dead], w[:, dead] = 1, 0
+    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(k)
+    w, h = w[:, perm], h[perm][:, perm]
+    h += damp * torch.diag(h).mean() * torch.eye(k)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    size = k if group_size == -1 else group_size
+    q, scales, zeros = torch.empty(n, k), [], []
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        w1, err1, hinv1 = w[:, i1:i2].clone(), torch.zeros(n, i2 - i1), hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            if (i1 + i) % size == 0:  # a group starts: its grid from the updated weights
+                scale, zero = fit_grid(torch.cat([w1[:, i:], w[:, i2:]], 1)[:, :size], bits, sym)
+                scales.append(scale), zeros.append(zero)
+            col = w1[:, i]
+            q[:, i1 + i] = _round(col[:, None], scale, zero, bits)[:, 0]
+            err = (col - (q[:, i1 + i] - zero) * scale) / hinv1[i, i]
+            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
+            err1[:, i] = err
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    inverse = torch.argsort(perm)
+    return _int_weight(q[:, inverse], scales, zeros, (torch.arange(k) // size)[inverse], bits)
+
+
+# -- running the Hugging Face model layer by layer ---------------------------------------
+class _Caught(Exception):
+    pass
+
+
+def _layer_inputs(model, samples: list[torch.Tensor]) -> list[tuple[torch.Tensor, dict]]:
+    """Each sample's input to the first decoder layer, with the keyword arguments the
+    model passes its layers (positions' cos and sin, the causal mask)."""
+    caught = []
+
+    def catch(module, args, kwargs):
+        caught.append((args[0] if args else kwargs.pop("hidden_states"), kwargs))
+        raise _Caught
+
+    hook = model.model.layers[0].register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        for ids in samples:
+            try:
+                model(ids[None], use_cache=False)
+            except _Caught:
+                pass
+    finally:
+        hook.remove()
+    return caught
+
+
+def _run_layer(layer, inputs):
+    outs = []
+    for hidden, kwargs in inputs:
+        out = layer(hidden, **kwargs)
+        outs.append((out[0] if isinstance(out, tuple) else out, kwargs))
+    return outs
+
+
+def _projections(layer) -> dict[str, nn.Linear]:
+    """The decoder layer's projections by HF name, in an order where each group of
+    projections sharing an input is together."""
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    out = {f"self_attn.{n}": getattr(layer.self_attn, n) for n in names}
+    names = ("gate_proj", "up_proj", "down_proj")
+    out.update({f"mlp.{n}": getattr(layer.mlp, n) for n in names})
+    return out
+
+
+def _collect(layer, inputs) -> dict[str, torch.Tensor]:
+    """Each projection's calibration inputs ``[tokens, K]`` (float32)."""
+    seen: dict[str, list] = {}
+    hooks = [
+        linear.register_forward_hook(
+            lambda m, args, out, name=name: seen.setdefault(name, []).append(
+                args[0].reshape(-1, args[0].shape[-1]).float()
+            )
+        )
+        for name, linear in _projections(layer).items()
+    ]
+    try:
+        _run_layer(layer, inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {name: torch.cat(xs) for name, xs in seen.items()}
+
+
+def _awq_scale(layer, inputs: dict[str, torch.Tensor], bits, group_size) -> None:
+    """AWQ's search (module docstring) for each group of projections sharing an input,
+    the scales folded into the op before; in place."""
+    attn, mlp = layer.self_attn, layer.mlp
+    groups = [
+        (layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], "self_attn.q_proj"),
+        (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], "mlp.gate_proj"),
+        (mlp.up_proj, [mlp.down_proj], "mlp.down_proj"),
+    ]
+    if attn.v_proj.weight.shape == attn.o_proj.weight.shape:  # no GQA: v's rows feed o
+        groups.append((attn.v_proj, [attn.o_proj], "self_attn.o_proj"))
+    for before, linears, name in groups:
+        x = inputs[name]
+        x = x[torch.linspace(0, len(x) - 1, min(len(x), AWQ_TOKENS)).long()]
+        w = torch.cat([linear.weight.float() for linear in linears])
+        reference = x @ w.T
+        x_mean = x.abs().mean(0)
+        best, best_scale = float("inf"), None
+        for ratio in torch.arange(AWQ_GRID) / AWQ_GRID:
+            s = x_mean.pow(ratio).clamp(min=1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            wq = rtn_quantize(w * s, bits, group_size, sym=False).dequantize() / s
+            error = float(((x @ wq.T - reference) ** 2).mean())
+            if error < best:
+                best, best_scale = error, s
+        dtype = before.weight.dtype
+        if isinstance(before, nn.Linear):  # its output rows are the next one's inputs
+            before.weight.copy_((before.weight.float() / best_scale[:, None]).to(dtype))
+        else:
+            before.weight.copy_((before.weight.float() / best_scale).to(dtype))
+        for linear in linears:
+            linear.weight.copy_((linear.weight.float() * best_scale).to(linear.weight.dtype))
+
+
+@torch.no_grad()
+def quantize_layer(layer, inputs, method, bits, group_size, sym, act_order):
+    """Quantize the decoder ``layer`` given its calibration ``inputs``; its projections
+    then hold their dequantized weights.  Returns HF name -> `IntWeight`."""
+    seen = _collect(layer, inputs) if method != "rtn" else {}
+    if method == "awq":
+        _awq_scale(layer, seen, bits, group_size)
+    quantized = {}
+    for name, linear in _projections(layer).items():
+        w = linear.weight.float()
+        if method == "gptq":
+            hessian = 2 * seen[name].T @ seen[name] / len(seen[name])
+            quantized[name] = gptq_quantize(w, hessian, bits, group_size, sym, act_order)
+        else:
+            quantized[name] = rtn_quantize(w, bits, group_size, sym)
+        linear.weight.copy_(quantized[name].dequantize(linear.weight.dtype))
+    return quantized
+
+
+def quantize_checkpoint(
+    model_path,
+    out,
+    method: str = "gptq",
+    bits: int = 4,
+    group_size: int = 128,
+    sym: bool = True,
+    act_order: bool = False,
+    num_samples: int = 16,
+    seq_len: int = 256,
+) -> Path:
+    """Quantize the checkpoint in ``model_path`` with ``method`` and write it to ``out``
+    in Hugging Face's format (GPTQ's for rtn and gptq, AWQ's for awq).  AWQ's zero
+    points are always asymmetric (``sym`` is GPTQ's and RTN's)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if bits != 4:
+        raise ValueError(f"bits must be 4 (the formats minipaged writes), got {bits!r}")
+    if group_size not in (-1, 32, 64, 128):
+        raise ValueError(f"group_size must be -1, 32, 64 or 128, got {group_size!r}")
+    if act_order and method != "gptq":
+        raise ValueError("act_order (desc_act) is GPTQ's")
+    model_path, out = Path(model_path), Path(out)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.float32, local_files_only=True
+    ).eval()
+    saved_dtype = getattr(model.config, "dtype", None) or torch.float32
+    if isinstance(saved_dtype, str):
+        saved_dtype = getattr(torch, saved_dtype)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    ids = torch.tensor(tokenizer(calibration_text())["input_ids"])
+    samples = [ids[i * seq_len : (i + 1) * seq_len] for i in range(num_samples)]
+    samples = [s for s in samples if len(s) == seq_len] or [ids[:seq_len]]
+    quantized = {}
+    with torch.no_grad():
+        # Rounding needs no calibration: no forward pass at all.
+        inputs = _layer_inputs(model, samples) if method != "rtn" else None
+        layers = model.model.layers
+        for i, layer in enumerate(tqdm(layers, desc=f"{method} layers", leave=False)):
+            for name, weight in quantize_layer(
+                layer, inputs, method, bits, group_size, sym and method != "awq", act_order
+            ).items():
+                quantized[f"model.layers.{i}.{name}"] = weight
+            if inputs is not None:
+                inputs = _run_layer(layer, inputs)
+    sym = sym and method != "awq"
+    _write(model, model_path, out, quantized, method, bits, group_size, sym, act_order, saved_dtype)
+    return out
+
+
+def _write(model, source, out, quantized, method, bits, group_size, sym, act_order, dtype):
+    out.mkdir(parents=True, exist_ok=True)
+    pack = formats.pack_awq if method == "awq" else formats.pack_gptq
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        prefix = name.rsplit(".", 1)[0]
+        if prefix in quantized and name.endswith(".weight"):
+            for kind, packed in pack(quantized[prefix]).items():
+                tensors[f"{prefix}.{kind}"] = packed
+        else:
+            tensors[name] = tensor.to(dtype).contiguous()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    if method == "awq":
+        config["quantization_config"] = {
+            "quant_method": "awq",
+            "bits": bits,
+            "group_size": group_size,
+            "zero_point": True,
+            "version": "gemm",
+        }
+    else:
+        config["quantization_config"] = {
+            "quant_method": "gptq",
+            "bits": bits,
+            "group_size": group_size,
+            "desc_act": act_order,
+            "sym": sym,
+            "checkpoint_format": "gptq",
+            "damp_percent": 0.01,
+            # Not a key of the format: how the integers were chosen, for the reader.
+            "minipaged_method": method,
+        }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for file in source.iterdir():  # the tokenizer and generation config
+        skip = file.suffix == ".safetensors" or file.name.endswith(".index.json")
+        if file.is_file() and not skip and file.name != "config.json":
+            shutil.copy(file, out / file.name)

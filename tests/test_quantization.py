@@ -1,0 +1,282 @@
+"""Quantized weights end to end (`minipaged.models.quantization`): INT4 checkpoints that
+``minipaged quantize`` writes in GPTQ's and AWQ's formats, and fp8/int8 online, each
+against Hugging Face's model holding the weights that the scheme stands for.
+
+transformers loads GPTQ and AWQ checkpoints through gptqmodel only, which needs a newer
+torch than this project's CPU build and compiles from source, so the oracle is built
+here instead: the checkpoint's tensors unpacked by this file's own reading of each
+format (not minipaged's), dequantized, and saved as an ordinary float32 checkpoint that
+transformers loads.  The online schemes' oracle rounds the weights here, by the rule.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from engine_helpers import (
+    Oracle,
+    assert_greedy_matches_hf,
+    assert_prompt_logprobs_match_hf,
+    make_llm,
+    random_prompt,
+)
+from minipaged.cli import main as cli
+from minipaged.config import EngineConfig
+from minipaged.models.loader import load_model
+from minipaged.models.quantization import resolve_quantization, weight_bytes
+from minipaged.models.quantization.quantize import gptq_quantize, rtn_quantize
+from minipaged.sampling_params import SamplingParams
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: slot j of an int32 holds column AWQ_ORDER[j]
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROMPTS = [random_prompt(11, seed=1), random_prompt(23, seed=2)]
+
+
+def nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int32 ``[..., C]`` -> ``[..., C, 8]``: the 4-bit fields, lowest bits first."""
+    return torch.stack([(packed >> (4 * j)) & 15 for j in range(8)], dim=-1)
+
+
+def dequantize_gptq(t: dict, prefix: str) -> torch.Tensor:
+    q = (
+        nibbles(t[f"{prefix}.qweight"])
+        .permute(0, 2, 1)
+        .reshape(-1, t[f"{prefix}.qweight"].shape[1])
+    )
+    zeros = nibbles(t[f"{prefix}.qzeros"]).flatten(-2) + 1  # stored minus one
+    g = t[f"{prefix}.g_idx"].long()
+    return ((q - zeros[g]) * t[f"{prefix}.scales"].float()[g]).T
+
+
+def dequantize_awq(t: dict, prefix: str, group_size: int) -> torch.Tensor:
+    def columns(packed):
+        slots = nibbles(packed)
+        out = torch.empty_like(slots)
+        out[..., AWQ_ORDER] = slots
+        return out.flatten(-2)
+
+    q, zeros = columns(t[f"{prefix}.qweight"]), columns(t[f"{prefix}.qzeros"])
+    g = torch.arange(q.shape[0]) // group_size
+    return ((q - zeros[g]) * t[f"{prefix}.scales"].float()[g]).T
+
+
+def dequantized_checkpoint(path, out):
+    """``path``'s quantized checkpoint as an ordinary float32 one in ``out``."""
+    config = json.loads((path / "config.json").read_text())
+    quant = config.pop("quantization_config")
+    tensors = load_file(path / "model.safetensors")
+    dense = {}
+    for name, tensor in tensors.items():
+        prefix, kind = name.rsplit(".", 1)
+        if kind == "qweight":
+            dense[f"{prefix}.weight"] = (
+                dequantize_awq(tensors, prefix, quant["group_size"])
+                if quant["quant_method"] == "awq"
+                else dequantize_gptq(tensors, prefix)
+            ).contiguous()
+        elif kind not in ("qzeros", "scales", "g_idx"):
+            dense[name] = tensor.float()
+    out.mkdir()
+    save_file(dense, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}))
+    for file in path.glob("tokenizer*"):
+        (out / file.name).write_bytes(file.read_bytes())
+    return out
+
+
+@pytest.fixture(scope="module")
+def base(tiny):
+    return tiny("llama")[0]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(base, tmp_path_factory):
+    """name -> (quantized checkpoint, Oracle on its dequantized weights)."""
+    root = tmp_path_factory.mktemp("quantized")
+    runs = {  # RTN is written as symmetric GPTQ in order; GPTQ here asymmetric, act-order
+        "rtn": ["--method", "rtn"],
+        "gptq": ["--method", "gptq", "--desc-act", "--no-sym"],
+        "awq": ["--method", "awq"],
+    }
+    out = {}
+    for name, flags in runs.items():
+        path = root / name
+        common = ["--group-size", "32", "--num-samples", "4", "--seq-len", "64"]
+        cli(["quantize", str(base), str(path), *flags, *common])
+        out[name] = path, Oracle(dequantized_checkpoint(path, root / f"{name}-dense"))
+    return out
+
+
+@pytest.mark.parametrize("name", ["rtn", "gptq", "awq"])
+def test_int4_checkpoint_equals_hf_on_its_dequantized_weights(checkpoints, name):
+    path, oracle = checkpoints[name]
+    llm = make_llm(path)  # quantization detected from config.json
+    assert llm.engine.config.quantization is None
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert_greedy_matches_hf(outputs, PROMPTS, oracle, 6, logprobs=3)
+    for output in outputs:
+        assert_prompt_logprobs_match_hf(output, oracle.hf, 3)
+
+
+def test_the_checkpoints_carry_their_formats(checkpoints):
+    gptq = json.loads((checkpoints["gptq"][0] / "config.json").read_text())
+    assert gptq["quantization_config"]["desc_act"] is True
+    tensors = load_file(checkpoints["gptq"][0] / "model.safetensors")
+    g_idx = tensors["model.layers.0.self_attn.q_proj.g_idx"]
+    assert not torch.equal(g_idx, torch.arange(len(g_idx)) // 32)  # act-order reordered
+    assert torch.equal(g_idx, tensors["model.layers.0.self_attn.k_proj.g_idx"])
+    awq = load_file(checkpoints["awq"][0] / "model.safetensors")
+    assert awq["model.layers.0.mlp.up_proj.qweight"].shape == (64, 128 // 8)  # [K, N/8]
+    assert "model.layers.0.mlp.up_proj.weight" not in awq
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_online_quantization_equals_hf_on_rounded_weights(base, tmp_path, method):
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if name.rsplit(".", 1)[-1] in PROJECTIONS:
+                w = module.weight
+                if method == "int8":
+                    scale = w.abs().amax(1, keepdim=True) / 127
+                    w.copy_(torch.round(w / scale).clamp(-128, 127) * scale)
+                else:
+                    scale = w.abs().amax(1, keepdim=True) / 448
+                    w.copy_((w / scale).to(torch.float8_e4m3fn).float() * scale)
+    hf.save_pretrained(tmp_path / "rounded")
+    for file in base.glob("tokenizer*"):
+        (tmp_path / "rounded" / file.name).write_bytes(file.read_bytes())
+    oracle = Oracle(tmp_path / "rounded")
+    llm = make_llm(base, quantization=method)
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert_greedy_matches_hf(outputs, PROMPTS, oracle, 6, logprobs=3)
+
+
+def test_weight_bytes_int8_a_quarter_int4_about_an_eighth(base, checkpoints):
+    dense = load_model(base)
+    int8 = load_model(base, quantization="int8")
+    int4 = load_model(checkpoints["awq"][0])
+    shapes = [
+        (m.out_features, m.in_features)
+        for n, m in AutoModelForCausalLM.from_pretrained(base).named_modules()
+        if n.rsplit(".", 1)[-1] in PROJECTIONS
+    ]
+    elements = sum(n * k for n, k in shapes)
+    rest = weight_bytes(dense) - 4 * elements  # embedding, norms, head: float32 in all
+    # int8: a byte a weight and a float32 scale per row.
+    assert weight_bytes(int8) - rest == elements + 4 * sum(n for n, _ in shapes)
+    # int4 on the CPU op: half a byte a weight, a (scale, zero) pair per 32 weights.
+    assert weight_bytes(int4) - rest == elements // 2 + elements // 32 * 2 * 4
+
+
+def test_gptq_error_feedback_beats_rounding_on_the_layer_output():
+    g = torch.Generator().manual_seed(0)
+    mix = torch.randn(64, 64, generator=g)
+    x = torch.randn(512, 64, generator=g) @ mix  # correlated inputs, as real ones are
+    w = torch.randn(32, 64, generator=g)
+    h = 2 * x.T @ x / len(x)
+    rtn = rtn_quantize(w, 4, 32, sym=True).dequantize()
+    for act_order in (False, True):
+        gptq = gptq_quantize(w, h, 4, 32, sym=True, act_order=act_order).dequantize()
+        gptq_error = ((x @ (gptq - w).T) ** 2).mean()
+        assert gptq_error < 0.7 * ((x @ (rtn - w).T) ** 2).mean()
+
+
+# -- refusals ---------------------------------------------------------------------------
+class Config:
+    def __init__(self, **quantization_config):
+        self.quantization_config = quantization_config or None
+
+
+GPTQ = dict(quant_method="gptq", bits=4, group_size=128, desc_act=False, sym=True)
+AWQ = dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm")
+
+
+@pytest.mark.parametrize(
+    "quantization,config,match",
+    [
+        (None, {**GPTQ, "bits": 8}, "'bits' is 8"),
+        (None, {**GPTQ, "group_size": 256}, "'group_size' is 256"),
+        (None, {**GPTQ, "checkpoint_format": "gptq_v2"}, "'checkpoint_format'"),
+        (None, {**GPTQ, "lm_head": True}, "'lm_head'"),
+        (None, {**AWQ, "version": "gemv"}, "'version' is 'gemv'"),
+        (None, {**AWQ, "zero_point": False}, "'zero_point'"),
+        (None, {**AWQ, "group_size": -1}, "'group_size' is -1"),
+        (None, {"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
+        ("awq", GPTQ, "quantized with 'gptq'"),
+        ("fp8", GPTQ, "already quantized"),
+        ("gptq", {}, "no quantization_config"),
+        ("int4", {}, "quantization must be one of"),
+    ],
+)
+def test_unsupported_quantization_is_refused_naming_the_key(quantization, config, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_quantization(quantization, Config(**config))
+
+
+def test_supported_configs_resolve():
+    assert resolve_quantization(None, Config()) is None
+    assert resolve_quantization("int8", Config()).method == "int8"
+    gptq = resolve_quantization(None, Config(**{**GPTQ, "desc_act": True}))
+    assert (gptq.method, gptq.bits, gptq.group_size, gptq.desc_act) == ("gptq", 4, 128, True)
+
+
+def _rewrite(path, tmp_path, change):
+    out = tmp_path / "broken"
+    out.mkdir()
+    for file in path.iterdir():
+        (out / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(out / "model.safetensors")
+    change(tensors)
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+def test_a_tensor_of_the_wrong_shape_is_refused_naming_it(checkpoints, tmp_path):
+    name = "model.layers.1.mlp.down_proj.scales"
+    path = _rewrite(
+        checkpoints["rtn"][0], tmp_path, lambda t: t.update({name: t[name][:, :-8].clone()})
+    )
+    with pytest.raises(ValueError, match=f"{name}' has shape"):
+        load_model(path)
+
+
+def test_a_missing_g_idx_is_refused_naming_it(checkpoints, tmp_path):
+    name = "model.layers.0.self_attn.v_proj.g_idx"
+    path = _rewrite(checkpoints["rtn"][0], tmp_path, lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=name):
+        load_model(path)
+
+
+def test_merged_projections_with_different_orders_are_refused(checkpoints, tmp_path):
+    name = "model.layers.0.self_attn.k_proj.g_idx"
+    path = _rewrite(checkpoints["gptq"][0], tmp_path, lambda t: t.update({name: t[name].flip(0)}))
+    with pytest.raises(ValueError, match=f"{name} differs"):
+        load_model(path)
+
+
+@pytest.mark.parametrize(
+    "combo",
+    [
+        {"tensor_parallel_size": 2},
+        {"pipeline_parallel_size": 2},
+        {"enable_lora": True},
+        {"compilation_config": 1},
+    ],
+)
+def test_quantization_refuses_what_it_cannot_run_with(combo):
+    with pytest.raises(ValueError, match=f"cannot run with {next(iter(combo))}"):
+        EngineConfig(model="m", quantization="int8", **combo)
+
+
+def test_a_quantized_checkpoint_is_not_split_over_ranks(checkpoints):
+    from minipaged.distributed.parallel_state import TensorParallelGroup
+
+    tp = TensorParallelGroup(rank=0, size=2, group=None)
+    with pytest.raises(ValueError, match="cannot be split over ranks"):
+        load_model(checkpoints["gptq"][0], tp=tp)
