@@ -39,6 +39,7 @@ BENCHES = (
     "lora",
     "moe",
     "cpu_step",
+    "mla",
 )
 
 
