@@ -234,7 +234,9 @@ class MLAPagedAttention(PagedAttention):
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
-    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+    """``x`` zero-padded to ``width`` in its last dimension, contiguous (the kernels'
+    caches must be)."""
+    return x.contiguous() if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
 
 
 def set_mla_absorption(model: nn.Module, absorb: bool) -> None:
