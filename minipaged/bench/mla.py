@@ -32,7 +32,6 @@ from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.attention import time_us
 from minipaged.bench.common import Column
 from minipaged.cache_engine import block_bytes
-from minipaged.distributed.layers import ColumnParallelLinear
 from minipaged.models.attention import AttentionMetadata
 from minipaged.models.deepseek_v2 import MLAPagedAttention
 from minipaged.ops.testing import assert_close
@@ -113,7 +112,7 @@ def decode_rows(batch: int, context_lens, dtype: torch.dtype, block_size: int = 
     heads, rank, rope = lite["num_attention_heads"], lite["kv_lora_rank"], lite["qk_rope_head_dim"]
     nope, v_dim = lite["qk_nope_head_dim"], lite["v_head_dim"]
     g = torch.Generator().manual_seed(0)
-    kv_b_proj = ColumnParallelLinear(rank, {"kv_b_proj": heads * (nope + v_dim)}, bias=False)
+    kv_b_proj = torch.nn.Linear(rank, heads * (nope + v_dim), bias=False)
     with torch.no_grad():
         kv_b_proj.weight.copy_(torch.randn(kv_b_proj.weight.shape, generator=g) / rank**0.5)
     kv_b_proj.to(dtype)
