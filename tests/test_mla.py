@@ -325,6 +325,26 @@ def test_greedy_equals_hf_with_every_feature_at_once(tiny, backend):
     expected, _ = oracle.greedy(PROMPTS[0], MAX_TOKENS)
     assert [c.token_ids for c in twice[0].outputs] == [expected, expected]
     assert_all_blocks_free(llm)
+    # 2 layers x (kv_lora_rank 24 + qk_rope_head_dim 8) x float32.
+    assert stats["kv_cache_bytes_per_token"] == 2 * (24 + 8) * 4
+
+
+def test_metrics_report_the_latent_caches_bytes_per_token(tiny):
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from minipaged.server.metrics import make_registry
+
+    per_token = {}
+    for arch in ("deepseek_v2", "llama"):
+        path, _ = tiny(arch)
+        stats = make_llm(path, attention_backend="torch", num_gpu_blocks=8).engine.counters()
+        text = generate_latest(make_registry(SimpleNamespace(stats=stats))).decode()
+        per_token[arch] = stats["kv_cache_bytes_per_token"]
+        assert f"minipaged:kv_cache_bytes_per_token {float(per_token[arch])}" in text
+    # 2 layers x 32 latent values, against 2 layers x 2 KV heads x 16 x (key, value).
+    assert per_token == {"deepseek_v2": 2 * 32 * 4, "llama": 2 * 2 * 16 * 2 * 4}
 
 
 def test_recompute_preemption_and_an_fp8_cache_run_through_the_engine(tiny):
@@ -397,5 +417,9 @@ def test_configs_it_cannot_run_are_refused(tiny, tmp_path):
     path, _ = tiny("deepseek_v2")
     with pytest.raises(ValueError, match="kv_cache_dtype='int8'"):
         make_llm(path, attention_backend="torch", kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="enable_lora"):
+        make_llm(path, attention_backend="torch", enable_lora=True)
+    with pytest.raises(ValueError, match="compilation_config"):
+        make_llm(path, attention_backend="cpu", compilation_config={"mode": 1})
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
         DeepseekV2ForCausalLM.check_parallel(load_model(path).config, 3)
