@@ -199,6 +199,13 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--context-lens", type=int, nargs="+", default=list(CONTEXT_LENS), metavar="N"
     )
+    parser.add_argument(
+        "--num-threads",
+        type=int,
+        default=1,
+        help="torch's threads for the decode timings: where other processes share the "
+        "cores, more threads wait for each other (default: %(default)s)",
+    )
     add_output_flags(parser, NAME)
 
 
@@ -209,8 +216,12 @@ def main(args) -> None:
     memory = memory_rows(args.budget_gib, args.seq_len, torch.bfloat16)
     print(f"KV cache in bfloat16; sequences of {args.seq_len} tokens in {args.budget_gib} GiB")
     print(common.format_table(memory, MEMORY_COLUMNS))
-    decode = decode_rows(args.batch, args.context_lens, torch.float32)
-    print(f"\none DeepSeek-V2-Lite attention layer, float32, batch {args.batch}, CPU kernel")
+    with common.cpu_threads("cpu", common.check_num_threads(args.num_threads)):
+        decode = decode_rows(args.batch, args.context_lens, torch.float32)
+    print(
+        f"\none DeepSeek-V2-Lite attention layer, float32, batch {args.batch}, CPU kernel, "
+        f"{args.num_threads} thread(s)"
+    )
     print(common.format_table(decode, DECODE_COLUMNS))
     write(
         args,
@@ -220,4 +231,5 @@ def main(args) -> None:
         plot(memory, decode),
         budget_gib=args.budget_gib,
         seq_len=args.seq_len,
+        num_threads=args.num_threads,
     )
