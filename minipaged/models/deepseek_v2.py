@@ -213,9 +213,10 @@ class MLAPagedAttention(PagedAttention):
 
     def _decode_absorbed(self, impl, q_nope, q_pe, cache, kv_scale, attn, kv_b_proj):
         heads = q_nope.shape[1]
-        w_kv_b = kv_b_proj.weight.view(heads, -1, kv_b_proj.weight.shape[-1]).float()
+        # W_UK and W_UV are views of kv_b_proj's rows, per head: nothing copied.
+        w_kv_b = kv_b_proj.weight.view(heads, -1, kv_b_proj.weight.shape[-1])
         w_uk, w_uv = w_kv_b.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
-        q_latent = torch.einsum("bhn,hnr->bhr", q_nope.float(), w_uk).to(q_nope.dtype)
+        q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
         weighted = mla.decode_absorbed(
             q_latent,
             q_pe,
@@ -227,7 +228,7 @@ class MLAPagedAttention(PagedAttention):
             self._kernel_backend(),
             attn.max_decode_context_len,
         )
-        return torch.einsum("bhr,hvr->bhv", weighted.float(), w_uv).to(q_nope.dtype)
+        return torch.einsum("bhr,hvr->bhv", weighted.to(q_nope.dtype), w_uv)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, absorb={self.absorb}"
