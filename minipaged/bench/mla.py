@@ -12,7 +12,7 @@ Two measurements:
    Counts, not times.
 2. **decode time per step** of one DeepSeek-V2-Lite attention layer (16 heads, the
    latent 512 + 64) on the CPU kernels: absorbed (`minipaged.ops.mla.decode_absorbed`,
-   the C++ kernel over the latents) against unabsorbed (every context's latents
+   ``kernels/cpu/mla_decode.cpp`` over the latents) against unabsorbed (every context's latents
    decompressed by ``kv_b_proj`` into per-head keys and values, then the paged decode
    kernel), at several context lengths, with the bytes each one's kernel reads.  The
    same metadata, the same cache, the same weights; each output checked against the

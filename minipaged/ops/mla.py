@@ -23,9 +23,8 @@ each head's weighted latent.  `decode_absorbed` runs that over the paged cache:
 - ``torch``: gather the latents, two matmuls (readable);
 - ``triton``: `minipaged.ops.triton_mla`, one pass over the latent, each tile serving as
   key and as value;
-- ``cpu``: the C++ PagedAttention kernel as it is, with the latent cache as its one KV
-  head of keys and also as its values (the output's first ``kv_lora_rank`` values are the
-  weighted latent).
+- ``cpu``: ``kernels/cpu/mla_decode.cpp``, one pass over each sequence's latents for a
+  chunk of its heads, each row serving as key and as value.
 
 The unabsorbed form decompresses each context's latents into per-head keys and values
 (`gather_latent`, then ``kv_b_proj``) for the ordinary paged kernels; the model does that
@@ -94,8 +93,8 @@ def decode_absorbed(
 ) -> torch.Tensor:
     """Absorbed MLA decode: ``q_latent [B, H, kv_lora_rank]`` (``W_UK^T q_nope``) and
     ``q_pe [B, H, rope]`` attend to the ``context_lens[b]`` latents of sequence ``b``
-    -> each head's weighted latent ``[B, H, kv_lora_rank]`` (float32 from torch, the
-    query's dtype from the kernels), ``W_UV`` still to apply."""
+    -> each head's weighted latent ``[B, H, kv_lora_rank]`` (float32 from torch and the
+    CPU kernel, the query's dtype from Triton), ``W_UV`` still to apply."""
     if backend == "torch":
         return _decode_torch(
             q_latent, q_pe, cache, block_tables, context_lens, scale, kv_scale, max_context_len
@@ -104,12 +103,7 @@ def decode_absorbed(
     query = torch.cat((q_latent, q_pe), dim=-1)
     if backend == "cpu":
         cpu_ops = importlib.import_module("minipaged.ops.cpu_ops")
-        mqa = cache.unsqueeze(2)  # one KV head: [num_blocks, block_size, 1, L]
-        scales = (kv_scale, kv_scale) if kv_scale is not None else (None, None)
-        out = cpu_ops.paged_attention_decode(
-            query, mqa, mqa, block_tables, context_lens, scale, *scales
-        )
-        return out[..., :rank]
+        return cpu_ops.mla_decode(query, cache, block_tables, context_lens, rank, scale, kv_scale)
     if backend == "triton":
         triton_mla = importlib.import_module("minipaged.ops.triton_mla")
         return triton_mla.decode(
