@@ -26,6 +26,22 @@
 namespace {
 
 constexpr int64_t kHeadsPerTask = 8;  // a chunk's accumulators stay in the L1 cache
+constexpr int64_t kLanes = 64;        // partial sums of a dot product: four AVX-512 vectors
+
+// a . b over n floats, in kLanes independent partial sums the compiler turns into vector
+// multiply-adds (one running sum would be a chain of dependent scalar adds, as float
+// addition may not be reordered), then added up in a fixed order.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float part[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes) {
+    for (int64_t k = 0; k < kLanes; ++k) part[k] += a[d + k] * b[d + k];
+  }
+  float total = 0.f;
+  for (; d < n; ++d) total += a[d] * b[d];
+  for (int64_t k = 0; k < kLanes; ++k) total += part[k];
+  return total;
+}
 
 template <typename query_t, typename cache_t>
 void attend(const query_t* query, const cache_t* cache, const int32_t* tables,
@@ -53,9 +69,7 @@ void attend(const query_t* query, const cache_t* cache, const int32_t* tables,
         const cache_t* latent = cache + slot * width;
         for (int64_t d = 0; d < width; ++d) row[d] = static_cast<float>(latent[d]) * kv_scale;
         for (int64_t h = 0; h < count; ++h) {
-          const float* qh = q.data() + h * width;
-          float score = 0.f;
-          for (int64_t d = 0; d < width; ++d) score += qh[d] * row[d];
+          const float score = dot(q.data() + h * width, row.data(), width);
           float* ah = acc.data() + h * rank;
           if (score > max[h]) {  // a new maximum: rescale what was summed under the old
             const float rescale = std::exp(max[h] - score);
