@@ -49,6 +49,7 @@ BENCHES = (
     "moe",
     "cpu_step",
     "quant",
+    "mla",
 )
 
 

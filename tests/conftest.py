@@ -8,6 +8,7 @@ more, and where anything else competes for the cores OpenMP's threads wait on ea
 other (10-70x slower, and erratic).  Tests marked ``gpu`` skip without CUDA.
 """
 
+import json
 import os
 
 import pytest
@@ -67,7 +68,7 @@ def tiny(tmp_path_factory):
     checkpoints = {}
 
     def get(arch: str, **overrides):
-        key = (arch, *sorted(overrides.items()))
+        key = (arch, json.dumps(overrides, sort_keys=True))  # values may be dicts
         if key not in checkpoints:
             path = make_tiny_model(
                 tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, seed=0, **overrides

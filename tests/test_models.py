@@ -71,9 +71,9 @@ class PagedRunner:
         self.forward = model  # what runs a step (`test_compiled_decode` puts its own)
         dtype = model.model.embed_tokens.weight.dtype
         self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, "cpu")
-        for key_cache, value_cache in self.kv_caches:
-            key_cache.fill_(float("nan"))
-            value_cache.fill_(float("nan"))
+        for layer in self.kv_caches:  # (key_cache, value_cache), or a latent cache (MLA)
+            for cache in layer:
+                cache.fill_(float("nan"))
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
         # Take every block, then give them back in a random order: the pool hands them
         # out shuffled, so no sequence's blocks are neighbours.

@@ -44,4 +44,6 @@ time per step, with the model stubbed), `common` (timing, a system's row, tables
   spread over 1, 4 and 16 adapters (Punica, S-LoRA).
 * `cpu_step` - a decode step on a CPU at several batch sizes, its projections through
   ``F.linear`` and through weights packed for oneDNN, against a square matmul's rate.
+* `mla` - DeepSeek-V2-Lite's latent KV cache in bytes per token against per-head and
+  GQA caches, and one layer's decode absorbed against unabsorbed on the CPU.
 """

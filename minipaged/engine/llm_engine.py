@@ -362,6 +362,8 @@ class LLMEngine:
         return {
             **self.kv.stats(),
             "kv_cache_block_bytes": self.block_bytes,
+            # Per token over every layer: what latent attention (MLA) shrinks.
+            "kv_cache_bytes_per_token": self.block_bytes // self.config.block_size,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),

@@ -30,6 +30,7 @@ __all__ = [
     "calculate_kv_scales_on_next_batch",
     "check_backend",
     "head_dim",
+    "latent_dim",
     "token_positions",
 ]
 
@@ -290,6 +291,14 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def latent_dim(config) -> int | None:
+    """Values a token caches per layer under multi-head latent attention (DeepSeek-V2:
+    ``kv_lora_rank + qk_rope_head_dim``, whatever the head count), or None for a model
+    that caches keys and values per KV head."""
+    rank = getattr(config, "kv_lora_rank", None)
+    return rank + config.qk_rope_head_dim if rank else None
+
+
 def allocate_kv_caches(
     config_or_model,
     num_blocks: int,
@@ -300,11 +309,15 @@ def allocate_kv_caches(
     """Zeroed ``(key_cache, value_cache)`` per layer, each ``[num_blocks, block_size,
     num_kv_heads, head_dim]`` (the layout every backend uses); ``config_or_model`` is an
     HF config or a model with a ``.config``.  A quantized ``dtype`` (fp8, int8) adds the
-    layer's ``k_scale, v_scale`` (`kv_quant.new_scales`)."""
+    layer's ``k_scale, v_scale`` (`kv_quant.new_scales`).  A model with latent attention
+    (`latent_dim`) gets ``(latent_cache,)`` per layer instead, ``[num_blocks,
+    block_size, latent_dim]``, and fp8's one scale (`minipaged.ops.mla`)."""
     config = getattr(config_or_model, "config", config_or_model)
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if latent_dim(config):
+        return _allocate_latent_caches(config, num_blocks, block_size, dtype, device)
     shape = (num_blocks, block_size, config.num_key_value_heads, head_dim(config))
     scales = kv_quant.is_quantized(dtype)
     return [
@@ -312,6 +325,23 @@ def allocate_kv_caches(
             torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device),
             *(kv_quant.new_scales(dtype, shape, device) if scales else ()),
+        )
+        for _ in range(config.num_hidden_layers)
+    ]
+
+
+def _allocate_latent_caches(config, num_blocks, block_size, dtype, device):
+    if dtype == torch.int8:
+        raise ValueError(
+            "kv_cache_dtype='int8' keeps a scale per token and KV head, and a latent cache "
+            "has no heads; use 'fp8' (one scale per layer) or 'auto'"
+        )
+    shape = (num_blocks, block_size, latent_dim(config))
+    scale = kv_quant.is_quantized(dtype)
+    return [
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            *(kv_quant.new_scales(dtype, shape, device)[:1] if scale else ()),
         )
         for _ in range(config.num_hidden_layers)
     ]

@@ -10,8 +10,8 @@ real checkpoint on disk, point ``model=`` at it instead.
 
 The weights are random, so the text is gibberish, but what sets the architectures apart
 is all there: GQA, RoPE, q/k/v biases, q/k norms, an explicit head_dim, tied and untied
-LM heads, a padded vocabulary, experts (top-2 of 5 to 7).  The same seed always
-writes byte-identical weights::
+LM heads, a padded vocabulary, experts (top-2 of 5 to 7), latent attention (DeepSeek-V2).
+The same seed always writes byte-identical weights::
 
     path = make_tiny_model("/tmp/tiny-qwen3", arch="qwen3", seed=0)
     # or: minipaged make-tiny-model /tmp/tiny-qwen3 --arch qwen3 --seed 0
@@ -115,6 +115,27 @@ ARCHS = {
         num_experts_per_tok=2,
         intermediate_size=32,
         norm_topk_prob=False,
+        tie_word_embeddings=False,
+    ),
+    # Multi-head latent attention (a 24-value latent and an 8-value RoPE key per token
+    # where the 4 heads' keys and values would be 128) and DeepSeekMoE: top-2 of 6
+    # routed experts beside a shared one, after a first dense layer.
+    "deepseek_v2": dict(
+        architectures=["DeepseekV2ForCausalLM"],
+        model_type="deepseek_v2",
+        num_key_value_heads=4,
+        kv_lora_rank=24,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=6,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        topk_method="greedy",
+        routed_scaling_factor=1.0,
         tie_word_embeddings=False,
     ),
 }

@@ -41,6 +41,7 @@ __all__ = [
     "fused_add_rms_norm",
     "isa",
     "machine_isas",
+    "mla_decode",
     "paged_attention_decode",
     "paged_attention_prefill",
     "rms_norm",
@@ -53,9 +54,13 @@ SOURCE = cuda_build.KERNELS_DIR / "cpu" / "paged_attention.cpp"
 # The kernel's inner loop as one scalar function (lesson 07's exercise), declared here
 # and defined in attend_tile.cpp or the learner's file (`build_with_attend_tile`).
 ATTEND_TILE_HEADER = SOURCE.parent / "attend_tile.h"
-# One extension: paged_attention.cpp holds its Python module, fused_ops.cpp registers
-# its ops with torch's dispatcher under the extension's name.
-SOURCES = [SOURCE, cuda_build.KERNELS_DIR / "cpu" / "fused_ops.cpp"]
+# One extension: paged_attention.cpp holds its Python module, fused_ops.cpp and
+# mla_decode.cpp register their ops with torch's dispatcher under the extension's name.
+SOURCES = [
+    SOURCE,
+    cuda_build.KERNELS_DIR / "cpu" / "fused_ops.cpp",
+    cuda_build.KERNELS_DIR / "cpu" / "mla_decode.cpp",
+]
 # The instruction sets the kernel is built for, best first, with their compiler flags:
 # AVX-512's 16 floats an instruction, AVX2's 8 (both with fused multiply-adds and F16C's
 # half-precision conversions), or the compiler's default (one float at a time).
@@ -175,6 +180,15 @@ def paged_attention_decode(
     )
 
 
+def mla_decode(query, cache, block_tables, context_lens, rank, scale, kv_scale=None):
+    """Absorbed MLA decode (`minipaged.ops.mla`): ``query [B, H, rank + rope]`` over the
+    latent ``cache`` -> each head's weighted ``c_kv`` ``[B, H, rank]`` in float32, every
+    latent row read once for a task's heads (``kernels/cpu/mla_decode.cpp``)."""
+    return _ops().mla_decode(
+        query, cache, block_tables.int(), context_lens.int(), rank, scale, kv_scale
+    )
+
+
 def paged_attention_prefill(
     query,
     key_cache,
@@ -262,6 +276,9 @@ def register_fakes(namespace: str) -> None:
         "fused_add_rms_norm": lambda *args: None,
         "silu_and_mul": lambda x: x.new_empty(*x.shape[:-1], x.shape[-1] // 2),
         "rotary_embedding": lambda *args: None,
+        "mla_decode": lambda query, cache, tables, lens, rank, scale, kv_scale: query.new_empty(
+            *query.shape[:2], rank, dtype=torch.float32
+        ),
     }
     for name, fake in fakes.items():
         torch.library.register_fake(f"{namespace}::{name}")(fake)

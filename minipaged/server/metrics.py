@@ -51,6 +51,13 @@ METRICS = [
         lambda s: s["num_gpu_blocks"] * s["kv_cache_block_bytes"],
     ),
     (
+        "kv_cache_bytes_per_token",
+        GAUGE,
+        "Bytes one token's KV takes over every layer (keys and values per KV head, or "
+        "one latent vector under multi-head latent attention).",
+        lambda s: s["kv_cache_bytes_per_token"],
+    ),
+    (
         "cpu_kv_blocks_used",
         GAUGE,
         "CPU swap blocks holding swapped-out KV.",

@@ -27,7 +27,7 @@ import torch
 from minipaged.config import EngineConfig
 from minipaged.core.memory.block_table import blocks_for
 from minipaged.core.sched.output import SchedulerOutput
-from minipaged.models.attention import allocate_kv_caches, head_dim
+from minipaged.models.attention import allocate_kv_caches, head_dim, latent_dim
 
 logger = logging.getLogger("minipaged")
 
@@ -41,7 +41,10 @@ HOST_KV_SHARE = 0.5
 
 def block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes over all layers: keys and values of ``block_size`` tokens
-    in the cache's ``dtype``, and int8's float32 scale per token and KV head."""
+    in the cache's ``dtype``, and int8's float32 scale per token and KV head; under
+    latent attention, one latent vector per token (`latent_dim`)."""
+    if latent := latent_dim(config):  # one latent vector per token and layer
+        return config.num_hidden_layers * block_size * latent * dtype.itemsize
     heads = 2 * config.num_hidden_layers * config.num_key_value_heads
     scale = torch.float32.itemsize if dtype == torch.int8 else 0
     return heads * block_size * (head_dim(config) * dtype.itemsize + scale)

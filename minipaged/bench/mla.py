@@ -1,0 +1,235 @@
+"""``minipaged bench mla``: multi-head latent attention's KV cache and its decode,
+absorbed or not (DeepSeek-V2, Liu et al. 2024, §2.1 and Table 1).
+
+Two measurements:
+
+1. **bytes per token** of KV cache, from `minipaged.worker.cache_engine.block_bytes` on the
+   real config.json values of DeepSeek-V2-Lite (`DEEPSEEK_V2_LITE`: 27 layers, a
+   512-value latent and a 64-value RoPE key per token and layer), against the same
+   model caching per-head keys and values (its 16 heads, and grouped into 8 or 2 KV
+   heads), and against Qwen2.5-14B (`QWEN25_14B`), a GQA model of about its total size;
+   then how many sequences of ``--seq-len`` tokens fit in ``--budget-gib`` of KV cache.
+   Counts, not times.
+2. **decode time per step** of one DeepSeek-V2-Lite attention layer (16 heads, the
+   latent 512 + 64) on the CPU kernels: absorbed (`minipaged.ops.mla.decode_absorbed`,
+   ``kernels/cpu/mla_decode.cpp`` over the latents) against unabsorbed (every context's latents
+   decompressed by ``kv_b_proj`` into per-head keys and values, then the paged decode
+   kernel), at several context lengths, with the bytes each one's kernel reads.  The
+   same metadata, the same cache, the same weights; each output checked against the
+   other before it is timed.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+from matplotlib.figure import Figure
+
+from minipaged.bench import common
+from minipaged.bench.args import add_output_flags, write
+from minipaged.bench.attention import time_us
+from minipaged.bench.common import Column
+from minipaged.models.attention import AttentionMetadata
+from minipaged.models.deepseek_v2 import MLAPagedAttention
+from minipaged.ops.testing import assert_close
+from minipaged.worker.cache_engine import block_bytes
+
+NAME = "mla"
+HELP = "latent attention: KV bytes per token against GQA, absorbed vs unabsorbed decode"
+DESCRIPTION = (
+    "Bytes per token of DeepSeek-V2-Lite's latent KV cache against the same model's "
+    "per-head cache and a GQA model of similar size, and the sequences one KV budget "
+    "holds; then one DeepSeek-V2-Lite attention layer's decode step on the CPU, "
+    "absorbed against unabsorbed, at several context lengths."
+)
+
+# https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite/blob/main/config.json
+DEEPSEEK_V2_LITE = dict(
+    num_hidden_layers=27,
+    hidden_size=2048,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+)
+# https://huggingface.co/Qwen/Qwen2.5-14B/blob/main/config.json (14.7B parameters;
+# DeepSeek-V2-Lite has 15.7B, 2.4B of them active a token).
+QWEN25_14B = dict(
+    num_hidden_layers=48, hidden_size=5120, num_attention_heads=40, num_key_value_heads=8
+)
+CONTEXT_LENS = (256, 1024, 4096)
+
+
+def config(**fields) -> types.SimpleNamespace:
+    return types.SimpleNamespace(**fields)
+
+
+def per_head_view(kv_heads: int) -> types.SimpleNamespace:
+    """DeepSeek-V2-Lite caching keys and values per KV head instead of the latent: its
+    keys are ``qk_nope + qk_rope`` = 192 wide, its values 128; `block_bytes` takes one
+    head width for both, so the view's is their mean (the same bytes)."""
+    lite = DEEPSEEK_V2_LITE
+    width = (lite["qk_nope_head_dim"] + lite["qk_rope_head_dim"] + lite["v_head_dim"]) // 2
+    return config(
+        num_hidden_layers=lite["num_hidden_layers"], num_key_value_heads=kv_heads, head_dim=width
+    )
+
+
+def memory_rows(budget_gib: float, seq_len: int, dtype: torch.dtype) -> list[dict]:
+    """Bytes per token and sequences of ``seq_len`` in ``budget_gib`` for each cache."""
+    qwen = config(**QWEN25_14B, head_dim=QWEN25_14B["hidden_size"] // 40)
+    caches = {
+        "DeepSeek-V2-Lite, latent (MLA)": config(**DEEPSEEK_V2_LITE),
+        "DeepSeek-V2-Lite, 16 KV heads (MHA)": per_head_view(16),
+        "DeepSeek-V2-Lite, 8 KV heads (GQA)": per_head_view(8),
+        "DeepSeek-V2-Lite, 2 KV heads (GQA)": per_head_view(2),
+        "Qwen2.5-14B, 8 KV heads (GQA)": qwen,
+    }
+    latent = block_bytes(caches["DeepSeek-V2-Lite, latent (MLA)"], 1, dtype)
+    rows = []
+    for name, cfg in caches.items():
+        per_token = block_bytes(cfg, 1, dtype)
+        rows.append(
+            {
+                "cache": name,
+                "bytes_per_token": per_token,
+                "latent_share": latent / per_token,
+                "sequences": int(budget_gib * 2**30 // (per_token * seq_len)),
+            }
+        )
+    return rows
+
+
+@torch.no_grad()
+def decode_rows(batch: int, context_lens, dtype: torch.dtype, block_size: int = 16) -> list[dict]:
+    """One DeepSeek-V2-Lite layer's decode, absorbed and unabsorbed, on the CPU kernel."""
+    lite = DEEPSEEK_V2_LITE
+    heads, rank, rope = lite["num_attention_heads"], lite["kv_lora_rank"], lite["qk_rope_head_dim"]
+    nope, v_dim = lite["qk_nope_head_dim"], lite["v_head_dim"]
+    g = torch.Generator().manual_seed(0)
+    kv_b_proj = torch.nn.Linear(rank, heads * (nope + v_dim), bias=False)
+    with torch.no_grad():
+        kv_b_proj.weight.copy_(torch.randn(kv_b_proj.weight.shape, generator=g) / rank**0.5)
+    kv_b_proj.to(dtype)
+    scale = (nope + rope) ** -0.5
+    device = torch.device("cpu")
+    rows = []
+    for length in context_lens:
+        per_seq = -(-length // block_size)
+        blocks = torch.randperm(batch * per_seq, generator=g).view(batch, per_seq)
+        cache = torch.randn(batch * per_seq, block_size, rank + rope, generator=g).to(dtype)
+        slots = [int(t[-1]) * block_size + (length - 1) % block_size for t in blocks]
+        attn = AttentionMetadata.build(
+            blocks.tolist(), [length - 1] * batch, [1] * batch, block_size, slot_mapping=slots
+        )
+        q_nope = torch.randn(batch, heads, nope, generator=g).to(dtype)
+        q_pe = torch.randn(batch, heads, rope, generator=g).to(dtype)
+        new = cache.view(-1, rank + rope)[torch.tensor(slots)].clone()
+        outputs = {}
+        for form in ("absorbed", "unabsorbed"):
+            layer = MLAPagedAttention(scale, "cpu", nope, v_dim, absorb=form == "absorbed")
+
+            step = functools.partial(layer, q_nope, q_pe, new, (cache,), attn, kv_b_proj)
+            outputs[form] = step()
+            # What the attention kernel reads a step: the latents once, or every
+            # head's (zero-padded) keys and values, which decompression wrote first.
+            width = rank + rope if form == "absorbed" else 2 * heads * (nope + rope)
+            rows.append(
+                {
+                    "form": form,
+                    "context_len": length,
+                    "batch": batch,
+                    "kernel_bytes": batch * length * width * dtype.itemsize,
+                    "us_per_step": time_us(step, device),
+                }
+            )
+        assert_close(outputs["absorbed"], outputs["unabsorbed"], dtype)
+    for absorbed, unabsorbed in zip(rows[::2], rows[1::2]):
+        absorbed["speedup"] = unabsorbed["us_per_step"] / absorbed["us_per_step"]
+    return rows
+
+
+MEMORY_COLUMNS = [
+    Column("KV cache", "cache"),
+    Column("bytes/token", "bytes_per_token", "{:,}"),
+    Column("latent / this", "latent_share", "{:.1%}"),
+    Column("sequences in budget", "sequences", "{:,}"),
+]
+DECODE_COLUMNS = [
+    Column("decode", "form"),
+    Column("context", "context_len"),
+    Column("kernel MB read", lambda r: r["kernel_bytes"] / 1e6, "{:.1f}"),
+    Column("us/step", "us_per_step", "{:.0f}"),
+    Column("absorbed speedup", lambda r: r.get("speedup"), "{:.1f}x"),
+]
+
+
+def plot(memory: list[dict], decode: list[dict]) -> Figure:
+    fig = Figure(figsize=(11, 4))
+    left, right = fig.subplots(1, 2)
+    names = [r["cache"].replace(", ", "\n") for r in memory]
+    left.barh(names, [r["bytes_per_token"] / 1024 for r in memory], color="tab:blue")
+    left.set_xlabel("KV cache KiB per token")
+    left.invert_yaxis()
+    for form, color in (("absorbed", "tab:green"), ("unabsorbed", "tab:red")):
+        rows = [r for r in decode if r["form"] == form]
+        right.plot(
+            [r["context_len"] for r in rows],
+            [r["us_per_step"] / 1e3 for r in rows],
+            "o-",
+            color=color,
+            label=form,
+        )
+    right.set(xscale="log", yscale="log", xlabel="context length", ylabel="ms per decode step")
+    right.legend()
+    right.set_title("one DeepSeek-V2-Lite layer, CPU")
+    fig.tight_layout()
+    return fig
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--budget-gib", type=float, default=16.0, help="(default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=4096, help="(default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=4, help="decode batch (default: %(default)s)")
+    parser.add_argument(
+        "--context-lens", type=int, nargs="+", default=list(CONTEXT_LENS), metavar="N"
+    )
+    parser.add_argument(
+        "--num-threads",
+        type=int,
+        default=1,
+        help="torch's threads for the decode timings: where other processes share the "
+        "cores, more threads wait for each other (default: %(default)s)",
+    )
+    add_output_flags(parser, NAME)
+
+
+def main(args) -> None:
+    for name in ("budget_gib", "seq_len", "batch"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    memory = memory_rows(args.budget_gib, args.seq_len, torch.bfloat16)
+    print(f"KV cache in bfloat16; sequences of {args.seq_len} tokens in {args.budget_gib} GiB")
+    print(common.format_table(memory, MEMORY_COLUMNS))
+    with common.cpu_threads("cpu", common.check_num_threads(args.num_threads)):
+        decode = decode_rows(args.batch, args.context_lens, torch.float32)
+    print(
+        f"\none DeepSeek-V2-Lite attention layer, float32, batch {args.batch}, CPU kernel, "
+        f"{args.num_threads} thread(s)"
+    )
+    print(common.format_table(decode, DECODE_COLUMNS))
+    write(
+        args,
+        NAME,
+        "cpu",
+        memory + decode,
+        plot(memory, decode),
+        budget_gib=args.budget_gib,
+        seq_len=args.seq_len,
+        num_threads=args.num_threads,
+    )
