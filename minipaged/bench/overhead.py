@@ -180,18 +180,20 @@ def _phase_breakdown(engine, num_steps: int) -> dict[str, float]:
     originals = {
         "scheduler.schedule": engine.scheduler.schedule,
         "cache_engine.execute": engine.cache_engine.execute,
-        "runner.execute": engine.runner.execute,
+        "runner.execute_model": engine.runner.execute_model,
         "sample": engine.sample,
-        "output_processor.update_from_output": engine.output_processor.update_from_output,
+        "scheduler.update_from_output": engine.scheduler.update_from_output,
+        "output_processor.outputs": engine.output_processor.outputs,
     }
     engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
     engine.cache_engine.execute = timer.wrap("block_ops", engine.cache_engine.execute)
-    engine.runner.execute = timer.wrap("prepare_inputs", engine.runner.execute)
+    engine.runner.execute_model = timer.wrap("prepare_inputs", engine.runner.execute_model)
     # The update: choosing tokens around the sampler's own work, then applying them.
     engine.sample = timer.wrap("update", engine.sample)
-    engine.output_processor.update_from_output = timer.wrap(
-        "update", engine.output_processor.update_from_output
+    engine.scheduler.update_from_output = timer.wrap(
+        "update", engine.scheduler.update_from_output
     )
+    engine.output_processor.outputs = timer.wrap("update", engine.output_processor.outputs)
     try:
         with mock.patch.object(
             sampling_module, "sample", timer.wrap("sample", sampling_module.sample)
@@ -244,3 +246,103 @@ def plot_overhead(ax, overhead: dict) -> None:
     ax.legend(
         fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=3, frameon=False
     )
+
+
+# -- before and after, in one run ------------------------------------------------------
+PROBE = """
+import json, sys
+from minipaged.bench.overhead import measure_engine_overhead
+from minipaged.bench.presets import preset_model
+from minipaged.bench.throughput import PRESETS
+o = measure_engine_overhead(preset_model("cpu", PRESETS), "cpu", num_seqs=int(sys.argv[1]),
+                            num_steps=int(sys.argv[2]))
+print(json.dumps(o))
+"""
+
+
+def compare_overhead(baseline: str, num_seqs: list[int], num_steps: int, rounds: int) -> dict:
+    """The probe at each of ``num_seqs`` on the git commit ``baseline`` (checked out in
+    a temporary worktree) and on this checkout, alternating, ``rounds`` times each, in
+    fresh processes; per side the round with the least bookkeeping (the least disturbed
+    by other work on the machine)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parents[2]
+    results: dict = {"baseline": baseline, "num_steps": num_steps, "rounds": rounds, "runs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        worktree = Path(tmp) / "baseline"
+        subprocess.run(
+            ["git", "-C", str(here), "worktree", "add", "--detach", str(worktree), baseline],
+            check=True,
+            capture_output=True,
+        )
+        try:
+            for n in num_seqs:
+                best: dict[str, dict] = {}
+                for r in range(rounds):
+                    sides = [("before", worktree), ("after", here)]
+                    for side, root in sides if r % 2 == 0 else reversed(sides):
+                        env = {**os.environ, "PYTHONPATH": str(root)}
+                        done = subprocess.run(
+                            [sys.executable, "-c", PROBE, str(n), str(num_steps)],
+                            cwd=root,
+                            env=env,
+                            check=True,
+                            capture_output=True,
+                            text=True,
+                        )
+                        run = json.loads(done.stdout.strip().splitlines()[-1])
+                        key = "bookkeeping_ms_per_step"
+                        if side not in best or run[key] < best[side][key]:
+                            best[side] = run
+                results["runs"][str(n)] = best
+        finally:
+            subprocess.run(
+                ["git", "-C", str(here), "worktree", "remove", "--force", str(worktree)],
+                check=False,
+                capture_output=True,
+            )
+    return results
+
+
+def format_comparison(results: dict) -> str:
+    """Per ``num_seqs``, before and after: ms per step of each phase, the bookkeeping,
+    and the ratio."""
+    lines = []
+    for n, sides in results["runs"].items():
+        before, after = sides["before"], sides["after"]
+        lines.append(f"{n} running sequences, model stubbed (ms per step):")
+        lines.append(f"  {'phase':<16}{'before':>9}{'after':>9}")
+        for phase in PHASES:
+            b, a = before["breakdown_ms"][f"{phase}_ms"], after["breakdown_ms"][f"{phase}_ms"]
+            lines.append(f"  {phase:<16}{b:>9.2f}{a:>9.2f}")
+        b, a = before["bookkeeping_ms_per_step"], after["bookkeeping_ms_per_step"]
+        lines.append(f"  {'bookkeeping':<16}{b:>9.2f}{a:>9.2f}   {b / a:.1f}x less")
+        b, a = before["ms_per_step"], after["ms_per_step"]
+        lines.append(f"  {'whole step':<16}{b:>9.2f}{a:>9.2f}   {b / a:.1f}x")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(
+        description="The engine-overhead probe before (a git commit) and after (this "
+        "checkout), alternating, in one run."
+    )
+    parser.add_argument("--baseline", default="f061e33", help="git commit (default: %(default)s)")
+    parser.add_argument("--num-seqs", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--num-steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--output", default="overhead_before_after.json")
+    args = parser.parse_args()
+    results = compare_overhead(args.baseline, args.num_seqs, args.num_steps, args.rounds)
+    print(format_comparison(results))
+    with open(args.output, "w") as f:
+        json.dump(results, f, indent=1)

@@ -32,6 +32,8 @@ class ParallelSampling:
     ) -> list[Sample]:
         """One token per sequence of ``rows``; a prompt with ``n`` > 1 draws ``n``, the
         ``n - 1`` after its own for the forks it will become, from its one row of logits."""
+        if all(len(sampling[i].group.seqs) > 1 or sampling[i].group.params.n == 1 for i in rows):
+            return self._sample_unforked(sampling, logits, rows)
         logit_rows, groups, seqs, generators, forks = [], [], [], [], []
         for i in rows:
             group, seq = sampling[i].group, sampling[i].seq
@@ -60,5 +62,30 @@ class ParallelSampling:
             Sample(group, seq, token, logprob, top, fork, generator if fork else None)
             for group, seq, token, logprob, top, fork, generator in zip(
                 groups, seqs, out.token_ids, out.logprobs, out.top_logprobs, forks, generators
+            )
+        ]
+
+    def _sample_unforked(
+        self, sampling: list[ScheduledSeq], logits: torch.Tensor, rows: list[int]
+    ) -> list[Sample]:
+        """`sample` of a step where no prompt forks (every decode step): one token per
+        row, no list built per field."""
+        scheduled = [sampling[i] for i in rows]
+        if len(rows) != logits.shape[0]:
+            logits = logits[rows]
+        seqs = [s.seq for s in scheduled]
+        out = sample(
+            logits,
+            [s.group.params for s in scheduled],
+            [seq.generator for seq in seqs],
+            self.generator,
+            [seq.token_ids for seq in seqs],
+            [seq.prompt_len for seq in seqs],
+            self.eos_token_ids,
+        )
+        return [
+            Sample(s.group, s.seq, token, logprob, top)
+            for s, token, logprob, top in zip(
+                scheduled, out.token_ids, out.logprobs, out.top_logprobs
             )
         ]
