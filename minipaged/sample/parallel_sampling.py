@@ -32,8 +32,10 @@ class ParallelSampling:
     ) -> list[Sample]:
         """One token per sequence of ``rows``; a prompt with ``n`` > 1 draws ``n``, the
         ``n - 1`` after its own for the forks it will become, from its one row of logits."""
-        if all(len(sampling[i].group.seqs) > 1 or sampling[i].group.params.n == 1 for i in rows):
-            return self._sample_unforked(sampling, logits, rows)
+        scheduled = [sampling[i] for i in rows]
+        params = [s.group.params for s in scheduled]
+        if all(p.n == 1 for p in params) or all(len(s.group.seqs) > 1 for s in scheduled):
+            return self._sample_unforked(scheduled, params, logits, rows)
         logit_rows, groups, seqs, generators, forks = [], [], [], [], []
         for i in rows:
             group, seq = sampling[i].group, sampling[i].seq
@@ -66,17 +68,16 @@ class ParallelSampling:
         ]
 
     def _sample_unforked(
-        self, sampling: list[ScheduledSeq], logits: torch.Tensor, rows: list[int]
+        self, scheduled: list[ScheduledSeq], params: list, logits: torch.Tensor, rows: list[int]
     ) -> list[Sample]:
         """`sample` of a step where no prompt forks (every decode step): one token per
-        row, no list built per field."""
-        scheduled = [sampling[i] for i in rows]
+        row of ``scheduled`` (``rows`` of the logits)."""
         if len(rows) != logits.shape[0]:
             logits = logits[rows]
         seqs = [s.seq for s in scheduled]
         out = sample(
             logits,
-            [s.group.params for s in scheduled],
+            params,
             [seq.generator for seq in seqs],
             self.generator,
             [seq.token_ids for seq in seqs],

@@ -251,17 +251,21 @@ class KVCacheManager:
         slots, copies = table.append_tokens(token_ids, num_lookahead)
         return Allocation(slots, table.blocks if live else list(table.blocks), copies)
 
-    def append_slot(self, seq_id: str, token_id: int) -> tuple[int, list[BlockCopy]]:
+    def append_slot(
+        self, seq_id: str, token_id: int
+    ) -> tuple[int, list[BlockCopy], list[int], int]:
         """`append` of one token (a decode), kept lean because every running sequence
-        takes it every step: the token's slot and any copy-on-write copy."""
+        takes it every step: the token's slot, any copy-on-write copy, the sequence's
+        block table (`live_block_table`) and how many of its leading blocks the append
+        left as they were (all but a new or copied last one)."""
         table = self.tables[seq_id]
         if table.allocator is not self.gpu:
             raise ValueError(f"seq_id {seq_id!r} is swapped out; swap it in first")
         slot = table._append_in_place(token_id)
         if slot is not None:
-            return slot, []
+            return slot, [], table.blocks, len(table.blocks)
         slots, copies = table.append_tokens([token_id])
-        return slots[0], copies
+        return slots[0], copies, table.blocks, len(table.blocks) - 1
 
     def rollback(self, seq_id: str, num_tokens: int) -> int:
         """Keep the first ``num_tokens`` of a running sequence's tokens, giving back the

@@ -251,8 +251,12 @@ class Scheduler:
             group.seqs.remove(beam)
         # Every fork before any sequence grows: a child starts from its parent as it was.
         seqs = [self._fork_sample(s) if s.fork else s.seq for s in samples.tokens]
+        traced = self.trace.enabled
         for s, seq in zip(samples.tokens, seqs):
-            self.append_token(s.group, seq, s.token_id, s.logprob)
+            if traced:
+                self.append_token(s.group, seq, s.token_id, s.logprob)
+            else:
+                seq.append_token(s.token_id, s.logprob)
             if seq.logprobs is not None:
                 seq.logprobs.append(s.top_logprobs)
             self.check_stop(s.group, seq)
@@ -308,8 +312,9 @@ class Scheduler:
             self._finish_seq(group, seq, "length", None)
 
     def _at_length(self, params, seq: Sequence) -> bool:
-        return seq.num_output_tokens >= params.max_tokens or (
-            self.max_model_len is not None and len(seq.token_ids) >= self.max_model_len
+        length = len(seq.token_ids)
+        return length - seq.prompt_len >= params.max_tokens or (
+            self.max_model_len is not None and length >= self.max_model_len
         )
 
     def _finish_seq(self, group, seq, reason: str, stop_reason: int | str | None) -> None:
@@ -341,9 +346,22 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         queue, self.running = self.running, []
         roomy = self._roomy(queue, budget)
-        i = 0
+        i, running = 0, self.running
         while i < len(queue) and budget > 0:
             group = queue[i]
+            seqs = group.seqs
+            if roomy and len(seqs) == 1:  # the common case: one sequence, decoding
+                seq = seqs[0]
+                if (
+                    seq.num_computed_tokens == len(seq.token_ids) - 1
+                    and seq.finish_reason is None
+                    and not seq.spec_token_ids
+                ):
+                    self._decode(group, seq, out)
+                    budget -= 1
+                    running.append(group)
+                    i += 1
+                    continue
             plan = _plan(group, budget)
             while not roomy and not self._fits(plan):
                 victim = queue.pop()  # the most recent arrival goes first
@@ -505,11 +523,8 @@ class Scheduler:
         and the diff of a sequence the runner most likely holds."""
         seq_id, tokens = seq.seq_id, seq.token_ids
         start = len(tokens) - 1
-        blocks = self.kv.live_block_table(seq_id)
-        num_kept = len(blocks)
-        slot, copies = self.kv.append_slot(seq_id, tokens[start])
-        if copies:  # the last block was replaced by its copy
-            num_kept -= 1
+        slot, copies, blocks, num_kept = self.kv.append_slot(seq_id, tokens[start])
+        if copies:
             for src, dst in copies:
                 out.copies.append((src, dst))
                 self.trace.record("cow", group.request_id, seq_id, src=src, dst=dst)
