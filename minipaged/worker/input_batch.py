@@ -78,10 +78,11 @@ class DeviceBlockTable:
     def set_row(self, row: int, start: int, block_ids: list[int]) -> None:
         """Row ``row``'s table: its first ``start`` blocks kept, then ``block_ids``."""
         end = start + len(block_ids)
-        self.ensure(row + 1, end)
+        if row >= self.cpu.shape[0] or end > self.cpu.shape[1]:
+            self.ensure(row + 1, end)
         self.cpu[row, start:end] = block_ids
         self.num_blocks[row] = end
-        if self.device.type != "cpu" and block_ids:
+        if block_ids and self.device.type != "cpu":
             self._writes.append((row, start, block_ids))
 
     def move_rows(self, src: list[int], dst: list[int]) -> None:
@@ -137,6 +138,7 @@ class InputBatch:
             max_num_reqs, -(-max_model_len // block_size), self.device
         )
         self._pinned: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._num_holes = 0
 
     @property
     def num_reqs(self) -> int:
@@ -176,11 +178,15 @@ class InputBatch:
         row = self.req_id_to_index.pop(req_id, None)
         if row is not None:
             self.req_ids[row] = None
+            self._num_holes += 1
         return row
 
     def condense(self) -> list[tuple[int, int]]:
         """Fill every hole with the last live row, so rows ``[0, num_reqs)`` are the live
         ones; returns the ``(src, dst)`` moves."""
+        if not self._num_holes:
+            return []
+        self._num_holes = 0
         holes = [i for i, r in enumerate(self.req_ids) if r is None]
         moves, last = [], len(self.req_ids) - 1
         for hole in holes:
@@ -262,8 +268,11 @@ class InputBatch:
         starts = self.num_computed_tokens[rows].astype(np.int64)
         ends = np.cumsum(counts)
         total = int(ends[-1])
-        token_rows = np.repeat(rows, counts)
-        positions = np.repeat(starts - (ends - counts), counts) + np.arange(total)
+        if total == len(rows):  # decodes only: a token per row, at its computed count
+            token_rows, positions = rows, starts
+        else:
+            token_rows = np.repeat(rows, counts)
+            positions = np.repeat(starts - (ends - counts), counts) + np.arange(total)
         input_ids = self.token_ids_cpu[token_rows, positions].astype(np.int64)
         slots = self.block_table.cpu[token_rows, positions // bs].astype(np.int64) * bs
         slots += positions % bs
@@ -289,9 +298,12 @@ class InputBatch:
         )
         # The rows to project: each sampling sequence's last token, after its guesses'.
         samples = starts + counts - guesses == self.num_tokens[rows]
-        num_logit_rows = np.where(samples, 1 + guesses, 0)
-        cum = np.cumsum(num_logit_rows)
-        logit_index = np.repeat(ends - cum, num_logit_rows) + np.arange(int(cum[-1]))
+        if total == len(rows) and samples.all():  # every row samples its one token
+            logit_index = np.arange(total)
+        else:
+            num_logit_rows = np.where(samples, 1 + guesses, 0)
+            cum = np.cumsum(num_logit_rows)
+            logit_index = np.repeat(ends - cum, num_logit_rows) + np.arange(int(cum[-1]))
         req_ids = self.req_ids
         return StepInputs(
             self._device(key + "input_ids", input_ids),
