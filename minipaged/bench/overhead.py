@@ -10,6 +10,10 @@ longer in Python than on the GPU leaves the GPU idle; our goal is 1 ms).  On a C
 sampler's random draws over 256 x vocab probabilities are a large part of it, so the
 bookkeeping alone (schedule, block operations, inputs, update: `BOOKKEEPING`) is
 reported beside the total.
+
+``python -m minipaged.bench.overhead`` runs the probe before (a git commit, checked out
+in a temporary worktree) and after (this checkout), alternately, in one run
+(`compare_overhead`), on the wall clock or its thread's CPU time (a shared machine).
 """
 
 from __future__ import annotations
