@@ -50,6 +50,7 @@ class Sequence:
     # Its text so far, decoded a few tokens at a time (minipaged.engine.detokenizer), and how
     # much of it and of its tokens a DELTA output has already reported.
     output_text: str = ""
+    text_done: bool = False  # its text decoded to the end (once it finished)
     detokenizer: Any = None
     num_reported_tokens: int = 0
     num_reported_chars: int = 0

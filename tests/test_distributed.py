@@ -162,7 +162,7 @@ def test_four_ranks_replicate_kv_heads_and_survive_ctrl_c(tiny):
     def interrupted(*args):
         raise KeyboardInterrupt
 
-    llm.engine.runner.execute = interrupted
+    llm.engine.runner.execute_model = interrupted
     with pytest.raises(KeyboardInterrupt):
         generate(llm, PROMPTS[:1], GREEDY)
     assert_no_worker_left(llm)
@@ -177,14 +177,14 @@ def test_killed_worker_fails_fast_naming_its_rank(tiny):
     rest and refuses further steps (as under torchrun: test_launch.py)."""
     path, _ = tiny("llama")
     llm = make_llm(path, tensor_parallel_size=2, block_size=BLOCK_SIZE, num_gpu_blocks=64)
-    victim, execute = llm.engine.workers.processes[0], llm.engine.runner.execute
+    victim, execute = llm.engine.workers.processes[0], llm.engine.runner.execute_model
 
     def kill_then_execute(*args):
         os.kill(victim.pid, signal.SIGKILL)
         victim.join(10)
         return execute(*args)
 
-    llm.engine.runner.execute = kill_then_execute
+    llm.engine.runner.execute_model = kill_then_execute
     named = f"worker rank 1 on {socket.gethostname()} \\(127.0.0.1, pid {victim.pid}\\) died"
     with pytest.raises(RuntimeError, match=named):
         generate(llm, PROMPTS[:1], GREEDY)

@@ -1,4 +1,5 @@
-"""The update phase: `OutputProcessor.update_from_output` applies what the samplers chose.
+"""The update phase: `Scheduler.update_from_output` applies what the samplers chose, and
+the `OutputProcessor` turns the step's requests into outputs.
 
 No model: a real scheduler over a small KV cache manager schedules the requests, the
 tokens "sampled" are written by hand (`Sample`), and a tokenizer that spells token ``i``
@@ -37,9 +38,9 @@ class Step:
         self.inputs = InputProcessor(
             Letters(), EOS + 1, MAX_MODEL_LEN, self.scheduler, torch.device("cpu")
         )
-        self.outputs = OutputProcessor(
-            self.scheduler, BeamSearch({EOS}, Letters()), {EOS}, MAX_MODEL_LEN
-        )
+        self.outputs = OutputProcessor(BeamSearch({EOS}, Letters()))
+        self.scheduler.eos_token_ids = {EOS}
+        self.scheduler.check_stop_strings = self.outputs.check_stop_strings
 
     def add(self, request_id, params, prompt=(0, 1, 2)):
         group = self.inputs.process(request_id, list(prompt), params)
@@ -49,7 +50,11 @@ class Step:
     def run(self, samples):
         """Schedule a step (its tokens get their blocks), then update it with ``samples``,
         the tokens "sampled" for the sequences it ran."""
-        return self.outputs.update_from_output(self.scheduler.schedule(), samples)
+        return self.update(self.scheduler.schedule(), samples)
+
+    def update(self, batch, samples):
+        """The update phase: the scheduler applies ``samples``, the outputs follow."""
+        return self.outputs.outputs(self.scheduler.update_from_output(batch, samples))
 
 
 def test_a_prompt_with_n_forks_its_completions_each_with_its_token():
@@ -152,6 +157,6 @@ def test_a_request_aborted_since_the_schedule_is_left_out():
     batch = step.scheduler.schedule()
     step.scheduler.abort("failed")
     chosen = StepSamples([Sample(kept, kept.seqs[0], 3, -1.0)])
-    outputs = step.outputs.update_from_output(batch, chosen)
+    outputs = step.update(batch, chosen)
     assert [o.request_id for o in outputs] == ["kept"]
     assert not step.kv.has_block_table(failed.seqs[0].seq_id)

@@ -203,15 +203,6 @@ def test_check_tensor_parallel_names_what_does_not_split(size, message):
     check_tensor_parallel(_Config(), 3)  # SmolLM2's sizes split three ways
 
 
-def test_step_tokens_hold_only_the_step():
-    from minipaged.distributed.worker import StepTokens
-
-    tokens = StepTokens(5, [7, 8])
-    assert len(tokens) == 7 and tokens[5:7] == [7, 8] and tokens[-1] == 8 and tokens[6] == 8
-    with pytest.raises(IndexError, match="tokens 5 onwards"):
-        tokens[0:7]
-
-
 def _idle_rank(rank: int, port: int, ready, results) -> None:
     """A group whose collectives time out after 3 s (joined once both processes are up);
     the driver (rank 0) has nothing to run for 6 s, then sends its plan."""

@@ -43,7 +43,6 @@ from minipaged.distributed.parallel_state import (
 )
 from minipaged.distributed.worker import (
     TIMELINE_REQUEST,
-    StepPlan,
     WorkerArgs,
     rank_kv_config,
     worker_main,
@@ -132,7 +131,7 @@ class TensorParallelExecutor(Executor):
         self.workers.check()
         self.workers.in_step.set()
         try:
-            self.workers.world.broadcast_object(StepPlan.of(batch))
+            self.workers.world.broadcast_object(batch.runner_view())
             return super().execute(batch)
         except BaseException as error:  # Ctrl-C too: the ranks are out of step for good
             if dead := self.workers.fail(error):

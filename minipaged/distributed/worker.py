@@ -2,9 +2,10 @@
 (paper §4.6).
 
 The paper's workers hold a shard of every layer and the KV cache of their own attention
-heads; they schedule nothing.  Each step the driver broadcasts a `StepPlan` (the block
-operations to run and, per scheduled sequence, the tokens to run, where they start and
-its block table) and every rank runs the same step on its shard: the cache engine's
+heads; they schedule nothing.  Each step the driver broadcasts the step's plan (the
+`SchedulerOutput` less the engine's objects, `SchedulerOutput.runner_view`: the block
+operations to run and the diff against the persistent batch every rank's runner keeps,
+`minipaged.worker.input_batch`) and every rank runs the same step on its shard: the cache engine's
 swaps and copies on its own pools, then the model runner's forward pass, whose
 collectives (two all-reduces per layer, the gather of the logits) meet the driver's.
 The block tables are the driver's: every rank has the same number of blocks, so a
@@ -26,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from minipaged.core.sched.output import ScheduledSeq, SchedulerOutput
 from minipaged.distributed.parallel_state import (
     TIMELINE,
     PipelineStage,
@@ -38,14 +38,11 @@ from minipaged.distributed.parallel_state import (
 )
 from minipaged.models.attention import calculate_kv_scales_on_next_batch, head_dim
 from minipaged.models.loader import load_model
-from minipaged.sequence import Sequence
 from minipaged.worker.cache_engine import CacheEngine
 from minipaged.worker.model_runner import ModelRunner
 
 __all__ = [
     "TIMELINE_REQUEST",
-    "StepPlan",
-    "StepTokens",
     "WorkerArgs",
     "rank_device",
     "rank_kv_config",
@@ -55,80 +52,6 @@ __all__ = [
 
 # Broadcast instead of a plan: every rank answers with its timeline (`gather_object`).
 TIMELINE_REQUEST = "timeline"
-
-
-@dataclass
-class StepPlan:
-    """What a worker needs of one `SchedulerOutput`: no requests, no sampling."""
-
-    # Per sequence: (start, its tokens to run, block table, slot mapping, samples,
-    # LoRA slot, the positions whose logits score prompt tokens (every rank projects
-    # them), and a draft's guesses run after the tokens).
-    seqs: list[tuple[int, list[int], list[int], list[int], bool, int, range, list[int]]]
-    swap_out: list[tuple[int, int]]
-    swap_in: list[tuple[int, int]]
-    copies: list[tuple[int, int]]
-    lora_loads: list
-
-    @classmethod
-    def of(cls, batch: SchedulerOutput) -> StepPlan:
-        seqs = [
-            (
-                s.start,
-                s.seq.token_ids[s.start : s.start + s.num_new_tokens - len(s.spec_token_ids)],
-                s.block_table,
-                s.slot_mapping,
-                s.samples,
-                s.lora_slot,
-                s.prompt_logprob_positions,
-                s.spec_token_ids,
-            )
-            for s in batch.seqs
-        ]
-        return cls(seqs, batch.swap_out, batch.swap_in, batch.copies, batch.lora_loads)
-
-    def batch(self) -> SchedulerOutput:
-        """The plan as the `SchedulerOutput` the cache engine and model runner take."""
-        seqs = [
-            ScheduledSeq(
-                Sequence("", StepTokens(start, tokens), 0),
-                None,
-                start,
-                len(tokens) + len(spec),
-                table,
-                slots,
-                samples,
-                lora_slot,
-                positions,
-                spec,
-            )
-            for start, tokens, table, slots, samples, lora_slot, positions, spec in self.seqs
-        ]
-        return SchedulerOutput(
-            seqs, self.swap_out, self.swap_in, self.copies, lora_loads=self.lora_loads
-        )
-
-
-class StepTokens:
-    """A sequence's token ids as a worker knows them: ``len`` says how long it is, but
-    only the tokens from ``start`` on (this step's) can be read."""
-
-    def __init__(self, start: int, tokens: list[int]) -> None:
-        self.start, self.tokens = start, tokens
-
-    def __len__(self) -> int:
-        return self.start + len(self.tokens)
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            first, stop, step = index.indices(len(self))
-            if first < self.start and first < stop:
-                raise IndexError(f"a worker knows tokens {self.start} onwards, not {first}")
-            return self.tokens[first - self.start : stop - self.start : step]
-        index = index + len(self) if index < 0 else index
-        if not self.start <= index < len(self):
-            raise IndexError(f"a worker knows tokens {self.start}..{len(self) - 1}, not {index}")
-        return self.tokens[index - self.start]
 
 
 @dataclass(frozen=True)
@@ -213,10 +136,9 @@ def run_rank(
             if plan == TIMELINE_REQUEST:
                 world.gather_object(TIMELINE.take())
                 continue
-            batch = plan.batch()
-            cache_engine.execute(batch)
-            runner.activate_loras(batch.lora_loads)
-            runner.execute(batch.seqs, cache_engine.gpu_cache)
+            cache_engine.execute(plan)
+            runner.activate_loras(plan.lora_loads)
+            runner.execute_model(plan, cache_engine.gpu_cache)
     finally:
         destroy_tensor_parallel()
     return True

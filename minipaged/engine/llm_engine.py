@@ -13,10 +13,11 @@
 - **sample**: `ParallelSampling` draws each finished sequence's next token (a prompt
   with ``n`` > 1 draws one for each of its ``n`` completions), `BeamSearch` ranks the
   beams' candidates instead (§4.4); both only choose (`StepSamples`);
-- **update**: `OutputProcessor.update_from_output` applies the choice: it forks, appends
-  each new token, checks the stop conditions, frees a finished sequence's blocks and
-  retires a finished request; then it builds the step's outputs: each finished
-  request's, and what the step added to requests that stream (``output_kind``).
+- **update**: `Scheduler.update_from_output` (vLLM's) applies the choice: it forks,
+  appends each new token, checks the stop conditions, frees a finished sequence's
+  blocks and retires a finished request; then the `OutputProcessor` builds the step's
+  outputs: each finished request's, and what the step added to requests that stream
+  (``output_kind``), decoding their text.
 
 Everything about memory is the scheduler's (and, under it, the KV cache manager's); the
 update only ever asks it to fork, append to or free a sequence, so the event trace,
@@ -168,6 +169,9 @@ class LLMEngine:
         self.kv = KVCacheManager(
             num_gpu_blocks, config.block_size, num_cpu_blocks, config.enable_prefix_caching
         )
+        self.runner.init_input_batch(
+            config.max_num_seqs, self.max_model_len + num_lookahead(config)
+        )
         if uses_decode_graphs(config, self.device, self.attention_backend, self.model.config):
             capture_decode_graphs(
                 self.runner, self.cache_engine.gpu_cache, config.max_num_seqs, self.max_model_len
@@ -209,9 +213,9 @@ class LLMEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.parallel_sampling = ParallelSampling(self.eos_token_ids, self.generator)
         self.beam_search = BeamSearch(self.eos_token_ids, self.tokenizer)
-        self.output_processor = OutputProcessor(
-            self.scheduler, self.beam_search, self.eos_token_ids, self.max_model_len
-        )
+        self.output_processor = OutputProcessor(self.beam_search)
+        self.scheduler.eos_token_ids = self.eos_token_ids
+        self.scheduler.check_stop_strings = self.output_processor.check_stop_strings
         self.speculator = None
         if spec := config.speculative_config:
             self.speculator = Speculator(
@@ -312,7 +316,8 @@ class LLMEngine:
                 self.abort_request(request_id)
         elif sampling:
             samples = self.sample(sampling, logits)
-        outputs = self.output_processor.update_from_output(batch, samples)
+        groups = self.scheduler.update_from_output(batch, samples)
+        outputs = self.output_processor.outputs(groups)
         self.num_generated_tokens += samples.num_appended
         if self.speculator:
             self.speculator.count(samples.verified)
@@ -325,7 +330,7 @@ class LLMEngine:
         """The sample phase: each sequence of ``sampling`` reached its end; choose its
         next token from its row of ``logits``, or for beam search rank its candidates, or
         verify the guesses it ran (with one more row each, `logit_rows`).  Changes no
-        request (`OutputProcessor.update_from_output` applies the choice)."""
+        request (`Scheduler.update_from_output` applies the choice)."""
         samples = StepSamples()
         if any(s.spec_token_ids for s in sampling):
             rows = logit_rows(sampling)
@@ -383,6 +388,12 @@ class LLMEngine:
             "draft_weight_bytes": sum(p.nbytes for p in self.draft_model.parameters()),
             "draft_kv_cache_block_bytes": self.draft_block_bytes,
         }
+
+
+def num_lookahead(config: EngineConfig) -> int:
+    """Token slots a row holds past ``max_model_len``: a draft's guesses."""
+    spec = config.speculative_config
+    return spec.num_speculative_tokens if spec else 0
 
 
 def start_workers(config: EngineConfig, path: Path, device: torch.device, attention_backend: str):

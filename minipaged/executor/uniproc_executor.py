@@ -4,7 +4,8 @@ The engine asks its executor three things: how much memory the KV cache may take
 (`kv_memory_budget`, a profiling step of the model), to allocate the KV pools of the
 blocks it decided on (`allocate`), and, every step, to `execute` a `SchedulerOutput`: the
 cache engine's block operations (swap out, swap in, copy-on-write copies, in the KV
-cache manager's order), then the model runner's forward pass.  It returns the sequences
+cache manager's order), then the model runner's forward pass over its persistent batch
+(`ModelRunner.execute_model`, which takes the scheduler's diff).  It returns the sequences
 that sample and their logits.
 
 `Executor` is one process.  With ``tensor_parallel_size`` > 1 the engine runs
@@ -64,4 +65,8 @@ class Executor:
         """Run ``batch``; returns the sequences that sample, and their logits."""
         self.cache_engine.execute(batch)
         self.runner.activate_loras(batch.lora_loads)
-        return self.runner.execute(batch.seqs, self.cache_engine.gpu_cache)
+        req_ids, logits = self.runner.execute_model(batch, self.cache_engine.gpu_cache)
+        if not req_ids:
+            return [], logits
+        by_id = {s.seq.seq_id: s for s in batch.seqs}
+        return [by_id[r] for r in req_ids], logits

@@ -32,6 +32,10 @@ class ParallelSampling:
     ) -> list[Sample]:
         """One token per sequence of ``rows``; a prompt with ``n`` > 1 draws ``n``, the
         ``n - 1`` after its own for the forks it will become, from its one row of logits."""
+        scheduled = [sampling[i] for i in rows]
+        params = [s.group.params for s in scheduled]
+        if all(p.n == 1 for p in params) or all(len(s.group.seqs) > 1 for s in scheduled):
+            return self._sample_unforked(scheduled, params, logits, rows)
         logit_rows, groups, seqs, generators, forks = [], [], [], [], []
         for i in rows:
             group, seq = sampling[i].group, sampling[i].seq
@@ -60,5 +64,29 @@ class ParallelSampling:
             Sample(group, seq, token, logprob, top, fork, generator if fork else None)
             for group, seq, token, logprob, top, fork, generator in zip(
                 groups, seqs, out.token_ids, out.logprobs, out.top_logprobs, forks, generators
+            )
+        ]
+
+    def _sample_unforked(
+        self, scheduled: list[ScheduledSeq], params: list, logits: torch.Tensor, rows: list[int]
+    ) -> list[Sample]:
+        """`sample` of a step where no prompt forks (every decode step): one token per
+        row of ``scheduled`` (``rows`` of the logits)."""
+        if len(rows) != logits.shape[0]:
+            logits = logits[rows]
+        seqs = [s.seq for s in scheduled]
+        out = sample(
+            logits,
+            params,
+            [seq.generator for seq in seqs],
+            self.generator,
+            [seq.token_ids for seq in seqs],
+            [seq.prompt_len for seq in seqs],
+            self.eos_token_ids,
+        )
+        return [
+            Sample(s.group, s.seq, token, logprob, top)
+            for s, token, logprob, top in zip(
+                scheduled, out.token_ids, out.logprobs, out.top_logprobs
             )
         ]

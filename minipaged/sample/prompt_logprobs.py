@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from minipaged.core.sched.output import ScheduledSeq
+from minipaged.sequence import SequenceGroup
 
 # The most bytes of float32 logits one chunk of rows may take.
 CHUNK_BYTES = 32 * 2**20
@@ -35,18 +35,16 @@ def rows_per_chunk(vocab_size: int) -> int:
     return max(1, CHUNK_BYTES // (4 * vocab_size))
 
 
-def compute_prompt_logprobs(model, hidden: torch.Tensor, seqs: list[ScheduledSeq]) -> None:
-    """Score the prompt tokens this step's ``seqs`` ask for (their
-    ``prompt_logprob_positions``), appending one ``{token_id: logprob}`` per token to its
-    request's ``prompt_logprobs``: the prompt token first, then the request's
-    ``prompt_logprobs`` most likely tokens, best first (the shape of the sampler's
-    logprobs).  ``hidden`` holds ``seqs``' new tokens, in order, one row each."""
-    rows, scored, offset = [], [], 0
-    for s in seqs:
-        for p in s.prompt_logprob_positions:
-            rows.append(offset + p - s.start)
-            scored.append((s, p + 1))  # position p scores prompt token p + 1
-        offset += s.num_new_tokens
+def compute_prompt_logprobs(
+    model, hidden: torch.Tensor, rows: list[int], scored: list[tuple[SequenceGroup | None, int]]
+) -> None:
+    """Score prompt tokens: row ``rows[i]`` of ``hidden`` (a step's new tokens, one row
+    each) at position ``p`` scores prompt token ``p + 1`` of request ``scored[i] =
+    (group, p + 1)`` (the step's ``prompt_logprob_positions``), appending one
+    ``{token_id: logprob}`` to its ``prompt_logprobs``: the prompt token first, then the
+    request's ``prompt_logprobs`` most likely tokens, best first (the shape of the
+    sampler's logprobs).  A group is None on a tensor-parallel rank other than 0, which
+    projects the rows (a collective) but keeps nothing."""
     chunk = rows_per_chunk(model.config.vocab_size)
     for first in range(0, len(rows), chunk):
         index = torch.tensor(rows[first : first + chunk], device=hidden.device)
@@ -55,11 +53,11 @@ def compute_prompt_logprobs(model, hidden: torch.Tensor, seqs: list[ScheduledSeq
             _append_entries(logits, scored[first : first + chunk])
 
 
-def _append_entries(logits: torch.Tensor, scored: list[tuple[ScheduledSeq, int]]) -> None:
+def _append_entries(logits: torch.Tensor, scored: list[tuple[SequenceGroup, int]]) -> None:
     """One entry per row of ``logits``, appended to its request (a request's rows are
     its next prompt tokens, in order)."""
-    groups = [s.group for s, _ in scored]
-    targets = [g.prompt_token_ids[t] for g, (_, t) in zip(groups, scored)]
+    groups = [g for g, _ in scored]
+    targets = [g.prompt_token_ids[t] for g, t in scored]
     lse = torch.logsumexp(logits, dim=-1)
     chosen = logits.gather(1, torch.tensor(targets, device=logits.device)[:, None])[:, 0]
     chosen = (chosen - lse).tolist()

@@ -1,5 +1,11 @@
 """The model runner: one scheduled batch in, the logits of the sequences that sample out.
 
+The engine's steps go through `ModelRunner.execute_model`, which keeps its sequences in
+a persistent `InputBatch` (`minipaged.worker.input_batch`, vLLM V1's): each step applies
+the scheduler's diff and computes the step's inputs vectorized from the batch's arrays.
+`ModelRunner.execute` runs a list of `ScheduledSeq` instead, each whole (a speculative
+draft model's steps, which keep their own small batch).
+
 A step is one forward pass over a flat batch of tokens, no padding: each scheduled
 sequence contributes its new tokens (a prompt, a chunk of one, or one decode token) at
 their positions, and `AttentionMetadata` tells every layer where their keys and values
@@ -26,7 +32,7 @@ import torch
 
 from minipaged.core.memory import KVCacheManager
 from minipaged.core.memory.block_table import blocks_for
-from minipaged.core.sched.output import ScheduledSeq
+from minipaged.core.sched.output import ScheduledSeq, SchedulerOutput
 from minipaged.distributed.parallel_state import TIMELINE
 from minipaged.lora_request import LoRARequest
 from minipaged.models.attention import (
@@ -39,6 +45,7 @@ from minipaged.models.lora import LoRAModelManager
 from minipaged.sample.prompt_logprobs import compute_prompt_logprobs
 from minipaged.worker.compiled_decode import CompiledDecode
 from minipaged.worker.cuda_graphs import DecodeGraphs
+from minipaged.worker.input_batch import InputBatch, StepInputs
 
 
 class ModelRunner:
@@ -48,6 +55,12 @@ class ModelRunner:
         self.device = device
         self.graphs: DecodeGraphs | CompiledDecode | None = None
         self.lora: LoRAModelManager | None = None
+        self.input_batch: InputBatch | None = None  # `init_input_batch`, or the first step
+
+    def init_input_batch(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Preallocate the persistent batch for ``max_num_seqs`` rows of
+        ``max_model_len`` tokens (it grows if a step ever needs more)."""
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, self.block_size, self.device)
 
     def enable_lora(self, max_loras: int, max_lora_rank: int, max_cpu_loras: int) -> None:
         """Wrap the model's projections with ``max_loras`` adapter slots."""
@@ -73,6 +86,56 @@ class ModelRunner:
             self.graphs = CompiledDecode(self.model, kv_caches, self.device)
 
     @torch.inference_mode()
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, kv_caches
+    ) -> tuple[list[str], torch.Tensor | None]:
+        """Run a step given as the scheduler's diff; returns the ids of the sequences
+        that sample and their logits: one row each, and one more per guess it verifies
+        (`minipaged.core.sched.output.logit_rows`), in the batch's order."""
+        if self.input_batch is None:
+            self.init_input_batch(max(1, len(scheduler_output.num_scheduled_tokens)), 1)
+        batch = self.input_batch
+        batch.update_states(scheduler_output)
+        if not scheduler_output.num_scheduled_tokens:
+            return [], None
+        rows, counts, guesses = batch.order(scheduler_output)
+        if self.model.pp.size > 1:
+            return self._execute_stage_batch(rows, counts, guesses, kv_caches)
+        inputs = batch.prepare(rows, counts, guesses)
+        hidden = self._run_model(inputs, kv_caches)
+        if scheduler_output.prompt_logprob_positions:
+            self._prompt_logprobs(scheduler_output, rows, counts, hidden)
+        if not inputs.sampling_req_ids:
+            return [], None
+        return inputs.sampling_req_ids, self.model.compute_logits(hidden[inputs.logit_index])
+
+    def _run_model(self, inputs: StepInputs, kv_caches, hidden=None) -> torch.Tensor:
+        """The model over a step's prepared inputs (by replay, where a graph fits)."""
+        if self.lora is not None:
+            self.lora.batch.set(inputs.lora_slots, inputs.num_scheduled)
+        out = None
+        if self.graphs and hidden is None:
+            out = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
+        if out is None:
+            out = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn, hidden)
+        return out
+
+    def _prompt_logprobs(self, scheduler_output, rows, counts, hidden) -> None:
+        """Score the prompt tokens the step's sequences ask for (every rank projects;
+        rank 0, the engine's, keeps them in the requests)."""
+        groups = {s.seq.seq_id: s.group for s in scheduler_output.seqs}
+        positions = scheduler_output.prompt_logprob_positions
+        batch, index, scored, offset = self.input_batch, [], [], 0
+        for row, count in zip(rows.tolist(), counts.tolist()):
+            req_id = batch.req_ids[row]
+            start = int(batch.num_computed_tokens[row])
+            for p in positions.get(req_id, ()):
+                index.append(offset + p - start)
+                scored.append((groups.get(req_id), p + 1))
+            offset += count
+        compute_prompt_logprobs(self.model, hidden, index, scored)
+
+    @torch.inference_mode()
     def execute(
         self, seqs: list[ScheduledSeq], kv_caches
     ) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
@@ -86,7 +149,13 @@ class ModelRunner:
             return self._execute_stage(seqs, kv_caches)
         hidden = self._forward(seqs, kv_caches)
         if any(s.prompt_logprob_positions for s in seqs):
-            compute_prompt_logprobs(self.model, hidden, seqs)
+            index, scored, offset = [], [], 0
+            for s in seqs:
+                for p in s.prompt_logprob_positions:
+                    index.append(offset + p - s.start)
+                    scored.append((s.group, p + 1))
+                offset += s.num_new_tokens
+            compute_prompt_logprobs(self.model, hidden, index, scored)
         sampling = [s for s in seqs if s.samples]
         if not sampling:
             return [], None
@@ -150,6 +219,46 @@ class ModelRunner:
             rows = sum(s.num_logit_rows for s in sampling)
             return sampling, stage.recv_logits((rows, config.vocab_size), self.device)
         return sampling, None
+
+    def _execute_stage_batch(self, rows, counts, guesses, kv_caches):
+        """`_execute_stage` over the persistent batch: the micro-batches are runs of the
+        step's rows in order."""
+        stage, config = self.model.pp, self.model.config
+        sends, logits_rows, req_ids = [], [], []
+        bounds = micro_batch_bounds(counts.tolist(), stage.size)
+        for k, (first, last) in enumerate(bounds):
+            part = slice(first, last)
+            inputs = self.input_batch.prepare(rows[part], counts[part], guesses[part], f"{k}")
+            req_ids += inputs.sampling_req_ids
+            hidden = None
+            if not stage.is_first:
+                shape = (int(counts[part].sum()), config.hidden_size)
+                hidden = stage.recv(shape, self.model.model.dtype, self.device)
+            with TIMELINE.record("forward", self.device):
+                hidden = self._run_model(inputs, kv_caches, hidden)
+                if stage.is_last:
+                    logits_rows.append(hidden[inputs.logit_index])
+            if not stage.is_last:
+                sends.append(stage.send(hidden))
+        stage.wait(sends)
+        if not req_ids:
+            return [], None
+        if stage.is_last:
+            with TIMELINE.record("forward", self.device):
+                logits = self.model.compute_logits(torch.cat(logits_rows))
+            if logits is not None:  # tensor-parallel rank 0 of the stage
+                stage.send_logits(logits)
+            return req_ids, logits
+        if stage.is_first and stage.tp_rank == 0:  # the driver
+            num_rows = self._num_logit_rows(rows, counts, guesses)
+            return req_ids, stage.recv_logits((num_rows, config.vocab_size), self.device)
+        return req_ids, None
+
+    def _num_logit_rows(self, rows, counts, guesses) -> int:
+        batch = self.input_batch
+        starts = batch.num_computed_tokens[rows]
+        samples = starts + counts - guesses == batch.num_tokens[rows]
+        return int((1 + guesses)[samples].sum())
 
     @torch.inference_mode()
     def kv_memory_budget(
@@ -215,11 +324,17 @@ def sample_rows(seqs: list[ScheduledSeq], device: torch.device) -> torch.Tensor:
 def micro_batches(seqs: list[ScheduledSeq], n: int) -> list[list[ScheduledSeq]]:
     """``seqs`` cut, in order, into at most ``n`` runs of about equal token counts,
     none empty (a step of fewer sequences than stages has fewer micro-batches)."""
-    total = sum(s.num_new_tokens for s in seqs)
-    batches, done = [[]], 0
-    for s in seqs:
-        if batches[-1] and done >= total * len(batches) / n:
-            batches.append([])
-        batches[-1].append(s)
-        done += s.num_new_tokens
-    return batches
+    bounds = micro_batch_bounds([s.num_new_tokens for s in seqs], n)
+    return [seqs[first:last] for first, last in bounds]
+
+
+def micro_batch_bounds(counts: list[int], n: int) -> list[tuple[int, int]]:
+    """Where `micro_batches` cuts sequences of ``counts`` tokens: ``(first, last)``."""
+    total = sum(counts)
+    bounds, done = [[0, 0]], 0
+    for i, count in enumerate(counts):
+        if bounds[-1][1] > bounds[-1][0] and done >= total * len(bounds) / n:
+            bounds.append([i, i])
+        bounds[-1][1] = i + 1
+        done += count
+    return [(first, last) for first, last in bounds]

@@ -85,6 +85,11 @@ class KVCacheManager:
     def block_table(self, seq_id: str) -> list[int]:
         return list(self._table(seq_id).blocks)
 
+    def live_block_table(self, seq_id: str) -> list[int]:
+        """The sequence's block table itself, uncopied: read it, never keep or change it
+        (the scheduler's per-step read, which a copy would make O(blocks))."""
+        return self.tables[seq_id].blocks
+
     def num_tokens(self, seq_id: str) -> int:
         return self._table(seq_id).num_tokens
 
@@ -230,9 +235,12 @@ class KVCacheManager:
         need -= sum(k > 1 and self.gpu.ref_count(b) == k for b, k in lasts.items())
         return need <= free
 
-    def append(self, seq_id: str, token_ids: list[int], num_lookahead: int = 0) -> Allocation:
+    def append(
+        self, seq_id: str, token_ids: list[int], num_lookahead: int = 0, live: bool = False
+    ) -> Allocation:
         """Slots for a running sequence's next tokens (a decode token or a prefill chunk);
-        the last ``num_lookahead`` are a draft's guesses, kept until `rollback`."""
+        the last ``num_lookahead`` are a draft's guesses, kept until `rollback`.  With
+        ``live``, the allocation's block table is `live_block_table` (uncopied)."""
         table = self._table(seq_id)
         if table.allocator is not self.gpu:
             raise ValueError(f"seq_id {seq_id!r} is swapped out; swap it in first")
@@ -241,7 +249,23 @@ class KVCacheManager:
                 f"num_lookahead must be an int in [0, {len(token_ids)}), got {num_lookahead!r}"
             )
         slots, copies = table.append_tokens(token_ids, num_lookahead)
-        return Allocation(slots, list(table.blocks), copies)
+        return Allocation(slots, table.blocks if live else list(table.blocks), copies)
+
+    def append_slot(
+        self, seq_id: str, token_id: int
+    ) -> tuple[int, list[BlockCopy], list[int], int]:
+        """`append` of one token (a decode), kept lean because every running sequence
+        takes it every step: the token's slot, any copy-on-write copy, the sequence's
+        block table (`live_block_table`) and how many of its leading blocks the append
+        left as they were (all but a new or copied last one)."""
+        table = self.tables[seq_id]
+        if table.allocator is not self.gpu:
+            raise ValueError(f"seq_id {seq_id!r} is swapped out; swap it in first")
+        slot = table._append_in_place(token_id)
+        if slot is not None:
+            return slot, [], table.blocks, len(table.blocks)
+        slots, copies = table.append_tokens([token_id])
+        return slots[0], copies, table.blocks, len(table.blocks) - 1
 
     def rollback(self, seq_id: str, num_tokens: int) -> int:
         """Keep the first ``num_tokens`` of a running sequence's tokens, giving back the

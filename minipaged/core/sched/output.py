@@ -1,9 +1,23 @@
 """What one engine step runs and what it chose, as data (paper §4.5).
 
-`SchedulerOutput` is what `Scheduler.schedule` hands down: the sequences to run, each a
-`ScheduledSeq` (which of its tokens, and its block table), and the block operations the
-cache engine must carry out before the forward pass.  The cache engine, the model runner
-and the tensor-parallel workers read it; none of them needs the scheduler itself.
+`SchedulerOutput` is what `Scheduler.schedule` hands down, in two views of one plan:
+
+- the engine's: the sequences to run, each a `ScheduledSeq` (which of its tokens, for
+  which request), which the sample and update phases read;
+- the model runner's, a *diff* against what the runner already holds (vLLM V1's
+  ``SchedulerOutput``): a sequence the runner has not seen comes once, whole
+  (`NewRequestData`: its tokens and block table); a sequence it holds comes as what
+  changed (`CachedRequestData`: the tokens sampled since, its new block ids and its
+  ``num_computed_tokens``); then how many tokens each runs (``num_scheduled_tokens``,
+  in batch order), a draft's guesses, and the sequences the runner must forget first
+  (``finished_req_ids``: finished, dropped, aborted, preempted).  The runner keeps the
+  rest in its persistent batch (`minipaged.worker.input_batch`), so a decode step sends
+  a few integers per sequence, never a whole block table.
+
+Then the block operations the cache engine must carry out before the forward pass.  The
+cache engine, the model runner and the tensor-parallel workers read it; none of them
+needs the scheduler itself.  (vLLM's "request" is a sequence here: a request with
+``n`` > 1, or a beam search, runs several, each a row of the runner's batch.)
 
 `StepSamples` is what the sample phase hands back up: each new token as a `Sample`
 (parallel sampling's draws, beam search's kept extensions), and beam search's finished
@@ -15,7 +29,7 @@ Standard library only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from minipaged.lora_request import LoRARequest
@@ -30,8 +44,10 @@ class ScheduledSeq:
     group: SequenceGroup
     start: int
     num_new_tokens: int
+    # The sequence's block table (the scheduler's is the KV cache manager's live list:
+    # read it before the next step) and the cache slot of each new token.
     block_table: list[int]
-    slot_mapping: list[int]  # the cache slot of each new token, from the KV cache manager
+    slot_mapping: list[int]
     samples: bool  # does this step reach the sequence's end, so its last logits are used?
     lora_slot: int = -1  # the slot of its LoRA adapter (minipaged.core.memory.lora_slots); -1: none
     # Positions whose logits score a prompt token (SamplingParams.prompt_logprobs).
@@ -61,6 +77,31 @@ def logit_rows(sampling: list[ScheduledSeq]) -> list[range]:
     return rows
 
 
+@dataclass(slots=True)
+class NewRequestData:
+    """A sequence the runner does not hold (admitted, resumed, forked): all of it."""
+
+    req_id: str  # the sequence's id
+    token_ids: list[int]  # its tokens so far (a copy)
+    block_ids: list[int]  # its block table (a copy)
+    num_computed_tokens: int  # where this step's tokens start
+    lora_slot: int = -1
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """What changed, since the step that last ran them, of sequences the runner holds:
+    per sequence, the tokens appended since (the sampled ones), its block table from
+    ``num_kept_blocks`` on (the new blocks; a copy-on-write also replaces the last one,
+    a rollback drops some) and where this step's tokens start."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    num_kept_blocks: list[int] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
 @dataclass
 class SchedulerOutput:
     """One step's batch and the block operations to run before it, in this order."""
@@ -72,10 +113,24 @@ class SchedulerOutput:
     preempted: list[SequenceGroup] = field(default_factory=list)
     # (slot, adapter): load each adapter into its slot before the forward pass.
     lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
+    # -- the runner's diff (module docstring) ------------------------------------------
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    # Tokens each sequence runs this step, guesses included, in the batch's order.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Positions whose logits score a prompt token, of the sequences that have any.
+    prompt_logprob_positions: dict[str, range] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)  # rows the runner drops first
+    preempted_req_ids: set[str] = field(default_factory=set)  # requests preempted
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
+        return sum(self.num_scheduled_tokens.values())
+
+    def runner_view(self) -> SchedulerOutput:
+        """The plan without the engine's objects: what a worker process receives."""
+        return replace(self, seqs=[], preempted=[])
 
 
 @dataclass(slots=True)

@@ -38,7 +38,11 @@ Whether tokens fit, it asks the KV cache manager (`can_append_any`, `can_append_
 
 The scheduler decides; it does not touch tensors.  Its output lists the sequences to run
 and the block operations the cache engine must execute first (swap out, swap in,
-copy-on-write copies), as the KV cache manager's contract orders them.
+copy-on-write copies), as the KV cache manager's contract orders them; for the model
+runner, it is a diff against the runner's persistent batch (vLLM V1's): the scheduler
+remembers, per sequence the runner holds, how many of its tokens and blocks it has sent
+(``_held``), so a running sequence costs a step a few integers, and every sequence whose
+blocks are freed or swapped out is named once in the next output's ``finished_req_ids``.
 
 Standard library only.
 """
@@ -46,12 +50,20 @@ Standard library only.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 from minipaged.config import PREEMPTION_MODES
 from minipaged.core.memory import Allocation, KVCacheManager
 from minipaged.core.memory.block_table import blocks_for
 from minipaged.core.memory.lora_slots import LoRASlots
-from minipaged.core.sched.output import ScheduledSeq, SchedulerOutput
+from minipaged.core.sched.output import (
+    NewRequestData,
+    Sample,
+    ScheduledSeq,
+    SchedulerOutput,
+    StepSamples,
+    Verified,
+)
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.trace import Trace
@@ -109,6 +121,14 @@ class Scheduler:
         self.swapped: list[SequenceGroup] = []
         self.num_preemptions = 0
         self.lora_slots = LoRASlots(0)  # the engine gives it max_loras with enable_lora
+        # The runner's side of the diff: per sequence it holds, [tokens, blocks] sent;
+        # and the sequences it must drop at the next step.
+        self._held: dict[str, list[int]] = {}
+        self._finished_req_ids: set[str] = set()
+        # The update phase's stop checks: the engine's EOS tokens, and the front end's
+        # check of stop strings on the text so far (which detokenizes; None: no text).
+        self.eos_token_ids: set[int] = set()
+        self.check_stop_strings: Callable[[SequenceGroup, Sequence], str | None] | None = None
 
     # -- the queues -------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -177,6 +197,13 @@ class Scheduler:
                 "free", group.request_id, seq.seq_id, blocks=self.kv.block_table(seq.seq_id)
             )
         self.kv.free(seq.seq_id)
+        self._forget(seq.seq_id)
+
+    def _forget(self, seq_id: str) -> None:
+        """The runner drops ``seq_id``'s row at the next step (its blocks are gone or
+        moved); if it runs again, it is sent whole."""
+        if self._held.pop(seq_id, None) is not None:
+            self._finished_req_ids.add(seq_id)
 
     def check_fits(self, prompt_len: int, params: SamplingParams | BeamSearchParams) -> None:
         """Refuse (``ValueError``) a request that could never run: more sequences than a
@@ -202,6 +229,98 @@ class Scheduler:
         """Seats taken: a request about to fork into ``n`` holds ``n`` already."""
         return sum(g.num_seats for g in self.running)
 
+    # -- the update phase (vLLM's ``Scheduler.update_from_output``) ---------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, samples: StepSamples
+    ) -> list[SequenceGroup]:
+        """Apply what the sample phase chose for ``scheduler_output``: the one place a
+        step changes its requests.  Each token is appended (a prompt with ``n`` > 1, or
+        a beam kept more than once, forking first), the stop conditions are checked, a
+        finished sequence gives its blocks back at once (shared blocks only lose a
+        holder), and a finished request retires.  Returns the step's requests, those
+        aborted since it was scheduled (one that failed alone) left out, for the output
+        processor to turn into outputs."""
+        for v in samples.verified:  # speculative decoding's accepted guesses and more
+            self._apply_verified(v)
+        for s in samples.finished_beams:  # from the beam as it was when ranked
+            s.group.completed_beams.append(
+                (s.seq.token_ids + [s.token_id], s.seq.cumulative_logprob + s.logprob)
+            )
+        for group, beam in samples.dropped_beams:
+            self.free_seq(group, beam)
+            group.seqs.remove(beam)
+        # Every fork before any sequence grows: a child starts from its parent as it was.
+        seqs = [self._fork_sample(s) if s.fork else s.seq for s in samples.tokens]
+        traced = self.trace.enabled
+        for s, seq in zip(samples.tokens, seqs):
+            if traced:
+                self.append_token(s.group, seq, s.token_id, s.logprob)
+            else:
+                seq.append_token(s.token_id, s.logprob)
+            if seq.logprobs is not None:
+                seq.logprobs.append(s.top_logprobs)
+            self.check_stop(s.group, seq)
+        groups = []
+        for group in dict.fromkeys(s.group for s in scheduler_output.seqs):
+            if group.status is SequenceStatus.FINISHED:  # aborted
+                continue
+            if group.is_finished:
+                self.retire(group)
+            groups.append(group)
+        return groups
+
+    def _apply_verified(self, v: Verified) -> None:
+        """Keep the slots of ``v``'s accepted guesses, give back the rest, and append its
+        tokens one at a time, each checked for a stop (the tokens after one are dropped)."""
+        group, seq = v.group, v.seq
+        self.rollback(group, seq, len(v.token_ids) - 1)
+        seq.spec_token_ids = []
+        for token, logprob, top in zip(v.token_ids, v.logprobs, v.top_logprobs):
+            self.append_token(group, seq, token, logprob)
+            v.num_appended += 1
+            if seq.logprobs is not None:
+                seq.logprobs.append(top)
+            self.check_stop(group, seq)
+            if seq.is_finished:
+                break
+
+    def _fork_sample(self, sample: Sample) -> Sequence:
+        child = self.fork(sample.group, sample.seq)
+        child.generator = sample.generator
+        return child
+
+    def check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
+        """Decide whether ``seq`` is done after its new token; in vLLM's order: EOS
+        (unless ``ignore_eos``), a stop token, a stop string (`check_stop_strings`),
+        then ``max_tokens`` or ``max_model_len``.  A beam search request only has the
+        last two (its EOS extensions were set aside when ranked)."""
+        params, token = group.params, seq.token_ids[-1]
+        if group.is_beam_search:
+            if self._at_length(params, seq):  # the beam joins the finished candidates
+                group.completed_beams.append((list(seq.token_ids), seq.cumulative_logprob))
+                self._finish_seq(group, seq, "length", None)
+            return
+        eos = not params.ignore_eos and token in self.eos_token_ids
+        if eos or token in params.stop_token_ids:
+            # The stop token stays in the token ids but not in the text (vLLM).
+            self._finish_seq(group, seq, "stop", None if eos else token)
+            return
+        if self.check_stop_strings and (hit := self.check_stop_strings(group, seq)):
+            self._finish_seq(group, seq, "stop", hit)
+            return
+        if self._at_length(params, seq):
+            self._finish_seq(group, seq, "length", None)
+
+    def _at_length(self, params, seq: Sequence) -> bool:
+        length = len(seq.token_ids)
+        return length - seq.prompt_len >= params.max_tokens or (
+            self.max_model_len is not None and length >= self.max_model_len
+        )
+
+    def _finish_seq(self, group, seq, reason: str, stop_reason: int | str | None) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.free_seq(group, seq)
+
     # -- one step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -210,6 +329,9 @@ class Scheduler:
             self._resume_swapped(out)
             if not self.swapped:
                 self._admit_waiting(out, token_budget)
+        # Last: this step's preemptions too (the runner drops rows before adding any).
+        out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
+        out.preempted_req_ids = {g.request_id for g in out.preempted}
         if self.trace.enabled:
             for s in out.seqs:
                 self.trace.record(
@@ -224,9 +346,22 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         queue, self.running = self.running, []
         roomy = self._roomy(queue, budget)
-        i = 0
+        i, running = 0, self.running
         while i < len(queue) and budget > 0:
             group = queue[i]
+            seqs = group.seqs
+            if roomy and len(seqs) == 1:  # the common case: one sequence, decoding
+                seq = seqs[0]
+                if (
+                    seq.num_computed_tokens == len(seq.token_ids) - 1
+                    and seq.finish_reason is None
+                    and not seq.spec_token_ids
+                ):
+                    self._decode(group, seq, out)
+                    budget -= 1
+                    running.append(group)
+                    i += 1
+                    continue
             plan = _plan(group, budget)
             while not roomy and not self._fits(plan):
                 victim = queue.pop()  # the most recent arrival goes first
@@ -294,10 +429,21 @@ class Scheduler:
         used = 0
         for seq, n in plan:
             start = seq.num_computed_tokens
+            if n == 1 and start == len(seq.token_ids) - 1 and not seq.spec_token_ids:
+                self._decode(group, seq, out)
+                used += 1
+                continue
             # Past the sequence's own tokens: a draft's guesses, in lookahead slots.
             spec = seq.spec_token_ids[: max(0, start + n - len(seq.token_ids))]
-            tokens = seq.token_ids[start : start + n - len(spec)] + spec
-            allocation = self.kv.append(seq.seq_id, tokens, len(spec))
+            tokens = (
+                seq.token_ids[start : start + n - len(spec)] + spec
+                if spec
+                else (seq.token_ids[start : start + n])
+            )
+            num_blocks = len(self.kv.live_block_table(seq.seq_id))
+            allocation = self.kv.append(seq.seq_id, tokens, len(spec), live=True)
+            if allocation.copies:  # the last block was replaced by its copy
+                num_blocks -= 1
             if self.trace.enabled:
                 self.trace.record(
                     "append",
@@ -305,9 +451,9 @@ class Scheduler:
                     seq.seq_id,
                     num_tokens=n,
                     num_lookahead=len(spec),
-                    blocks=allocation.block_table,
+                    blocks=list(allocation.block_table),
                 )
-            self._run(group, seq, start, n, allocation, out, spec)
+            self._run(group, seq, start, n, allocation, out, spec, num_blocks)
             used += n
         return used
 
@@ -335,16 +481,23 @@ class Scheduler:
             used += n
         return used
 
-    def _run(self, group, seq, start, n, allocation: Allocation, out, spec=()) -> None:
+    def _run(
+        self, group, seq, start, n, allocation: Allocation, out, spec=(), num_kept_blocks=0
+    ) -> None:
         """Put ``n`` tokens of ``seq`` from ``start`` on in this step's batch, with the
         slots and copy-on-write copies the KV cache manager gave them; the last of
-        them may be the guesses ``spec`` (which `rollback` later keeps or gives back)."""
+        them may be the guesses ``spec`` (which `rollback` later keeps or gives back).
+        ``num_kept_blocks``: the leading blocks of its table this step left unchanged."""
         for src, dst in allocation.copies:
             out.copies.append((src, dst))
             self.trace.record("cow", group.request_id, seq.seq_id, src=src, dst=dst)
         # The step computes them before anyone reads (the guesses: see rollback).
         seq.num_computed_tokens = start + n - len(spec)
-        samples = seq.num_computed_tokens == len(seq.token_ids)
+        lora_slot = self.lora_slots.slot_of.get(group.lora_id, -1) if group.lora_request else -1
+        positions = (
+            range(0) if group.prompt_logprobs is None else group.prompt_logprob_positions(start, n)
+        )
+        spec = list(spec)
         out.seqs.append(
             ScheduledSeq(
                 seq,
@@ -353,12 +506,80 @@ class Scheduler:
                 n,
                 allocation.block_table,
                 allocation.slot_mapping,
-                samples,
-                self.lora_slots.slot_of.get(group.lora_id, -1),
-                group.prompt_logprob_positions(start, n),
-                list(spec),
+                seq.num_computed_tokens == len(seq.token_ids),
+                lora_slot,
+                positions,
+                spec,
             )
         )
+        self._send(seq, start, n, allocation.block_table, out, num_kept_blocks, lora_slot)
+        if spec:
+            out.scheduled_spec_decode_tokens[seq.seq_id] = spec
+        if positions:
+            out.prompt_logprob_positions[seq.seq_id] = positions
+
+    def _decode(self, group: SequenceGroup, seq: Sequence, out: SchedulerOutput) -> None:
+        """`_run` for a decode, the step's common case, flattened: one token, its slot,
+        and the diff of a sequence the runner most likely holds."""
+        seq_id, tokens = seq.seq_id, seq.token_ids
+        start = len(tokens) - 1
+        slot, copies, blocks, num_kept = self.kv.append_slot(seq_id, tokens[start])
+        if copies:
+            for src, dst in copies:
+                out.copies.append((src, dst))
+                self.trace.record("cow", group.request_id, seq_id, src=src, dst=dst)
+        if self.trace.enabled:
+            self.trace.record(
+                "append",
+                group.request_id,
+                seq_id,
+                num_tokens=1,
+                num_lookahead=0,
+                blocks=list(blocks),
+            )
+        seq.num_computed_tokens = start + 1
+        lora_slot = self.lora_slots.slot_of.get(group.lora_id, -1) if group.lora_request else -1
+        positions = (
+            range(0) if group.prompt_logprobs is None else group.prompt_logprob_positions(start, 1)
+        )
+        out.seqs.append(
+            ScheduledSeq(seq, group, start, 1, blocks, [slot], True, lora_slot, positions, [])
+        )
+        held = self._held.get(seq_id)
+        if held is None:
+            self._send(seq, start, 1, blocks, out, num_kept, lora_slot)
+        else:
+            kept = held[1] if held[1] < num_kept else num_kept
+            cached = out.scheduled_cached_reqs
+            cached.req_ids.append(seq_id)
+            cached.new_token_ids.append(tokens[held[0] :])
+            cached.num_kept_blocks.append(kept)
+            cached.new_block_ids.append(blocks[kept:])
+            cached.num_computed_tokens.append(start)
+            held[0], held[1] = start + 1, len(blocks)
+            out.num_scheduled_tokens[seq_id] = 1
+        if positions:
+            out.prompt_logprob_positions[seq_id] = positions
+
+    def _send(self, seq, start, n, blocks, out, num_kept_blocks, lora_slot) -> None:
+        """The runner's diff for ``seq``: whole if the runner does not hold it, else the
+        tokens and blocks it has not seen."""
+        seq_id, held = seq.seq_id, self._held.get(seq.seq_id)
+        if held is None:
+            self._held[seq_id] = [len(seq.token_ids), len(blocks)]
+            out.scheduled_new_reqs.append(
+                NewRequestData(seq_id, list(seq.token_ids), list(blocks), start, lora_slot)
+            )
+        else:
+            kept = min(held[1], num_kept_blocks)
+            cached = out.scheduled_cached_reqs
+            cached.req_ids.append(seq_id)
+            cached.new_token_ids.append(seq.token_ids[held[0] :])
+            cached.num_kept_blocks.append(kept)
+            cached.new_block_ids.append(blocks[kept:])
+            cached.num_computed_tokens.append(start)
+            held[0], held[1] = len(seq.token_ids), len(blocks)
+        out.num_scheduled_tokens[seq_id] = n
 
     def rollback(self, group: SequenceGroup, seq: Sequence, num_accepted: int) -> None:
         """After verification: keep the KV of the first ``num_accepted`` guesses ``seq``
@@ -386,6 +607,8 @@ class Scheduler:
         self.lora_slots.release(group.lora_id)
         if swap:
             out.swap_out += self.kv.swap_out(seq_ids)
+            for seq_id in seq_ids:  # its blocks moved: the runner drops it
+                self._forget(seq_id)
             self.trace.record("swap_out", group.request_id, blocks=self._tables(seq_ids))
             _insert(self.swapped, group, SequenceStatus.SWAPPED)
         else:
