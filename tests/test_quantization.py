@@ -28,7 +28,7 @@ from minipaged.config import EngineConfig
 from minipaged.models.loader import load_model
 from minipaged.models.quantization import resolve_quantization, weight_bytes
 from minipaged.models.quantization.quantize import gptq_quantize, rtn_quantize
-from minipaged.sampling_params import SamplingParams
+from minipaged.sampling_params import BeamSearchParams, SamplingParams
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: slot j of an int32 holds column AWQ_ORDER[j]
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -280,3 +280,28 @@ def test_a_quantized_checkpoint_is_not_split_over_ranks(checkpoints):
     tp = TensorParallelGroup(rank=0, size=2, group=None)
     with pytest.raises(ValueError, match="cannot be split over ranks"):
         load_model(checkpoints["gptq"][0], tp=tp)
+
+
+def test_quantized_model_with_the_engines_other_features(checkpoints):
+    """Prefix caching, chunked prefill, swap preemption and beam search on a GPTQ model
+    give what the same model gives without them (the weights' kernels see other batch
+    shapes, nothing else changes)."""
+    path = checkpoints["gptq"][0]
+    a, b = PROMPTS
+    prompts = [{"prompt_token_ids": p} for p in (a, b, a + b, b + a, b[::-1])]
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    plain = make_llm(path).generate(prompts, greedy, use_tqdm=False)
+    busy = make_llm(
+        path,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=16,
+        max_num_seqs=16,
+        num_gpu_blocks=12,  # they need 5, 8, 11, 11 and 8 blocks of 4
+        block_size=4,
+        preemption_mode="swap",
+    )
+    outputs = busy.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+    assert busy.stats()["num_preemptions"] > 0
+    beams = make_llm(path).beam_search(prompts[:1], BeamSearchParams(beam_width=2, max_tokens=4))
+    assert len(beams[0].sequences) == 2
