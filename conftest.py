@@ -5,7 +5,9 @@ A lesson fails under `make test` on an error, a wrong output (a failed assert) o
 that hangs (``--nbmake-timeout``, several times the budget); its time is a measurement:
 the run ends with the lessons and cells that took longest against the minute a lesson
 should take (`scripts/execute_lessons.py`'s `budget_report`).  nbmake is imported only
-when `--nbmake` is given, so the tests run where it is not installed.
+when `--nbmake` is given, so the tests run where it is not installed: a GPU machine's
+stock Python (torch, triton, transformers, pytest) has none of the optional plugins, and
+`make gpu-test` must start there (`tests/test_run_gpu.py` checks it).
 """
 
 import time
