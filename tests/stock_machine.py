@@ -1,6 +1,6 @@
 """A GPU machine's stock Python, simulated on this one: `make gpu-test` and every stage of
 `benchmarks/run_gpu.sh` must start where only torch, triton, transformers and pytest (and
-what they pull in) are installed, as on the machines a GPU is lent from.
+what they pull in) are installed, as on a GPU machine with its stock image.
 
 `stock_env` gives a subprocess a ``sitecustomize`` that hides the optional packages of
 this venv (the ``server``, ``dev``, ``docs`` and ``ray`` extras, and gguf) from its
