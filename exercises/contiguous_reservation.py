@@ -2,7 +2,7 @@
 (Max), Orca (Pow2), Orca (Oracle)).
 
 Write ``reservation_size``, how many KV slots a request reserves when it is admitted,
-and ``reserve``, the method of `minipaged.memory.contiguous.ContiguousAllocator` that
+and ``reserve``, the method of `minipaged.core.memory.contiguous.ContiguousAllocator` that
 places such a range first-fit in the pool.  The engine's contiguous memory modes
 (``LLM(memory_mode="contiguous-max")`` and the others, lesson 11's Fig. 12) and the
 memory simulation (lesson 00's Fig. 2) both run on them.  Check with ``make check
@@ -20,7 +20,7 @@ sorted, and ``self._sizes`` maps a start to its size.
 
 import bisect  # noqa: F401  (use it)
 
-from minipaged.memory.contiguous import POLICIES  # noqa: F401  (use it)
+from minipaged.core.memory.contiguous import POLICIES  # noqa: F401  (use it)
 
 
 def reservation_size(policy: str, prompt_len: int, output_len: int, max_len: int) -> int:

@@ -77,7 +77,7 @@ def test_the_workload_file_round_trips_what_minipaged_runs(tiny, tmp_path):
         "max_num_seqs": 4,
         "max_num_batched_tokens": 2048,  # minipaged's default step budget, made explicit
         "max_model_len": 1024,  # the tiny checkpoint's positions
-        "enable_prefix_caching": False,
+        "enable_prefix_caching": True,  # on by default, as in vLLM V1
         "enforce_eager": False,
         "kv_cache_memory_bytes": 512 * 1024 * 1024,
     }

@@ -302,7 +302,9 @@ def run_minipaged(
         compiled_steps = compiled.num_runs - compiled_before if compiled else 0
         # The driver's time in collectives (waiting for the slowest rank included).
         comm_ms = {
-            kind: 1e3 * (s - comm_before.get(kind, 0.0)) / steps for kind, s in COMM.seconds.items()
+            kind: 1e3 * (s - comm_before.get(kind, 0.0)) / steps
+            for kind, s in COMM.seconds.items()
+            if s > comm_before.get(kind, 0.0)  # not the kinds only an earlier engine used
         }
         pipeline = {}
         if pp > 1:

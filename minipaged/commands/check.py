@@ -160,8 +160,8 @@ EXERCISES = (
         "11",
         "contiguous_reservation.py",
         {
-            "reservation_size": "minipaged.memory.contiguous:reservation_size",
-            "reserve": "minipaged.memory.contiguous:ContiguousAllocator.reserve",
+            "reservation_size": "minipaged.core.memory.contiguous:reservation_size",
+            "reserve": "minipaged.core.memory.contiguous:ContiguousAllocator.reserve",
         },
         (
             "tests/test_contiguous.py",
