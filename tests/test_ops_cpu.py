@@ -229,3 +229,22 @@ def test_the_build_lock_excludes_others_and_dies_with_its_holder(tmp_path):
         holder.wait()
     with open(tmp_path / "build.lock") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: no error
+
+
+def test_checkouts_keep_their_own_builds_and_drop_their_edited_ones(tmp_path, monkeypatch):
+    """Two checkouts of the same sources never share a build folder (``build.ninja``
+    holds absolute paths), nor remove each other's; editing a source replaces only that
+    checkout's build, and a removed checkout's build goes at the next build."""
+    monkeypatch.setattr(cuda_build, "CACHE_DIR", tmp_path / "cache")
+    one, two, gone = (tmp_path / name for name in ("one", "two", "gone"))
+    for checkout in (one, two, gone):
+        checkout.mkdir()
+        (checkout / "k.cpp").write_text("int k;")
+    build = {c: cuda_build.cached_build_dir("ext", [c / "k.cpp"]) for c in (one, two, gone)}
+    assert len(set(build.values())) == 3 and all(d.is_dir() for d in build.values())
+    (gone / "k.cpp").unlink()
+    gone.rmdir()
+    (one / "k.cpp").write_text("int k = 1;")
+    edited = cuda_build.cached_build_dir("ext", [one / "k.cpp"])
+    assert edited != build[one]
+    assert sorted((tmp_path / "cache").iterdir()) == sorted([edited, build[two]])

@@ -43,6 +43,7 @@ import torch
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 EMULATE_ENV = "MINIPAGED_CUDA_EMULATE"
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minipaged"
+ORIGIN = "origin"  # a build folder's record of the sources' folder it was built from
 WRITE_KV = "write_kv.cu"
 DECODE_SOURCES = {
     0: "paged_attention_v0.cu",
@@ -300,17 +301,32 @@ def _emulated_sources(build_dir: Path, sources: Sequence[str]) -> list[str]:
 
 def cached_build_dir(name: str, sources: list[Path], flags: Sequence[str] = ()) -> Path:
     """The folder that caches extension ``name`` built from ``sources`` with compiler
-    ``flags``, named after a hash of both (created; builds of earlier versions of them
-    removed)."""
-    digest = hashlib.sha256(" ".join(flags).encode())
+    ``flags``, named after a hash of both and of the sources' folder (created).  The
+    folder is part of the key because ``build.ninja`` records absolute paths: two
+    checkouts sharing a build would rebuild it each time the other loaded it.  Builds of
+    earlier versions of the same checkout's sources, and of checkouts that are gone,
+    are removed; another live checkout's are kept."""
+    origin = str(sources[0].resolve().parent)
+    digest = hashlib.sha256(" ".join([origin, *flags]).encode())
     for path in sources:
         digest.update(path.name.encode() + path.read_bytes())
     build_dir = CACHE_DIR / f"{name}-{digest.hexdigest()[:12]}"
-    for stale in CACHE_DIR.glob(f"{name}-*"):  # builds of sources since edited
-        if stale != build_dir:
+    for stale in CACHE_DIR.glob(f"{name}-*"):
+        if stale != build_dir and _built_from(stale) in (origin, None):
             shutil.rmtree(stale, ignore_errors=True)
     build_dir.mkdir(parents=True, exist_ok=True)
+    (build_dir / ORIGIN).write_text(origin)
     return build_dir
+
+
+def _built_from(build_dir: Path) -> str | None:
+    """The sources' folder that ``build_dir`` was built from, or ``None`` when that
+    folder is gone (or the build predates the record)."""
+    try:
+        origin = (build_dir / ORIGIN).read_text()
+    except OSError:
+        return None
+    return origin if Path(origin).is_dir() else None
 
 
 @contextlib.contextmanager
