@@ -87,9 +87,10 @@ BACKENDS = (
     "sdpa-contiguous",
 )
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# The decode goal as a fraction of the read bandwidth: 80% on an H100, half on a CPU's
-# cores (a benchmark figure, never a test assert).
-GOAL_FRACTION = {"cuda": 0.8, "cpu": 0.5}
+# The decode goal as a fraction of the read bandwidth: 85% on an H100 or H200 (the CUDA
+# v3 kernel's at batched shapes), half on a CPU's cores (a benchmark figure, never a
+# test assert).
+GOAL_FRACTION = {"cuda": 0.85, "cpu": 0.5}
 # Dense (not 2:4 sparse) bf16 / fp16 tensor-core peaks in TFLOP/s, from NVIDIA's
 # datasheets, by a piece of the name torch reports; the first match wins, so the more
 # specific names come first ("NVIDIA H100 PCIe" before "H100", "L40S" before "L4").
