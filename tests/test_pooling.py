@@ -212,3 +212,14 @@ def test_smollm2_last_token_embeddings_match_hf(smollm2):
     prompts = [tokenizer.encode(t) for t in texts]
     outputs = llm.embed(texts, use_tqdm=False)
     assert_embeddings(outputs, prompts, model)
+
+
+def test_serve_flags_reach_the_pooler_config():
+    from minipaged.arg_utils import engine_kwargs
+    from minipaged.cli import build_parser
+    from minipaged.pooling_params import PoolerConfig
+
+    argv = ["serve", "M", "--runner", "pooling", "--pooler-config", '{"pooling_type": "MEAN"}']
+    config = EngineConfig(model="M", **engine_kwargs(build_parser().parse_args(argv)))
+    assert config.runner == "pooling"
+    assert config.pooler_config == PoolerConfig(pooling_type="MEAN", normalize=True)
