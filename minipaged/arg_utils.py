@@ -25,6 +25,8 @@ from minipaged.config import (
     MEMORY_MODES,
     PREEMPTION_MODES,
     QUANTIZATION_METHODS,
+    RUNNERS,
+    TASKS,
     EngineConfig,
 )
 
@@ -37,6 +39,8 @@ CHOICES = {
     "quantization": QUANTIZATION_METHODS,
     "all2all_backend": ALL2ALL_BACKENDS,
     "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
+    "runner": RUNNERS,
+    "task": tuple(TASKS),
 }
 
 
@@ -68,7 +72,11 @@ def positive_int(text: str) -> int:
 
 
 # Fields whose flag parses its value other than by the field's type.
-TYPES = {"speculative_config": json_object, "compilation_config": mode_or_json_object}
+TYPES = {
+    "speculative_config": json_object,
+    "compilation_config": mode_or_json_object,
+    "pooler_config": json_object,
+}
 # Not flags: the model is an argument of its own; a trace needs code to read it.
 NOT_ENGINE_FLAGS = ("model", "trace")
 # vLLM's convention: `serve MODEL`, `--model MODEL` everywhere else; each resolved by

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 
 from minipaged.core.memory.contiguous import POLICIES
+from minipaged.pooling_params import PoolerConfig
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda", "flash_attn", "flashinfer")
 DEVICES = ("auto", "cpu", "cuda")
@@ -35,6 +36,11 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")
 # The names of the memory simulation's systems (minipaged.core.memory.simulate.SYSTEMS).
 MEMORY_MODES = ("paged", *(f"contiguous-{policy}" for policy in POLICIES))
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# What the model is run for (vLLM's ``runner``): "auto" is "generate" for every
+# architecture minipaged loads (all are causal LMs).
+RUNNERS = ("auto", "generate", "pooling")
+# vLLM's older ``task`` and the runner each one means.
+TASKS = {"generate": "generate", "embed": "pooling"}
 
 
 @dataclass
@@ -125,6 +131,14 @@ class EngineConfig:
         max_lora_rank: the highest adapter rank served (every slot is this big).
         max_cpu_loras: adapters kept in host memory, read from disk again when evicted;
             None: ``max_loras``.
+        runner: ``"generate"`` (``"auto"``) or ``"pooling"``: every request then gets
+            one embedding of its prompt (`LLM.embed`, ``/v1/embeddings``) and generates
+            nothing (`minipaged.models.pooler`).  Not with tensor or pipeline
+            parallelism, speculative decoding, LoRA or a contiguous ``memory_mode``.
+        task: vLLM's older name for it: ``"embed"`` is ``runner="pooling"``.
+        pooler_config: how a pooling runner pools, as vLLM's dict:
+            ``{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}``
+            (`PoolerConfig`); None: LAST, normalized.
     """
 
     model: str
@@ -161,6 +175,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    runner: str = "auto"
+    task: str | None = None
+    pooler_config: PoolerConfig | dict | None = None
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
@@ -245,6 +262,39 @@ class EngineConfig:
                 )
         self._check_pipeline()
         self._check_quantization()
+        self._check_runner()
+
+    def _check_runner(self) -> None:
+        """Settle ``runner`` (from ``task`` if given) and ``pooler_config``, and refuse
+        what a pooling runner cannot run with in minipaged: the parallel ranks and a
+        draft keep no pooled state, LoRA and Orca's reservations are not wired to it."""
+        _choice("runner", self.runner, RUNNERS)
+        if self.task is not None:
+            _choice("task", self.task, tuple(TASKS))
+            if self.runner != "auto" and self.runner != TASKS[self.task]:
+                raise ValueError(f"task={self.task!r} contradicts runner={self.runner!r}")
+            self.runner = TASKS[self.task]
+        if self.runner == "auto":
+            self.runner = "generate"
+        if self.runner != "pooling":
+            if self.pooler_config is not None:
+                raise ValueError(
+                    f"pooler_config needs runner='pooling', got runner={self.runner!r}"
+                )
+            return
+        self.pooler_config = PoolerConfig.from_value(self.pooler_config)
+        combos = {
+            "tensor_parallel_size": self.tensor_parallel_size > 1,
+            "pipeline_parallel_size": self.pipeline_parallel_size > 1,
+            "speculative_config": self.speculative_config is not None,
+            "enable_lora": self.enable_lora,
+            "memory_mode": self.memory_mode != "paged",
+        }
+        for name, used in combos.items():
+            if used:
+                raise ValueError(
+                    f"runner='pooling' cannot run with {name}={getattr(self, name)!r} in minipaged"
+                )
 
     def _check_quantization(self) -> None:
         """What quantized weights cannot run with in minipaged: the parallel ranks and

@@ -4,6 +4,8 @@
     llm = LLM(model="smollm2")  # or a checkpoint directory, a .gguf file, a hub id
     outputs = llm.generate(["Hello", "The capital of"], SamplingParams(max_tokens=8))
     replies = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=8))
+    embedder = LLM(model="smollm2", runner="pooling")  # pooler_config={"pooling_type": "MEAN"}
+    vectors = [o.outputs.embedding for o in embedder.embed(["Hello", "The capital of"])]
 
 `LLM` tokenizes prompts, checks every request before queueing any (so a bad one changes
 nothing), hands them to an `LLMEngine` and steps it until they are all done, with a
@@ -22,7 +24,8 @@ from tqdm.auto import tqdm
 from minipaged.config import EngineConfig
 from minipaged.engine.llm_engine import LLMEngine
 from minipaged.lora_request import LoRARequest
-from minipaged.outputs import BeamSearchOutput, Output, RequestOutput
+from minipaged.outputs import BeamSearchOutput, EmbeddingRequestOutput, Output, RequestOutput
+from minipaged.pooling_params import PoolingParams
 from minipaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Prompt = str | dict
@@ -129,6 +132,26 @@ class LLM:
             use_tqdm,
             lora_request,
         )
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in prompt order (vLLM's ``LLM.embed``); needs
+        ``runner="pooling"``.  Each prompt runs once, as a prefill (chunked if long),
+        its hidden states pooled as ``pooler_config`` says (`minipaged.models.pooler`);
+        ``pooling_params``: one for all prompts or one per prompt (``dimensions``,
+        ``normalize``)."""
+        prompts = _as_list(prompts)
+        params = _per_prompt(
+            PoolingParams() if pooling_params is None else pooling_params,
+            len(prompts),
+            PoolingParams,
+            "pooling_params",
+        )
+        return self._run(prompts, params, use_tqdm)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (``tensor_parallel_size`` > 1) now,

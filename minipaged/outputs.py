@@ -1,4 +1,4 @@
-"""What `LLM.generate` and `LLM.beam_search` return (vLLM's names and fields)."""
+"""What `LLM.generate`, `LLM.beam_search` and `LLM.embed` return (vLLM's names and fields)."""
 
 from __future__ import annotations
 
@@ -69,5 +69,27 @@ class BeamSearchOutput:
     finished: bool = True
 
 
+@dataclass
+class EmbeddingOutput:
+    """A prompt's embedding (vLLM's): its pooled hidden state, cut to the request's
+    ``dimensions`` and normalized as it asked (`minipaged.models.pooler`)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """A pooling request's one output, when its prompt is done (vLLM's)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
 # What one engine step hands back per request.
-Output = RequestOutput | BeamSearchOutput
+Output = RequestOutput | BeamSearchOutput | EmbeddingRequestOutput

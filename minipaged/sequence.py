@@ -121,6 +121,13 @@ class SequenceGroup:
     # With SamplingParams.prompt_logprobs: one entry per prompt token computed so far
     # ({token_id: logprob}, the prompt token first), None for the first token.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # A pooling request (PoolingParams): how the engine pools (PoolerConfig.pooling_type),
+    # the pooled state of its first ``num_pooled`` prompt positions so far (a tensor the
+    # model runner keeps, `minipaged.models.pooler`), and its embedding once the prompt is done.
+    pooling_type: str | None = None
+    pooled: Any = None
+    num_pooled: int = 0
+    embedding: list[float] | None = None
 
     # Set once: every step asks it of every running request.
     is_beam_search: bool = field(init=False)
@@ -133,8 +140,10 @@ class SequenceGroup:
     @property
     def reads_prefix_cache(self) -> bool:
         """A request that wants its prompt's logprobs computes every prompt token, as
-        vLLM's does: a block served from the prefix cache would have no logits."""
-        return self.prompt_logprobs is None
+        vLLM's does: a block served from the prefix cache would have no logits.  So does
+        a pooling request that pools every token (MEAN) or the first (CLS): a cached
+        block has no hidden states; LAST needs only the last token, which always runs."""
+        return self.prompt_logprobs is None and self.pooling_type in (None, "LAST")
 
     def prompt_logprob_positions(self, start: int, num_new_tokens: int) -> range:
         """The positions, of tokens ``[start, start + num_new_tokens)`` run this step,

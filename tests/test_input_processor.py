@@ -55,7 +55,11 @@ def test_requests_are_numbered_in_arrival_order_refusals_aside():
 @pytest.mark.parametrize(
     "prompt, params, message",
     [
-        ([1], {"n": 2}, "params must be SamplingParams or BeamSearchParams, got dict"),
+        (
+            [1],
+            {"n": 2},
+            "params must be SamplingParams, BeamSearchParams or PoolingParams, got dict",
+        ),
         ([], SamplingParams(), "prompt must not be empty"),
         (
             [1, VOCAB],

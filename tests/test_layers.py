@@ -237,6 +237,7 @@ CLIENT_API = {"minipaged.engine.protocol", "minipaged.engine.llm_engine"}
 PLAIN_DATA = {
     "minipaged.config",
     "minipaged.sampling_params",
+    "minipaged.pooling_params",
     "minipaged.outputs",
     "minipaged.lora_request",
 }

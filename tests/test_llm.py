@@ -31,7 +31,7 @@ def llm(llama):
 @pytest.mark.parametrize(
     "name, value",
     [
-        ("runner", "pooling"),
+        ("kv_transfer_config", {}),
         ("load_format", "dummy"),
         ("cpu_offload_gb", 4),
         ("block_sise", 16),

@@ -46,4 +46,6 @@ time per step, with the model stubbed), `common` (timing, a system's row, tables
   ``F.linear`` and through weights packed for oneDNN, against a square matmul's rate.
 * `mla` - DeepSeek-V2-Lite's latent KV cache in bytes per token against per-head and
   GQA caches, and one layer's decode absorbed against unabsorbed on the CPU.
+* `embed` - a pooling model's embeddings: requests/s of ``LLM.embed`` against Hugging
+  Face's batched forward, and how far apart their vectors are.
 """

@@ -20,11 +20,13 @@ import torch
 
 from minipaged.core.sched.scheduler import Scheduler
 from minipaged.engine.detokenizer import IncrementalDetokenizer
+from minipaged.models.pooler import Pooler
+from minipaged.pooling_params import PoolingParams
 from minipaged.sample.sampler import seq_generator
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup
 
-Params = SamplingParams | BeamSearchParams
+Params = SamplingParams | BeamSearchParams | PoolingParams
 
 
 class InputProcessor:
@@ -40,7 +42,11 @@ class InputProcessor:
         device: torch.device,
         speculative: bool = False,
         pipelined: bool = False,
+        pooler: Pooler | None = None,
     ) -> None:
+        # A pooling runner's pooler (runner="pooling"): its requests are PoolingParams'
+        # and only theirs.
+        self.pooler = pooler
         self.speculative = speculative  # speculative decoding on: no beam search
         # Pipeline stages: the prompt's hidden states stay on the last stage, the
         # request on the driver, so no prompt logprobs.
@@ -65,7 +71,12 @@ class InputProcessor:
             request_id, prompt, list(prompt_token_ids), params, next(self._arrivals)
         )
         wants_logprobs = getattr(params, "logprobs", None) is not None
-        detokenizer = None if group.is_beam_search else IncrementalDetokenizer(self.tokenizer)
+        pooling = isinstance(params, PoolingParams)
+        if pooling:
+            group.pooling_type = self.pooler.config.pooling_type
+        detokenizer = (
+            None if group.is_beam_search or pooling else IncrementalDetokenizer(self.tokenizer)
+        )
         group.seqs.append(
             Sequence(
                 f"{request_id}.0",
@@ -79,10 +90,12 @@ class InputProcessor:
         return group
 
     def check(self, request_id: str, prompt_token_ids: list[int], params: Params) -> None:
-        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+        if not isinstance(params, (SamplingParams, BeamSearchParams, PoolingParams)):
             raise ValueError(
-                f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}"
+                f"params must be SamplingParams, BeamSearchParams or PoolingParams, "
+                f"got {type(params).__name__}"
             )
+        self._check_runner(params)
         if self.speculative and isinstance(params, BeamSearchParams):
             raise ValueError(
                 "beam search cannot run with speculative_config (neither can it in vLLM); "
@@ -110,3 +123,20 @@ class InputProcessor:
                 f"max_model_len={self.max_model_len}"
             )
         self.scheduler.check_fits(len(prompt_token_ids), params)
+
+    def _check_runner(self, params: Params) -> None:
+        """A pooling runner makes embeddings only, a generating one generates only (as
+        in vLLM, where one model runner does one or the other)."""
+        pooling = isinstance(params, PoolingParams)
+        if self.pooler is None and pooling:
+            raise ValueError(
+                "PoolingParams: this model runs with runner='generate', which generates "
+                "text and makes no embeddings; start it with runner='pooling' to embed"
+            )
+        if self.pooler is not None and not pooling:
+            raise ValueError(
+                f"{type(params).__name__}: this model runs with runner='pooling', which "
+                "makes embeddings (LLM.embed, /v1/embeddings) and generates nothing"
+            )
+        if pooling:
+            self.pooler.check(params)

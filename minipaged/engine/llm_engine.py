@@ -48,6 +48,7 @@ from minipaged.models.attention import calculate_kv_scales_on_next_batch, head_d
 from minipaged.models.hub import resolve_model
 from minipaged.models.loader import load_model, model_class, read_config
 from minipaged.models.moe import routing_stats
+from minipaged.models.pooler import Pooler
 from minipaged.models.resolve import (
     eos_token_ids,
     resolve_backend,
@@ -111,6 +112,8 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.model.config)
         self.vocab_size = self.model.config.vocab_size
         self.runner = ModelRunner(self.model, config.block_size, self.device)
+        if config.runner == "pooling":
+            self.runner.pooler = Pooler(config.pooler_config, self.model.config)
         if config.enable_lora:
             self.runner.enable_lora(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         self.executor = (
@@ -209,6 +212,7 @@ class LLMEngine:
             self.device,
             speculative=config.speculative_config is not None,
             pipelined=config.pipeline_parallel_size > 1,
+            pooler=self.runner.pooler,
         )
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.parallel_sampling = ParallelSampling(self.eos_token_ids, self.generator)

@@ -15,7 +15,13 @@ request's text is decoded once, when it finishes, which gives the same text.
 
 from __future__ import annotations
 
-from minipaged.outputs import CompletionOutput, Output, RequestOutput
+from minipaged.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Output,
+    RequestOutput,
+)
 from minipaged.sample.beam_search import BeamSearch
 from minipaged.sampling_params import RequestOutputKind, SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup
@@ -54,6 +60,10 @@ class OutputProcessor:
         return outputs
 
     def _finish(self, group: SequenceGroup) -> Output:
+        if group.embedding is not None:
+            return EmbeddingRequestOutput(
+                group.request_id, EmbeddingOutput(group.embedding), group.prompt_token_ids
+            )
         if group.is_beam_search:
             return self.beam_search.output(group)
         self._finish_texts(group)

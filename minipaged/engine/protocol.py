@@ -19,12 +19,13 @@ from dataclasses import dataclass
 
 from minipaged.config import EngineConfig
 from minipaged.lora_request import LoRARequest
-from minipaged.outputs import RequestOutput
+from minipaged.outputs import EmbeddingRequestOutput, RequestOutput
+from minipaged.pooling_params import PoolingParams
 from minipaged.sampling_params import SamplingParams
 
 # A request for the engine: (request id, prompt token ids, params, prompt text, LoRA
-# adapter or None).
-Request = tuple[str, list[int], SamplingParams, str | None, LoRARequest | None]
+# adapter or None); PoolingParams for a pooling engine (``runner="pooling"``).
+Request = tuple[str, list[int], SamplingParams | PoolingParams, str | None, LoRARequest | None]
 
 
 @dataclass
@@ -89,6 +90,12 @@ class EngineClient(ABC):
         """Check ``requests`` (``ValueError`` before queueing any) and queue them;
         return one stream of all their outputs.  Leaving it early aborts those still
         running, which frees their blocks."""
+
+    async def encode(self, requests: list[Request]) -> AsyncIterator[EmbeddingRequestOutput]:
+        """vLLM's ``encode``: queue pooling requests (PoolingParams; the engine must
+        run ``runner="pooling"``, ``ValueError`` otherwise) and return one stream of
+        their embeddings, one output each.  They travel as any request does."""
+        return await self.generate(requests)
 
     @abstractmethod
     async def add_lora(self, lora_request: LoRARequest) -> None:

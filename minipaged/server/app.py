@@ -3,6 +3,7 @@
     GET  /v1/models             the model served, and its LoRA adapters
     POST /v1/completions        prompt(s) -> text; streamed as server-sent events if asked
     POST /v1/chat/completions   messages -> the chat template -> a reply
+    POST /v1/embeddings         input(s) -> one embedding each (--runner pooling only)
     POST /tokenize              text or messages -> token ids (vLLM's)
     POST /detokenize            token ids -> text (vLLM's)
     GET  /tokenizer_info        the tokenizer's configuration (vLLM's)
@@ -30,6 +31,7 @@ grace period, then ends the rest with an error the client can read.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import threading
@@ -40,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager, suppress
 from pathlib import Path
 
+import numpy as np
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -51,7 +54,7 @@ from minipaged.config import EngineConfig
 from minipaged.engine.llm_engine import LLMEngine
 from minipaged.engine.protocol import EngineClient
 from minipaged.lora_request import LoRARequest
-from minipaged.outputs import CompletionOutput, RequestOutput
+from minipaged.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from minipaged.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -72,6 +75,7 @@ from minipaged.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ErrorResponse,
     LoadLoRAAdapterRequest,
     SamplingRequest,
@@ -160,6 +164,7 @@ class OpenAIServing:
         # One thread: tokenizing never blocks the event loop, and never runs twice at once.
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="minipaged-tokenize")
         self.adapters = ServedAdapters(engine)
+        self.runner = engine.facts.config.runner  # "generate" or "pooling"
 
     def models(self) -> dict:
         created = int(time.time())
@@ -250,7 +255,7 @@ class OpenAIServing:
         return JSONResponse({**head, "choices": choices, "usage": usage.as_dict()})
 
     async def _completion_prompts(
-        self, prompt, add_special_tokens: bool = True
+        self, prompt, add_special_tokens: bool = True, param: str = "prompt"
     ) -> list[tuple[list[int], str | None]]:
         """(token ids, text) per prompt: ``prompt`` is a str, a list of str, a list of
         token ids, or a list of those.  Counted and measured first, tokenized off the
@@ -258,17 +263,17 @@ class OpenAIServing:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt or any(not p for p in prompt):
-            raise APIError(400, "prompt must not be empty", "prompt")
+            raise APIError(400, f"{param} must not be empty", param)
         if len(prompt) > self.limits.max_prompts:
             raise APIError(
                 400,
-                f"prompt holds {len(prompt)} prompts, more than the "
+                f"{param} holds {len(prompt)} prompts, more than the "
                 f"{self.limits.max_prompts} one request may (--max-prompts)",
-                "prompt",
+                param,
             )
         for p in prompt:
             if isinstance(p, str):
-                self._check_chars(len(p), "prompt")
+                self._check_chars(len(p), param)
         return await self._off_loop(
             lambda: [
                 (self.tokenizer.encode(p, add_special_tokens=add_special_tokens), p)
@@ -276,6 +281,63 @@ class OpenAIServing:
                 else (p, None)
                 for p in prompt
             ]
+        )
+
+    # -- embeddings (a pooling model's) -----------------------------------------------
+    async def embeddings(self, body: EmbeddingRequest) -> Response:
+        """OpenAI's ``/v1/embeddings``: one engine request per input, each pooled once
+        its prompt has run (`minipaged.models.pooler`)."""
+        self._check_text(body)
+        if self.runner != "pooling":
+            raise APIError(
+                400,
+                "The model does not support the Embeddings API: this server generates; "
+                "start it with --runner pooling to serve /v1/embeddings",
+                "model",
+            )
+        self._check_model(body.model)
+        if name := body.unsupported():
+            raise APIError(400, f"{name} is not supported by minipaged", name)
+        try:
+            params = body.pooling_params()
+        except ValueError as error:
+            raise APIError(400, str(error), "dimensions") from error
+        prompts = await self._completion_prompts(body.input, body.add_special_tokens, "input")
+        for token_ids, _ in prompts:
+            if len(token_ids) > self.max_model_len:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, you requested {len(token_ids)} tokens in the input.",
+                    "input",
+                )
+        request_id = f"embd-{uuid.uuid4().hex}"
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        outputs = await self.engine.encode(
+            [(rid, token_ids, params, text, None) for rid, (token_ids, text) in zip(ids, prompts)]
+        )
+        finals: list[EmbeddingRequestOutput] = []
+        try:
+            async with aclosing(outputs):  # closing it (a cancelled task) aborts the rest
+                finals += [output async for output in outputs]
+        except (EngineDeadError, RequestFailedError, ServerClosingError) as error:
+            raise server_error(error) from error
+        finals.sort(key=lambda o: ids.index(o.request_id))
+        usage = Usage([token_ids for token_ids, _ in prompts]).as_dict()
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "object": "embedding",
+                        "index": i,
+                        "embedding": encode_embedding(o.outputs.embedding, body.encoding_format),
+                    }
+                    for i, o in enumerate(finals)
+                ],
+                "model": body.model or self.model_name,
+                "usage": {k: usage[k] for k in ("prompt_tokens", "total_tokens")},
+            }
         )
 
     def _prompt_text(self, prompt: tuple[list[int], str | None]) -> str:
@@ -501,6 +563,13 @@ class OpenAIServing:
         """Refuse what the request may not ask; returns the LoRA adapter its ``model``
         names (None: the base model)."""
         self._check_text(body)
+        if self.runner == "pooling":
+            raise APIError(
+                400,
+                "The model does not support the Completions or Chat API: this server "
+                "runs a pooling model (--runner pooling), which answers /v1/embeddings",
+                "model",
+            )
         lora_request = self._check_model(body.model)
         if name := body.unsupported():
             raise APIError(400, f"{name} is not supported by minipaged", name)
@@ -587,6 +656,14 @@ class OpenAIServing:
             yield sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def encode_embedding(embedding: list[float], encoding_format: str) -> list[float] | str:
+    """As OpenAI sends one: a list of numbers, or base64 of its little-endian float32
+    bytes."""
+    if encoding_format == "float":
+        return embedding
+    return base64.b64encode(np.asarray(embedding, dtype="<f4").tobytes()).decode()
 
 
 def unencodable_field(body: dict) -> str | None:
@@ -804,6 +881,10 @@ def build_app(
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         return await cancel_on_disconnect(request, serving.chat(body))
+
+    @app.post("/v1/embeddings", responses=ERROR_RESPONSES)
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await cancel_on_disconnect(request, serving.embeddings(body))
 
     app.post("/v1/load_lora_adapter", responses=ERROR_RESPONSES)(serving.load_lora_adapter)
     app.post("/v1/unload_lora_adapter", responses=ERROR_RESPONSES)(serving.unload_lora_adapter)

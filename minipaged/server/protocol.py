@@ -19,6 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from minipaged.pooling_params import PoolingParams
 from minipaged.sampling_params import RequestOutputKind, SamplingParams
 
 # Fields of OpenAI's and vLLM's requests that minipaged does not implement, and the
@@ -262,6 +263,41 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+# vLLM's fields of an embeddings request that minipaged does not implement.
+EMBEDDING_UNSUPPORTED = {
+    "truncate_prompt_tokens": (None,),
+    "priority": (None, 0),
+    "request_id": (None,),
+    "mm_processor_kwargs": (None,),
+    "cache_salt": (None,),
+    "use_activation": (None,),
+    "embed_dtype": (None, "float32"),
+    "endianness": (None, "native", "little"),
+}
+
+
+class EmbeddingRequest(BaseModel):
+    """``POST /v1/embeddings``, OpenAI's (and vLLM's ``add_special_tokens`` and
+    ``normalize``): ``input`` is a string, a list of them, a token array or a list of
+    token arrays; ``encoding_format`` ``"float"`` (lists of numbers) or ``"base64"``
+    (little-endian float32 bytes, as OpenAI's)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None
+
+    def unsupported(self) -> str | None:
+        return unsupported_field(self, {**UNSUPPORTED, **EMBEDDING_UNSUPPORTED})
+
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(dimensions=self.dimensions, normalize=self.normalize)
 
 
 class ErrorInfo(BaseModel):

@@ -42,6 +42,7 @@ from minipaged.models.attention import (
     token_positions,
 )
 from minipaged.models.lora import LoRAModelManager
+from minipaged.models.pooler import Pooler
 from minipaged.sample.prompt_logprobs import compute_prompt_logprobs
 from minipaged.worker.compiled_decode import CompiledDecode
 from minipaged.worker.cuda_graphs import DecodeGraphs
@@ -56,6 +57,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | CompiledDecode | None = None
         self.lora: LoRAModelManager | None = None
         self.input_batch: InputBatch | None = None  # `init_input_batch`, or the first step
+        self.pooler: Pooler | None = None  # a pooling runner's: no logits, embeddings
 
     def init_input_batch(self, max_num_seqs: int, max_model_len: int) -> None:
         """Preallocate the persistent batch for ``max_num_seqs`` rows of
@@ -103,6 +105,9 @@ class ModelRunner:
             return self._execute_stage_batch(rows, counts, guesses, kv_caches)
         inputs = batch.prepare(rows, counts, guesses)
         hidden = self._run_model(inputs, kv_caches)
+        if self.pooler is not None:  # a pooling runner samples nothing
+            self._pool(scheduler_output, rows, counts, hidden)
+            return [], None
         if scheduler_output.prompt_logprob_positions:
             self._prompt_logprobs(scheduler_output, rows, counts, hidden)
         if not inputs.sampling_req_ids:
@@ -134,6 +139,17 @@ class ModelRunner:
                 scored.append((groups.get(req_id), p + 1))
             offset += count
         compute_prompt_logprobs(self.model, hidden, index, scored)
+
+    def _pool(self, scheduler_output, rows, counts, hidden) -> None:
+        """Fold each sequence's rows of the step's hidden states into its request's
+        pooled state (`Pooler.add`)."""
+        groups = {s.seq.seq_id: s.group for s in scheduler_output.seqs}
+        batch, offset = self.input_batch, 0
+        for row, count in zip(rows.tolist(), counts.tolist()):
+            req_id = batch.req_ids[row]
+            start = int(batch.num_computed_tokens[row])
+            self.pooler.add(groups[req_id], start, hidden[offset : offset + count])
+            offset += count
 
     @torch.inference_mode()
     def execute(

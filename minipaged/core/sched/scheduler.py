@@ -264,6 +264,9 @@ class Scheduler:
         for group in dict.fromkeys(s.group for s in scheduler_output.seqs):
             if group.status is SequenceStatus.FINISHED:  # aborted
                 continue
+            if group.embedding is not None and not group.is_finished:
+                # A pooling request is done once its prompt is: its blocks go back now.
+                self._finish_seq(group, group.seqs[0], "stop", None)
             if group.is_finished:
                 self.retire(group)
             groups.append(group)
