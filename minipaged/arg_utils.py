@@ -68,7 +68,11 @@ def positive_int(text: str) -> int:
 
 
 # Fields whose flag parses its value other than by the field's type.
-TYPES = {"speculative_config": json_object, "compilation_config": mode_or_json_object}
+TYPES = {
+    "speculative_config": json_object,
+    "kv_transfer_config": json_object,
+    "compilation_config": mode_or_json_object,
+}
 # Not flags: the model is an argument of its own; a trace needs code to read it.
 NOT_ENGINE_FLAGS = ("model", "trace")
 # vLLM's convention: `serve MODEL`, `--model MODEL` everywhere else; each resolved by
