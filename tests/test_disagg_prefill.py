@@ -259,3 +259,22 @@ def test_the_serve_flag_takes_vllms_json():
     config = EngineConfig(model="m", **engine_kwargs(args))
     assert config.kv_transfer_config == KVTransferConfig(**GOOD)
     assert config.kv_transfer_config.is_kv_producer and config.kv_transfer_config.is_kv_consumer
+
+
+def test_parallel_sampling_after_a_load_draws_what_a_single_engine_draws(model, storage):
+    """n = 2, seeded: the completions fork from the loaded prompt's blocks (copy-on-write)
+    and draw the same tokens as an engine without a connector that computed the prompt."""
+    params = SamplingParams(n=2, temperature=0.9, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = PROMPTS[1:3]
+    runs = []
+    for transfer_config in (None, transfer("kv_consumer", storage[0])):
+        llm = make_llm(
+            model[0], block_size=BLOCK_SIZE, num_gpu_blocks=POOL, kv_transfer_config=transfer_config
+        )
+        outputs = llm.generate(as_inputs(prompts), params, use_tqdm=False)
+        runs.append([[c.token_ids for c in o.outputs] for o in outputs])
+        loaded = llm.stats()["num_external_computed_tokens"]
+        assert_all_blocks_free(llm)
+        llm.shutdown()
+    assert loaded == sum(map(loadable, prompts))
+    assert runs[0] == runs[1]
