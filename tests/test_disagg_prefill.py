@@ -35,6 +35,7 @@ from minipaged.core.memory.block_table import blocks_for
 from minipaged.distributed.kv_transfer.kv_connector.v1.shared_storage_connector import (
     prompt_key,
 )
+from minipaged.sampling_params import BeamSearchParams
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 8
@@ -278,3 +279,23 @@ def test_parallel_sampling_after_a_load_draws_what_a_single_engine_draws(model, 
         llm.shutdown()
     assert loaded == sum(map(loadable, prompts))
     assert runs[0] == runs[1]
+
+
+def test_beam_search_after_a_load_ranks_what_a_single_engine_ranks(model, storage):
+    """Beams fork from the loaded prompt's blocks; their tokens and scores are those of
+    an engine without a connector."""
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    runs = []
+    for transfer_config in (None, transfer("kv_consumer", storage[0])):
+        llm = make_llm(
+            model[0], block_size=BLOCK_SIZE, num_gpu_blocks=POOL, kv_transfer_config=transfer_config
+        )
+        outputs = llm.beam_search(as_inputs(PROMPTS[1:3]), params)
+        runs.append([[(s.tokens, s.cum_logprob) for s in o.sequences] for o in outputs])
+        loaded = llm.stats()["num_external_computed_tokens"]
+        assert_all_blocks_free(llm)
+        llm.shutdown()
+    assert loaded == sum(map(loadable, PROMPTS[1:3]))
+    assert [[t for t, _ in r] for r in runs[0]] == [[t for t, _ in r] for r in runs[1]]
+    for ours, theirs in zip(runs[0], runs[1]):
+        assert [s for _, s in ours] == pytest.approx([s for _, s in theirs], abs=1e-4)
