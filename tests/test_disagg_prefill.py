@@ -299,3 +299,25 @@ def test_beam_search_after_a_load_ranks_what_a_single_engine_ranks(model, storag
     assert [[t for t, _ in r] for r in runs[0]] == [[t for t, _ in r] for r in runs[1]]
     for ours, theirs in zip(runs[0], runs[1]):
         assert [s for _, s in ours] == pytest.approx([s for _, s in theirs], abs=1e-4)
+
+
+def test_an_int8_cache_moves_its_scales_with_its_blocks(model, tmp_path):
+    """int8's scales are per token and KV head, in blocks like the values: a consumer's
+    greedy tokens equal those of an int8 engine that computed the prompts."""
+    runs = []
+    for role in (None, "kv_producer", "kv_consumer"):
+        llm = make_llm(
+            model[0],
+            block_size=BLOCK_SIZE,
+            num_gpu_blocks=POOL,
+            kv_cache_dtype="int8",
+            kv_transfer_config=role and transfer(role, tmp_path),
+        )
+        params = PREFILL if role == "kv_producer" else GREEDY
+        outputs = llm.generate(as_inputs(PROMPTS), params, use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outputs])
+        loaded = llm.stats()["num_external_computed_tokens"]
+        assert_all_blocks_free(llm)
+        llm.shutdown()
+    assert loaded == sum(map(loadable, PROMPTS))
+    assert runs[2] == runs[0]
