@@ -321,3 +321,29 @@ def test_an_int8_cache_moves_its_scales_with_its_blocks(model, tmp_path):
         llm.shutdown()
     assert loaded == sum(map(loadable, PROMPTS))
     assert runs[2] == runs[0]
+
+
+def test_an_entry_removed_after_the_check_still_loads_what_was_checked(model, storage, tmp_path):
+    """The worker copies the bytes the scheduler checked, not the files as they are
+    when the step runs: removing the entry between the two changes nothing."""
+    root = tmp_path / "store"
+    shutil.copytree(storage[0], root)
+    consumer = make_llm(
+        model[0],
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks=POOL,
+        kv_transfer_config=transfer("kv_consumer", root),
+    )
+    execute = consumer.engine.executor.execute
+
+    def remove_then_execute(batch):
+        shutil.rmtree(root / prompt_key(PROMPTS[1]), ignore_errors=True)
+        return execute(batch)
+
+    consumer.engine.executor.execute = remove_then_execute
+    outputs = consumer.generate(as_inputs([PROMPTS[1]]), GREEDY, use_tqdm=False)
+    assert_greedy_matches_hf(outputs, [PROMPTS[1]], model[1], MAX_TOKENS)
+    assert consumer.stats()["num_external_computed_tokens"] == loadable(PROMPTS[1])
+    assert not (root / prompt_key(PROMPTS[1])).exists()
+    assert_all_blocks_free(consumer)
+    consumer.shutdown()

@@ -7,9 +7,10 @@ layer's cache tensors: keys, values, and int8's scales), under a folder named by
 of the prompt's tokens; ``meta.json`` is written last, with each file's SHA-256, so a
 folder without it (a save cut short) is never read.  The consumer's scheduler checks the
 folder before trusting it (the files are there and their hashes match: a missing or
-corrupt entry means the prompt is computed instead), and its worker copies the stored
-blocks into whichever blocks its own scheduler gave the sequence: the block ids differ
-on each side, the logical order does not.
+corrupt entry means the prompt is computed instead) and hands its worker the very bytes
+it checked, so an entry changed or removed after the check never reaches the cache; the
+worker copies the stored blocks into whichever blocks its own scheduler gave the
+sequence: the block ids differ on each side, the logical order does not.
 
 Only full blocks of the prompt are loaded, and never its last token, which the consumer
 computes for the logits it samples from (vLLM does the same).  Loading is synchronous,
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import load, save
 
 from minipaged.core.memory.block_table import blocks_for
 from minipaged.core.sched.output import SchedulerOutput
@@ -55,6 +56,7 @@ class ReqMeta:
     block_ids: list[int]
     stored_blocks: list[int]  # a load's block indices in the stored files
     num_tokens: int = 0  # a save's prompt length
+    layers: dict[str, bytes] = field(default_factory=dict)  # a load's checked files
 
 
 @dataclass
@@ -74,7 +76,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self.root = Path(config.kv_connector_extra_config["shared_storage_path"])
         self.block_size = facts.block_size
         # The scheduler's per-step state: matches waiting for their blocks, and loads.
-        self._pending: dict[str, tuple[str, int, int]] = {}
+        self._pending: dict[str, tuple[str, int, int, dict[str, bytes]]] = {}
         self._loads: list[ReqMeta] = []
         self._saved: dict[str, dict[str, str]] = {}  # the worker's: key -> layer -> sha256
         if role is KVConnectorRole.SCHEDULER:
@@ -105,20 +107,21 @@ class SharedStorageConnector(KVConnectorBase_V1):
             return 0, False
         prompt = request.token_ids[: request.prompt_len]
         key = prompt_key(prompt)
-        stored = self._num_stored_tokens(key)
+        stored, layers = self._read_entry(key)
         # Whole blocks, never the last token (its logits are sampled from).
         loadable = min(stored, len(prompt) - 1) // self.block_size * self.block_size
         num_new = max(0, loadable - num_computed_tokens)
         if num_new:
-            self._pending[request.seq_id] = (key, num_computed_tokens, num_new)
+            self._pending[request.seq_id] = (key, num_computed_tokens, num_new, layers)
         return num_new, False
 
-    def _num_stored_tokens(self, key: str) -> int:
-        """The prompt tokens stored under ``key``, 0 if none or if the entry is
-        incomplete or corrupt (then the consumer computes them: a warning, no error)."""
+    def _read_entry(self, key: str) -> tuple[int, dict[str, bytes]]:
+        """The prompt tokens stored under ``key`` and each layer's file, checked; 0 if
+        none, or if the entry is incomplete or corrupt (then the consumer computes
+        them: a warning, no error)."""
         folder = self.root / key
         if not (folder / META_FILE).is_file():
-            return 0
+            return 0, {}
         try:
             meta = json.loads((folder / META_FILE).read_text())
             files = meta["files"]
@@ -126,13 +129,14 @@ class SharedStorageConnector(KVConnectorBase_V1):
                 raise ValueError(
                     f"{len(files)} layers stored, the model has {self.facts.num_layers}"
                 )
+            layers = {layer: (folder / f"{layer}.safetensors").read_bytes() for layer in files}
             for layer, digest in files.items():
-                if _sha256((folder / f"{layer}.safetensors").read_bytes()) != digest:
+                if _sha256(layers[layer]) != digest:
                     raise ValueError(f"layer {layer!r}'s file does not match its hash")
-            return int(meta["num_tokens"])
+            return int(meta["num_tokens"]), layers
         except (OSError, ValueError, KeyError, TypeError) as error:
             logger.warning("stored KV under %s is unusable (%s): computing it", folder, error)
-            return 0
+            return 0, {}
 
     def update_state_after_alloc(
         self, request: Sequence, blocks: list[int], num_external_tokens: int
@@ -140,10 +144,11 @@ class SharedStorageConnector(KVConnectorBase_V1):
         pending = self._pending.pop(request.seq_id, None)
         if not num_external_tokens or pending is None:
             return
-        key, start, num_new = pending
+        key, start, num_new, layers = pending
         first, last = start // self.block_size, (start + num_new) // self.block_size
+        blocks = list(blocks[first:last])
         self._loads.append(
-            ReqMeta(request.seq_id, key, list(blocks[first:last]), list(range(first, last)))
+            ReqMeta(request.seq_id, key, blocks, list(range(first, last)), layers=layers)
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -173,10 +178,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
     # -- worker side ------------------------------------------------------------------
     def start_load_kv(self, forward_context: ForwardContext) -> None:
         for req in self._get_connector_metadata().loads:
-            folder = self.root / req.key
             stored_index = torch.tensor(req.stored_blocks)
             for layer, kv_layer in forward_context.kv_caches.items():
-                stored = load_file(folder / f"{layer}.safetensors")
+                stored = load(req.layers[layer])  # the bytes the scheduler checked
                 for i, cache in enumerate(kv_layer):
                     src = stored[str(i)][stored_index]
                     if src.shape[1:] != cache.shape[1:] or src.dtype != cache.dtype:
