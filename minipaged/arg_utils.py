@@ -76,6 +76,7 @@ TYPES = {
     "speculative_config": json_object,
     "compilation_config": mode_or_json_object,
     "pooler_config": json_object,
+    "kv_transfer_config": json_object,
 }
 # Not flags: the model is an argument of its own; a trace needs code to read it.
 NOT_ENGINE_FLAGS = ("model", "trace")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from minipaged.core.memory.contiguous import POLICIES
 from minipaged.pooling_params import PoolerConfig
@@ -134,11 +134,19 @@ class EngineConfig:
         runner: ``"generate"`` (``"auto"``) or ``"pooling"``: every request then gets
             one embedding of its prompt (`LLM.embed`, ``/v1/embeddings``) and generates
             nothing (`minipaged.models.pooler`).  Not with tensor or pipeline
-            parallelism, speculative decoding, LoRA or a contiguous ``memory_mode``.
+            parallelism, speculative decoding, LoRA, a contiguous ``memory_mode`` or a
+            KV connector.
         task: vLLM's older name for it: ``"embed"`` is ``runner="pooling"``.
         pooler_config: how a pooling runner pools, as vLLM's dict:
             ``{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}``
             (`PoolerConfig`); None: LAST, normalized.
+        kv_transfer_config: disaggregated prefill, as vLLM's dict (`KVTransferConfig`):
+            ``{"kv_connector": "SharedStorageConnector", "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": DIR}}``; a producer
+            saves each prompt's KV, a consumer loads it instead of computing it
+            (`minipaged.distributed.kv_transfer`).  None: off.  Not with tensor or
+            pipeline parallelism, speculative decoding, compilation, an fp8 KV cache
+            or a contiguous ``memory_mode``.
     """
 
     model: str
@@ -178,6 +186,7 @@ class EngineConfig:
     runner: str = "auto"
     task: str | None = None
     pooler_config: PoolerConfig | dict | None = None
+    kv_transfer_config: KVTransferConfig | dict | None = None
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
@@ -263,6 +272,7 @@ class EngineConfig:
         self._check_pipeline()
         self._check_quantization()
         self._check_runner()
+        self._check_kv_transfer()
 
     def _check_runner(self) -> None:
         """Settle ``runner`` (from ``task`` if given) and ``pooler_config``, and refuse
@@ -289,12 +299,27 @@ class EngineConfig:
             "speculative_config": self.speculative_config is not None,
             "enable_lora": self.enable_lora,
             "memory_mode": self.memory_mode != "paged",
+            "kv_transfer_config": self.kv_transfer_config is not None,
         }
-        for name, used in combos.items():
-            if used:
-                raise ValueError(
-                    f"runner='pooling' cannot run with {name}={getattr(self, name)!r} in minipaged"
-                )
+        _refuse_combinations("runner='pooling'", combos, self)
+
+    def _check_kv_transfer(self) -> None:
+        """What a KV connector cannot run with in minipaged: its blocks are one
+        process's whole layers, loaded and saved around an eager forward pass, with
+        no per-layer scale that differs between two engines (fp8's)."""
+        self.kv_transfer_config = KVTransferConfig.from_value(self.kv_transfer_config)
+        if self.kv_transfer_config is None:
+            return
+        combos = {
+            "tensor_parallel_size": self.tensor_parallel_size > 1,
+            "pipeline_parallel_size": self.pipeline_parallel_size > 1,
+            "distributed_executor_backend": self.distributed_executor_backend != "mp",
+            "speculative_config": self.speculative_config is not None,
+            "compilation_config": self.compilation_config.mode != 0,
+            "kv_cache_dtype": self.kv_cache_dtype.startswith("fp8"),
+            "memory_mode": self.memory_mode != "paged",
+        }
+        _refuse_combinations("kv_transfer_config", combos, self)
 
     def _check_quantization(self) -> None:
         """What quantized weights cannot run with in minipaged: the parallel ranks and
@@ -308,12 +333,7 @@ class EngineConfig:
             "enable_lora": self.enable_lora,
             "compilation_config": self.compilation_config.mode != 0,
         }
-        for name, used in combos.items():
-            if used:
-                raise ValueError(
-                    f"quantization={self.quantization!r} cannot run with {name}="
-                    f"{getattr(self, name)!r} in minipaged"
-                )
+        _refuse_combinations(f"quantization={self.quantization!r}", combos, self)
 
     def _check_pipeline(self) -> None:
         """What pipeline stages cannot run in minipaged (the stages' runners hold no
@@ -326,6 +346,115 @@ class EngineConfig:
                     f"{name} cannot run with pipeline_parallel_size="
                     f"{self.pipeline_parallel_size} in minipaged"
                 )
+
+
+def _refuse_combinations(what: str, combos: dict[str, bool], config: EngineConfig) -> None:
+    """Raise ``ValueError`` naming the first setting of ``combos`` that ``config`` uses
+    and ``what`` cannot run with."""
+    for name, used in combos.items():
+        if used:
+            raise ValueError(
+                f"{what} cannot run with {name}={getattr(config, name)!r} in minipaged"
+            )
+
+
+# The KV connectors minipaged has (vLLM's names), and the roles an engine plays.
+KV_CONNECTORS = ("SharedStorageConnector",)
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# What each connector reads of kv_connector_extra_config: required keys, then optional.
+KV_CONNECTOR_EXTRA_KEYS = {"SharedStorageConnector": (("shared_storage_path",), ())}
+
+
+@dataclass
+class KVTransferConfig:
+    """Disaggregated prefill's settings, with vLLM's ``kv_transfer_config`` keys.
+
+    Args:
+        kv_connector: the connector class, by vLLM's name: ``"SharedStorageConnector"``
+            (the KV of each prompt in files under a directory both engines see).
+        kv_role: ``"kv_producer"`` (runs prefills and saves their KV),
+            ``"kv_consumer"`` (loads the KV a producer saved) or ``"kv_both"``.
+        kv_rank: this engine's rank among the KV-transfer instances (None: unset).
+        kv_parallel_size: how many instances take part.
+        kv_ip, kv_port: where a networked connector meets its peer (unused by the
+            shared-storage connector, as in vLLM).
+        kv_connector_extra_config: the connector's own settings:
+            ``{"shared_storage_path": DIR}`` for ``SharedStorageConnector``.
+    """
+
+    kv_connector: str | None = None
+    kv_role: str | None = None
+    kv_rank: int | None = None
+    kv_parallel_size: int = 1
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    kv_connector_extra_config: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _choice("kv_transfer_config 'kv_connector'", self.kv_connector, KV_CONNECTORS)
+        _choice("kv_transfer_config 'kv_role'", self.kv_role, KV_ROLES)
+        _positive_int("kv_transfer_config 'kv_parallel_size'", self.kv_parallel_size)
+        if self.kv_rank is not None and (
+            not isinstance(self.kv_rank, int)
+            or isinstance(self.kv_rank, bool)
+            or not 0 <= self.kv_rank < self.kv_parallel_size
+        ):
+            raise ValueError(
+                f"kv_transfer_config 'kv_rank' must be an int in [0, {self.kv_parallel_size}) "
+                f"or None, got {self.kv_rank!r}"
+            )
+        if not isinstance(self.kv_ip, str) or not self.kv_ip:
+            raise ValueError(f"kv_transfer_config 'kv_ip' must be a host, got {self.kv_ip!r}")
+        if not isinstance(self.kv_port, int) or not 0 < self.kv_port < 65536:
+            raise ValueError(
+                f"kv_transfer_config 'kv_port' must be an int in [1, 65535], got {self.kv_port!r}"
+            )
+        self._check_extra_config()
+
+    def _check_extra_config(self) -> None:
+        extra = self.kv_connector_extra_config
+        if not isinstance(extra, dict):
+            raise ValueError(
+                f"kv_transfer_config 'kv_connector_extra_config' must be a dict, got {extra!r}"
+            )
+        required, optional = KV_CONNECTOR_EXTRA_KEYS[self.kv_connector]
+        if unknown := [key for key in extra if key not in (*required, *optional)]:
+            raise ValueError(
+                f"kv_connector_extra_config key {unknown[0]!r} is not supported by "
+                f"{self.kv_connector} (it takes {', '.join(required + optional)})"
+            )
+        for key in required:
+            if isinstance(extra.get(key), os.PathLike):
+                extra[key] = os.fspath(extra[key])
+            if not isinstance(extra.get(key), str) or not extra[key]:
+                raise ValueError(
+                    f"kv_connector_extra_config {key!r} is required by {self.kv_connector}, "
+                    f"got {extra.get(key)!r}"
+                )
+
+    @classmethod
+    def from_value(cls, value) -> KVTransferConfig | None:
+        """vLLM's forms: None, a `KVTransferConfig` or its dict (an unknown key is
+        refused, never ignored)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_config must be a dict or None, got {value!r}")
+        keys = [f.name for f in dataclasses.fields(cls)]
+        if unknown := [key for key in value if key not in keys]:
+            raise ValueError(
+                f"kv_transfer_config key {unknown[0]!r} is not supported by minipaged "
+                f"(it takes {', '.join(keys)})"
+            )
+        return cls(**value)
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
 
 
 # vLLM's CompilationMode values that minipaged runs: NONE, STOCK_TORCH_COMPILE.

@@ -327,6 +327,19 @@ def test_the_internals_finder_finds_what_the_server_once_did():
 
 # -- one device never runs the multi-process code ------------------------------------
 GROUP_OBJECT = "minipaged.distributed.parallel_state"  # the process group, SINGLE on one device
+# Disaggregated prefill's KV connectors run beside one device's scheduler and runner.
+KV_TRANSFER = "minipaged.distributed.kv_transfer"
+
+
+def enters_multi_process_code(name: str) -> bool:
+    """An import of ``minipaged.distributed`` past what one device runs."""
+    return (
+        name.startswith("minipaged.distributed")
+        and name != GROUP_OBJECT
+        and not (name == KV_TRANSFER or name.startswith(KV_TRANSFER + "."))
+    )
+
+
 # The models are built from distributed/'s parallel layers, which are plain layers on one
 # device; everything else above them is the single-device path.
 BUILT_FROM_PARALLEL_LAYERS = ("minipaged.distributed", "minipaged.models")
@@ -342,7 +355,7 @@ def test_single_device_modules_import_only_the_group_object_from_distributed():
         f"{module} -> {name}"
         for module in single_device_modules(imports)
         for name in imports[module]
-        if name.startswith("minipaged.distributed") and name != GROUP_OBJECT
+        if enters_multi_process_code(name)
     ]
     assert not entering, "single-device modules importing distributed/:\n" + "\n".join(entering)
 
@@ -356,7 +369,7 @@ def test_the_engine_enters_distributed_in_one_place():
         f"{module} -> {name}"
         for module in single_device_modules(every)
         for name in every[module] - at_import[module]
-        if name.startswith("minipaged.distributed") and name != GROUP_OBJECT
+        if enters_multi_process_code(name)
     )
     assert lazy == [
         "minipaged.engine.llm_engine -> minipaged.distributed.executor",

@@ -7,6 +7,8 @@
   and LM head, which the models build from;
 - `worker`: a worker process, one rank's shard of the model and of the KV cache;
 - `executor`: the driver's side, running each step over the group of processes.
+- `kv_transfer`: disaggregated prefill, vLLM V1's KV connectors, which move a prompt's
+  KV from one engine to another (one device runs them, with ``kv_transfer_config``).
 
 The first two sit below the models; the last two above the model runner and cache
 engine, beside the engine (``docs/architecture.md``).  One device runs nothing here but

@@ -44,7 +44,7 @@ from minipaged.engine.input_processor import InputProcessor, Params
 from minipaged.engine.output_processor import OutputProcessor
 from minipaged.executor.uniproc_executor import Executor
 from minipaged.lora_request import LoRARequest
-from minipaged.models.attention import calculate_kv_scales_on_next_batch, head_dim
+from minipaged.models.attention import calculate_kv_scales_on_next_batch, head_dim, latent_dim
 from minipaged.models.hub import resolve_model
 from minipaged.models.loader import load_model, model_class, read_config
 from minipaged.models.moe import routing_stats
@@ -82,6 +82,7 @@ class LLMEngine:
         try:
             self._load_model(path)
             self._build_kv_cache()
+            self.kv_connector = make_kv_connectors(self, path)
             self._build_step_parts()
         except BaseException:
             self.shutdown()
@@ -175,7 +176,11 @@ class LLMEngine:
         self.runner.init_input_batch(
             config.max_num_seqs, self.max_model_len + num_lookahead(config)
         )
-        if uses_decode_graphs(config, self.device, self.attention_backend, self.model.config):
+        # A replayed graph would skip the KV connector's hooks on the attention layers.
+        graphs = config.kv_transfer_config is None
+        if graphs and uses_decode_graphs(
+            config, self.device, self.attention_backend, self.model.config
+        ):
             capture_decode_graphs(
                 self.runner, self.cache_engine.gpu_cache, config.max_num_seqs, self.max_model_len
             )
@@ -201,6 +206,7 @@ class LLMEngine:
         )
         if config.enable_lora:
             self.scheduler.lora_slots = LoRASlots(config.max_loras)
+        self.scheduler.connector = self.kv_connector
         self.adapters = Adapters(
             self.runner.lora, self.scheduler.lora_slots, self.scheduler.requests
         )
@@ -380,6 +386,9 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
+            # Prompt tokens run through the model, and those a KV connector loaded.
+            "num_computed_prompt_tokens": self.scheduler.num_computed_prompt_tokens,
+            "num_external_computed_tokens": self.scheduler.num_external_computed_tokens,
             **(self.speculator.stats() if self.speculator else {}),
             **(self.draft_memory() if self.draft_model else {}),
             **routing_stats(self.model),
@@ -398,6 +407,41 @@ def num_lookahead(config: EngineConfig) -> int:
     """Token slots a row holds past ``max_model_len``: a draft's guesses."""
     spec = config.speculative_config
     return spec.num_speculative_tokens if spec else 0
+
+
+def make_kv_connectors(engine: LLMEngine, path: Path):
+    """With ``kv_transfer_config``, the scheduler's side of its KV connector (returned)
+    and the worker's (given to the model runner), which must agree with the engines
+    they exchange KV with on the facts of `KVCacheFacts`; None without one."""
+    transfer = engine.config.kv_transfer_config
+    if transfer is None:
+        return None
+    from minipaged.distributed.kv_transfer.kv_connector.factory import (  # noqa: PLC0415
+        KVConnectorFactory,
+    )
+    from minipaged.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
+        KVCacheFacts,
+        KVConnectorRole,
+    )
+
+    config = engine.model.config
+    if latent_dim(config):
+        raise ValueError(
+            "kv_transfer_config cannot run with a latent-attention (MLA) model in minipaged"
+        )
+    facts = KVCacheFacts(
+        model=path.name,
+        block_size=engine.config.block_size,
+        dtype=str(engine.model.model.embed_tokens.weight.dtype).removeprefix("torch."),
+        kv_cache_dtype=str(engine.kv_cache_dtype).removeprefix("torch."),
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim(config),
+    )
+    scheduler_side = KVConnectorFactory.create_connector(transfer, KVConnectorRole.SCHEDULER, facts)
+    worker_side = KVConnectorFactory.create_connector(transfer, KVConnectorRole.WORKER, facts)
+    engine.runner.set_kv_connector(worker_side)
+    return scheduler_side
 
 
 def start_workers(config: EngineConfig, path: Path, device: torch.device, attention_backend: str):

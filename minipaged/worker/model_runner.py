@@ -24,6 +24,11 @@ within its prefills and its decodes, so each adapter's tokens form few segments.
 On a pipeline stage (``pipeline_parallel_size`` > 1) the runner runs the stage's layers
 only, micro-batch by micro-batch, receiving and sending the hidden states between
 stages (`ModelRunner._execute_stage`).
+With a KV connector (disaggregated prefill, `set_kv_connector`), a step loads the KV
+its scheduler counted as loaded before the forward pass, and each attention layer
+waits for its own layer's load before it runs and hands its cache to the connector to
+save after it: hooks on the layers, as vLLM's attention layers call the connector from
+its forward context, so the model itself knows nothing of it.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from minipaged.distributed.parallel_state import TIMELINE
 from minipaged.lora_request import LoRARequest
 from minipaged.models.attention import (
     AttentionMetadata,
+    PagedAttention,
     allocate_kv_caches,
     int_tensor,
     token_positions,
@@ -58,6 +64,23 @@ class ModelRunner:
         self.lora: LoRAModelManager | None = None
         self.input_batch: InputBatch | None = None  # `init_input_batch`, or the first step
         self.pooler: Pooler | None = None  # a pooling runner's: no logits, embeddings
+        self.kv_connector = None  # the worker's side of a KV connector (`set_kv_connector`)
+        self.kv_layer_names: list[str] = []
+
+    def set_kv_connector(self, connector) -> None:
+        """Load and save KV through ``connector``'s worker side: each attention layer
+        waits for its load before it runs and offers its cache for saving after."""
+        # Only with a connector: one device without one loads nothing of distributed/.
+        from minipaged.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
+            ForwardContext,
+        )
+
+        self.kv_connector, self._forward_context_type = connector, ForwardContext
+        layers = [(n, m) for n, m in self.model.named_modules() if isinstance(m, PagedAttention)]
+        self.kv_layer_names = [name for name, _ in layers]
+        for name, layer in layers:
+            layer.register_forward_pre_hook(_wait_for_layer_load(connector, name))
+            layer.register_forward_hook(_save_kv_layer(connector, name))
 
     def init_input_batch(self, max_num_seqs: int, max_model_len: int) -> None:
         """Preallocate the persistent batch for ``max_num_seqs`` rows of
@@ -104,7 +127,10 @@ class ModelRunner:
         if self.model.pp.size > 1:
             return self._execute_stage_batch(rows, counts, guesses, kv_caches)
         inputs = batch.prepare(rows, counts, guesses)
-        hidden = self._run_model(inputs, kv_caches)
+        if self.kv_connector is None:
+            hidden = self._run_model(inputs, kv_caches)
+        else:
+            hidden = self._run_model_with_kv_transfer(scheduler_output, inputs, kv_caches)
         if self.pooler is not None:  # a pooling runner samples nothing
             self._pool(scheduler_output, rows, counts, hidden)
             return [], None
@@ -124,6 +150,19 @@ class ModelRunner:
         if out is None:
             out = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn, hidden)
         return out
+
+    def _run_model_with_kv_transfer(self, scheduler_output, inputs, kv_caches) -> torch.Tensor:
+        """`_run_model` between the connector's load (before) and its saves (after)."""
+        connector = self.kv_connector
+        connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+        try:
+            caches = dict(zip(self.kv_layer_names, kv_caches))
+            connector.start_load_kv(self._forward_context_type(caches))
+            hidden = self._run_model(inputs, kv_caches)
+            connector.wait_for_save()
+        finally:
+            connector.clear_connector_metadata()
+        return hidden
 
     def _prompt_logprobs(self, scheduler_output, rows, counts, hidden) -> None:
         """Score the prompt tokens the step's sequences ask for (every rank projects;
@@ -324,6 +363,27 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         outside_torch = total - free - torch.cuda.memory_reserved(self.device)
         return int(total * gpu_memory_utilization - peak - outside_torch)
+
+
+def _wait_for_layer_load(connector, layer_name: str):
+    """A pre-hook: the layer's KV is loaded before its attention reads it."""
+
+    def hook(module, args):
+        if connector.has_connector_metadata():
+            connector.wait_for_layer_load(layer_name)
+
+    return hook
+
+
+def _save_kv_layer(connector, layer_name: str):
+    """A hook: the layer's cache (``args[3]``, its new keys and values written) goes to
+    the connector to save, with the step's attention metadata (``args[4]``)."""
+
+    def hook(module, args, output):
+        if connector.has_connector_metadata():
+            connector.save_kv_layer(layer_name, args[3], args[4])
+
+    return hook
 
 
 def sample_rows(seqs: list[ScheduledSeq], device: torch.device) -> torch.Tensor:

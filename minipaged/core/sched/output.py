@@ -123,6 +123,9 @@ class SchedulerOutput:
     prompt_logprob_positions: dict[str, range] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)  # rows the runner drops first
     preempted_req_ids: set[str] = field(default_factory=set)  # requests preempted
+    # Disaggregated prefill: what the KV connector's worker side loads and saves this
+    # step (its `build_connector_meta`); None without a connector.
+    kv_connector_metadata: Any = None
 
     @property
     def num_batched_tokens(self) -> int:

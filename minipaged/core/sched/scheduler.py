@@ -44,6 +44,12 @@ remembers, per sequence the runner holds, how many of its tokens and blocks it h
 (``_held``), so a running sequence costs a step a few integers, and every sequence whose
 blocks are freed or swapped out is named once in the next output's ``finished_req_ids``.
 
+With a KV connector (``kv_transfer_config``, disaggregated prefill), admission asks
+it too: the prompt tokens past the prefix-cache hit that another engine computed
+(`KVConnectorBase_V1.get_num_new_matched_tokens`) get blocks like the rest but count as
+computed, and the step's `SchedulerOutput` carries what the workers must load into those
+blocks and save of the prompts it finishes (``kv_connector_metadata``).
+
 Standard library only.
 """
 
@@ -51,6 +57,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from minipaged.config import PREEMPTION_MODES
 from minipaged.core.memory import Allocation, KVCacheManager
@@ -67,6 +74,9 @@ from minipaged.core.sched.output import (
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.trace import Trace
+
+if TYPE_CHECKING:  # the engine builds it; the scheduler never imports a connector
+    from minipaged.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 
 def make_scheduler(
@@ -129,6 +139,11 @@ class Scheduler:
         # check of stop strings on the text so far (which detokenizes; None: no text).
         self.eos_token_ids: set[int] = set()
         self.check_stop_strings: Callable[[SequenceGroup, Sequence], str | None] | None = None
+        # Disaggregated prefill: the scheduler's side of the KV connector (None: off),
+        # and where prompt tokens' KV came from: computed here, or loaded through it.
+        self.connector: KVConnectorBase_V1 | None = None
+        self.num_computed_prompt_tokens = 0
+        self.num_external_computed_tokens = 0
 
     # -- the queues -------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -196,6 +211,8 @@ class Scheduler:
             self.trace.record(
                 "free", group.request_id, seq.seq_id, blocks=self.kv.block_table(seq.seq_id)
             )
+        if self.connector is not None:
+            self.connector.request_finished(seq, self.kv.block_table(seq.seq_id))
         self.kv.free(seq.seq_id)
         self._forget(seq.seq_id)
 
@@ -335,6 +352,8 @@ class Scheduler:
         # Last: this step's preemptions too (the runner drops rows before adding any).
         out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
         out.preempted_req_ids = {g.request_id for g in out.preempted}
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         if self.trace.enabled:
             for s in out.seqs:
                 self.trace.record(
@@ -468,10 +487,17 @@ class Scheduler:
             cached = self.kv.num_cached_tokens(
                 seq.token_ids, group.lora_id, group.reads_prefix_cache
             )
-            n = min(len(seq.token_ids) - cached, budget - used - _later(seqs, k))
+            external = self._num_external_tokens(group, seq, cached)
+            start = cached + external
+            n = min(len(seq.token_ids) - start, budget - used - _later(seqs, k))
             allocation = self.kv.allocate(
-                seq.seq_id, seq.token_ids, n, group.lora_id, group.reads_prefix_cache
+                seq.seq_id, seq.token_ids, external + n, group.lora_id, group.reads_prefix_cache
             )
+            if external:  # loaded, not computed: their slots are the connector's
+                allocation.slot_mapping = allocation.slot_mapping[external:]
+                self.num_external_computed_tokens += external
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(seq, allocation.block_table, external)
             self.trace.record(
                 "allocate",
                 group.request_id,
@@ -480,7 +506,7 @@ class Scheduler:
                 num_cached_tokens=cached,
                 blocks=allocation.block_table,
             )
-            self._run(group, seq, cached, n, allocation, out)
+            self._run(group, seq, start, n, allocation, out)
             used += n
         return used
 
@@ -496,6 +522,8 @@ class Scheduler:
             self.trace.record("cow", group.request_id, seq.seq_id, src=src, dst=dst)
         # The step computes them before anyone reads (the guesses: see rollback).
         seq.num_computed_tokens = start + n - len(spec)
+        if start < seq.prompt_len:
+            self.num_computed_prompt_tokens += min(start + n, seq.prompt_len) - start
         lora_slot = self.lora_slots.slot_of.get(group.lora_id, -1) if group.lora_request else -1
         positions = (
             range(0) if group.prompt_logprobs is None else group.prompt_logprob_positions(start, n)
@@ -541,6 +569,8 @@ class Scheduler:
                 blocks=list(blocks),
             )
         seq.num_computed_tokens = start + 1
+        if start < seq.prompt_len:  # a prompt's last chunk of one token
+            self.num_computed_prompt_tokens += 1
         lora_slot = self.lora_slots.slot_of.get(group.lora_id, -1) if group.lora_request else -1
         positions = (
             range(0) if group.prompt_logprobs is None else group.prompt_logprob_positions(start, 1)
@@ -648,16 +678,26 @@ class Scheduler:
         budget cannot give each of them at least one token this step."""
         plan, seqs = [], group.unfinished_seqs
         for k, seq in enumerate(seqs):
-            n = min(
-                len(seq.token_ids)
-                - self.kv.num_cached_tokens(seq.token_ids, group.lora_id, group.reads_prefix_cache),
-                budget - _later(seqs, k),
+            cached = self.kv.num_cached_tokens(
+                seq.token_ids, group.lora_id, group.reads_prefix_cache
             )
+            external = self._num_external_tokens(group, seq, cached)
+            n = min(len(seq.token_ids) - cached - external, budget - _later(seqs, k))
             if n < 1:
                 return None
-            plan.append((seq, n))
+            plan.append((seq, external + n))  # the blocks take the loaded tokens too
             budget -= n
         return plan
+
+    def _num_external_tokens(self, group: SequenceGroup, seq: Sequence, cached: int) -> int:
+        """Prompt tokens of ``seq`` past its ``cached`` ones that the KV connector can
+        load (0 without one, or for a request whose KV it cannot stand for: one with a
+        LoRA adapter, or asking for its prompt's logprobs, which needs them computed)."""
+        if self.connector is None or group.lora_request is not None:
+            return 0
+        if not group.reads_prefix_cache:
+            return 0
+        return self.connector.get_num_new_matched_tokens(seq, cached)[0]
 
     def _tables(self, seq_ids: list[str]) -> dict[str, list[int]]:
         return {s: self.kv.block_table(s) for s in seq_ids}

@@ -1,0 +1,1 @@
+"""The KV connectors (vLLM's ``kv_transfer/kv_connector/``)."""
