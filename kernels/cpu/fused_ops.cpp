@@ -23,9 +23,15 @@
 //
 // Validate against the torch reference, every dtype and instruction set:
 //   pytest tests/test_fused_ops.py
-#include <torch/extension.h>
-
+// ATen's and the dispatcher's headers, not <torch/extension.h>: that one brings pybind11
+// and torch's C++ frontend, whose headers alone compile about four times as long as these.
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/TensorIterator.h>  // at::internal::GRAIN_SIZE, as torch's elementwise ops
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -269,14 +275,14 @@ void dispatch(at::ScalarType dtype, F f) {
   }
 }
 
-void check_floats(const torch::Tensor& x, const char* name) {
+void check_floats(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf ||
                   x.scalar_type() == at::kBFloat16,
               name, " must be float32, float16 or bfloat16, got ", x.scalar_type());
 }
 
-void check_weight(const torch::Tensor& x, const torch::Tensor& weight) {
+void check_weight(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(-1) &&
                   weight.scalar_type() == x.scalar_type(),
               "weight must be contiguous [", x.size(-1), "] of the input's dtype");
@@ -286,12 +292,12 @@ void check_weight(const torch::Tensor& x, const torch::Tensor& weight) {
 
 // input [..., n] (any strides; copied to rows if its last dimension is not contiguous),
 // weight [n] -> a new [..., n].
-torch::Tensor rms_norm(const torch::Tensor& input, const torch::Tensor& weight, double epsilon) {
+at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double epsilon) {
   check_floats(input, "input");
   check_weight(input, weight);
   const int64_t n = input.size(-1);
-  const torch::Tensor rows = input.reshape({-1, n}).contiguous();
-  torch::Tensor out = torch::empty_like(rows);
+  const at::Tensor rows = input.reshape({-1, n}).contiguous();
+  at::Tensor out = at::empty_like(rows);
   dispatch(input.scalar_type(), [&](auto zero) {
     using scalar_t = decltype(zero);
     const scalar_t* x = rows.data_ptr<scalar_t>();
@@ -306,8 +312,8 @@ torch::Tensor rms_norm(const torch::Tensor& input, const torch::Tensor& weight, 
 
 // input, residual contiguous [..., n] of one dtype, in place: residual += input, then
 // input = rms_norm(residual).
-void fused_add_rms_norm(torch::Tensor& input, torch::Tensor& residual,
-                        const torch::Tensor& weight, double epsilon) {
+void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual,
+                        const at::Tensor& weight, double epsilon) {
   check_floats(input, "input");
   check_weight(input, weight);
   TORCH_CHECK(input.is_contiguous() && residual.is_contiguous() &&
@@ -330,14 +336,14 @@ void fused_add_rms_norm(torch::Tensor& input, torch::Tensor& residual,
 }
 
 // input [..., 2 * d] (gate then up, each row contiguous) -> silu(gate) * up [..., d].
-torch::Tensor silu_and_mul(const torch::Tensor& input) {
+at::Tensor silu_and_mul(const at::Tensor& input) {
   check_floats(input, "input");
   const int64_t d = input.size(-1) / 2;
   TORCH_CHECK(input.size(-1) == 2 * d, "input's last dimension must be even");
-  const torch::Tensor rows = input.reshape({-1, 2 * d}).contiguous();
+  const at::Tensor rows = input.reshape({-1, 2 * d}).contiguous();
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = d;
-  torch::Tensor out = torch::empty(shape, input.options());
+  at::Tensor out = at::empty(shape, input.options());
   dispatch(input.scalar_type(), [&](auto zero) {
     using scalar_t = decltype(zero);
     const scalar_t* x = rows.data_ptr<scalar_t>();
@@ -352,16 +358,16 @@ torch::Tensor silu_and_mul(const torch::Tensor& input) {
 // query [T, heads, head_dim] and key [T, kv_heads, head_dim] (any strides but the last
 // dimension's), rotated in place by cos, sin [T, head_dim / 2] (their first halves: HF's
 // cos and sin repeat them), rows of any stride.
-void rotary_embedding(torch::Tensor& query, torch::Tensor& key, const torch::Tensor& cos,
-                      const torch::Tensor& sin) {
+void rotary_embedding(at::Tensor& query, at::Tensor& key, const at::Tensor& cos,
+                      const at::Tensor& sin) {
   check_floats(query, "query");
   const int64_t tokens = query.size(0), head_dim = query.size(2), half = head_dim / 2;
-  for (const torch::Tensor* x : {&query, &key}) {
+  for (const at::Tensor* x : {&query, &key}) {
     TORCH_CHECK(x->dim() == 3 && x->size(0) == tokens && x->size(2) == head_dim &&
                     x->stride(2) == 1 && x->scalar_type() == query.scalar_type(),
                 "query and key must be [T, heads, head_dim] of one dtype, head_dim contiguous");
   }
-  for (const torch::Tensor* t : {&cos, &sin}) {
+  for (const at::Tensor* t : {&cos, &sin}) {
     TORCH_CHECK(t->dim() == 2 && t->size(0) == tokens && t->size(1) == half &&
                     t->stride(1) == 1 && t->scalar_type() == query.scalar_type(),
                 "cos and sin must be [T, head_dim / 2] of the query's dtype");
@@ -376,7 +382,7 @@ void rotary_embedding(torch::Tensor& query, torch::Tensor& key, const torch::Ten
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* ct = c + t * cos.stride(0);
         const scalar_t* st = s + t * sin.stride(0);
-        for (torch::Tensor* x : {&query, &key}) {
+        for (at::Tensor* x : {&query, &key}) {
           scalar_t* row = x->data_ptr<scalar_t>() + t * x->stride(0);
           for (int64_t h = 0; h < x->size(1); ++h) rotate_row(row + h * x->stride(1), ct, st, half);
         }

@@ -13,9 +13,14 @@
 // on the shapes only, so the result does not depend on the number of threads.
 //
 // Validate against the naive oracle: pytest tests/test_mla.py
-#include <torch/extension.h>
-
+// ATen's and the dispatcher's headers, not <torch/extension.h>: that one brings pybind11
+// and torch's C++ frontend, whose headers alone compile about four times as long as these.
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -91,8 +96,8 @@ void attend(const query_t* query, const cache_t* cache, const int32_t* tables,
 }
 
 template <typename query_t>
-void dispatch_cache(const torch::Tensor& query, const torch::Tensor& cache,
-                    const torch::Tensor& tables, const torch::Tensor& lens, torch::Tensor& out,
+void dispatch_cache(const at::Tensor& query, const at::Tensor& cache,
+                    const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
                     int64_t rank, float scale, float kv_scale) {
   auto run = [&](const auto* cache_ptr) {
     attend(query.data_ptr<query_t>(), cache_ptr, tables.data_ptr<int32_t>(),
@@ -116,9 +121,9 @@ void dispatch_cache(const torch::Tensor& query, const torch::Tensor& cache,
 // query [B, H, rank + rope] (q_latent, then q_pe) contiguous; cache [num_blocks,
 // block_size, rank + rope] contiguous; block_tables [B, W] and context_lens [B] int32;
 // kv_scale a float32 number for an fp8 cache -> [B, H, rank] float32.
-torch::Tensor mla_decode(torch::Tensor query, torch::Tensor cache, torch::Tensor block_tables,
-                         torch::Tensor context_lens, int64_t rank, double scale,
-                         std::optional<torch::Tensor> kv_scale) {
+at::Tensor mla_decode(at::Tensor query, at::Tensor cache, at::Tensor block_tables,
+                         at::Tensor context_lens, int64_t rank, double scale,
+                         std::optional<at::Tensor> kv_scale) {
   TORCH_CHECK(query.dim() == 3 && cache.dim() == 3 && query.size(2) == cache.size(2),
               "mla_decode takes query [B, H, L] and a latent cache [blocks, block_size, L]");
   query = query.contiguous();
@@ -126,7 +131,7 @@ torch::Tensor mla_decode(torch::Tensor query, torch::Tensor cache, torch::Tensor
   block_tables = block_tables.to(at::kInt).contiguous();
   context_lens = context_lens.to(at::kInt).contiguous();
   const float factor = kv_scale ? kv_scale->item<float>() : 1.f;
-  auto out = torch::empty({query.size(0), query.size(1), rank}, query.options().dtype(at::kFloat));
+  auto out = at::empty({query.size(0), query.size(1), rank}, query.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "mla_decode", [&] {
     dispatch_cache<scalar_t>(query, cache, block_tables, context_lens, out, rank,
                              static_cast<float>(scale), factor);

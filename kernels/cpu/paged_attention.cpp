@@ -41,9 +41,14 @@
 // gather, and the machine's read bandwidth):
 //   pytest tests/test_ops_cpu.py tests/test_kv_quant.py
 //   minipaged bench attention --preset cpu-serving --backends torch cpu
-#include <torch/extension.h>
-
+// ATen's and the dispatcher's headers, not <torch/extension.h>: that one brings pybind11
+// and torch's C++ frontend, whose headers alone compile about four times as long as these.
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -357,7 +362,7 @@ struct Scales {
   }
 };
 
-Scales scales_of(const c10::optional<torch::Tensor>& scale) {
+Scales scales_of(const c10::optional<at::Tensor>& scale) {
   if (!scale) return {nullptr, 0, 0, 0};
   TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->dim() == 3,
               "the CPU kernel reads scales as float32 [num_blocks, block_size, num_kv_heads]");
@@ -671,9 +676,9 @@ void attend_rows(const Attention<scalar_t, cache_t>& a, const Task& task, const 
 #endif
 
 template <typename scalar_t, typename cache_t>
-void run(const torch::Tensor& query, const torch::Tensor& key_cache,
-         const torch::Tensor& value_cache, const Scales& k_scale, const Scales& v_scale,
-         const torch::Tensor& block_tables, const Plan& plan, float scale, torch::Tensor& out) {
+void run(const at::Tensor& query, const at::Tensor& key_cache,
+         const at::Tensor& value_cache, const Scales& k_scale, const Scales& v_scale,
+         const at::Tensor& block_tables, const Plan& plan, float scale, at::Tensor& out) {
   const int64_t num_heads = query.size(1), num_kv_heads = key_cache.size(2);
   std::vector<float> partials(plan.num_partials * (kPartialHeader + query.size(2)));
   const Attention<scalar_t, cache_t> attention{
@@ -711,11 +716,11 @@ void run(const torch::Tensor& query, const torch::Tensor& key_cache,
 // num_kv_heads, head_dim], of query's dtype, or fp8 / int8 with k_scale, v_scale
 // [num_blocks, num_kv_heads] float32 (any strides); block_tables [S, W] int32;
 // query_start_loc [S + 1] int32 (None: one row per sequence, decode); seq_lens [S] int32.
-torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache,
-                              torch::Tensor value_cache, torch::Tensor block_tables,
-                              c10::optional<torch::Tensor> query_start_loc, torch::Tensor seq_lens,
-                              double scale, c10::optional<torch::Tensor> k_scale,
-                              c10::optional<torch::Tensor> v_scale) {
+at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache,
+                              at::Tensor value_cache, at::Tensor block_tables,
+                              c10::optional<at::Tensor> query_start_loc, at::Tensor seq_lens,
+                              double scale, c10::optional<at::Tensor> k_scale,
+                              c10::optional<at::Tensor> v_scale) {
   // The pool is indexed as one contiguous array; the small tensors are made so.
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
               "the CPU kernel reads contiguous key and value caches");
@@ -727,9 +732,9 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache,
   query = query.contiguous();
   block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
-  torch::Tensor starts;
+  at::Tensor starts;
   if (query_start_loc) starts = query_start_loc->contiguous();
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   const Plan work = plan(query_start_loc ? starts.data_ptr<int32_t>() : nullptr,
                          seq_lens.data_ptr<int32_t>(), seq_lens.size(0), query.size(1));
   const Scales ks = scales_of(k_scale), vs = scales_of(v_scale);
@@ -800,8 +805,8 @@ void store_int8(const scalar_t* x, int8_t* cache, const int64_t* slots, int64_t 
   }
 }
 
-void store_quantized(const torch::Tensor& x, torch::Tensor& cache, const int64_t* slots,
-                     torch::Tensor& scale) {
+void store_quantized(const at::Tensor& x, at::Tensor& cache, const int64_t* slots,
+                     at::Tensor& scale) {
   const int64_t tokens = x.size(0), heads = cache.size(2), head_dim = cache.size(3);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "write_kv_cpu", [&] {
     const scalar_t* src = x.data_ptr<scalar_t>();
@@ -828,9 +833,9 @@ void store_quantized(const torch::Tensor& x, torch::Tensor& cache, const int64_t
 // key, value [T, num_kv_heads, head_dim] (float32, float16 or bfloat16); key_cache,
 // value_cache contiguous fp8 or int8 [num_blocks, block_size, num_kv_heads, head_dim];
 // slot_mapping [T] int64 (-1: skip); k_scale, v_scale as kv_quant.new_scales makes them.
-void write_kv_quantized(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
-                        torch::Tensor value_cache, torch::Tensor slot_mapping,
-                        torch::Tensor k_scale, torch::Tensor v_scale) {
+void write_kv_quantized(at::Tensor key, at::Tensor value, at::Tensor key_cache,
+                        at::Tensor value_cache, at::Tensor slot_mapping,
+                        at::Tensor k_scale, at::Tensor v_scale) {
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
               "write_kv_quantized stores into contiguous caches");
   slot_mapping = slot_mapping.to(at::kLong).contiguous();
@@ -843,8 +848,8 @@ void write_kv_quantized(torch::Tensor key, torch::Tensor value, torch::Tensor ke
 // num_kv_heads, head_dim] of their dtype (contiguous): token t's heads, one contiguous row,
 // copied to row slot_mapping[t] of the cache seen as [num_blocks * block_size, ...] (-1:
 // skip).  The torch backend's index_copy_ without its mask: no host sync, one pass.
-void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
-              torch::Tensor value_cache, torch::Tensor slot_mapping) {
+void write_kv(at::Tensor key, at::Tensor value, at::Tensor key_cache,
+              at::Tensor value_cache, at::Tensor slot_mapping) {
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
               "write_kv stores into contiguous caches");
   TORCH_CHECK(key.scalar_type() == key_cache.scalar_type(),
@@ -865,8 +870,8 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
   }
 }
 
-// The ops a model layer calls, registered with the dispatcher as fused_ops.cpp's are
-// (torch.ops.<this extension's name>); the Python module keeps what only Python asks.
+// The ops, registered with the dispatcher as fused_ops.cpp's are (torch.ops.<this
+// extension's name>); the build is a plain shared library, no Python module.
 #define MINIPAGED_FRAGMENT(name, m) TORCH_LIBRARY_FRAGMENT(name, m)
 #define MINIPAGED_CPU_IMPL(name, m) TORCH_LIBRARY_IMPL(name, CPU, m)
 MINIPAGED_FRAGMENT(TORCH_EXTENSION_NAME, m) {
@@ -877,14 +882,12 @@ MINIPAGED_FRAGMENT(TORCH_EXTENSION_NAME, m) {
         "Tensor slot_mapping) -> ()");
   m.def("write_kv_quantized(Tensor key, Tensor value, Tensor(a!) key_cache, "
         "Tensor(b!) value_cache, Tensor slot_mapping, Tensor k_scale, Tensor v_scale) -> ()");
+  // What only the tests ask: the threads the tasks run on, the floats of one vector.
+  m.def("task_threads() -> int", &task_threads);
+  m.def("vector_width() -> int", [] { return W; });
 }
 MINIPAGED_CPU_IMPL(TORCH_EXTENSION_NAME, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("write_kv", &write_kv);
   m.impl("write_kv_quantized", &write_kv_quantized);
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("task_threads", &task_threads, "How many of torch's threads the kernel's tasks run on");
-  m.attr("VECTOR_WIDTH") = W;
 }

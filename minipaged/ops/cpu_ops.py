@@ -254,13 +254,7 @@ def _ops():
 
 @torch.compiler.assume_constant_result  # torch.compile asks once, while tracing
 def _namespace() -> str:
-    return _kernel().__name__
-
-
-def registered_ops(module):
-    """The ops a `build` registered with torch's dispatcher, as a ``torch.ops``
-    namespace: the attention kernel's and the fused ops."""
-    return getattr(torch.ops, module.__name__)
+    return _kernel().name
 
 
 def register_fakes(namespace: str) -> None:
@@ -288,7 +282,9 @@ def register_fakes(namespace: str) -> None:
 def build(name: str):
     """The kernel built for instruction set ``name`` of `ISA_FLAGS` (compiled on the
     first call, then cached on disk under a name that includes the instruction set, so
-    a cache shared with another CPU never loads it there)."""
+    a cache shared with another CPU never loads it there): its ops, registered with
+    torch's dispatcher, as the ``torch.ops`` namespace of the build's name.  The build
+    is a plain shared library, not a Python module: no pybind11 to compile."""
     from torch.utils import cpp_extension
 
     module = f"minipaged_cpu_{name}"
@@ -301,15 +297,16 @@ def build(name: str):
             file=sys.stderr,
         )
     with cuda_build.build_lock(build_dir):
-        extension = cpp_extension.load(
+        cpp_extension.load(
             module,
             [str(source) for source in SOURCES],
             build_directory=str(build_dir),
             extra_cflags=flags,
             extra_ldflags=[*OPENMP_FLAGS],  # a list of its own: load() appends to it
+            is_python_module=False,
         )
     register_fakes(module)
-    return extension
+    return getattr(torch.ops, module)
 
 
 def build_with_attend_tile(path: Path):
@@ -335,11 +332,13 @@ def build_with_attend_tile(path: Path):
     with cuda_build.build_lock(build_dir):
         if not unit.exists() or unit.read_text() != code:  # unchanged: ninja keeps the .o
             unit.write_text(code)
-        return cpp_extension.load(
+        cpp_extension.load(
             name,
             [str(SOURCE), str(unit)],
             build_directory=str(build_dir),
             extra_cflags=flags,
             extra_ldflags=[*OPENMP_FLAGS],  # a list of its own: load() appends to it
             extra_include_paths=[str(SOURCE.parent)],
+            is_python_module=False,
         )
+    return getattr(torch.ops, name)
