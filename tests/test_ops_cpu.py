@@ -15,8 +15,11 @@ outputs are held to against the float64 oracle, plus 1e-5 for the float32 part.
 
 import dataclasses
 import fcntl
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -248,3 +251,17 @@ def test_checkouts_keep_their_own_builds_and_drop_their_edited_ones(tmp_path, mo
     edited = cuda_build.cached_build_dir("ext", [one / "k.cpp"])
     assert edited != build[one]
     assert sorted((tmp_path / "cache").iterdir()) == sorted([edited, build[two]])
+
+
+def test_a_build_runs_the_ninja_beside_the_interpreter(tmp_path, monkeypatch):
+    """Another ninja first on PATH (the system's: another version, whose build log the
+    two discard in turn) would rebuild every cached object; a build runs the venv's."""
+    own = Path(sys.executable).parent
+    if not (own / "ninja").exists():
+        pytest.skip("no ninja installed beside this interpreter")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    (tmp_path / "ninja").write_text("#!/bin/sh\n")
+    (tmp_path / "ninja").chmod(0o755)
+    with cuda_build.build_lock(tmp_path):
+        found = shutil.which("ninja")
+    assert Path(found).parent == own

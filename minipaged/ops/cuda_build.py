@@ -335,11 +335,24 @@ def build_lock(build_dir: Path):
     time.  torch's own lock there is a file, ``lock``, that a build killed mid-way
     leaves behind, and every later load of the folder (a cached one too) then waits
     for it forever.  This one is an ``flock``, which the kernel drops when its holder
-    dies: a ``lock`` file found while holding it is a dead build's, and is removed."""
+    dies: a ``lock`` file found while holding it is a dead build's, and is removed.
+    The build it guards runs this interpreter's own ninja (`_own_ninja_first`)."""
     with open(build_dir / "build.lock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
+        _own_ninja_first()
         yield
+
+
+def _own_ninja_first() -> None:
+    """Put the ninja installed beside this interpreter (pip's) first on PATH, if there is
+    one.  Two ninjas (the system's and the venv's) keep build logs of different
+    versions, and each discards the other's and rebuilds every object: a process whose
+    PATH had the other one first would rebuild a cached build for nothing."""
+    own = Path(sys.executable).parent
+    path = os.environ.get("PATH", "")
+    if (own / "ninja").exists() and not path.startswith(f"{own}{os.pathsep}"):
+        os.environ["PATH"] = f"{own}{os.pathsep}{path}"
 
 
 def _cuda_homes() -> list[Path]:
