@@ -64,11 +64,18 @@ def _prefill_inputs(case, device="cpu"):
     return kv, query.to(case.dtype).to(device), starts
 
 
-# Split-KV: ragged batches leave some splits of the short sequences empty.
-@pytest.mark.parametrize("num_splits, block_n", [(2, 16), (3, 32), (7, 16)])
+# Split-KV: ragged batches leave some splits of the short sequences empty.  Each case
+# with one of the splittings (every splitting on several cases): the interpreter takes
+# seconds a case, and a splitting's bugs show on any ragged batch.
 @pytest.mark.parametrize(
-    "case",
-    [DECODE_CASES[1], DECODE_CASES[3], DECODE_CASES[6], DECODE_CASES[8], DECODE_CASES[9]],
+    "case, num_splits, block_n",
+    [
+        (DECODE_CASES[1], 3, 32),
+        (DECODE_CASES[3], 7, 16),  # a 5-token sequence among 129: empty splits
+        (DECODE_CASES[6], 7, 16),  # 1 to 129 tokens: empty splits
+        (DECODE_CASES[8], 2, 16),
+        (DECODE_CASES[9], 3, 32),
+    ],
     ids=str,
 )
 def test_split_kv_decode_matches_oracle(case, num_splits, block_n):
