@@ -902,7 +902,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)  # SamplingParams and the engine name the argument
     async def bad_value(_: Request, error: ValueError) -> Response:
-        return error_response(APIError(400, str(error)))
+        return error_response(APIError(400, str(error), getattr(error, "param", None)))
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, error: EngineDeadError) -> Response:
