@@ -54,8 +54,8 @@ class GuidanceGrammar:
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by ``token_id``; False (a dead end, for good) if the grammar does not
-        allow it."""
-        return self.matcher.consume_token(token_id)
+        allow it (or it is at one already: a matcher in error accepts nothing more)."""
+        return self.matcher.consume_token(token_id) and not self.matcher.is_error()
 
     def is_terminated(self) -> bool:
         """The grammar is complete: only an end-of-sequence token may follow."""
