@@ -326,3 +326,36 @@ def test_a_dead_end_finishes_the_request_saying_why(llm):
     assert dead.finish_reason == "abort" and "dead end" in dead.stop_reason
     assert alive.finish_reason == "stop" and re.fullmatch("ab+", alive.text)
     assert_all_blocks_free(llm)
+
+
+def test_apply_grammar_bitmask_against_a_bit_by_bit_loop():
+    """Rows ``rows`` masked by their bitmask rows, every other row untouched; the oracle
+    reads each token's bit one at a time."""
+    from minipaged.structured_output import apply_grammar_bitmask
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = 70, [0, 2, 3]  # 70: the last word is partly past the vocabulary
+    logits = torch.randn(5, vocab, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 3), generator=gen, dtype=torch.int32)
+    expected = logits.clone()
+    for i, row in enumerate(rows):
+        for token in range(vocab):
+            if not (int(bitmask[i, token // 32]) >> (token % 32)) & 1:
+                expected[row, token] = float("-inf")
+    apply_grammar_bitmask(logits, bitmask, rows)
+    assert torch.equal(logits, expected)
+
+
+def test_ignore_eos_still_ends_a_complete_grammar(llm):
+    """The grammar complete, only EOS is allowed: it ends the completion even with
+    ``ignore_eos`` (which would otherwise only repeat it to ``max_tokens``)."""
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=30,
+        ignore_eos=True,
+        structured_outputs=structured(choice=["on", "off"]),
+    )
+    (out,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
+    completion = out.outputs[0]
+    assert completion.text in ("on", "off") and completion.finish_reason == "stop"
+    assert completion.token_ids[-1] == EOS and len(completion.token_ids) == 3
