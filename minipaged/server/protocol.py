@@ -16,6 +16,7 @@ as both do.
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -64,9 +65,7 @@ COMPLETION_UNSUPPORTED = {
     "prompt_embeds": (None,),
 }
 CHAT_UNSUPPORTED = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),  # without tools, nothing to choose
-    "functions": (None, []),
+    "functions": (None, []),  # OpenAI's older names for tools and tool_choice
     "function_call": (None, "none", "auto"),
     "echo": (None, False),
     "add_generation_prompt": (None, True),
@@ -94,12 +93,15 @@ class FieldError(ValueError):
         self.param = param
 
 
-def structured_outputs(response_format: dict | None, extra: dict) -> StructuredOutputsParams | None:
+def structured_outputs(
+    response_format: dict | None, extra: dict, tool_schema: dict | None = None
+) -> StructuredOutputsParams | None:
     """The request's structured output, from whichever one of OpenAI's
     ``response_format`` (``json_schema``, ``json_object``; ``text`` asks for nothing),
-    vLLM's ``structured_outputs`` or its older ``guided_*`` fields sets it;
-    `FieldError` naming the field if it is malformed, or if two set one."""
-    specs = {}
+    vLLM's ``structured_outputs``, its older ``guided_*`` fields or a forced
+    ``tool_choice`` (``tool_schema``) sets it; `FieldError` naming the field if it is
+    malformed, or if two set one."""
+    specs = {} if tool_schema is None else {"tool_choice": {"json": tool_schema}}
     if response_format not in (None, {"type": "text"}):
         specs["response_format"] = _response_format(response_format)
     if extra.get("structured_outputs") is not None:
@@ -241,9 +243,15 @@ class SamplingRequest(BaseModel):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
-            structured_outputs=structured_outputs(self.response_format, self.model_extra or {}),
+            structured_outputs=structured_outputs(
+                self.response_format, self.model_extra or {}, self.tool_schema()
+            ),
             **optional,
         )
+
+    def tool_schema(self) -> dict | None:
+        """The JSON schema a forced ``tool_choice`` holds the completion to (chat's)."""
+        return None
 
 
 class CompletionRequest(SamplingRequest):
@@ -278,11 +286,39 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
 
+    tool_calls: list[dict] | None = None  # an assistant's, sent back
+    tool_call_id: str | None = None  # a tool message's: the call it answers
+
     def as_template_input(self) -> dict:
+        """The message as chat templates read it: an assistant's calls with their
+        arguments as objects (as vLLM passes them), a tool result with its call's id."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [template_tool_call(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def template_tool_call(call: dict) -> dict:
+    """An assistant's tool call (OpenAI's shape) with its arguments parsed; a
+    `FieldError` naming ``messages`` if they are not a JSON object."""
+    function = call.get("function") if isinstance(call, dict) else None
+    try:
+        arguments = json.loads(function["arguments"])
+        name = function["name"]
+    except (TypeError, KeyError, json.JSONDecodeError):
+        arguments = name = None
+    if not isinstance(arguments, dict) or not isinstance(name, str):
+        raise FieldError(
+            "messages",
+            "an assistant message's tool_calls need function.name and "
+            f"function.arguments as a JSON object string, got {call!r}",
+        )
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -297,6 +333,21 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_special_tokens: bool = False  # vLLM's: the chat template has them already
+    tools: list | None = None
+    tool_choice: str | dict | None = None  # OpenAI's default: "auto" with tools
+
+    @property
+    def effective_tool_choice(self) -> str | dict:
+        """``tool_choice`` as given, or OpenAI's default: "auto" with tools, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def tool_schema(self) -> dict | None:
+        from minipaged.server.tools import check_tools, forced_schema  # it imports FieldError
+
+        check_tools(self.tools, self.tool_choice)
+        return forced_schema(self.tools or [], self.effective_tool_choice)
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -323,8 +374,9 @@ class TokenizeChatRequest(BaseModel):
 
     def unsupported(self) -> str | None:
         """The first option asked for that minipaged does not implement."""
-        names = ("continue_final_message", "chat_template", "chat_template_kwargs", "tools")
-        return unsupported_field(self, {name: CHAT_UNSUPPORTED[name] for name in names})
+        names = ("continue_final_message", "chat_template", "chat_template_kwargs")
+        table = {name: CHAT_UNSUPPORTED[name] for name in names}
+        return unsupported_field(self, {**table, "tools": (None, [])})
 
 
 class DetokenizeRequest(BaseModel):
