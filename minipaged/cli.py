@@ -50,6 +50,7 @@ BENCHES = (
     "cpu_step",
     "quant",
     "mla",
+    "structured",
 )
 
 

@@ -46,4 +46,6 @@ time per step, with the model stubbed), `common` (timing, a system's row, tables
   ``F.linear`` and through weights packed for oneDNN, against a square matmul's rate.
 * `mla` - DeepSeek-V2-Lite's latent KV cache in bytes per token against per-head and
   GQA caches, and one layer's decode absorbed against unabsorbed on the CPU.
+* `structured` - structured outputs (a JSON schema held by llguidance) on against off:
+  time per output token at batch 1 and 32, and the schema's compile time apart.
 """
