@@ -230,3 +230,14 @@ def test_hermes_parser_on_hand_written_text():
     broken = "<tool_call>{name: get_time}</tool_call>"
     assert HermesToolParser().extract_tool_calls(broken) == (broken, [])
     assert HermesToolParser().extract_tool_calls("plain") == ("plain", [])
+
+
+def test_the_serve_flags_are_checked_as_vllm_does():
+    from minipaged.server.app import check_tool_flags
+
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        check_tool_flags(True, None)
+    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes"):
+        check_tool_flags(True, "mistral")
+    check_tool_flags(True, "hermes")
+    check_tool_flags(False, None)
