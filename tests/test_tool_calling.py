@@ -241,3 +241,12 @@ def test_the_serve_flags_are_checked_as_vllm_does():
         check_tool_flags(True, "mistral")
     check_tool_flags(True, "hermes")
     check_tool_flags(False, None)
+
+
+def test_auto_stream_sends_the_same_text_as_the_answer(client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="auto", **SAMPLED)
+    answer = client.chat.completions.create(**kwargs).choices[0]
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == answer.message.content
+    assert chunks[-1].choices[0].finish_reason == answer.finish_reason
