@@ -250,3 +250,31 @@ def test_auto_stream_sends_the_same_text_as_the_answer(client):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == answer.message.content
     assert chunks[-1].choices[0].finish_reason == answer.finish_reason
+
+
+def test_an_auto_stream_sends_text_until_a_call_then_the_call_whole():
+    from types import SimpleNamespace
+
+    from minipaged.server.tools import ChatTools
+
+    pieces = [
+        "Let me",
+        " check.\n<tool",
+        "_call>",
+        '{"name": "get_time", ',
+        '"arguments": {"zone": 1}}',
+    ]
+    pieces += ["</tool_call>"]
+    tools, deltas = ChatTools("auto"), []
+    for i, piece in enumerate(pieces):
+        finish = "stop" if i == len(pieces) - 1 else None
+        completion = SimpleNamespace(index=0, text=piece, finish_reason=finish)
+        deltas.append(tools.message(completion, stream=True))
+    streamed = "".join(d.get("content") or "" for d, _ in deltas)
+    assert streamed == "Let me check.\n"
+    assert deltas[0] == ({"content": "Let me"}, None)
+    last, finish_reason = deltas[-1]
+    assert finish_reason == "tool_calls"
+    (call,) = last["tool_calls"]
+    assert call["index"] == 0 and call["function"]["name"] == "get_time"
+    assert json.loads(call["function"]["arguments"]) == {"zone": 1}

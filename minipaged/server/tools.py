@@ -176,14 +176,18 @@ def forced_calls(text: str, tool_choice) -> list[ToolCall]:
 
 class ChatTools:
     """One chat request's tool calls, read from its completions: the Hermes parser's
-    for ``auto``, `forced_calls` for ``required`` or a named function.  A stream's
-    deltas are held back until a completion ends (a call is parsed whole), then sent as
-    one delta with its ``tool_calls`` (or its text, if it made none)."""
+    for ``auto``, `forced_calls` for ``required`` or a named function.
+
+    A stream's text goes out as it comes, up to where a ``<tool_call>`` block might
+    begin (``auto``); what follows is held back until the completion ends (a call is
+    parsed whole), then sent as one delta with its ``tool_calls``, or its text if it
+    made none.  A forced choice's text is all call: held back whole."""
 
     def __init__(self, tool_choice) -> None:
         self.tool_choice = tool_choice
         self.parser = HermesToolParser()
-        self.texts: dict[int, str] = {}
+        self.texts: dict[int, str] = {}  # a stream's text so far, per completion
+        self.sent: dict[int, int] = {}  # how much of it went out as content
 
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         if self.tool_choice == "auto":
@@ -194,11 +198,15 @@ class ChatTools:
     def message(self, completion, stream: bool) -> tuple[dict, str | None]:
         """(message or delta, finish_reason) for ``completion``: "tool_calls" when it
         ended with calls, as OpenAI says."""
-        text = self.texts.get(completion.index, "") + completion.text
+        index = completion.index
+        text = self.texts.get(index, "") + completion.text
+        sent = self.sent.get(index, 0)
         if stream and completion.finish_reason is None:
-            self.texts[completion.index] = text
-            return {}, None
-        content, calls = self.calls(text)
+            self.texts[index] = text
+            safe = sent if self.tool_choice != "auto" else max(sent, plain_prefix(text))
+            self.sent[index] = safe
+            return ({"content": text[sent:safe]} if safe > sent else {}), None
+        content, calls = self.calls(text[sent:])
         if not calls:
             return {"content": content}, completion.finish_reason
         tool_calls = [call.as_dict() for call in calls]
@@ -208,3 +216,14 @@ class ChatTools:
         return {"content": content, "tool_calls": tool_calls}, (
             finish_reason or completion.finish_reason
         )
+
+
+def plain_prefix(text: str, tag: str = "<tool_call>") -> int:
+    """How much of ``text`` is surely no part of a tool call: up to the first ``tag``,
+    or short of a tail that could begin one."""
+    if tag in text:
+        return text.index(tag)
+    for keep in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-keep:]):
+            return len(text) - keep
+    return len(text)
