@@ -310,9 +310,12 @@ class Scheduler:
         return child
 
     def check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
-        """Decide whether ``seq`` is done after its new token; in vLLM's order: EOS
-        (unless ``ignore_eos``), a stop token, a stop string (`check_stop_strings`),
-        then ``max_tokens`` or ``max_model_len``.  A beam search request only has the
+        """Decide whether ``seq`` is done after its new token, first feeding it to its
+        grammar (structured outputs: a token the grammar refuses is a dead end, which
+        finishes the sequence with ``"abort"`` and says why in ``stop_reason``); then in
+        vLLM's order: EOS (unless ``ignore_eos``), a stop token, a stop string
+        (`check_stop_strings`), then ``max_tokens`` or ``max_model_len``.  A beam search
+        request only has the
         last two (its EOS extensions were set aside when ranked)."""
         params, token = group.params, seq.token_ids[-1]
         if group.is_beam_search:
@@ -320,7 +323,16 @@ class Scheduler:
                 group.completed_beams.append((list(seq.token_ids), seq.cumulative_logprob))
                 self._finish_seq(group, seq, "length", None)
             return
-        eos = not params.ignore_eos and token in self.eos_token_ids
+        grammar = seq.grammar
+        if grammar is not None and not grammar.accept_token(token):
+            # Only a grammar with no allowed token left lets the sampler draw this.
+            self._finish_seq(group, seq, "abort", f"structured output dead end: {grammar.error}")
+            return
+        # A complete grammar allows only EOS next: it ends the completion even with
+        # ignore_eos, which could only repeat it.
+        eos = token in self.eos_token_ids and (
+            not params.ignore_eos or (grammar is not None and grammar.is_terminated())
+        )
         if eos or token in params.stop_token_ids:
             # The stop token stays in the token ids but not in the text (vLLM).
             self._finish_seq(group, seq, "stop", None if eos else token)
