@@ -350,12 +350,14 @@ class Scheduler:
         while i < len(queue) and budget > 0:
             group = queue[i]
             seqs = group.seqs
-            if roomy and len(seqs) == 1:  # the common case: one sequence, decoding
+            if len(seqs) == 1:  # the common case: one sequence, decoding
                 seq = seqs[0]
                 if (
                     seq.num_computed_tokens == len(seq.token_ids) - 1
                     and seq.finish_reason is None
                     and not seq.spec_token_ids
+                    # What _plan and _fits would find for it, without building the plan.
+                    and (roomy or self.kv.can_append_slot(seq.seq_id))
                 ):
                     self._decode(group, seq, out)
                     budget -= 1
