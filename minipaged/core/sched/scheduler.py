@@ -261,7 +261,7 @@ class Scheduler:
                 seq.logprobs.append(s.top_logprobs)
             self.check_stop(s.group, seq)
         groups = []
-        for group in dict.fromkeys(s.group for s in scheduler_output.seqs):
+        for group in dict.fromkeys([s.group for s in scheduler_output.seqs]):
             if group.status is SequenceStatus.FINISHED:  # aborted
                 continue
             if group.is_finished:
