@@ -199,15 +199,8 @@ def _phase_breakdown(engine, num_steps: int) -> dict[str, float]:
     engine.scheduler.update_from_output = timer.wrap("update", engine.scheduler.update_from_output)
     engine.output_processor.outputs = timer.wrap("update", engine.output_processor.outputs)
     try:
-        with (
-            mock.patch.object(
-                sampling_module, "sample", timer.wrap("sample", sampling_module.sample)
-            ),
-            mock.patch.object(
-                sampling_module,
-                "sample_with_metadata",
-                timer.wrap("sample", sampling_module.sample_with_metadata),
-            ),
+        with mock.patch.object(
+            sampling_module, "sample", timer.wrap("sample", sampling_module.sample)
         ):
             for _ in range(num_steps):
                 with timer.phase("other"):

@@ -18,7 +18,7 @@ import torch
 
 from minipaged.core.sched.output import Sample, ScheduledSeq
 from minipaged.sample.metadata import SamplingInputBatch
-from minipaged.sample.sampler import sample, sample_with_metadata, seq_generator
+from minipaged.sample.sampler import sample, seq_generator
 
 
 class ParallelSampling:
@@ -89,7 +89,8 @@ class ParallelSampling:
         if batch is None:
             batch = self.input_batch = SamplingInputBatch(logits.shape[1], logits.device)
         rows = batch.rows([s.seq for s in scheduled], params)
-        out = sample_with_metadata(logits, batch.metadata(rows, self.eos_token_ids), self.generator)
+        metadata = batch.metadata(rows, self.eos_token_ids)
+        out = sample(logits, params, generator=self.generator, metadata=metadata)
         return [
             Sample(s.group, s.seq, token, logprob, top)
             for s, token, logprob, top in zip(

@@ -120,6 +120,7 @@ def sample(
     token_ids: Sequence[list[int]] | None = None,
     prompt_lens: Sequence[int] | None = None,
     eos_token_ids: Collection[int] = (),
+    metadata: SamplingMetadata | None = None,
 ) -> SamplerOutput:
     """Choose the next token of every row of ``logits [N, vocab]``.
 
@@ -134,12 +135,14 @@ def sample(
         prompt_lens: how many of each row's ``token_ids`` are its prompt.
         eos_token_ids: what ``min_tokens`` holds back besides ``stop_token_ids``
             (unless the row's ``ignore_eos``).
-
-    The engine's decode steps keep these as tensors across steps instead
-    (`minipaged.sample.metadata.SamplingInputBatch`) and call `sample_with_metadata`.
+        metadata: ``params`` and the rest already as tensors, kept across steps
+            (`minipaged.sample.metadata.SamplingInputBatch`, the engine's decode
+            steps); then ``generators``, ``token_ids``, ``prompt_lens`` and
+            ``eos_token_ids`` are not read.
     """
     _check_inputs(logits, params, generators)
-    metadata = metadata_of(logits, params, generators, token_ids, prompt_lens, eos_token_ids)
+    if metadata is None:
+        metadata = metadata_of(logits, params, generators, token_ids, prompt_lens, eos_token_ids)
     return sample_with_metadata(logits, metadata, generator)
 
 
