@@ -173,15 +173,18 @@ class SequenceGroup:
         return len(self.unfinished_seqs)
 
     # Both run for every request every step: they read finish_reason rather than call
-    # Sequence.is_finished, and build a list rather than run all() over a generator,
-    # which takes twice as long.
+    # Sequence.is_finished; a list comprehension, or a plain loop that stops at the
+    # first unfinished sequence, takes half the time of all() over a generator.
     @property
     def unfinished_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if s.finish_reason is None]
 
     @property
     def is_finished(self) -> bool:
-        return not self.unfinished_seqs
+        for s in self.seqs:
+            if s.finish_reason is None:
+                return False
+        return True
 
     def new_seq_id(self) -> str:
         seq_id = f"{self.request_id}.{self.next_seq_index}"

@@ -322,6 +322,7 @@ class LLMEngine:
         if self.speculator:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
+        self.parallel_sampling.remove(batch.finished_req_ids)
         sampling, logits = self.executor.execute(batch)
         samples, self.failed = StepSamples(), {}
         if sampling and fail_alone:

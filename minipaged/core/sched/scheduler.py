@@ -278,7 +278,7 @@ class Scheduler:
                 seq.logprobs.append(s.top_logprobs)
             self.check_stop(s.group, seq)
         groups = []
-        for group in dict.fromkeys(s.group for s in scheduler_output.seqs):
+        for group in dict.fromkeys([s.group for s in scheduler_output.seqs]):
             if group.status is SequenceStatus.FINISHED:  # aborted
                 continue
             if group.embedding is not None and not group.is_finished:
@@ -384,12 +384,14 @@ class Scheduler:
         while i < len(queue) and budget > 0:
             group = queue[i]
             seqs = group.seqs
-            if roomy and len(seqs) == 1:  # the common case: one sequence, decoding
+            if len(seqs) == 1:  # the common case: one sequence, decoding
                 seq = seqs[0]
                 if (
                     seq.num_computed_tokens == len(seq.token_ids) - 1
                     and seq.finish_reason is None
                     and not seq.spec_token_ids
+                    # What _plan and _fits would find for it, without building the plan.
+                    and (roomy or self.kv.can_append_slot(seq.seq_id))
                 ):
                     self._decode(group, seq, out)
                     budget -= 1
