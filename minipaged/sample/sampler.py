@@ -173,8 +173,9 @@ def sample_with_metadata(
 def final_logits(raw: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Step 1 of the module's order over ``raw [N, vocab]`` (float32): the penalties,
     then the ``min_tokens`` mask.  What it returns is final: the sampler takes its
-    argmax, or its softmax after temperature and filters; a hook that constrains the
-    logits (structured output's grammar mask) applies here, last."""
+    argmax, or its softmax after temperature and filters.  Structured outputs' grammar
+    mask comes before, on the raw logits (`LLMEngine.sample`): a masked ``-inf`` stays
+    ``-inf`` through every penalty."""
     logits = _apply_penalties(raw, metadata)
     if metadata.min_tokens_cells is not None:
         logits = logits.index_put(
