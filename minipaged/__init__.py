@@ -20,14 +20,15 @@ bottom up:
 - ``minipaged.viz`` and ``minipaged.core.memory.workloads`` - pictures and synthetic
   requests for the lessons and benchmarks.
 
-Importing the package imports only ``SamplingParams`` and ``BeamSearchParams`` (standard
-library only), so ``minipaged.core.memory`` stays torch-free; ``LLM`` (torch, transformers)
-is imported on first use.
+Importing the package imports only ``SamplingParams``, ``StructuredOutputsParams`` and
+``BeamSearchParams`` (standard library only; llguidance is imported when a structured
+output is asked for), so ``minipaged.core.memory`` stays torch-free; ``LLM`` (torch,
+transformers) is imported on first use.
 """
 
-from minipaged.sampling_params import BeamSearchParams, SamplingParams
+from minipaged.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "BeamSearchParams", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name):  # PEP 562: `from minipaged import LLM` loads the engine then

@@ -51,6 +51,7 @@ BENCHES = (
     "quant",
     "mla",
     "embed",
+    "structured",
 )
 
 

@@ -9,8 +9,10 @@ refused before it reaches the engine, so it can change no engine state.
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 # vLLM's _SAMPLING_EPS: a temperature below it means greedy.  Dividing logits by a
 # vanishing temperature would only approach argmax while risking inf/nan on the way.
@@ -30,6 +32,106 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = "cumulative"
     DELTA = "delta"
     FINAL_ONLY = "final_only"
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a completion to a grammar (vLLM's ``StructuredOutputsParams``).
+
+    Exactly one of:
+
+    Args:
+        json: a JSON schema (a dict, or its JSON text) the completion must validate
+            against.
+        regex: a regular expression (Rust ``regex`` syntax) the completion must match
+            in full.
+        choice: a non-empty list of strings; the completion is one of them.
+        grammar: a context-free grammar, in Lark or GBNF syntax.
+        json_object: True: any JSON object.
+
+    Each is compiled by llguidance (vLLM's ``guidance`` backend) when constructed, so
+    a schema it cannot compile, an invalid regex or grammar, or an empty choice list is
+    a ``ValueError`` naming the field.  `minipaged.structured_output` turns it into a
+    matcher per sequence.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(STRUCTURED_OUTPUT_KINDS)}, got {given or 'none'}"
+            )
+        if error := _grammar_error(self.llguidance_grammar()):
+            raise ValueError(f"structured_outputs.{self.kind} cannot be compiled: {error}")
+
+    @property
+    def kind(self) -> str:
+        """Which field is set; checks its type."""
+        kind = next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+        value = getattr(self, kind)
+        ok = {
+            "json": isinstance(value, (dict, str)),
+            "regex": isinstance(value, str),
+            "choice": isinstance(value, (list, tuple))
+            and len(value) > 0
+            and all(isinstance(c, str) for c in value),
+            "grammar": isinstance(value, str) and value.strip() != "",
+            "json_object": value is True,
+        }[kind]
+        if not ok:
+            rule = {
+                "json": "a JSON schema (dict or str)",
+                "regex": "a str",
+                "choice": "a non-empty list of str",
+                "grammar": "a non-empty Lark or GBNF grammar str",
+                "json_object": "True",
+            }[kind]
+            raise ValueError(f"structured_outputs.{kind} must be {rule}, got {value!r}")
+        return kind
+
+    def key(self) -> tuple[str, str]:
+        """What identifies the grammar: the compiled-grammar cache's key."""
+        value = getattr(self, self.kind)
+        if not isinstance(value, str):
+            value = json.dumps(value, sort_keys=True)
+        return self.kind, value
+
+    def llguidance_grammar(self) -> str:
+        """The spec as an llguidance grammar (not yet checked)."""
+        from llguidance import grammar_from  # noqa: PLC0415 (only structured requests need it)
+
+        kind, value = self.kind, getattr(self, self.kind)
+        if kind == "json":
+            try:
+                return grammar_from("json_schema", value)
+            except ValueError as error:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {error}") from None
+        if kind == "json_object":
+            return grammar_from("json_schema", '{"type": "object"}')
+        if kind == "choice":
+            return grammar_from("choice", list(value))
+        if kind == "regex":
+            return grammar_from("regex", value)
+        try:  # Lark, or GBNF converted to Lark
+            return grammar_from("grammar", value)
+        except ValueError as error:
+            raise ValueError(f"structured_outputs.grammar cannot be compiled: {error}") from None
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _grammar_error(grammar: str) -> str:
+    from llguidance import LLMatcher  # noqa: PLC0415
+
+    return LLMatcher.validate_grammar(grammar)
 
 
 @dataclass
@@ -68,6 +170,8 @@ class SamplingParams:
         output_kind: when `LLMEngine.step` reports this request (`RequestOutputKind`).
         best_of: accepted only as None or equal to ``n``: minipaged does not generate
             extra completions to keep the ``n`` most likely (vLLM removed it too).
+        structured_outputs: constrain each completion to a JSON schema, regex, choice
+            or grammar (`StructuredOutputsParams`); a dict of its fields is accepted.
     """
 
     n: int = 1
@@ -88,6 +192,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
     best_of: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1)
@@ -120,6 +225,12 @@ class SamplingParams:
         self.stop_token_ids = _token_id_list(self.stop_token_ids)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
+        if self.structured_outputs is not None and self.min_tokens:
+            raise ValueError(
+                "min_tokens cannot be combined with structured_outputs in minipaged (the "
+                f"grammar decides where a completion may end), got min_tokens={self.min_tokens}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -161,6 +272,22 @@ class BeamSearchParams:
         _check_int("max_tokens", self.max_tokens, low=1)
         _check_float("length_penalty", self.length_penalty, "a finite number")
         _check_bool("ignore_eos", self.ignore_eos)
+
+
+def _structured_outputs(value: Any) -> StructuredOutputsParams | None:
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        unknown = set(value) - set(STRUCTURED_OUTPUT_KINDS)
+        if unknown:
+            raise ValueError(
+                f"structured_outputs has unsupported fields {sorted(unknown)} (minipaged "
+                f"takes {', '.join(STRUCTURED_OUTPUT_KINDS)})"
+            )
+        return StructuredOutputsParams(**value)
+    raise ValueError(
+        f"structured_outputs must be a StructuredOutputsParams or a dict, got {value!r}"
+    )
 
 
 def _is_int(value) -> bool:

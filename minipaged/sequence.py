@@ -59,6 +59,9 @@ class Sequence:
     # Speculative decoding: a draft's guesses at the tokens after its last one, for the
     # next step to verify (`minipaged.spec_decode`); never part of ``token_ids``.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Structured outputs: its grammar's matcher, advanced by each token it appends
+    # (`minipaged.structured_output.GuidanceGrammar`); None: unconstrained.
+    grammar: Any = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -88,8 +91,8 @@ class Sequence:
 
     def fork(self, seq_id: str, index: int) -> Sequence:
         """A copy that goes on from here as completion ``index``: the same tokens, KV
-        progress, logprobs and text so far (its blocks are shared by the KV cache
-        manager, §4.4; its random stream is its own, set by whoever forks it)."""
+        progress, logprobs, text and grammar state so far (its blocks are shared by the
+        KV cache manager, §4.4; its random stream is its own, set by whoever forks it)."""
         return Sequence(
             seq_id,
             list(self.token_ids),
@@ -100,6 +103,7 @@ class Sequence:
             logprobs=None if self.logprobs is None else list(self.logprobs),
             output_text=self.output_text,
             detokenizer=copy.copy(self.detokenizer),
+            grammar=None if self.grammar is None else self.grammar.fork(),
         )
 
 
@@ -169,15 +173,18 @@ class SequenceGroup:
         return len(self.unfinished_seqs)
 
     # Both run for every request every step: they read finish_reason rather than call
-    # Sequence.is_finished, and build a list rather than run all() over a generator,
-    # which takes twice as long.
+    # Sequence.is_finished; a list comprehension, or a plain loop that stops at the
+    # first unfinished sequence, takes half the time of all() over a generator.
     @property
     def unfinished_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if s.finish_reason is None]
 
     @property
     def is_finished(self) -> bool:
-        return not self.unfinished_seqs
+        for s in self.seqs:
+            if s.finish_reason is None:
+                return False
+        return True
 
     def new_seq_id(self) -> str:
         seq_id = f"{self.request_id}.{self.next_seq_index}"

@@ -69,7 +69,7 @@ def in_process_app(path, api_key: str | None = None, engine_kwargs=None, **app_k
     from minipaged.server.async_engine import AsyncEngine
 
     engine = AsyncEngine(
-        LLMEngine(EngineConfig(model=str(path), **ENGINE, **(engine_kwargs or {})))
+        LLMEngine(EngineConfig(model=str(path), **{**ENGINE, **(engine_kwargs or {})}))
     )
     port = free_port()
     app = build_app(engine, MODEL, api_key, **app_kwargs)

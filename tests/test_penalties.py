@@ -18,8 +18,10 @@ from transformers import (
 )
 
 from engine_helpers import EOS, assert_all_blocks_free, make_llm, random_prompt
-from minipaged.sample.sampler import apply_min_tokens, apply_penalties, sample
+from minipaged.sample.metadata import SamplingInputBatch
+from minipaged.sample.sampler import apply_min_tokens, apply_penalties, final_logits, sample
 from minipaged.sampling_params import SamplingParams
+from minipaged.sequence import Sequence
 
 VOCAB = 64
 
@@ -305,3 +307,40 @@ def test_real_weights_min_tokens_and_repetition_penalty_equal_hf_generate(smollm
         assert out.outputs[0].token_ids == want[0, len(prompt) :].tolist(), kwargs
     assert len(outs[0].outputs[0].token_ids) > 20
     assert_all_blocks_free(llm)
+
+
+def test_counts_kept_across_steps_equal_the_oracles_on_the_whole_history():
+    """The engine's decode steps keep each sequence's penalty counts in a
+    `SamplingInputBatch`, updated with only the tokens gained since the last step; after
+    several steps, a dropped row, a request id used again and a sequence that gains
+    several tokens at once, the penalised logits are still the oracles' over the whole
+    history."""
+    rep, presence, frequency = 1.5, 0.4, 0.3
+    params = [
+        SamplingParams(repetition_penalty=rep, presence_penalty=presence),
+        SamplingParams(),  # unpenalised, between penalised rows
+        SamplingParams(frequency_penalty=frequency, repetition_penalty=rep),
+    ]
+    seqs = [
+        Sequence(str(i), list(tokens), prompt_len)
+        for i, (tokens, prompt_len) in enumerate(histories(3, seed=2))
+    ]
+    batch = SamplingInputBatch(VOCAB, "cpu", max_num_reqs=2)  # it must grow
+    g = torch.Generator().manual_seed(3)
+    for step in range(6):
+        if step == 3:  # "0" finishes; a new request takes its id (and its row)
+            batch.remove(["0"])
+            tokens, prompt_len = histories(1, seed=4)[0]
+            seqs[0] = Sequence("0", tokens, prompt_len)
+        logits = random_logits(3, seed=step)
+        got = final_logits(logits, batch.metadata(batch.rows(seqs, params)))
+        for i, (seq, p) in enumerate(zip(seqs, params)):
+            want = logits[i : i + 1].clone()
+            if p.repetition_penalty != 1:
+                want = RepetitionPenaltyLogitsProcessor(rep)(torch.tensor([seq.token_ids]), want)
+            want = naive_presence_frequency(
+                want[0], seq.output_token_ids, p.presence_penalty, p.frequency_penalty
+            )
+            torch.testing.assert_close(got[i], want)
+        for seq in seqs:  # a sampled token each, and two (accepted guesses) now and then
+            seq.token_ids += torch.randint(0, VOCAB // 2, (1 + step % 2,), generator=g).tolist()

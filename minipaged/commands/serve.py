@@ -7,7 +7,7 @@ import dataclasses
 import os
 
 from minipaged.arg_utils import MODEL_HELP, add_engine_flags, engine_kwargs, positive_int
-from minipaged.server.limits import ServerLimits
+from minipaged.server.limits import TOOL_CALL_PARSERS, ServerLimits
 
 NAME = "serve"
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API"
@@ -49,6 +49,18 @@ def add_arguments(parser) -> None:
         help="engine replicas, each a process with its own KV pool (and its own "
         "--tensor-parallel-size ranks), behind this one server, which sends each "
         "request to the least loaded (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let tool_choice "auto" (the default with tools) read tool calls from the '
+        "model's text (needs --tool-call-parser)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="how tool calls are written in the model's text: hermes is "
+        "<tool_call>{...}</tool_call>",
     )
     _add_safety_flags(parser)
     add_engine_flags(parser)
@@ -108,5 +120,7 @@ def main(args) -> None:
         args.allowed_hosts,
         args.lora_modules,
         args.data_parallel_size,
+        args.enable_auto_tool_choice,
+        args.tool_call_parser,
         **engine_kwargs(args),
     )

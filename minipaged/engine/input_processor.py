@@ -4,12 +4,14 @@ queues (paper §4.4, §4.5).
 `LLMEngine.add_request` hands it a prompt's token ids and the request's parameters.  A
 request that is malformed or could never run is refused with ``ValueError`` before
 anything changes: an unknown kind of parameters, a request id already running, an empty
-prompt, token ids outside the vocabulary, a prompt longer than ``max_model_len``, or more
-sequences or blocks than the scheduler could ever give it (`Scheduler.check_fits`).
+prompt, token ids outside the vocabulary, a prompt longer than ``max_model_len``, more
+sequences or blocks than the scheduler could ever give it (`Scheduler.check_fits`), or a
+structured output whose grammar does not compile against the tokenizer.
 
 A request starts as one sequence, its prompt: with its own random generator if it has a
 seed, a detokenizer unless it is a beam search (whose text is decoded once, at the end),
-and room for logprobs if it asked for them.  It branches later, by forks (§4.4).
+room for logprobs if it asked for them, and a grammar's matcher for a structured output.
+It branches later, by forks (§4.4).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from minipaged.pooling_params import PoolingParams
 from minipaged.sample.sampler import seq_generator
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup
+from minipaged.structured_output import StructuredOutputManager
 
 Params = SamplingParams | BeamSearchParams | PoolingParams
 
@@ -43,6 +46,7 @@ class InputProcessor:
         speculative: bool = False,
         pipelined: bool = False,
         pooler: Pooler | None = None,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         # A pooling runner's pooler (runner="pooling"): its requests are PoolingParams'
         # and only theirs.
@@ -56,6 +60,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.scheduler = scheduler
         self.device = device
+        self.structured_output = structured_output  # compiles structured outputs' grammars
         self._arrivals = itertools.count()
 
     def process(
@@ -85,9 +90,15 @@ class InputProcessor:
                 logprobs=[] if wants_logprobs else None,
                 generator=seq_generator(params, 0, self.device),
                 detokenizer=detokenizer,
+                grammar=self._grammar(params),
             )
         )
         return group
+
+    def _grammar(self, params: Params):
+        """A structured output's matcher, its grammar compiled (and cached) on first use."""
+        spec = getattr(params, "structured_outputs", None)
+        return None if spec is None else self.structured_output.grammar_init(spec)
 
     def check(self, request_id: str, prompt_token_ids: list[int], params: Params) -> None:
         if not isinstance(params, (SamplingParams, BeamSearchParams, PoolingParams)):
@@ -100,6 +111,12 @@ class InputProcessor:
             raise ValueError(
                 "beam search cannot run with speculative_config (neither can it in vLLM); "
                 "start an LLM without speculative_config for it"
+            )
+        if self.speculative and getattr(params, "structured_outputs", None) is not None:
+            raise ValueError(
+                "structured_outputs cannot run with speculative_config in minipaged (the "
+                "draft's guesses are not checked against the grammar); start an LLM "
+                "without speculative_config for it"
             )
         if self.pipelined and getattr(params, "prompt_logprobs", None) is not None:
             raise ValueError(
@@ -123,6 +140,7 @@ class InputProcessor:
                 f"max_model_len={self.max_model_len}"
             )
         self.scheduler.check_fits(len(prompt_token_ids), params)
+        self._grammar(params)  # compiles against the tokenizer: ValueError if it cannot
 
     def _check_runner(self, params: Params) -> None:
         """A pooling runner makes embeddings only, a generating one generates only (as

@@ -11,7 +11,8 @@
   the `ModelRunner`'s forward pass over the batch (with ``tensor_parallel_size`` > 1,
   on every rank of the group, §4.6);
 - **sample**: `ParallelSampling` draws each finished sequence's next token (a prompt
-  with ``n`` > 1 draws one for each of its ``n`` completions), `BeamSearch` ranks the
+  with ``n`` > 1 draws one for each of its ``n`` completions; a structured output's
+  logits masked first to what its grammar allows, `StructuredOutputManager`), `BeamSearch` ranks the
   beams' candidates instead (§4.4); both only choose (`StepSamples`);
 - **update**: `Scheduler.update_from_output` (vLLM's) applies the choice: it forks,
   appends each new token, checks the stop conditions, frees a finished sequence's
@@ -61,6 +62,7 @@ from minipaged.sample.beam_search import BeamSearch
 from minipaged.sample.parallel_sampling import ParallelSampling
 from minipaged.sequence import SequenceGroup
 from minipaged.spec_decode.speculator import Speculator, load_draft_model, make_proposer
+from minipaged.structured_output import StructuredOutputManager
 from minipaged.trace import Trace
 from minipaged.worker.cache_engine import block_bytes, fit_max_model_len, pool_sizes
 from minipaged.worker.compiled_decode import check_compiled_decode
@@ -210,6 +212,9 @@ class LLMEngine:
         self.adapters = Adapters(
             self.runner.lora, self.scheduler.lora_slots, self.scheduler.requests
         )
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.vocab_size, self.eos_token_ids, config.max_num_seqs
+        )
         self.input_processor = InputProcessor(
             self.tokenizer,
             self.vocab_size,
@@ -219,6 +224,7 @@ class LLMEngine:
             speculative=config.speculative_config is not None,
             pipelined=config.pipeline_parallel_size > 1,
             pooler=self.runner.pooler,
+            structured_output=self.structured_output,
         )
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.parallel_sampling = ParallelSampling(self.eos_token_ids, self.generator)
@@ -316,6 +322,7 @@ class LLMEngine:
         if self.speculator:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
+        self.parallel_sampling.remove(batch.finished_req_ids)
         sampling, logits = self.executor.execute(batch)
         samples, self.failed = StepSamples(), {}
         if sampling and fail_alone:
@@ -354,6 +361,7 @@ class LLMEngine:
         for i, s in enumerate(sampling):
             (beams if s.group.is_beam_search else plain).append(i)
         if plain:
+            self.structured_output.apply(sampling, logits, plain)  # grammars' masks
             samples.tokens = self.parallel_sampling.sample(sampling, logits, plain)
         if beams:
             samples.extend(self.beam_search.rank(sampling, logits, beams))

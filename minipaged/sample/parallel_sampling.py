@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from minipaged.core.sched.output import Sample, ScheduledSeq
+from minipaged.sample.metadata import SamplingInputBatch
 from minipaged.sample.sampler import sample, seq_generator
 
 
@@ -26,6 +27,15 @@ class ParallelSampling:
     def __init__(self, eos_token_ids: set[int], generator: torch.Generator) -> None:
         self.eos_token_ids = eos_token_ids
         self.generator = generator  # for requests without a seed, shared by all of them
+        # The decoding sequences' parameters as tensors, kept across steps (the first
+        # step's logits tell the vocabulary and the device).
+        self.input_batch: SamplingInputBatch | None = None
+
+    def remove(self, seq_ids) -> None:
+        """Forget sequences that finished or left the runner's batch (the scheduler's
+        ``finished_req_ids``); one that samples again is added back whole."""
+        if self.input_batch is not None:
+            self.input_batch.remove(seq_ids)
 
     def sample(
         self, sampling: list[ScheduledSeq], logits: torch.Tensor, rows: list[int]
@@ -71,19 +81,16 @@ class ParallelSampling:
         self, scheduled: list[ScheduledSeq], params: list, logits: torch.Tensor, rows: list[int]
     ) -> list[Sample]:
         """`sample` of a step where no prompt forks (every decode step): one token per
-        row of ``scheduled`` (``rows`` of the logits)."""
+        row of ``scheduled`` (``rows`` of the logits), its parameters kept across steps
+        (`SamplingInputBatch`)."""
         if len(rows) != logits.shape[0]:
             logits = logits[rows]
-        seqs = [s.seq for s in scheduled]
-        out = sample(
-            logits,
-            params,
-            [seq.generator for seq in seqs],
-            self.generator,
-            [seq.token_ids for seq in seqs],
-            [seq.prompt_len for seq in seqs],
-            self.eos_token_ids,
-        )
+        batch = self.input_batch
+        if batch is None:
+            batch = self.input_batch = SamplingInputBatch(logits.shape[1], logits.device)
+        rows = batch.rows([s.seq for s in scheduled], params)
+        metadata = batch.metadata(rows, self.eos_token_ids)
+        out = sample(logits, params, generator=self.generator, metadata=metadata)
         return [
             Sample(s.group, s.seq, token, logprob, top)
             for s, token, logprob, top in zip(

@@ -47,6 +47,7 @@ from typing import NamedTuple
 
 import torch
 
+from minipaged.sample.metadata import SamplingMetadata, min_tokens_cells
 from minipaged.sampling_params import SamplingParams
 
 __all__ = [
@@ -55,6 +56,9 @@ __all__ = [
     "make_generator",
     "seq_generator",
     "sample",
+    "sample_with_metadata",
+    "final_logits",
+    "metadata_of",
     "processed_logits",
     "target_probs",
     "logprobs_of",
@@ -116,6 +120,7 @@ def sample(
     token_ids: Sequence[list[int]] | None = None,
     prompt_lens: Sequence[int] | None = None,
     eos_token_ids: Collection[int] = (),
+    metadata: SamplingMetadata | None = None,
 ) -> SamplerOutput:
     """Choose the next token of every row of ``logits [N, vocab]``.
 
@@ -130,24 +135,121 @@ def sample(
         prompt_lens: how many of each row's ``token_ids`` are its prompt.
         eos_token_ids: what ``min_tokens`` holds back besides ``stop_token_ids``
             (unless the row's ``ignore_eos``).
+        metadata: ``params`` and the rest already as tensors, kept across steps
+            (`minipaged.sample.metadata.SamplingInputBatch`, the engine's decode
+            steps); then ``generators``, ``token_ids``, ``prompt_lens`` and
+            ``eos_token_ids`` are not read.
     """
     _check_inputs(logits, params, generators)
+    if metadata is None:
+        metadata = metadata_of(logits, params, generators, token_ids, prompt_lens, eos_token_ids)
+    return sample_with_metadata(logits, metadata, generator)
+
+
+def sample_with_metadata(
+    logits: torch.Tensor, metadata: SamplingMetadata, generator: torch.Generator | None = None
+) -> SamplerOutput:
+    """`sample`, given the rows' parameters as a `SamplingMetadata`: one batched pass, no
+    loop over the rows but for seeded draws, and the chosen ids copied to the host once."""
     raw = logits.float()
-    logits = processed_logits(raw, params, token_ids, prompt_lens, eos_token_ids)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if len(rows) == len(params):  # no greedy row: no argmax, no copy of the rows
-        next_ids = _draw(
-            _sampling_probs(logits, list(params)),
-            list(generators or [None] * len(params)),
-            generator,
-        )
+    logits = final_logits(raw, metadata)
+    if metadata.all_greedy:
+        next_ids = logits.argmax(dim=-1)
+    elif metadata.all_random:  # no argmax, no copy of the rows
+        next_ids = _draw(_probs(logits, metadata, None), metadata.generators, generator)
     else:
         next_ids = logits.argmax(dim=-1)  # greedy rows keep this
-        if rows:
-            probs = _sampling_probs(logits[rows], [params[i] for i in rows])
-            row_generators = [generators[i] for i in rows] if generators else [None] * len(rows)
-            next_ids[rows] = _draw(probs, row_generators, generator)
-    return logprobs_of(raw, next_ids.tolist(), params)
+        rows = metadata.random_rows
+        index = torch.tensor(rows, device=logits.device)
+        generators = metadata.generators
+        next_ids[index] = _draw(
+            _probs(logits[index], metadata, index),
+            [generators[i] for i in rows] if generators else None,
+            generator,
+        )
+    return _logprobs(raw, next_ids.tolist(), metadata.logprobs)
+
+
+def final_logits(raw: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Step 1 of the module's order over ``raw [N, vocab]`` (float32): the penalties,
+    then the ``min_tokens`` mask.  What it returns is final: the sampler takes its
+    argmax, or its softmax after temperature and filters.  Structured outputs' grammar
+    mask comes before, on the raw logits (`LLMEngine.sample`): a masked ``-inf`` stays
+    ``-inf`` through every penalty."""
+    logits = _apply_penalties(raw, metadata)
+    if metadata.min_tokens_cells is not None:
+        logits = logits.index_put(
+            metadata.min_tokens_cells, torch.tensor(-torch.inf, device=logits.device)
+        )
+    return logits
+
+
+def metadata_of(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None] | None = None,
+    token_ids: Sequence[list[int]] | None = None,
+    prompt_lens: Sequence[int] | None = None,
+    eos_token_ids: Collection[int] = (),
+) -> SamplingMetadata:
+    """The `SamplingMetadata` of ``params``, built from these lists (the penalties'
+    counts from each row's ``token_ids``) rather than kept across steps."""
+    vocab, device = logits.shape[1], logits.device
+    metadata = _draw_metadata(params, vocab, device)
+    if generators and any(g is not None for g in generators):
+        metadata.generators = list(generators)
+    if any(p.logprobs is not None for p in params):
+        metadata.logprobs = [p.logprobs for p in params]
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if rows:
+        _check_history(token_ids, prompt_lens, logits)
+        _penalty_metadata(metadata, rows, params, token_ids, prompt_lens, vocab, device)
+    if any(p.min_tokens for p in params):
+        _check_history(token_ids, prompt_lens, logits)
+        metadata.min_tokens_cells = min_tokens_cells(
+            params,
+            [len(t) - n for t, n in zip(token_ids, prompt_lens)],
+            eos_token_ids,
+            vocab,
+            device,
+        )
+    return metadata
+
+
+def _draw_metadata(params: Sequence[SamplingParams], vocab: int, device) -> SamplingMetadata:
+    """The `SamplingMetadata` of steps 2-4 only: which rows are greedy, and the others'
+    temperature and filters."""
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    metadata = SamplingMetadata(None, not random_rows, len(random_rows) == len(params), random_rows)
+    if random_rows:
+        # Only the sampled rows' values are read; a greedy row's are neutral.
+        metadata.temperature = torch.tensor(
+            [1.0 if p.greedy else p.temperature for p in params], device=device
+        )
+        metadata.top_k, metadata.top_p, metadata.min_p = _filter_tensors(
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+            vocab,
+            device,
+        )
+    return metadata
+
+
+def _penalty_metadata(metadata, rows, params, token_ids, prompt_lens, vocab, device) -> None:
+    """The penalized ``rows``' penalties and token counts, into ``metadata``."""
+    history = [token_ids[i] for i in rows]
+    output = _token_counts(history, [prompt_lens[i] for i in rows], None, vocab, device)
+    prompt = _token_counts(history, [0] * len(rows), [prompt_lens[i] for i in rows], vocab, device)
+
+    def column(name):
+        return torch.tensor([getattr(params[i], name) for i in rows], device=device)[:, None]
+
+    metadata.penalized_rows = rows
+    metadata.frequency_penalties = column("frequency_penalty")
+    metadata.presence_penalties = column("presence_penalty")
+    metadata.repetition_penalties = column("repetition_penalty")
+    metadata.output_token_counts, metadata.prompt_token_mask = output, prompt > 0
 
 
 def processed_logits(
@@ -159,13 +261,7 @@ def processed_logits(
 ) -> torch.Tensor:
     """Step 1 of the module's order: ``raw [N, vocab]`` (float32) after each row's
     penalties and ``min_tokens`` mask, given its tokens so far."""
-    return apply_min_tokens(
-        apply_penalties(raw, params, token_ids, prompt_lens),
-        params,
-        token_ids,
-        prompt_lens,
-        eos_token_ids,
-    )
+    return final_logits(raw, metadata_of(raw, params, None, token_ids, prompt_lens, eos_token_ids))
 
 
 def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -176,8 +272,10 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
         probs[greedy] = probs[greedy].scatter(1, logits[greedy].argmax(-1, keepdim=True), 1.0)
-    if rows := [i for i, p in enumerate(params) if not p.greedy]:
-        probs[rows] = _sampling_probs(logits[rows], [params[i] for i in rows])
+    metadata = _draw_metadata(params, logits.shape[1], logits.device)
+    if rows := metadata.random_rows:
+        index = torch.tensor(rows, device=logits.device)
+        probs[rows] = _probs(logits[rows], metadata, index)
     return probs
 
 
@@ -187,8 +285,15 @@ def logprobs_of(
     """The chosen ``token_ids`` of the rows of ``raw [N, vocab]`` with, for the rows whose
     request asks for logprobs, their logprobs and top logprobs (module docstring: of the
     raw logits); None for the others."""
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    return _logprobs(raw, token_ids, [p.logprobs for p in params])
+
+
+def _logprobs(
+    raw: torch.Tensor, token_ids: list[int], logprobs: Sequence[int | None] | None
+) -> SamplerOutput:
+    """`logprobs_of`, given each row's ``SamplingParams.logprobs`` (None: no row asks)."""
     out = SamplerOutput(token_ids, [None] * len(token_ids), [None] * len(token_ids))
+    rows = [] if logprobs is None else [i for i, k in enumerate(logprobs) if k is not None]
     if not rows:
         return out
     part = raw if len(rows) == raw.shape[0] else raw[rows]
@@ -196,11 +301,11 @@ def logprobs_of(
     index = torch.tensor([token_ids[i] for i in rows], device=raw.device)[:, None]
     chosen = (part.gather(1, index).squeeze(1) - lse).tolist()
     # log_softmax only shifts a row, so the top logits are the top logprobs.
-    top = part.topk(min(max(params[i].logprobs for i in rows), raw.shape[1]))
+    top = part.topk(min(max(logprobs[i] for i in rows), raw.shape[1]))
     top_logprobs = (top.values - lse[:, None]).tolist()
     top_ids = top.indices.tolist()
     for j, i in enumerate(rows):
-        k = params[i].logprobs
+        k = logprobs[i]
         out.logprobs[i] = chosen[j]
         out.top_logprobs[i] = {
             token_ids[i]: chosen[j],
@@ -226,29 +331,21 @@ def apply_penalties(
     if not rows:
         return logits
     _check_history(token_ids, prompt_lens, logits)
+    metadata = SamplingMetadata(None, True, False, [])
     vocab, device = logits.shape[1], logits.device
-    output = _token_counts(
-        [token_ids[i] for i in rows], [prompt_lens[i] for i in rows], None, vocab, device
-    )
-    seen = (
-        output
-        + _token_counts(
-            [token_ids[i] for i in rows],
-            [0] * len(rows),
-            [prompt_lens[i] for i in rows],
-            vocab,
-            device,
-        )
-        > 0
-    )
+    _penalty_metadata(metadata, rows, params, token_ids, prompt_lens, vocab, device)
+    return _apply_penalties(logits, metadata)
 
-    def column(name):
-        return torch.tensor([getattr(params[i], name) for i in rows], device=device)[:, None]
 
-    penalty = column("repetition_penalty")
+def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    rows = metadata.penalized_rows
+    if not rows:
+        return logits
+    output, penalty = metadata.output_token_counts, metadata.repetition_penalties
+    seen = metadata.prompt_token_mask | (output > 0)
     part = logits[rows]
     part = torch.where(seen, torch.where(part > 0, part / penalty, part * penalty), part)
-    part = part - column("frequency_penalty") * output - column("presence_penalty") * (output > 0)
+    part = part - metadata.frequency_penalties * output - metadata.presence_penalties * (output > 0)
     logits = logits.clone()
     logits[rows] = part
     return logits
@@ -267,20 +364,19 @@ def apply_min_tokens(
     ``eos_token_ids`` (Hugging Face's ``MinNewTokensLengthLogitsProcessor``, vLLM's
     min-tokens penalty).  Returns ``logits`` itself when no row is short.
     """
-    short = [i for i, p in enumerate(params) if p.min_tokens]
-    if short:
-        _check_history(token_ids, prompt_lens, logits)
-        short = [i for i in short if len(token_ids[i]) - prompt_lens[i] < params[i].min_tokens]
-    cells = [
-        (i, t)
-        for i in short
-        for t in {*params[i].stop_token_ids, *(() if params[i].ignore_eos else eos_token_ids)}
-        if t < logits.shape[1]
-    ]
-    if not cells:
+    if not any(p.min_tokens for p in params):
         return logits
-    rows, cols = torch.tensor(cells, device=logits.device).T
-    return logits.index_put((rows, cols), torch.tensor(-torch.inf, device=logits.device))
+    _check_history(token_ids, prompt_lens, logits)
+    cells = min_tokens_cells(
+        params,
+        [len(t) - n for t, n in zip(token_ids, prompt_lens)],
+        eos_token_ids,
+        logits.shape[1],
+        logits.device,
+    )
+    if cells is None:
+        return logits
+    return logits.index_put(cells, torch.tensor(-torch.inf, device=logits.device))
 
 
 def filter_logits(
@@ -299,19 +395,38 @@ def filter_logits(
     _check_logits(logits)
     for name, values in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
         _check_rows(name, values, logits)
-    vocab = logits.shape[1]
-    use_k = any(0 < k < vocab for k in top_k)
-    use_p = any(p < 1 for p in top_p)
-    if use_k or use_p:
+    k, p, m = _filter_tensors(top_k, top_p, min_p, logits.shape[1], logits.device, logits.dtype)
+    return _filter(logits, k, p, m)
+
+
+def _filter_tensors(top_k, top_p, min_p, vocab: int, device, dtype=torch.float32):
+    """The filters' per-row values as tensors, each None if no row uses it: top-k as the
+    number of tokens kept (the vocabulary where off), top-p and min-p as ``dtype`` (the
+    logits')."""
+    k = p = m = None
+    if any(0 < k < vocab for k in top_k):
+        k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=device)
+    if any(p < 1 for p in top_p):
+        p = torch.tensor(top_p, dtype=dtype, device=device)
+    if any(m > 0 for m in min_p):
+        m = torch.tensor(min_p, dtype=dtype, device=device)
+    return k, p, m
+
+
+def _filter(
+    logits: torch.Tensor,
+    k: torch.Tensor | None,
+    p: torch.Tensor | None,
+    m: torch.Tensor | None,
+) -> torch.Tensor:
+    """`filter_logits` over tensors (`_filter_tensors`), a filter None where off."""
+    if k is not None or p is not None:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        if use_k:
-            k = torch.tensor(
-                [min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device
-            )
+        if k is not None:
             kth = sorted_logits.gather(1, (k - 1)[:, None])
             sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, -torch.inf)
-        if use_p:
-            p = torch.tensor(top_p, dtype=logits.dtype, device=logits.device)[:, None]
+        if p is not None:
+            p = p.to(logits.dtype)[:, None]
             probs = sorted_logits.softmax(dim=-1)
             mass_above = probs.cumsum(dim=-1) - probs
             # `p < 1` keeps rows with top-p off exact: a cumsum that rounds up to 1 before
@@ -322,8 +437,8 @@ def filter_logits(
             drop[:, 0] = False
             sorted_logits = sorted_logits.masked_fill(drop, -torch.inf)
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    if any(m > 0 for m in min_p):
-        m = torch.tensor(min_p, dtype=logits.dtype, device=logits.device)[:, None]
+    if m is not None:
+        m = m.to(logits.dtype)[:, None]
         # p / p_max is the same before and after renormalising, so the probabilities of
         # what top-k and top-p kept give vLLM's threshold.
         probs = logits.softmax(dim=-1)
@@ -345,21 +460,29 @@ def beam_candidates(logits: torch.Tensor, beam_width: int) -> BeamCandidates:
     return BeamCandidates(top.indices, top.values - logits.logsumexp(dim=-1, keepdim=True))
 
 
-def _sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-    logits = filter_logits(
-        logits / temperature[:, None],
-        [p.top_k for p in params],
-        [p.top_p for p in params],
-        [p.min_p for p in params],
-    )
+def _probs(
+    logits: torch.Tensor, metadata: SamplingMetadata, index: torch.Tensor | None
+) -> torch.Tensor:
+    """Steps 3-4's distribution of ``logits``, the rows ``index`` of the step (all of
+    them if None): temperature, the filters, softmax."""
+
+    def of(values):
+        return values if values is None or index is None else values[index]
+
+    logits = logits / of(metadata.temperature)[:, None]
+    logits = _filter(logits, of(metadata.top_k), of(metadata.top_p), of(metadata.min_p))
     return logits.softmax(dim=-1)
 
 
 def _draw(
-    probs: torch.Tensor, generators: list[torch.Generator | None], shared: torch.Generator | None
+    probs: torch.Tensor,
+    generators: list[torch.Generator | None] | None,
+    shared: torch.Generator | None,
 ) -> torch.Tensor:
-    """One token per row of ``probs``, which it may overwrite."""
+    """One token per row of ``probs``, which it may overwrite; ``generators`` None: every
+    row draws from ``shared``."""
+    if generators is None:
+        return _inverse_cdf(probs, shared)
     token_ids = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     # One call per seeded row: its draw then depends on its generator and nothing else.
     for i, g in enumerate(generators):

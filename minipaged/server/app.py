@@ -83,6 +83,7 @@ from minipaged.server.protocol import (
     TokenizeCompletionRequest,
     UnloadLoRAAdapterRequest,
 )
+from minipaged.server.tools import TOOL_CALL_PARSERS, ChatTools
 
 logger = logging.getLogger("minipaged.server")
 
@@ -151,10 +152,17 @@ class OpenAIServing:
     """The endpoints' logic: requests in, engine requests out, responses back."""
 
     def __init__(
-        self, engine: EngineClient, model_name: str, limits: ServerLimits | None = None
+        self,
+        engine: EngineClient,
+        model_name: str,
+        limits: ServerLimits | None = None,
+        enable_auto_tool_choice: bool = False,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.engine, self.model_name = engine, model_name
         self.limits = limits or ServerLimits()
+        check_tool_flags(enable_auto_tool_choice, tool_call_parser)
+        self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tokenizer = engine.facts.tokenizer
         self.max_model_len = engine.facts.max_model_len
         # No token is longer than the vocabulary's longest entry (a byte-level entry has
@@ -390,6 +398,7 @@ class OpenAIServing:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
         self._check_logprobs(body.top_logprobs, "top_logprobs")
+        tools = self._chat_tools(body)
         token_ids = await self._chat_prompt(body)
         asked = [m for m in (body.max_completion_tokens, body.max_tokens) if m is not None]
         max_tokens = asked[0] if asked else max(1, self.max_model_len - len(token_ids))
@@ -409,7 +418,9 @@ class OpenAIServing:
         usage, started = Usage([token_ids]), set()
 
         def choice(_: RequestOutput, completion: CompletionOutput) -> dict:
-            message = {"content": completion.text}
+            message, finish_reason = {"content": completion.text}, completion.finish_reason
+            if tools is not None:
+                message, finish_reason = tools.message(completion, body.stream)
             if completion.index not in started:  # a stream names the role once
                 message = {"role": "assistant", **message}
                 started.add(completion.index)
@@ -422,7 +433,7 @@ class OpenAIServing:
                 "index": completion.index,
                 "delta" if body.stream else "message": message,
                 "logprobs": logprobs,
-                "finish_reason": completion.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": completion.stop_reason,
             }
 
@@ -435,6 +446,23 @@ class OpenAIServing:
             answer["prompt_logprobs"] = self._prompt_logprobs(finals[0], body.prompt_logprobs)
         return JSONResponse(answer)
 
+    def _chat_tools(self, body: ChatCompletionRequest) -> ChatTools | None:
+        """How this request's tool calls are read (None: it asks for none); a 400
+        naming ``tool_choice`` for "auto" without ``--enable-auto-tool-choice``, as
+        vLLM."""
+        body.tool_schema()  # checks tools and tool_choice
+        choice = body.effective_tool_choice
+        if choice == "none":
+            return None
+        if choice == "auto" and not self.enable_auto_tool_choice:
+            raise APIError(
+                400,
+                '"auto" tool choice requires --enable-auto-tool-choice and '
+                "--tool-call-parser to be set",
+                "tool_choice",
+            )
+        return ChatTools(choice)
+
     async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         if not body.messages:
             raise APIError(400, "messages must not be empty", "messages")
@@ -442,20 +470,30 @@ class OpenAIServing:
             raise APIError(
                 400, "this model's tokenizer has no chat template; use /v1/completions", "messages"
             )
-        return await self._render_chat(body.messages, add_special_tokens=body.add_special_tokens)
+        return await self._render_chat(
+            body.messages, add_special_tokens=body.add_special_tokens, tools=body.tools
+        )
 
     async def _render_chat(
-        self, messages: list, add_generation_prompt: bool = True, add_special_tokens: bool = False
+        self,
+        messages: list,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+        tools: list | None = None,
     ) -> list[int]:
-        """The messages through the chat template, tokenized off the event loop (the
-        template has the special tokens already, unless ``add_special_tokens``)."""
+        """The messages (and ``tools``, which the template describes to the model)
+        through the chat template, tokenized off the event loop (the template has the
+        special tokens already, unless ``add_special_tokens``)."""
         messages = [m.as_template_input() for m in messages]
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
 
         def render() -> list[int]:
             try:
                 text = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                    messages,
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=False,
                 )
             except Exception as error:  # a template raises what it likes
                 raise APIError(
@@ -666,6 +704,17 @@ def encode_embedding(embedding: list[float], encoding_format: str) -> list[float
     return base64.b64encode(np.asarray(embedding, dtype="<f4").tobytes()).decode()
 
 
+def check_tool_flags(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
+    """vLLM's rule: ``--enable-auto-tool-choice`` needs a ``--tool-call-parser``."""
+    if tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+        raise ValueError(
+            f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+            f"got {tool_call_parser!r}"
+        )
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser)")
+
+
 def unencodable_field(body: dict) -> str | None:
     """The first top-level field of ``body`` holding a string that is not valid Unicode
     (a lone surrogate, which JSON's ``\\ud800`` escapes allow and tokenizers refuse)."""
@@ -752,6 +801,8 @@ def serve(
     allowed_hosts: list[str] | None = None,
     lora_modules: list[str] | None = None,
     data_parallel_size: int = 1,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
     **engine_kwargs,
 ) -> None:
     """Load ``model`` into an engine (``engine_kwargs``: `EngineConfig`'s) and serve it
@@ -763,6 +814,7 @@ def serve(
     the engine's loop dies (with replicas: the last of them), the server stops and this
     raises ``SystemExit(1)``, so a supervisor can restart it."""
     check_data_parallel_size(data_parallel_size, engine_kwargs)
+    check_tool_flags(enable_auto_tool_choice, tool_call_parser)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     limits = limits or ServerLimits()
     hosts = tuple(allowed_hosts) if allowed_hosts else default_allowed_hosts(host)
@@ -780,7 +832,16 @@ def serve(
     )
     name = served_model_name or default_model_name(model)
     try:
-        app = build_app(engine, name, api_key, limits, hosts, lora_modules)
+        app = build_app(
+            engine,
+            name,
+            api_key,
+            limits,
+            hosts,
+            lora_modules,
+            enable_auto_tool_choice,
+            tool_call_parser,
+        )
         server = Server(uvicorn_config(app, host, port, limits), app.state.draining)
     except BaseException:
         engine.shutdown()
@@ -847,10 +908,14 @@ def build_app(
     limits: ServerLimits | None = None,
     allowed_hosts: tuple[str, ...] | None = None,
     lora_modules: list[str] | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``; with ``api_key``, the
     ``/v1`` routes want ``Authorization: Bearer <api_key>``; ``allowed_hosts`` None
-    allows any ``Host``; ``lora_modules``: adapters to serve, ``name=path`` each.
+    allows any ``Host``; ``lora_modules``: adapters to serve, ``name=path`` each;
+    ``enable_auto_tool_choice`` with ``tool_call_parser`` (vLLM's flags) lets
+    ``tool_choice="auto"`` read the model's calls.
     ``app.state.draining`` is its `Draining`.  Stopping the app stops the engine's
     thread."""
     limits = limits or ServerLimits()
@@ -862,7 +927,8 @@ def build_app(
 
     # No trailing-slash redirects: they would send clients to the Host they named.
     app = FastAPI(title="minipaged", lifespan=lifespan, redirect_slashes=False)
-    serving, registry = OpenAIServing(engine, model_name, limits), make_registry(engine)
+    serving = OpenAIServing(engine, model_name, limits, enable_auto_tool_choice, tool_call_parser)
+    registry = make_registry(engine)
     if lora_modules:  # read before the app serves: a malformed one stops the start
         asyncio.run(serving.adapters.load_modules(lora_modules, model_name))
     draining = app.state.draining = Draining(engine, limits.shutdown_grace_s)
@@ -983,7 +1049,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)  # SamplingParams and the engine name the argument
     async def bad_value(_: Request, error: ValueError) -> Response:
-        return error_response(APIError(400, str(error)))
+        return error_response(APIError(400, str(error), getattr(error, "param", None)))
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, error: EngineDeadError) -> Response:

@@ -39,3 +39,8 @@ class ServerLimits:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+
+
+# The formats of tool calls in a model's text that ``--tool-call-parser`` may name
+# (`minipaged.server.tools`); here, free of the server extra, for the command line.
+TOOL_CALL_PARSERS = ("hermes",)

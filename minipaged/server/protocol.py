@@ -4,7 +4,8 @@ Pydantic checks the JSON's shape (a field missing, a string where a number goes)
 values are checked where they always are, by `SamplingParams`, so the server and
 ``LLM.generate`` refuse the same things with the same messages.  Fields beyond OpenAI's
 are vLLM's (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``prompt_logprobs``), so a client written for vLLM works unchanged.
+``stop_token_ids``, ``prompt_logprobs``, ``structured_outputs`` and its older
+``guided_*`` names), so a client written for vLLM works unchanged.
 
 Nothing is silently ignored: every field of OpenAI's and vLLM's requests is either
 implemented, or in `UNSUPPORTED` with the values that ask for nothing (vLLM's
@@ -15,18 +16,23 @@ as both do.
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from minipaged.pooling_params import PoolingParams
-from minipaged.sampling_params import RequestOutputKind, SamplingParams
+from minipaged.sampling_params import (
+    STRUCTURED_OUTPUT_KINDS,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 # Fields of OpenAI's and vLLM's requests that minipaged does not implement, and the
 # values that ask for nothing.  Both endpoints:
 UNSUPPORTED = {
     "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     "include_stop_str_in_output": (None, False),
@@ -37,11 +43,9 @@ UNSUPPORTED = {
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "logprob_token_ids": (None,),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
+    "guided_decoding_backend": (None, "guidance", "auto"),  # llguidance is the one here
+    "guided_whitespace_pattern": (None,),
+    "structural_tag": (None,),
     "priority": (None, 0),
     "return_tokens_as_token_ids": (None, False),
     "return_token_ids": (None, False),
@@ -62,9 +66,7 @@ COMPLETION_UNSUPPORTED = {
     "prompt_embeds": (None,),
 }
 CHAT_UNSUPPORTED = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),  # without tools, nothing to choose
-    "functions": (None, []),
+    "functions": (None, []),  # OpenAI's older names for tools and tool_choice
     "function_call": (None, "none", "auto"),
     "echo": (None, False),
     "add_generation_prompt": (None, True),
@@ -78,6 +80,74 @@ CHAT_UNSUPPORTED = {
     "reasoning_effort": (None,),
     "web_search_options": (None,),
 }
+
+
+# vLLM's older names for structured_outputs' fields, still accepted (as vLLM does).
+GUIDED_FIELDS = {f"guided_{kind}": kind for kind in ("json", "regex", "choice", "grammar")}
+
+
+class FieldError(ValueError):
+    """A bad value of request field ``param``: a 400 naming it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def structured_outputs(
+    response_format: dict | None, extra: dict, tool_schema: dict | None = None
+) -> StructuredOutputsParams | None:
+    """The request's structured output, from whichever one of OpenAI's
+    ``response_format`` (``json_schema``, ``json_object``; ``text`` asks for nothing),
+    vLLM's ``structured_outputs``, its older ``guided_*`` fields or a forced
+    ``tool_choice`` (``tool_schema``) sets it; `FieldError` naming the field if it is
+    malformed, or if two set one."""
+    specs = {} if tool_schema is None else {"tool_choice": {"json": tool_schema}}
+    if response_format not in (None, {"type": "text"}):
+        specs["response_format"] = _response_format(response_format)
+    if extra.get("structured_outputs") is not None:
+        value = extra["structured_outputs"]
+        if not isinstance(value, dict):
+            raise FieldError(
+                "structured_outputs", f"structured_outputs must be an object, got {value!r}"
+            )
+        specs["structured_outputs"] = value
+    for name, kind in GUIDED_FIELDS.items():
+        if extra.get(name) is not None:
+            specs[name] = {kind: extra[name]}
+    if not specs:
+        return None
+    if len(specs) > 1:
+        raise FieldError(
+            next(iter(specs)),
+            f"set only one of {', '.join(specs)}: each asks for a structured output",
+        )
+    ((param, spec),) = specs.items()
+    unknown = set(spec) - set(STRUCTURED_OUTPUT_KINDS)
+    if unknown:
+        raise FieldError(param, f"{param} has unsupported fields {sorted(unknown)}")
+    try:
+        return StructuredOutputsParams(**spec)
+    except ValueError as error:
+        raise FieldError(param, f"{param}: {error}") from None
+
+
+def _response_format(value) -> dict:
+    if not isinstance(value, dict) or value.get("type") not in ("json_schema", "json_object"):
+        raise FieldError(
+            "response_format",
+            f"response_format.type must be 'text', 'json_schema' or 'json_object', got {value!r}",
+        )
+    if value["type"] == "json_object":
+        return {"json_object": True}
+    json_schema = value.get("json_schema")
+    if not isinstance(json_schema, dict) or not isinstance(json_schema.get("schema"), dict):
+        raise FieldError(
+            "response_format",
+            "response_format.json_schema must be an object with a 'schema' object, "
+            f"got {json_schema!r}",
+        )
+    return {"json": json_schema["schema"]}
 
 
 def unsupported_field(body: BaseModel, table: dict) -> str | None:
@@ -131,6 +201,7 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     prompt_logprobs: int | None = None
+    response_format: dict | None = None
 
     # The options this endpoint has beyond UNSUPPORTED's, minipaged does not implement.
     _unsupported: dict = {}
@@ -173,8 +244,15 @@ class SamplingRequest(BaseModel):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=structured_outputs(
+                self.response_format, self.model_extra or {}, self.tool_schema()
+            ),
             **optional,
         )
+
+    def tool_schema(self) -> dict | None:
+        """The JSON schema a forced ``tool_choice`` holds the completion to (chat's)."""
+        return None
 
 
 class CompletionRequest(SamplingRequest):
@@ -209,11 +287,39 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
 
+    tool_calls: list[dict] | None = None  # an assistant's, sent back
+    tool_call_id: str | None = None  # a tool message's: the call it answers
+
     def as_template_input(self) -> dict:
+        """The message as chat templates read it: an assistant's calls with their
+        arguments as objects (as vLLM passes them), a tool result with its call's id."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [template_tool_call(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def template_tool_call(call: dict) -> dict:
+    """An assistant's tool call (OpenAI's shape) with its arguments parsed; a
+    `FieldError` naming ``messages`` if they are not a JSON object."""
+    function = call.get("function") if isinstance(call, dict) else None
+    try:
+        arguments = json.loads(function["arguments"])
+        name = function["name"]
+    except (TypeError, KeyError, json.JSONDecodeError):
+        arguments = name = None
+    if not isinstance(arguments, dict) or not isinstance(name, str):
+        raise FieldError(
+            "messages",
+            "an assistant message's tool_calls need function.name and "
+            f"function.arguments as a JSON object string, got {call!r}",
+        )
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -228,6 +334,21 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_special_tokens: bool = False  # vLLM's: the chat template has them already
+    tools: list | None = None
+    tool_choice: str | dict | None = None  # OpenAI's default: "auto" with tools
+
+    @property
+    def effective_tool_choice(self) -> str | dict:
+        """``tool_choice`` as given, or OpenAI's default: "auto" with tools, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def tool_schema(self) -> dict | None:
+        from minipaged.server.tools import check_tools, forced_schema  # it imports FieldError
+
+        check_tools(self.tools, self.tool_choice)
+        return forced_schema(self.tools or [], self.effective_tool_choice)
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -254,8 +375,9 @@ class TokenizeChatRequest(BaseModel):
 
     def unsupported(self) -> str | None:
         """The first option asked for that minipaged does not implement."""
-        names = ("continue_final_message", "chat_template", "chat_template_kwargs", "tools")
-        return unsupported_field(self, {name: CHAT_UNSUPPORTED[name] for name in names})
+        names = ("continue_final_message", "chat_template", "chat_template_kwargs")
+        table = {name: CHAT_UNSUPPORTED[name] for name in names}
+        return unsupported_field(self, {**table, "tools": (None, [])})
 
 
 class DetokenizeRequest(BaseModel):

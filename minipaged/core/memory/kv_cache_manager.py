@@ -203,6 +203,11 @@ class KVCacheManager:
             return False
         return table.num_blocks_needed(num_new_tokens) <= self.gpu.num_free_blocks
 
+    def can_append_slot(self, seq_id: str) -> bool:
+        """`can_append` of one token to a running sequence (`append_slot`), kept lean
+        for the decode's common case: any free block will do."""
+        return self.gpu.num_free_blocks > 0 or self.tables[seq_id].num_blocks_needed(1) == 0
+
     def blocks_to_append(self, seq_id: str, num_new_tokens: int = 1) -> int:
         """Free blocks `append()` would take, copy-on-write included (alone: see
         `can_append_all` for sequences that share blocks)."""

@@ -278,7 +278,7 @@ class Scheduler:
                 seq.logprobs.append(s.top_logprobs)
             self.check_stop(s.group, seq)
         groups = []
-        for group in dict.fromkeys(s.group for s in scheduler_output.seqs):
+        for group in dict.fromkeys([s.group for s in scheduler_output.seqs]):
             if group.status is SequenceStatus.FINISHED:  # aborted
                 continue
             if group.embedding is not None and not group.is_finished:
@@ -310,9 +310,12 @@ class Scheduler:
         return child
 
     def check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
-        """Decide whether ``seq`` is done after its new token; in vLLM's order: EOS
-        (unless ``ignore_eos``), a stop token, a stop string (`check_stop_strings`),
-        then ``max_tokens`` or ``max_model_len``.  A beam search request only has the
+        """Decide whether ``seq`` is done after its new token, first feeding it to its
+        grammar (structured outputs: a token the grammar refuses is a dead end, which
+        finishes the sequence with ``"abort"`` and says why in ``stop_reason``); then in
+        vLLM's order: EOS (unless ``ignore_eos``), a stop token, a stop string
+        (`check_stop_strings`), then ``max_tokens`` or ``max_model_len``.  A beam search
+        request only has the
         last two (its EOS extensions were set aside when ranked)."""
         params, token = group.params, seq.token_ids[-1]
         if group.is_beam_search:
@@ -320,7 +323,16 @@ class Scheduler:
                 group.completed_beams.append((list(seq.token_ids), seq.cumulative_logprob))
                 self._finish_seq(group, seq, "length", None)
             return
-        eos = not params.ignore_eos and token in self.eos_token_ids
+        grammar = seq.grammar
+        if grammar is not None and not grammar.accept_token(token):
+            # Only a grammar with no allowed token left lets the sampler draw this.
+            self._finish_seq(group, seq, "abort", f"structured output dead end: {grammar.error}")
+            return
+        # A complete grammar allows only EOS next: it ends the completion even with
+        # ignore_eos, which could only repeat it.
+        eos = token in self.eos_token_ids and (
+            not params.ignore_eos or (grammar is not None and grammar.is_terminated())
+        )
         if eos or token in params.stop_token_ids:
             # The stop token stays in the token ids but not in the text (vLLM).
             self._finish_seq(group, seq, "stop", None if eos else token)
@@ -372,12 +384,14 @@ class Scheduler:
         while i < len(queue) and budget > 0:
             group = queue[i]
             seqs = group.seqs
-            if roomy and len(seqs) == 1:  # the common case: one sequence, decoding
+            if len(seqs) == 1:  # the common case: one sequence, decoding
                 seq = seqs[0]
                 if (
                     seq.num_computed_tokens == len(seq.token_ids) - 1
                     and seq.finish_reason is None
                     and not seq.spec_token_ids
+                    # What _plan and _fits would find for it, without building the plan.
+                    and (roomy or self.kv.can_append_slot(seq.seq_id))
                 ):
                     self._decode(group, seq, out)
                     budget -= 1

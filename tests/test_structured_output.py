@@ -1,0 +1,361 @@
+"""Structured outputs: completions held to a JSON schema, regex, choice or grammar.
+
+Oracles: ``jsonschema`` validates every JSON completion against its schema, Python's
+``re`` full-matches every regex completion, and Hugging Face ``generate`` on the same
+tiny checkpoint, constrained by a fresh llguidance matcher through a
+``LogitsProcessor`` (built here from the tokenizer, none of minipaged's code), gives
+the greedy tokens.  The tiny model's weights are random, so its completions are
+garbage, but valid garbage: exactly what tests the mask.
+"""
+
+import json
+import re
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from engine_helpers import EOS, assert_all_blocks_free, make_llm, random_prompt
+from minipaged import SamplingParams, StructuredOutputsParams
+from minipaged.core.memory.block_table import blocks_for
+
+SCHEMAS = {
+    "nested": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "inner": {
+                "type": "object",
+                "properties": {"ok": {"type": "boolean"}},
+                "required": ["ok"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["name", "inner"],
+        "additionalProperties": False,
+    },
+    "array_of_enums": {
+        "type": "array",
+        "items": {"enum": ["red", "green", 7, None]},
+        "minItems": 1,
+        "maxItems": 4,
+    },
+    "bounded_numbers": {
+        "type": "object",
+        "properties": {
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "score": {"type": "number", "minimum": -1.5, "maximum": 2.5},
+        },
+        "required": ["age", "score"],
+        "additionalProperties": False,
+    },
+    "optional_fields": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 1, "maximum": 99},
+            "tag": {"type": "string", "maxLength": 4},
+        },
+        "required": ["id"],
+        "additionalProperties": False,
+    },
+    "defs": {
+        "$defs": {
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["x"],
+                "additionalProperties": False,
+            }
+        },
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+}
+MAX_TOKENS = 160
+PROMPTS = [random_prompt(3 + i, seed=i) for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return tiny("llama")
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    return make_llm(model[0], block_size=8)
+
+
+def structured(**spec) -> StructuredOutputsParams:
+    return StructuredOutputsParams(**spec)
+
+
+def constrained_hf_greedy(oracle, prompt: list[int], spec, max_tokens: int) -> list[int]:
+    key = (oracle.path, tuple(prompt), spec.key(), max_tokens)
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = _constrained_hf_greedy(oracle, prompt, spec, max_tokens)
+    return _HF_CACHE[key]
+
+
+_HF_CACHE: dict = {}
+
+
+def _constrained_hf_greedy(oracle, prompt: list[int], spec, max_tokens: int) -> list[int]:
+    """HF greedy ``generate`` with every disallowed token's logit at -inf, the mask from
+    a fresh llguidance matcher over the checkpoint's tokenizer (the oracle)."""
+    vocab = oracle.hf.config.vocab_size
+    matcher = llguidance.LLMatcher(
+        llguidance.hf.from_tokenizer(oracle.tokenizer, n_vocab=vocab, eos_token=EOS),
+        spec.llguidance_grammar(),
+    )
+
+    class Mask(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[1] > len(prompt):
+                assert matcher.consume_token(int(input_ids[0, -1]))
+            bits = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
+            allowed = ((bits.unsqueeze(-1) >> torch.arange(8)) & 1).flatten()[:vocab].bool()
+            return scores.masked_fill(~allowed, float("-inf"))
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = oracle.hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            logits_processor=LogitsProcessorList([Mask()]),
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_sampled_json_validates_against_its_schema(llm, name):
+    schema = SCHEMAS[name]
+    params = SamplingParams(
+        temperature=1.0,
+        seed=7,
+        n=2,
+        max_tokens=MAX_TOKENS,
+        structured_outputs=structured(json=schema),
+    )
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
+    for out in outputs:
+        for completion in out.outputs:
+            assert completion.finish_reason == "stop", completion.text
+            assert completion.token_ids[-1] == EOS
+            jsonschema.validate(json.loads(completion.text), schema)
+    assert_all_blocks_free(llm)
+
+
+def test_regex_and_choice(llm):
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    regex = r"[a-c]{2,4}-[0-9]{1,3}"
+    choices = ["yes", "no", "perhaps"]
+    for spec, check in [
+        (structured(regex=regex), lambda t: re.fullmatch(regex, t) is not None),
+        (structured(choice=choices), lambda t: t in choices),
+    ]:
+        params = SamplingParams(
+            temperature=1.0, seed=3, n=3, max_tokens=MAX_TOKENS, structured_outputs=spec
+        )
+        for out in llm.generate(prompts, params, use_tqdm=False):
+            for completion in out.outputs:
+                assert completion.finish_reason == "stop" and check(completion.text), completion
+    assert_all_blocks_free(llm)
+
+
+def test_json_object(llm):
+    """Any JSON object: unbounded, so a random model may run out of tokens inside one;
+    those that end are objects, and every one starts as one."""
+    params = SamplingParams(
+        temperature=1.0,
+        seed=3,
+        n=4,
+        max_tokens=MAX_TOKENS,
+        structured_outputs=structured(json_object=True),
+    )
+    completions = [
+        c
+        for out in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        for c in out.outputs
+    ]
+    stopped = [c for c in completions if c.finish_reason == "stop"]
+    assert stopped
+    for c in stopped:
+        assert isinstance(json.loads(c.text), dict)
+    assert all(c.text.lstrip().startswith("{") for c in completions)
+
+
+def test_grammar_in_lark_and_gbnf(llm):
+    for grammar in ['start: "a" ("+" "a")*', 'root ::= "a" ("+" "a")*']:
+        params = SamplingParams(
+            temperature=1.0, seed=5, max_tokens=40, structured_outputs=structured(grammar=grammar)
+        )
+        for out in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False):
+            completion = out.outputs[0]
+            assert completion.finish_reason == "stop"
+            assert re.fullmatch(r"a(\+a)*", completion.text), completion.text
+
+
+def test_greedy_tokens_equal_hf_constrained_by_the_same_grammar(llm, model):
+    _, oracle = model
+    spec = structured(json=SCHEMAS["bounded_numbers"])
+    params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=spec)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.outputs[0].token_ids == constrained_hf_greedy(oracle, prompt, spec, 48)
+
+
+def test_n_forks_each_get_their_own_matcher(llm):
+    """n = 4 sampled completions fork from one prompt: each is held to the grammar on
+    its own (a shared matcher would see the other forks' tokens and refuse)."""
+    schema = SCHEMAS["optional_fields"]
+    params = SamplingParams(
+        temperature=1.0,
+        seed=11,
+        n=4,
+        max_tokens=MAX_TOKENS,
+        structured_outputs=structured(json=schema),
+    )
+    (out,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
+    texts = [c.text for c in out.outputs]
+    assert len(set(texts)) > 1  # different completions, each valid
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_chunked_prefill_and_prefix_caching_keep_the_grammar(model, mode):
+    """A pool that fits one request at a time, chunked prefill of 8 tokens a step and
+    the prefix cache on (the prompts share a prefix): every greedy completion is still
+    HF's under the same grammar."""
+    path, oracle = model
+    spec = structured(json=SCHEMAS["defs"])
+    prefix = random_prompt(16, seed=99)
+    prompts = [prefix + random_prompt(2 + i, seed=50 + i) for i in range(3)]
+    max_tokens = 40
+    largest = max(blocks_for(len(p) + max_tokens, 8) for p in prompts)
+    llm = make_llm(
+        path,
+        block_size=8,
+        num_gpu_blocks=largest + 1,
+        preemption_mode=mode,
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        enable_prefix_caching=True,
+    )
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=spec)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == constrained_hf_greedy(oracle, prompt, spec, max_tokens)
+    assert llm.stats()["num_preemptions"] > 0
+    assert_all_blocks_free(llm)
+
+
+def test_each_spec_compiles_once(llm):
+    engine = llm.engine
+    spec = structured(regex="[0-9]{3}")
+    before = engine.structured_output.num_compiled
+    for _ in range(2):
+        params = SamplingParams(max_tokens=8, structured_outputs=structured(regex="[0-9]{3}"))
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
+    assert engine.structured_output.num_compiled == before + 1
+    assert engine.structured_output.grammar_init(spec) is not engine.structured_output.grammar_init(
+        spec
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(json={"type": "object", "properties": {"a": {"type": "nosuchtype"}}}), "json"),
+        (dict(json="{not json"), "json"),
+        (dict(regex="a(b"), "regex"),
+        (dict(choice=[]), "choice"),
+        (dict(choice=["a", 1]), "choice"),
+        (dict(grammar="start: undefined_rule"), "grammar"),
+        (dict(json_object=False), "exactly one"),
+        (dict(regex="a", choice=["a"]), "exactly one"),
+    ],
+)
+def test_bad_specs_are_refused_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_refused_combinations():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_outputs=structured(choice=["a"]))
+    with pytest.raises(ValueError, match="unsupported fields"):
+        SamplingParams(structured_outputs={"regex": "a", "whitespace_pattern": " "})
+    params = SamplingParams(structured_outputs={"choice": ["x", "y"]})  # a dict is accepted
+    assert params.structured_outputs == structured(choice=["x", "y"])
+
+
+def test_speculative_decoding_refuses_structured_outputs(llm):
+    processor = llm.engine.input_processor
+    processor.speculative = True
+    try:
+        with pytest.raises(ValueError, match="speculative_config"):
+            processor.check("r", [1, 2], SamplingParams(structured_outputs=structured(regex="a")))
+    finally:
+        processor.speculative = False
+
+
+def test_a_dead_end_finishes_the_request_saying_why(llm):
+    """A matcher that refuses what was drawn (here: forced into an error state before
+    the step) ends its sequence with ``abort`` and the reason, not ``stop``; the other
+    requests of the step go on."""
+    engine = llm.engine
+    params = SamplingParams(
+        temperature=0, max_tokens=20, structured_outputs=structured(regex="ab+")
+    )
+    engine.add_request("dead", PROMPTS[0], params)
+    engine.add_request("alive", PROMPTS[1], params)
+    engine.step()  # the prompts run; their first tokens are "a"
+    engine.requests["dead"].seqs[0].grammar.matcher.consume_token(ord("z"))  # into an error
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step())
+    dead, alive = finished["dead"].outputs[0], finished["alive"].outputs[0]
+    assert dead.finish_reason == "abort" and "dead end" in dead.stop_reason
+    assert alive.finish_reason == "stop" and re.fullmatch("ab+", alive.text)
+    assert_all_blocks_free(llm)
+
+
+def test_apply_grammar_bitmask_against_a_bit_by_bit_loop():
+    """Rows ``rows`` masked by their bitmask rows, every other row untouched; the oracle
+    reads each token's bit one at a time."""
+    from minipaged.structured_output import apply_grammar_bitmask
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = 70, [0, 2, 3]  # 70: the last word is partly past the vocabulary
+    logits = torch.randn(5, vocab, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 3), generator=gen, dtype=torch.int32)
+    expected = logits.clone()
+    for i, row in enumerate(rows):
+        for token in range(vocab):
+            if not (int(bitmask[i, token // 32]) >> (token % 32)) & 1:
+                expected[row, token] = float("-inf")
+    apply_grammar_bitmask(logits, bitmask, rows)
+    assert torch.equal(logits, expected)
+
+
+def test_ignore_eos_still_ends_a_complete_grammar(llm):
+    """The grammar complete, only EOS is allowed: it ends the completion even with
+    ``ignore_eos`` (which would otherwise only repeat it to ``max_tokens``)."""
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=30,
+        ignore_eos=True,
+        structured_outputs=structured(choice=["on", "off"]),
+    )
+    (out,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
+    completion = out.outputs[0]
+    assert completion.text in ("on", "off") and completion.finish_reason == "stop"
+    assert completion.token_ids[-1] == EOS and len(completion.token_ids) == 3
