@@ -60,7 +60,7 @@ class Sequence:
     # next step to verify (`minipaged.spec_decode`); never part of ``token_ids``.
     spec_token_ids: list[int] = field(default_factory=list)
     # Structured outputs: its grammar's matcher, advanced by each token it appends
-    # (`minipaged.structured_output.GuidanceGrammar`); None: unconstrained.
+    # (`minipaged.structured_output.backend_guidance.GuidanceGrammar`); None: unconstrained.
     grammar: Any = None
 
     @property

@@ -36,6 +36,8 @@ MISSING = (
     "playwright",
     "mkdocs",
     "accelerate",
+    "llguidance",
+    "jsonschema",
 )
 
 SITECUSTOMIZE = """\

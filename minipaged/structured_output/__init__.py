@@ -19,15 +19,19 @@ The grammar engine is llguidance (vLLM's ``guidance`` backend): `backend_guidanc
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import torch
 
 from minipaged.core.sched.output import ScheduledSeq
 from minipaged.sampling_params import StructuredOutputsParams
-from minipaged.structured_output.backend_guidance import GuidanceBackend, GuidanceGrammar
 from minipaged.structured_output.utils import apply_grammar_bitmask
 
-__all__ = ["GuidanceGrammar", "StructuredOutputManager", "apply_grammar_bitmask"]
+if TYPE_CHECKING:  # llguidance is imported by the first structured request, not before:
+    # an engine that never gets one runs where it is not installed (a GPU's stock image)
+    from minipaged.structured_output.backend_guidance import GuidanceBackend, GuidanceGrammar
+
+__all__ = ["StructuredOutputManager", "apply_grammar_bitmask"]
 
 
 class StructuredOutputManager:
@@ -62,6 +66,10 @@ class StructuredOutputManager:
     @property
     def backend(self) -> GuidanceBackend:
         if self._backend is None:
+            from minipaged.structured_output.backend_guidance import (  # noqa: PLC0415
+                GuidanceBackend,
+            )
+
             self._backend = GuidanceBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._backend
 
