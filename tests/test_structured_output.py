@@ -11,16 +11,19 @@ garbage, but valid garbage: exactly what tests the mask.
 import json
 import re
 
-import jsonschema
-import llguidance
-import llguidance.hf
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from engine_helpers import EOS, assert_all_blocks_free, make_llm, random_prompt
-from minipaged import SamplingParams, StructuredOutputsParams
-from minipaged.core.memory.block_table import blocks_for
+jsonschema = pytest.importorskip("jsonschema")  # the oracle (the dev extra)
+pytest.importorskip("llguidance")  # absent from a GPU's stock image
+
+import llguidance  # noqa: E402
+import llguidance.hf  # noqa: E402
+
+from engine_helpers import EOS, assert_all_blocks_free, make_llm, random_prompt  # noqa: E402
+from minipaged import SamplingParams, StructuredOutputsParams  # noqa: E402
+from minipaged.core.memory.block_table import blocks_for  # noqa: E402
 
 SCHEMAS = {
     "nested": {

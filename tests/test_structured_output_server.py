@@ -9,11 +9,14 @@ import json
 import re
 
 import httpx
-import jsonschema
-import openai
 import pytest
 
-from server_helpers import MODEL, in_process, wait_idle
+pytest.importorskip("fastapi")  # the server extra
+jsonschema = pytest.importorskip("jsonschema")
+openai = pytest.importorskip("openai")
+pytest.importorskip("llguidance")
+
+from server_helpers import MODEL, in_process, wait_idle  # noqa: E402
 
 SCHEMA = {
     "type": "object",

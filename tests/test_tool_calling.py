@@ -11,13 +11,16 @@ messages).
 import json
 import shutil
 
-import jsonschema
-import openai
 import pytest
 from transformers import AutoTokenizer
 
-from minipaged.server.tools import HermesToolParser
-from server_helpers import MODEL, in_process_app, wait_idle
+pytest.importorskip("fastapi")  # the server extra
+jsonschema = pytest.importorskip("jsonschema")
+openai = pytest.importorskip("openai")
+pytest.importorskip("llguidance")
+
+from minipaged.server.tools import HermesToolParser  # noqa: E402
+from server_helpers import MODEL, in_process_app, wait_idle  # noqa: E402
 
 # A Hermes-style template that renders tools, calls and tool answers (as Qwen2.5's does).
 TOOLS_TEMPLATE = (
