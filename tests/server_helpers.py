@@ -6,6 +6,7 @@ that checkpoint (`make_llm` with `ENGINE`) is the oracle for what they answer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -144,3 +145,14 @@ def wait_idle(base_url: str, timeout_s: float = 20) -> dict[str, float]:
             assert idle, now
             return now
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def openai_client(base_url: str):
+    """The official client on ``base_url``'s ``/v1`` (no retries: a failure shows at
+    once); afterwards, the server idle with every block free (`wait_idle`)."""
+    import openai  # noqa: PLC0415 (the server extra; the modules that call this skip without it)
+
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as client:
+        yield client
+    wait_idle(base_url)

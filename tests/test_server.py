@@ -28,6 +28,7 @@ from server_helpers import (  # noqa: E402
     MODEL,
     in_process,
     metrics,
+    openai_client,
     subprocess_server,
     wait_idle,
 )
@@ -54,9 +55,8 @@ def oracle(tiny):
 
 @pytest.fixture
 def client(base_url):
-    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as client:
+    with openai_client(base_url) as client:
         yield client
-    wait_idle(base_url)  # every test leaves every block free
 
 
 def expected(oracle, prompt, **params):

@@ -16,7 +16,7 @@ jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 
-from server_helpers import MODEL, in_process, wait_idle  # noqa: E402
+from server_helpers import MODEL, in_process, openai_client  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -40,9 +40,8 @@ def base_url(tiny):
 
 @pytest.fixture
 def client(base_url):
-    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as client:
+    with openai_client(base_url) as client:
         yield client
-    wait_idle(base_url)
 
 
 def test_response_format_json_schema_in_chat(client):

@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 
 from minipaged.server.tools import HermesToolParser  # noqa: E402
-from server_helpers import MODEL, in_process_app, wait_idle  # noqa: E402
+from server_helpers import MODEL, in_process_app, openai_client  # noqa: E402
 
 # A Hermes-style template that renders tools, calls and tool answers (as Qwen2.5's does).
 TOOLS_TEMPLATE = (
@@ -81,9 +81,8 @@ def base_url(checkpoint):
 
 @pytest.fixture
 def client(base_url):
-    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as client:
+    with openai_client(base_url) as client:
         yield client
-    wait_idle(base_url)
 
 
 def assert_valid_calls(tool_calls, names=SCHEMAS):
