@@ -33,16 +33,16 @@ def pytest_collection_modifyitems(config, items):
     # Without pytest-xdist (a GPU machine's stock pytest) there are no groups to keep.
     grouped = items if config.pluginmanager.hasplugin("xdist") else []
     for item in grouped:
-        if "netns" in item.keywords:
+        if item.get_closest_marker("netns"):
             item.add_marker(pytest.mark.xdist_group("netns"))
-        elif "spread" not in item.keywords:
+        elif not item.get_closest_marker("spread"):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     yield
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `make gpu-test` on the GPU machine)")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu"):  # not `in item.keywords`: that holds folder names
             item.add_marker(skip)
 
 

@@ -215,6 +215,27 @@ def test_a_baseline_out_of_time_reports_what_it_finished_as_partial(tiny):
         assert any(note.startswith(f"{system}: out of its 1e-09 s budget") for note in result.notes)
 
 
+def test_continuous_batching_out_of_time_drops_its_queue_instead_of_finishing_it(tiny, monkeypatch):
+    """Once the budget is spent, the requests still queued are dropped: the model runs a
+    few steps past the first finished request, not the hundreds the others still want."""
+    from transformers import LlamaForCausalLM
+
+    forward, steps = LlamaForCausalLM.forward, []
+
+    def counted(self, *args, **kwargs):
+        steps.append(1)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", counted)
+    requests = [RequestSpec(3, 2), *[RequestSpec(3, 400) for _ in range(3)]]
+    prompts = [[5 + i, 6, 7] for i in range(len(requests))]
+    run = hf_baselines.run_hf_continuous(
+        tiny, torch.float32, torch.device("cpu"), requests, prompts, False, 1e-9
+    )
+    assert run.row["partial"] is True and run.row["num_requests"] == 1
+    assert len(steps) < 400 // 4  # warm-up (4 tokens) and the short request, then stop
+
+
 def test_lengths_are_scaled_to_the_models_context():
     drawn = synthetic_requests("sharegpt", 50, seed=3, max_len=presets.PAPER_CONTEXT)
     assert presets.make_requests(50, 2048, 1.0, seed=3) == drawn
@@ -291,7 +312,9 @@ def test_gpu_preset_without_cuda_says_so(capsys):
 
 
 @pytest.mark.gpu
-def test_gpu_run_times_every_backend_and_both_baselines(tiny, tmp_path):
+def test_gpu_run_times_every_backend_and_both_baselines(tmp_path):
+    # head_dim 64: one the CUDA kernels are compiled for (the tiny default, 16, is not).
+    tiny = make_tiny_model(tmp_path / "tiny", head_dim=64)
     path = tmp_path / "throughput.json"
     assert (
         main(
@@ -325,6 +348,7 @@ def test_gpu_run_times_every_backend_and_both_baselines(tiny, tmp_path):
     systems = [r["system"] for r in doc["results"]]
     assert {
         "minipaged-triton",
+        "minipaged-cuda",
         "minipaged-torch",
         "hf-generate",
         "hf-generate-batch",

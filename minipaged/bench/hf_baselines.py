@@ -13,9 +13,10 @@ requests, on the same weights in the same dtype, through transformers.
 One request at a time is slow, so a preset may run the first two on the first requests
 only; every row records how many it ran, and its rates are over those.  A time budget
 (``time_budget_s``) caps each baseline's timed run as well: once it is spent the
-baseline takes no more batches (or, continuously batched, stops waiting), and its row,
-marked ``"partial": true``, has its rates over the requests it finished (for continuous
-batching a lower bound: the unfinished requests' tokens are not counted).
+baseline takes no more batches (or, continuously batched, drops the requests still
+queued), and its row, marked ``"partial": true``, has its rates over the requests it
+finished (for continuous batching a lower bound: the unfinished requests' tokens are not
+counted).
 """
 
 from __future__ import annotations
@@ -242,7 +243,9 @@ def run_hf_continuous(
                 lambda: run(manager, range(len(requests)), wanted, time_budget_s), device
             )
         finally:
-            manager.stop(block=True)
+            # A hard stop drops the requests still queued once the budget is spent; the
+            # default stop would first flush them, as long as the whole run would take.
+            manager.stop(block=True, hard_stop=True)
             del model
             free_memory(device)
     finished = sorted(generated)
