@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # What needs a CUDA GPU, in stages sized for a machine lent with a per-command time limit:
 # each stage within 4 minutes on an H100 or H200 (a cold CUDA build included), `all` of
-# them within 9 (the sizes below come from a run on an H200, 2026-11-28).  The machine has its own torch, triton, transformers and pytest and no
-# venv, so the package runs from the checkout and needs nothing else
-# (tests/test_stock_machine.py starts every stage with only those).
+# them within 9 (the sizes below come from a run on an H200, 2026-11-28).  The machine
+# has its own torch, triton, transformers and pytest and no venv, so the package runs
+# from the checkout and needs nothing else (tests/test_stock_machine.py starts every
+# stage with only those).
 #
 #   bash benchmarks/run_gpu.sh tests        every gpu-marked test (make gpu-test); the
 #                                           kernel ops' files in parallel processes, so
 #                                           their per-configuration builds overlap
 #   bash benchmarks/run_gpu.sh attention    bench attention at the kernels' goal shapes
 #   bash benchmarks/run_gpu.sh throughput   bench throughput, Qwen2.5-0.5B's shape, 500
-#                                           requests, minipaged on each GPU backend; each
-#                                           HF baseline 20 s at most (HF_BUDGET_S)
+#                                           requests, minipaged on each GPU backend (and
+#                                           20 of its steps profiled); each HF baseline
+#                                           20 s at most (HF_BUDGET_S)
 #   bash benchmarks/run_gpu.sh block-size   bench block-size, gpu preset, ShareGPT, four
 #                                           block sizes (Fig. 18b)
 #   bash benchmarks/run_gpu.sh preemption   bench preemption, gpu preset, two block sizes,
@@ -79,8 +81,8 @@ stage_command() {
             attention) echo "${bench[@]}" attention --preset cpu --backends torch ;;
             throughput)
                 echo "${bench[@]}" throughput --preset cpu --num-requests 3 --length-scale 0.05 \
-                    --overhead-steps 1 --hf-time-budget-s 0.001 --hf-batch-size 2 \
-                    --systems minipaged-torch hf-generate hf-generate-batch ;;
+                    --overhead-steps 1 --profile-steps 2 --hf-time-budget-s 0.001 \
+                    --hf-batch-size 2 --systems minipaged-torch hf-generate hf-generate-batch ;;
             block-size)
                 echo "${bench[@]}" block-size --preset cpu --workloads alpaca --num-requests 4 \
                     --block-sizes 8 16 ;;
@@ -98,9 +100,9 @@ stage_command() {
         attention) echo "${bench[@]}" attention --preset gpu ;;
         throughput)
             echo "${bench[@]}" throughput --preset qwen2.5-0.5b --num-requests 500 \
-                --hf-time-budget-s "${HF_BUDGET_S:-20}" --systems minipaged-triton \
-                minipaged-cuda minipaged-flash_attn minipaged-flashinfer hf-generate \
-                hf-generate-batch hf-continuous-batching ;;
+                --profile-steps 20 --hf-time-budget-s "${HF_BUDGET_S:-20}" \
+                --systems minipaged-triton minipaged-cuda minipaged-flash_attn \
+                minipaged-flashinfer hf-generate hf-generate-batch hf-continuous-batching ;;
         block-size)
             echo "${bench[@]}" block-size --preset gpu --workloads sharegpt --num-requests 100 \
                 --block-sizes 8 16 64 256 ;;

@@ -236,6 +236,31 @@ def test_continuous_batching_out_of_time_drops_its_queue_instead_of_finishing_it
     assert len(steps) < 400 // 4  # warm-up (4 tokens) and the short request, then stop
 
 
+def test_step_profile_counts_the_tokens_and_operators_of_its_steps(tiny):
+    """Three requests prefilled in the warm-up, so each profiled step decodes exactly
+    three tokens; the model's projections are among the host's operators; nothing is
+    left in the engine after."""
+    from minipaged.bench import step_profile
+    from minipaged.llm import LLM
+
+    llm = LLM(str(tiny), device="cpu", attention_backend="torch")
+    engine = llm.engine
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
+    summary = step_profile.profile_steps(engine, prompts, [60, 60, 60], num_steps=4)
+    assert summary["num_steps"] == 4 and summary["num_running"] == 3
+    assert summary["tokens_per_step"] == 3
+    assert summary["wall_ms_per_step"] > 0 and summary["profiled_ms_per_step"] > 0
+    assert 0 < summary["host_ops_ms_per_step"] < summary["profiled_ms_per_step"]
+    names = [op["name"] for op in summary["top_host_ops"]]
+    assert any("linear" in n or "mm" in n for n in names), names
+    assert summary["device_busy_ms_per_step"] is None and summary["top_device_kernels"] == []
+    assert not engine.requests
+    counters = engine.counters()
+    assert counters["num_free_gpu_blocks"] == counters["num_gpu_blocks"]
+    with pytest.raises(ValueError, match="num_steps"):
+        step_profile.profile_steps(engine, prompts, [60, 60, 60], num_steps=0)
+
+
 def test_lengths_are_scaled_to_the_models_context():
     drawn = synthetic_requests("sharegpt", 50, seed=3, max_len=presets.PAPER_CONTEXT)
     assert presets.make_requests(50, 2048, 1.0, seed=3) == drawn

@@ -99,6 +99,9 @@ def test_smoke_runs_every_stage_and_writes_each_ones_results(smoke):
 def test_smoke_baselines_out_of_time_are_marked_partial(smoke):
     _, results = smoke
     rows = json.loads((results / "throughput.json").read_text())["results"]
+    profiled = [r["step_profile"] for r in rows if r["system"] == "minipaged-torch"]
+    # Three short requests are done before the profiled steps: only the figures' shape.
+    assert profiled and profiled[0]["num_steps"] == 2 and "num_running" in profiled[0]
     hf = [r for r in rows if r["system"].startswith("hf-")]
     assert {r["system"] for r in hf} == {"hf-generate", "hf-generate-batch"}
     assert all(r["partial"] and r["num_requests"] < 3 for r in hf)

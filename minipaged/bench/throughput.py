@@ -22,7 +22,8 @@ around them.  On a CPU every system runs on ``num_threads`` threads (one by defa
 `cpu_threads`).
 
 The engine's own overhead per step, with the model stubbed, is measured beside them
-(`overhead`).
+(`overhead`); with ``--profile-steps`` N, each minipaged system's real steps are
+profiled after its run (`step_profile`).
 
 With ``--pipeline-parallel-size`` P > 1 each minipaged system runs twice, on one rank
 and then in P stages, and the staged row adds the pipeline's measured timeline
@@ -44,7 +45,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minipaged.arg_utils import add_engine_flags, add_model_flag, engine_kwargs, positive_int
-from minipaged.bench import common
+from minipaged.bench import common, step_profile
 from minipaged.bench.args import (
     SYNTHETIC_MODEL_HELP,
     add_output_flags,
@@ -258,8 +259,11 @@ def run_minipaged(
     prompts: Sequence[list[int]],
     engine_kwargs: dict,
     progress: bool = True,
+    profile_steps: int = 0,
 ) -> SystemRun:
-    """All requests through ``LLM.generate`` at once, after a warm-up."""
+    """All requests through ``LLM.generate`` at once, after a warm-up; then, with
+    ``profile_steps``, the same requests again for that many profiled steps
+    (`step_profile`)."""
     from minipaged.distributed.parallel_state import COMM
     from minipaged.llm import LLM
     from minipaged.sampling_params import SamplingParams
@@ -312,6 +316,11 @@ def run_minipaged(
             pipeline = dict(
                 pipeline=stats, projection=projection(stats["activation_bytes_per_step"])
             )
+        if profile_steps:
+            output_lens = [r.output_len for r in requests]
+            pipeline["step_profile"] = step_profile.profile_steps(
+                llm.engine, prompts, output_lens, profile_steps
+            )
     finally:
         del llm
         free_memory(device)
@@ -359,6 +368,7 @@ def bench_throughput(
     num_threads: int = 1,
     rounds: int = 1,
     hf_time_budget_s: float | None = None,
+    profile_steps: int = 0,
 ) -> ThroughputBench:
     """Run each of ``systems`` on ``requests`` (the HF ones on the first
     ``hf_num_requests`` / ``hf_batch_num_requests`` of them, each for at most
@@ -401,6 +411,7 @@ def bench_throughput(
                 progress,
                 num_threads,
                 hf_time_budget_s,
+                profile_steps,
             )
             per_round.append(runs)
             notes += [n for n in round_notes if n not in notes]
@@ -473,6 +484,7 @@ def _run_systems(
     progress,
     num_threads,
     hf_time_budget_s=None,
+    profile_steps=0,
 ):
     runs, notes = {}, []
     for system in systems:
@@ -498,7 +510,9 @@ def _run_systems(
                     runs[f"{system} on one rank"] = run_minipaged(
                         path, backend, requests, prompts, one, progress
                     )
-                runs[system] = run_minipaged(path, backend, requests, prompts, kwargs, progress)
+                runs[system] = run_minipaged(
+                    path, backend, requests, prompts, kwargs, progress, profile_steps
+                )
                 if one_rank := runs.get(f"{system} on one rank"):
                     runs[system].row["speedup_vs_one_rank"] = (
                         runs[system].row["output_tokens_per_s"]
@@ -719,6 +733,15 @@ def add_arguments(parser) -> None:
         help="decode steps timed for the engine overhead; 0 skips it (default: %(default)s)",
     )
     parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after each minipaged system's run, profile N real steps of the same "
+        "workload (torch.profiler: device busy time, launches, top operators); 0 skips "
+        "it (default: %(default)s)",
+    )
+    parser.add_argument(
         "--rounds",
         type=positive_int,
         default=1,
@@ -748,8 +771,9 @@ def main(args) -> None:
     setting = with_overrides(preset, SETTING, vars(args))
     check_setting(**setting)
     check_num_threads(args.num_threads)
-    if args.overhead_steps < 0:
-        raise ValueError(f"overhead_steps must be >= 0, got {args.overhead_steps}")
+    for name in ("overhead_steps", "profile_steps"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(args, name)}")
     model = bench_model(args, PRESETS)
     work = make_workload(
         model, setting["num_requests"], setting["length_scale"], args.max_model_len, args.seed
@@ -779,6 +803,7 @@ def main(args) -> None:
         num_threads=args.num_threads,
         rounds=args.rounds,
         hf_time_budget_s=setting["hf_time_budget_s"],
+        profile_steps=args.profile_steps,
     )
     overhead = None
     if args.overhead_steps:
@@ -790,6 +815,9 @@ def main(args) -> None:
             seed=args.seed,
         )
     print(format_table(bench.rows, overhead))
+    for row in bench.rows:
+        if "step_profile" in row:
+            print(step_profile.format_profile(row["system"], row["step_profile"]))
     write(
         args,
         NAME,
