@@ -359,10 +359,13 @@ def _refuse_combinations(what: str, combos: dict[str, bool], config: EngineConfi
 
 
 # The KV connectors minipaged has (vLLM's names), and the roles an engine plays.
-KV_CONNECTORS = ("SharedStorageConnector",)
+KV_CONNECTORS = ("SharedStorageConnector", "P2pTcpConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # What each connector reads of kv_connector_extra_config: required keys, then optional.
-KV_CONNECTOR_EXTRA_KEYS = {"SharedStorageConnector": (("shared_storage_path",), ())}
+KV_CONNECTOR_EXTRA_KEYS = {
+    "SharedStorageConnector": (("shared_storage_path",), ()),
+    "P2pTcpConnector": ((), ("connect_timeout_s",)),
+}
 
 
 @dataclass
@@ -371,15 +374,21 @@ class KVTransferConfig:
 
     Args:
         kv_connector: the connector class, by vLLM's name: ``"SharedStorageConnector"``
-            (the KV of each prompt in files under a directory both engines see).
+            (the KV of each prompt in files under a directory both engines see) or
+            ``"P2pTcpConnector"`` (pulled from the producer over TCP, host to host:
+            the CPU's counterpart of vLLM's ``P2pNcclConnector``).
         kv_role: ``"kv_producer"`` (runs prefills and saves their KV),
             ``"kv_consumer"`` (loads the KV a producer saved) or ``"kv_both"``.
         kv_rank: this engine's rank among the KV-transfer instances (None: unset).
         kv_parallel_size: how many instances take part.
-        kv_ip, kv_port: where a networked connector meets its peer (unused by the
-            shared-storage connector, as in vLLM).
+        kv_ip, kv_port: where a networked connector meets its peer: the producer
+            listens there and the consumer connects (unused by the shared-storage
+            connector, as in vLLM).
+        kv_buffer_size: the bytes of KV a networked producer keeps for consumers to
+            pull; past it the oldest prompts' go first.
         kv_connector_extra_config: the connector's own settings:
-            ``{"shared_storage_path": DIR}`` for ``SharedStorageConnector``.
+            ``{"shared_storage_path": DIR}`` for ``SharedStorageConnector``;
+            ``{"connect_timeout_s": S}`` (default 10) for ``P2pTcpConnector``.
     """
 
     kv_connector: str | None = None
@@ -388,6 +397,7 @@ class KVTransferConfig:
     kv_parallel_size: int = 1
     kv_ip: str = "127.0.0.1"
     kv_port: int = 14579
+    kv_buffer_size: float = 1e9
     kv_connector_extra_config: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -408,6 +418,13 @@ class KVTransferConfig:
         if not isinstance(self.kv_port, int) or not 0 < self.kv_port < 65536:
             raise ValueError(
                 f"kv_transfer_config 'kv_port' must be an int in [1, 65535], got {self.kv_port!r}"
+            )
+        if isinstance(self.kv_buffer_size, bool) or not (
+            isinstance(self.kv_buffer_size, (int, float)) and self.kv_buffer_size > 0
+        ):
+            raise ValueError(
+                f"kv_transfer_config 'kv_buffer_size' must be a number > 0, "
+                f"got {self.kv_buffer_size!r}"
             )
         self._check_extra_config()
 
@@ -431,6 +448,17 @@ class KVTransferConfig:
                     f"kv_connector_extra_config {key!r} is required by {self.kv_connector}, "
                     f"got {extra.get(key)!r}"
                 )
+        timeout = extra.get("connect_timeout_s", 1)
+        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(
+                f"kv_connector_extra_config 'connect_timeout_s' must be a number > 0, "
+                f"got {timeout!r}"
+            )
+        if self.kv_connector == "P2pTcpConnector" and self.kv_role == "kv_both":
+            raise ValueError(
+                "kv_transfer_config 'kv_role': P2pTcpConnector takes kv_producer or "
+                "kv_consumer (one engine serves, the other pulls), got 'kv_both'"
+            )
 
     @classmethod
     def from_value(cls, value) -> KVTransferConfig | None:

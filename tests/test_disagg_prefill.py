@@ -231,7 +231,7 @@ GOOD = transfer("kv_both", "/tmp/kv")
         ({"kv_port": 70000}, "kv_port"),
         ({"kv_connector_extra_config": {}}, "shared_storage_path"),
         ({"kv_connector_extra_config": {"shared_storage_path": "/x", "x": 1}}, "'x'"),
-        ({"kv_buffer_size": 1e9}, "kv_buffer_size"),
+        ({"kv_buffer_size": -1}, "kv_buffer_size"),
     ],
 )
 def test_a_bad_kv_transfer_config_is_refused_naming_the_field(change, named):

@@ -10,6 +10,8 @@ them, what the workers must load and save this step, as metadata) and the worker
 
 - `kv_connector.v1.base`: the API (`KVConnectorBase_V1`, its role and metadata);
 - `kv_connector.v1.shared_storage_connector`: `SharedStorageConnector`, the KV in files;
+- `kv_connector.v1.p2p_tcp_connector`: `P2pTcpConnector`, the same entries pulled from
+  the producer over TCP, host to host;
 - `kv_connector.factory`: the connector a `KVTransferConfig` names.
 
 One device runs it beside the scheduler and the model runner (neither imports it: the

@@ -8,12 +8,14 @@ from minipaged.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
 )
+from minipaged.distributed.kv_transfer.kv_connector.v1.p2p_tcp_connector import P2pTcpConnector
 from minipaged.distributed.kv_transfer.kv_connector.v1.shared_storage_connector import (
     SharedStorageConnector,
 )
 
 CONNECTORS: dict[str, type[KVConnectorBase_V1]] = {
     "SharedStorageConnector": SharedStorageConnector,
+    "P2pTcpConnector": P2pTcpConnector,
 }
 
 

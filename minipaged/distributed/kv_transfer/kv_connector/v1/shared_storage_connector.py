@@ -73,14 +73,39 @@ def prompt_key(prompt_token_ids: list[int]) -> str:
 class SharedStorageConnector(KVConnectorBase_V1):
     def __init__(self, config, role, facts) -> None:
         super().__init__(config, role, facts)
-        self.root = Path(config.kv_connector_extra_config["shared_storage_path"])
         self.block_size = facts.block_size
         # The scheduler's per-step state: matches waiting for their blocks, and loads.
         self._pending: dict[str, tuple[str, int, int, dict[str, bytes]]] = {}
         self._loads: list[ReqMeta] = []
         self._saved: dict[str, dict[str, str]] = {}  # the worker's: key -> layer -> sha256
-        if role is KVConnectorRole.SCHEDULER:
+        self._open_store()
+
+    # -- where the entries live: a directory (a networked connector overrides these) ---
+    def _open_store(self) -> None:
+        self.root = Path(self.config.kv_connector_extra_config["shared_storage_path"])
+        if self.role is KVConnectorRole.SCHEDULER:
             self._check_facts()
+
+    def _has_entry(self, key: str) -> bool:
+        return (self.root / key / META_FILE).is_file()
+
+    def _load_entry(self, key: str) -> tuple[dict, dict[str, bytes]] | None:
+        """An entry's ``meta.json`` and its layers' files, unchecked; None if absent."""
+        folder = self.root / key
+        if not (folder / META_FILE).is_file():
+            return None
+        meta = json.loads((folder / META_FILE).read_text())
+        return meta, {
+            layer: (folder / f"{layer}.safetensors").read_bytes() for layer in meta["files"]
+        }
+
+    def _put_layer(self, key: str, layer: str, data: bytes) -> None:
+        folder = self.root / key
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_atomically(folder / f"{layer}.safetensors", data)
+
+    def _commit(self, key: str, meta: dict) -> None:
+        _write_atomically(self.root / key / META_FILE, json.dumps(meta).encode())
 
     def _check_facts(self) -> None:
         """Refuse storage another kind of engine wrote (naming the first field that
@@ -117,25 +142,24 @@ class SharedStorageConnector(KVConnectorBase_V1):
 
     def _read_entry(self, key: str) -> tuple[int, dict[str, bytes]]:
         """The prompt tokens stored under ``key`` and each layer's file, checked; 0 if
-        none, or if the entry is incomplete or corrupt (then the consumer computes
-        them: a warning, no error)."""
-        folder = self.root / key
-        if not (folder / META_FILE).is_file():
-            return 0, {}
+        none, or if the entry is incomplete or corrupt, or its peer unreachable (then
+        the consumer computes them: a warning, no error)."""
         try:
-            meta = json.loads((folder / META_FILE).read_text())
+            entry = self._load_entry(key)
+            if entry is None:
+                return 0, {}
+            meta, layers = entry
             files = meta["files"]
             if len(files) != self.facts.num_layers:
                 raise ValueError(
                     f"{len(files)} layers stored, the model has {self.facts.num_layers}"
                 )
-            layers = {layer: (folder / f"{layer}.safetensors").read_bytes() for layer in files}
             for layer, digest in files.items():
                 if _sha256(layers[layer]) != digest:
                     raise ValueError(f"layer {layer!r}'s file does not match its hash")
             return int(meta["num_tokens"]), layers
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            logger.warning("stored KV under %s is unusable (%s): computing it", folder, error)
+        except (OSError, EOFError, ValueError, KeyError, TypeError) as error:
+            logger.warning("stored KV %s is unusable (%s): computing it", key, error)
             return 0, {}
 
     def update_state_after_alloc(
@@ -169,7 +193,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
             ):
                 continue
             key = prompt_key(s.seq.token_ids[:prompt_len])
-            if key in saves or (self.root / key / META_FILE).is_file():
+            if key in saves or self._has_entry(key):
                 continue
             blocks = list(s.block_table[: blocks_for(prompt_len, self.block_size)])
             saves[key] = ReqMeta(s.seq.seq_id, key, blocks, [], prompt_len)
@@ -201,16 +225,14 @@ class SharedStorageConnector(KVConnectorBase_V1):
                 str(i): cache.index_select(0, index).cpu() for i, cache in enumerate(kv_layer)
             }
             data = save(tensors)
-            folder = self.root / req.key
-            folder.mkdir(parents=True, exist_ok=True)
-            _write_atomically(folder / f"{layer_name}.safetensors", data)
+            self._put_layer(req.key, layer_name, data)
             self._saved.setdefault(req.key, {})[layer_name] = _sha256(data)
 
     def wait_for_save(self) -> None:
         """The writes are done; commit each entry with its ``meta.json``."""
         for req in self._get_connector_metadata().saves:
             meta = {"num_tokens": req.num_tokens, "files": self._saved.pop(req.key, {})}
-            _write_atomically(self.root / req.key / META_FILE, json.dumps(meta).encode())
+            self._commit(req.key, meta)
 
 
 def _sha256(data: bytes) -> str:

@@ -1,0 +1,164 @@
+"""Disaggregated prefill over the network: `P2pTcpConnector`.  A producer engine runs
+each prompt with ``max_tokens=1`` and keeps its KV; a consumer engine on another host
+pulls it over TCP into its own blocks and decodes.
+
+The oracles: Hugging Face transformers on the same checkpoint (the consumer's greedy
+output), arithmetic on the prompts for how many tokens load (whole blocks, never a
+prompt's last token), and the consumer computing everything itself when the producer is
+gone.  The first test runs both engines in this process over loopback; the last puts
+them on two hosts, network namespaces joined by a veth pair (`netns`).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine_helpers import (
+    as_inputs,
+    assert_all_blocks_free,
+    assert_greedy_matches_hf,
+    make_llm,
+    random_prompt,
+)
+from minipaged import SamplingParams
+from minipaged.core.memory.block_table import blocks_for
+
+BLOCK_SIZE = 4
+MAX_TOKENS = 6
+PROMPTS = [random_prompt(n, seed) for seed, n in enumerate([3, 30, 17, 9])]
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+PREFILL = SamplingParams(temperature=0, max_tokens=1)
+POOL = 4 * sum(blocks_for(len(p) + MAX_TOKENS, BLOCK_SIZE) for p in PROMPTS)
+PEER = Path(__file__).with_name("disagg_p2p_peer.py")
+
+
+def transfer(role: str, ip: str, port: int, **extra) -> dict:
+    return {
+        "kv_connector": "P2pTcpConnector",
+        "kv_role": role,
+        "kv_ip": ip,
+        "kv_port": port,
+        "kv_connector_extra_config": extra,
+    }
+
+
+def loadable(prompt: list[int]) -> int:
+    """The tokens a consumer loads: whole blocks, never the last token."""
+    return (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return tiny("llama")
+
+
+@pytest.fixture(scope="module")
+def producer(model):
+    """A producer that prefilled PROMPTS, listening on a free loopback port."""
+    port = free_port()
+    llm = make_llm(
+        model[0],
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks=POOL,
+        kv_transfer_config=transfer("kv_producer", "127.0.0.1", port),
+    )
+    llm.generate(as_inputs(PROMPTS), PREFILL, use_tqdm=False)
+    assert_all_blocks_free(llm)
+    return port
+
+
+def test_a_consumer_pulls_the_prompts_kv_and_decodes_as_hf(model, producer):
+    consumer = make_llm(
+        model[0],
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks=POOL,
+        kv_transfer_config=transfer("kv_consumer", "127.0.0.1", producer),
+    )
+    outputs = consumer.generate(as_inputs(PROMPTS), GREEDY, use_tqdm=False)
+    assert_greedy_matches_hf(outputs, PROMPTS, model[1], MAX_TOKENS)
+    stats = consumer.stats()
+    assert stats["num_external_computed_tokens"] == sum(map(loadable, PROMPTS))
+    assert stats["num_computed_prompt_tokens"] == sum(len(p) - loadable(p) for p in PROMPTS)
+    assert_all_blocks_free(consumer)
+    consumer.shutdown()
+
+
+def test_a_producer_with_another_cache_is_refused_naming_the_field(model, producer):
+    with pytest.raises(ValueError, match="block_size=4; this engine has block_size=8"):
+        make_llm(
+            model[0],
+            block_size=8,
+            kv_transfer_config=transfer("kv_consumer", "127.0.0.1", producer),
+        )
+
+
+def test_no_producer_is_refused_at_start_up(model):
+    config = transfer("kv_consumer", "127.0.0.1", free_port(), connect_timeout_s=0.3)
+    with pytest.raises(ValueError, match="no KV producer answered at 127.0.0.1"):
+        make_llm(model[0], block_size=BLOCK_SIZE, kv_transfer_config=config)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(kv_role="kv_both"), "takes kv_producer or kv_consumer"),
+        (dict(kv_buffer_size=0), "'kv_buffer_size' must be a number > 0"),
+        (dict(kv_connector_extra_config={"connect_timeout_s": -1}), "'connect_timeout_s'"),
+        (dict(kv_connector_extra_config={"shared_storage_path": "x"}), "not supported by"),
+    ],
+)
+def test_bad_settings_are_refused_naming_them(model, change, message):
+    with pytest.raises(ValueError, match=message):
+        make_llm(model[0], kv_transfer_config={**transfer("kv_producer", "127.0.0.1", 1), **change})
+
+
+@pytest.mark.netns
+def test_across_two_hosts_then_with_the_producer_gone(model):
+    """The producer on host A, consumers on host B: the first one's greedy tokens equal
+    HF's, its prompts loaded over the veth link; A's engine is killed after the second
+    one connects, and that one computes every prompt itself, with the same tokens."""
+    from netns import two_hosts
+
+    with two_hosts("kvp2p", "10.77.3.1", "10.77.3.2") as (a, b):
+        producer = start(a, "producer", model, a.address)
+        try:
+            assert producer.stdout.readline().strip() == "ready"
+            first = decode(start(b, "consumer", model, a.address))
+            second = start(b, "consumer", model, a.address)
+            assert second.stdout.readline().strip() == "connected"
+        finally:
+            producer.kill()
+            producer.wait()
+        second = decode(second, connected=True)
+    assert first["external"] == sum(map(loadable, PROMPTS))
+    assert second["external"] == 0
+    for result in (first, second):
+        assert result["tokens"] == [model[1].greedy(p, MAX_TOKENS)[0] for p in PROMPTS]
+
+
+def start(host, role: str, model, ip: str) -> subprocess.Popen:
+    command = [sys.executable, str(PEER), role, str(model[0]), ip, json.dumps(PROMPTS)]
+    return subprocess.Popen(
+        host.exec(*command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+
+def decode(consumer: subprocess.Popen, connected: bool = False) -> dict:
+    """Let a consumer decode; its JSON line."""
+    if not connected:
+        assert consumer.stdout.readline().strip() == "connected"
+    out, _ = consumer.communicate("go\n", timeout=120)
+    assert consumer.returncode == 0
+    return json.loads(out.strip().splitlines()[-1])
