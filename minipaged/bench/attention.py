@@ -41,8 +41,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -52,7 +50,7 @@ from tqdm.auto import tqdm
 
 from minipaged.bench import common
 from minipaged.bench.args import add_output_flags, write
-from minipaged.bench.common import Column
+from minipaged.bench.common import Column, time_us
 from minipaged.ops import (
     LIBRARY_BACKENDS,
     BackendUnavailableError,
@@ -179,12 +177,6 @@ class Shape:
         return fields
 
 
-# On a CPU each timed call starts cold (`time_us`): written before it, a buffer larger
-# than any last-level cache; at least this many calls and this much time timed.
-CPU_FLUSH_BYTES = 256 << 20
-CPU_MIN_CALLS = 5
-CPU_MIN_RUN_S = 0.2
-
 _GPU = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
 _CPU = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
 # SmolLM2-135M's attention layer: 9 query heads over 3 KV heads of 64.
@@ -282,32 +274,6 @@ def sdpa_attention(
     mask = causal_lower_right(n, length) if n > 1 else None
     gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, **gqa)
-
-
-def time_us(fn: Callable[[], object], device: torch.device) -> float:
-    """The median time of ``fn()`` on ``device``, in microseconds."""
-    if device.type == "cuda":
-        # Imported here: there are no Triton wheels for some CPU-only platforms.
-        import triton.testing
-
-        # do_bench zeroes a 256 MB buffer before every call, flushing L2 (50 MB on an
-        # H100): each call starts cold, as a layer's attention does after the rest of
-        # the model ran, so its K/V really comes from HBM.
-        return triton.testing.do_bench(fn, return_mode="median") * 1e3
-    # On every thread torch uses, as the engine runs it, and each call cold too: a
-    # buffer larger than any CPU's last-level cache is written before it, as do_bench
-    # does on a GPU.  Timed warm, the K/V of a serving shape (tens of MB) stays partly
-    # in the L3 from one call to the next, and the kernel seemed to read faster than
-    # memory streams.  The read bandwidth is measured the same way.
-    flush = torch.empty(CPU_FLUSH_BYTES // 4, dtype=torch.float32)
-    fn()  # first-call work (allocations, a lazy build) is not timed
-    times: list[float] = []
-    while len(times) < CPU_MIN_CALLS or sum(times) < CPU_MIN_RUN_S:
-        flush.fill_(1.0)
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
 
 
 def peak_tflops(device: torch.device) -> float | None:

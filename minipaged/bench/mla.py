@@ -29,8 +29,7 @@ from matplotlib.figure import Figure
 
 from minipaged.bench import common
 from minipaged.bench.args import add_output_flags, write
-from minipaged.bench.attention import time_us
-from minipaged.bench.common import Column
+from minipaged.bench.common import Column, time_us
 from minipaged.models.attention import AttentionMetadata
 from minipaged.models.deepseek_v2 import MLAPagedAttention
 from minipaged.ops.testing import assert_close
