@@ -31,6 +31,13 @@ queries), so its rows report arithmetic instead: the causal attention's FLOPs ov
 time in TFLOP/s (`Shape.flops`), and on a GPU whose dense 16-bit tensor-core peak is
 known (`PEAK_TFLOPS`, from the vendors' datasheets) the share of it.
 
+Beside them, latent attention's decode (DeepSeek-V2's MLA, lesson 21): one
+DeepSeek-V2-Lite layer at each decode shape's batch, context length, block size and
+dtype, absorbed against unabsorbed, on the backends with MLA kernels (torch and the C++
+one on a CPU; torch and Triton on a GPU), as ``bench mla`` times it
+(`minipaged.bench.mla.decode_rows`): what each one's kernel reads, and its time per
+step (``mla_decode`` in the JSON, a panel of the PNG).
+
 The CUDA kernels are built before anything is timed, the versions asked for in one
 build per shape's configuration; how long each cold build took is printed and saved
 (``cuda_builds`` in the JSON, from `cuda_build.builds`).
@@ -48,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from minipaged.bench import common
+from minipaged.bench import common, mla
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column, time_us
 from minipaged.ops import (
@@ -306,6 +313,7 @@ class AttentionBench:
     notes: list[str]
     peak_tflops: float | None = None
     cuda_builds: list[dict] = dataclasses.field(default_factory=list)
+    mla_rows: list[dict] = dataclasses.field(default_factory=list)
 
 
 def bench_attention(
@@ -342,10 +350,48 @@ def bench_attention(
                 if row is not None:
                     rows.append(row)
                 bar.update()
-    if not rows:
+    mla_rows = _mla_decode_rows(shapes, backends, device, note)
+    if not rows and not mla_rows:
         raise ValueError(f"backends {list(backends)} could not run here: " + "; ".join(notes))
     builds = cuda_build.builds() if device.type == "cuda" else []  # none timed on a CPU
-    return AttentionBench(rows, read_bw, notes, peak, builds)
+    return AttentionBench(rows, read_bw, notes, peak, builds, mla_rows)
+
+
+def _mla_decode_rows(shapes: Sequence[Shape], backends: Sequence[str], device, note) -> list[dict]:
+    """DeepSeek-V2-Lite's attention layer decoding over its latent cache, absorbed
+    against unabsorbed (`minipaged.bench.mla.decode_rows`, as ``bench mla`` times it), at
+    each decode shape's batch, context length, block size and dtype, on each of
+    ``backends`` that latent attention has kernels for (`mla.DECODE_BACKENDS`)."""
+    rows = []
+    decode = [s for s in shapes if s.op == "decode"]
+    for backend in (b for b in backends if b in mla.DECODE_BACKENDS and decode):
+        if skipped := _cpu_skip(backend, device):
+            note(skipped)
+            continue
+        try:
+            get_backend(backend, device)
+        except BackendUnavailableError as error:
+            note(f"skipped {backend}: {error}")
+            continue
+        for shape in tqdm(decode, desc=f"bench attention: MLA decode, {backend}", leave=False):
+            rows += mla.decode_rows(
+                shape.batch,
+                [shape.context_len],
+                DTYPES[shape.dtype],
+                shape.block_size,
+                device,
+                backend,
+            )
+    return rows
+
+
+def _cpu_skip(backend: str, device: torch.device) -> str | None:
+    """Why ``backend`` is not timed on ``device``, or None: on a CPU, Triton runs only in
+    its interpreter and the CUDA kernels only in an emulator."""
+    if device.type != "cpu" or not backend.startswith(("triton", "cuda")):
+        return None
+    runs_in = "Triton's interpreter" if backend.startswith("triton") else "an emulator"
+    return f"skipped {backend}: on a CPU it runs only in {runs_in}, whose timings mean nothing"
 
 
 def _build_cuda_kernels(shapes: Sequence[Shape], backends: Sequence[str], device) -> None:
@@ -468,9 +514,8 @@ def _sdpa_runner(x: _Inputs) -> Callable[[], torch.Tensor]:
 def _measure(backend, inputs, expected, read_bw, peak, note) -> dict | None:
     """One result row, or ``None`` (and a note) when ``backend`` cannot run or is wrong."""
     shape = inputs.shape
-    if inputs.query.device.type == "cpu" and backend.startswith(("triton", "cuda")):
-        runs_in = "Triton's interpreter" if backend.startswith("triton") else "an emulator"
-        note(f"skipped {backend}: on a CPU it runs only in {runs_in}, whose timings mean nothing")
+    if skipped := _cpu_skip(backend, inputs.query.device):
+        note(skipped)
         return None
     if shape.op == "prefill" and backend.startswith("cuda"):
         note(
@@ -578,21 +623,40 @@ def format_table(bench: AttentionBench) -> str:
             rows,
             "",
             overheads,
+            *(["", _format_mla(bench.mla_rows)] if bench.mla_rows else []),
             *(["", *builds] if builds else []),
         ]
     )
 
 
-def plot_fractions(rows: list[dict], goal: float = GOAL_FRACTION["cuda"]):
+def _format_mla(mla_rows: list[dict]) -> str:
+    lite = mla.DEEPSEEK_V2_LITE
+    title = (
+        f"MLA decode, one DeepSeek-V2-Lite layer ({lite['num_attention_heads']} heads, "
+        f"latent {lite['kv_lora_rank']} + {lite['qk_rope_head_dim']}): absorbed against "
+        "unabsorbed"
+    )
+    columns = [Column("backend", "backend"), Column("batch", "batch"), *mla.DECODE_COLUMNS]
+    return f"{title}\n{common.format_table(mla_rows, columns)}"
+
+
+def plot_fractions(
+    rows: list[dict], goal: float = GOAL_FRACTION["cuda"], mla_rows: Sequence[dict] = ()
+):
     """One panel per op: bars per shape and backend of decode's ``fraction_of_read_bw``,
     with the ``goal`` dashed, and of prefill's ``fraction_of_peak`` (``tflops`` where
-    the peak is unknown).  Returns a matplotlib ``Figure``, drawn without pyplot so that
-    no GUI backend is needed."""
+    the peak is unknown); then, given ``mla_rows``, latent attention's time per decode
+    step, absorbed and unabsorbed (`mla.draw_decode`).  Returns a matplotlib
+    ``Figure``, drawn without pyplot so that no GUI backend is needed."""
     from matplotlib.figure import Figure  # imported here, like causal_lower_right
 
     ops = [op for op in OPS if any(row["op"] == op for row in rows)]
-    fig = Figure(figsize=(6.5 * len(ops), 4.2), layout="constrained")
-    for ax, op in zip(fig.subplots(1, len(ops), squeeze=False)[0], ops):
+    panels = len(ops) + bool(mla_rows)
+    fig = Figure(figsize=(6.5 * panels, 4.2), layout="constrained")
+    axes = fig.subplots(1, panels, squeeze=False)[0]
+    if mla_rows:
+        mla.draw_decode(axes[-1], list(mla_rows), "MLA decode, one DeepSeek-V2-Lite layer")
+    for ax, op in zip(axes, ops):
         op_rows = [row for row in rows if row["op"] == op]
         key, ylabel = _plotted(op_rows)
         shapes = list(dict.fromkeys(map(_label, op_rows)))
@@ -693,10 +757,11 @@ def main(args) -> None:
         NAME,
         device,
         bench.rows,
-        plot_fractions(bench.rows, GOAL_FRACTION[device.type]),
+        plot_fractions(bench.rows, GOAL_FRACTION[device.type], bench.mla_rows),
         preset=args.preset,
         read_bandwidth_gbs=bench.read_bandwidth_gbs,
         peak_tflops=bench.peak_tflops,
         notes=bench.notes,
         cuda_builds=bench.cuda_builds,
+        mla_decode=bench.mla_rows,
     )

@@ -11,7 +11,8 @@ Two measurements:
    then how many sequences of ``--seq-len`` tokens fit in ``--budget-gib`` of KV cache.
    Counts, not times.
 2. **decode time per step** of one DeepSeek-V2-Lite attention layer (16 heads, the
-   latent 512 + 64) on the CPU kernels: absorbed (`minipaged.ops.mla.decode_absorbed`,
+   latent 512 + 64) on the CPU kernels (``bench attention`` times the same on each
+   backend, a GPU's too, at its decode shapes): absorbed (`minipaged.ops.mla.decode_absorbed`,
    ``kernels/cpu/mla_decode.cpp`` over the latents) against unabsorbed (every context's latents
    decompressed by ``kv_b_proj`` into per-head keys and values, then the paged decode
    kernel), at several context lengths, with the bytes each one's kernel reads.  The
@@ -104,35 +105,58 @@ def memory_rows(budget_gib: float, seq_len: int, dtype: torch.dtype) -> list[dic
     return rows
 
 
+# `MLAPagedAttention`'s backends: the ``cuda`` one decodes with Triton's kernels (MLA
+# has no CUDA kernel of its own), so ``triton`` names both on a GPU.
+DECODE_BACKENDS = ("torch", "cpu", "triton")
+
+
 @torch.no_grad()
-def decode_rows(batch: int, context_lens, dtype: torch.dtype, block_size: int = 16) -> list[dict]:
-    """One DeepSeek-V2-Lite layer's decode, absorbed and unabsorbed, on the CPU kernel."""
+def decode_rows(
+    batch: int,
+    context_lens,
+    dtype: torch.dtype,
+    block_size: int = 16,
+    device: torch.device | str = "cpu",
+    backend: str = "cpu",
+) -> list[dict]:
+    """One DeepSeek-V2-Lite layer's decode step, absorbed and unabsorbed, on one of
+    `DECODE_BACKENDS` (``cpu``: the C++ kernels; ``triton`` on a GPU): its time and the
+    bytes its attention kernel reads, at each of ``context_lens``; the absorbed rows
+    carry their ``speedup``."""
+    if backend not in DECODE_BACKENDS:
+        raise ValueError(f"backend must be one of {DECODE_BACKENDS}, got {backend!r}")
+    device = torch.device(device)
     lite = DEEPSEEK_V2_LITE
     heads, rank, rope = lite["num_attention_heads"], lite["kv_lora_rank"], lite["qk_rope_head_dim"]
     nope, v_dim = lite["qk_nope_head_dim"], lite["v_head_dim"]
-    g = torch.Generator().manual_seed(0)
-    kv_b_proj = torch.nn.Linear(rank, heads * (nope + v_dim), bias=False)
-    with torch.no_grad():
-        kv_b_proj.weight.copy_(torch.randn(kv_b_proj.weight.shape, generator=g) / rank**0.5)
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=g, device=device).to(dtype)
+
+    kv_b_proj = torch.nn.Linear(rank, heads * (nope + v_dim), bias=False, device=device)
+    kv_b_proj.weight.copy_(randn(*kv_b_proj.weight.shape) / rank**0.5)
     kv_b_proj.to(dtype)
     scale = (nope + rope) ** -0.5
-    device = torch.device("cpu")
     rows = []
     for length in context_lens:
         per_seq = -(-length // block_size)
-        blocks = torch.randperm(batch * per_seq, generator=g).view(batch, per_seq)
-        cache = torch.randn(batch * per_seq, block_size, rank + rope, generator=g).to(dtype)
+        blocks = torch.randperm(batch * per_seq, generator=g, device=device).view(batch, per_seq)
+        cache = randn(batch * per_seq, block_size, rank + rope)
         slots = [int(t[-1]) * block_size + (length - 1) % block_size for t in blocks]
         attn = AttentionMetadata.build(
-            blocks.tolist(), [length - 1] * batch, [1] * batch, block_size, slot_mapping=slots
+            blocks.tolist(),
+            [length - 1] * batch,
+            [1] * batch,
+            block_size,
+            device,
+            slot_mapping=slots,
         )
-        q_nope = torch.randn(batch, heads, nope, generator=g).to(dtype)
-        q_pe = torch.randn(batch, heads, rope, generator=g).to(dtype)
-        new = cache.view(-1, rank + rope)[torch.tensor(slots)].clone()
+        q_nope, q_pe = randn(batch, heads, nope), randn(batch, heads, rope)
+        new = cache.view(-1, rank + rope)[torch.tensor(slots, device=device)].clone()
         outputs = {}
         for form in ("absorbed", "unabsorbed"):
-            layer = MLAPagedAttention(scale, "cpu", nope, v_dim, absorb=form == "absorbed")
-
+            layer = MLAPagedAttention(scale, backend, nope, v_dim, absorb=form == "absorbed")
             step = functools.partial(layer, q_nope, q_pe, new, (cache,), attn, kv_b_proj)
             outputs[form] = step()
             # What the attention kernel reads a step: the latents once, or every
@@ -141,8 +165,10 @@ def decode_rows(batch: int, context_lens, dtype: torch.dtype, block_size: int = 
             rows.append(
                 {
                     "form": form,
+                    "backend": backend,
                     "context_len": length,
                     "batch": batch,
+                    "dtype": str(dtype).removeprefix("torch."),
                     "kernel_bytes": batch * length * width * dtype.itemsize,
                     "us_per_step": time_us(step, device),
                 }
@@ -175,20 +201,29 @@ def plot(memory: list[dict], decode: list[dict]) -> Figure:
     left.barh(names, [r["bytes_per_token"] / 1024 for r in memory], color="tab:blue")
     left.set_xlabel("KV cache KiB per token")
     left.invert_yaxis()
-    for form, color in (("absorbed", "tab:green"), ("unabsorbed", "tab:red")):
-        rows = [r for r in decode if r["form"] == form]
-        right.plot(
-            [r["context_len"] for r in rows],
-            [r["us_per_step"] / 1e3 for r in rows],
-            "o-",
-            color=color,
-            label=form,
-        )
-    right.set(xscale="log", yscale="log", xlabel="context length", ylabel="ms per decode step")
-    right.legend()
-    right.set_title("one DeepSeek-V2-Lite layer, CPU")
+    draw_decode(right, decode, "one DeepSeek-V2-Lite layer, CPU")
     fig.tight_layout()
     return fig
+
+
+def draw_decode(ax, decode: list[dict], title: str) -> None:
+    """``decode_rows``' time per step against the context length on ``ax``: a line per
+    form (absorbed solid, unabsorbed dashed) and backend, one batch size at a time."""
+    styles = {"absorbed": "o-", "unabsorbed": "s--"}
+    colors = dict(zip(DECODE_BACKENDS, ("tab:blue", "tab:green", "tab:purple")))
+    for key in dict.fromkeys((r["backend"], r["batch"], r["form"]) for r in decode):
+        rows = [r for r in decode if (r["backend"], r["batch"], r["form"]) == key]
+        backend, batch, form = key
+        ax.plot(
+            [r["context_len"] for r in rows],
+            [r["us_per_step"] / 1e3 for r in rows],
+            styles[form],
+            color=colors[backend],
+            label=f"{form}, {backend}, batch {batch}",
+        )
+    ax.set(xscale="log", yscale="log", xlabel="context length", ylabel="ms per decode step")
+    ax.legend(fontsize="small")
+    ax.set_title(title)
 
 
 def add_arguments(parser) -> None:
