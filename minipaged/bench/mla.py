@@ -8,8 +8,8 @@ Two measurements:
    512-value latent and a 64-value RoPE key per token and layer), against the same
    model caching per-head keys and values (its 16 heads, and grouped into 8 or 2 KV
    heads), and against Qwen2.5-14B (`QWEN25_14B`), a GQA model of about its total size;
-   then how many sequences of ``--seq-len`` tokens fit in ``--budget-gib`` of KV cache.
-   Counts, not times.
+   then how many sequences of ``--seq-len`` tokens fit in ``--budget-gib`` of KV cache;
+   and the paper's 93.3% against DeepSeek 67B (`paper_anchor`).  Counts, not times.
 2. **decode time per step** of one DeepSeek-V2-Lite attention layer (16 heads, the
    latent 512 + 64) on the CPU kernels (``bench attention`` times the same on each
    backend, a GPU's too, at its decode shapes): absorbed (`minipaged.ops.mla.decode_absorbed`,
@@ -62,6 +62,14 @@ DEEPSEEK_V2_LITE = dict(
 QWEN25_14B = dict(
     num_hidden_layers=48, hidden_size=5120, num_attention_heads=40, num_key_value_heads=8
 )
+# The paper's anchor, "the KV cache reduced by 93.3%" against DeepSeek 67B: DeepSeek-V2
+# (https://huggingface.co/deepseek-ai/DeepSeek-V2/blob/main/config.json: 60 layers, the
+# same latent) with its KV cache quantized to 6 bits an element on average, as deployed,
+# against DeepSeek LLM 67B (https://huggingface.co/deepseek-ai/deepseek-llm-67b-base:
+# 95 layers, 8 KV heads of 128) in bfloat16.
+DEEPSEEK_V2 = dict(num_hidden_layers=60, kv_lora_rank=512, qk_rope_head_dim=64)
+DEEPSEEK_LLM_67B = dict(num_hidden_layers=95, num_key_value_heads=8, head_dim=128)
+DEPLOYED_KV_BITS = 6
 CONTEXT_LENS = (256, 1024, 4096)
 
 
@@ -108,6 +116,33 @@ def memory_rows(budget_gib: float, seq_len: int, dtype: torch.dtype) -> list[dic
 # `MLAPagedAttention`'s backends: the ``cuda`` one decodes with Triton's kernels (MLA
 # has no CUDA kernel of its own), so ``triton`` names both on a GPU.
 DECODE_BACKENDS = ("torch", "cpu", "triton")
+
+
+def paper_anchor() -> dict:
+    """The paper's 93.3% worked out from the configs: bytes per token of DeepSeek-V2's
+    latent cache in bfloat16 and at `DEPLOYED_KV_BITS`, of DeepSeek 67B's GQA cache in
+    bfloat16, and the reductions."""
+    latent = block_bytes(config(**DEEPSEEK_V2), 1, torch.bfloat16)
+    deployed = latent * DEPLOYED_KV_BITS / (8 * torch.bfloat16.itemsize)
+    gqa = block_bytes(config(**DEEPSEEK_LLM_67B), 1, torch.bfloat16)
+    return {
+        "deepseek_v2_bytes_per_token": latent,
+        "deepseek_v2_deployed_bytes_per_token": deployed,
+        "deepseek_67b_bytes_per_token": gqa,
+        "reduction_bfloat16": 1 - latent / gqa,
+        "reduction_deployed": 1 - deployed / gqa,
+    }
+
+
+def format_anchor(anchor: dict) -> str:
+    return (
+        f"the paper's anchor: DeepSeek-V2's latent cache, "
+        f"{anchor['deepseek_v2_bytes_per_token']:,} bytes a token in bfloat16 and "
+        f"{anchor['deepseek_v2_deployed_bytes_per_token']:,.0f} at {DEPLOYED_KV_BITS} bits an "
+        f"element, against DeepSeek 67B's {anchor['deepseek_67b_bytes_per_token']:,} (GQA, "
+        f"bfloat16): {anchor['reduction_bfloat16']:.1%} smaller, "
+        f"{anchor['reduction_deployed']:.1%} as deployed (the paper: 93.3%)"
+    )
 
 
 @torch.no_grad()
@@ -250,6 +285,8 @@ def main(args) -> None:
     memory = memory_rows(args.budget_gib, args.seq_len, torch.bfloat16)
     print(f"KV cache in bfloat16; sequences of {args.seq_len} tokens in {args.budget_gib} GiB")
     print(common.format_table(memory, MEMORY_COLUMNS))
+    anchor = paper_anchor()
+    print(format_anchor(anchor))
     with common.cpu_threads("cpu", common.check_num_threads(args.num_threads)):
         decode = decode_rows(args.batch, args.context_lens, torch.float32)
     print(
@@ -266,4 +303,5 @@ def main(args) -> None:
         budget_gib=args.budget_gib,
         seq_len=args.seq_len,
         num_threads=args.num_threads,
+        paper_anchor=anchor,
     )
