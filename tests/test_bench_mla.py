@@ -54,4 +54,4 @@ def test_the_command_writes_both_tables(tmp_path, capsys):
     assert decode[0]["speedup"] > 0
     assert (tmp_path / "mla.png").is_file()
     out = capsys.readouterr().out
-    assert "absorbed speedup" in out and "93.3% as deployed" in out
+    assert "absorbed speedup" in out and "93.3% smaller (the paper: 93.3%)" in out

@@ -135,13 +135,17 @@ def paper_anchor() -> dict:
 
 
 def format_anchor(anchor: dict) -> str:
-    return (
-        f"the paper's anchor: DeepSeek-V2's latent cache, "
-        f"{anchor['deepseek_v2_bytes_per_token']:,} bytes a token in bfloat16 and "
-        f"{anchor['deepseek_v2_deployed_bytes_per_token']:,.0f} at {DEPLOYED_KV_BITS} bits an "
-        f"element, against DeepSeek 67B's {anchor['deepseek_67b_bytes_per_token']:,} (GQA, "
-        f"bfloat16): {anchor['reduction_bfloat16']:.1%} smaller, "
-        f"{anchor['reduction_deployed']:.1%} as deployed (the paper: 93.3%)"
+    gqa = anchor["deepseek_67b_bytes_per_token"]
+    return "\n".join(
+        [
+            f"the paper's anchor: DeepSeek-V2 against DeepSeek 67B ({gqa:,} bytes a token, "
+            "GQA in bfloat16)",
+            f"  latent in bfloat16: {anchor['deepseek_v2_bytes_per_token']:>6,} bytes a token, "
+            f"{anchor['reduction_bfloat16']:.1%} smaller",
+            f"  latent at {DEPLOYED_KV_BITS} bits:   "
+            f"{anchor['deepseek_v2_deployed_bytes_per_token']:>6,.0f} bytes a token, "
+            f"{anchor['reduction_deployed']:.1%} smaller (the paper: 93.3%)",
+        ]
     )
 
 
