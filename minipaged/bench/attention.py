@@ -75,7 +75,8 @@ HELP = "attention ops per backend vs the device's read bandwidth"
 DESCRIPTION = (
     "Time paged decode and prefill for each backend, the same kernel over "
     "a contiguous cache, and torch's scaled_dot_product_attention, and "
-    "report each as a fraction of the measured streaming-read bandwidth."
+    "report each as a fraction of the measured streaming-read bandwidth; then "
+    "DeepSeek-V2-Lite's latent attention decode, absorbed against unabsorbed."
 )
 OPS = ("decode", "prefill")
 BACKENDS = (
