@@ -13,6 +13,7 @@ from cli_helpers import run_main
 from minipaged.bench import attention as bench
 from minipaged.bench.results import COMMITTED_DIR, committed_path, device_slug
 from minipaged.cli import main
+from minipaged.ops import mla as mla_ops
 from minipaged.ops import paged_attention_decode, prefill_oracle
 from minipaged.ops.testing import assert_close
 
@@ -196,6 +197,18 @@ def test_a_wrong_output_gets_a_note_not_a_number(monkeypatch):
     result = bench.bench_attention([shape], ["torch", "sdpa-contiguous"], "cpu", progress=False)
     assert [row["backend"] for row in result.rows] == ["torch"]
     assert "sdpa-contiguous decode B=2 L=32: output differs" in result.notes[0]
+
+
+def test_latent_attention_forms_that_disagree_get_a_note_not_a_number(monkeypatch):
+    """A wrong absorbed kernel (zeros) is caught against the unabsorbed form before
+    either is timed."""
+    monkeypatch.setattr(
+        mla_ops, "decode_absorbed", lambda q_latent, *args, **kwargs: torch.zeros_like(q_latent)
+    )
+    shape = bench.Shape("decode", 2, 32, 1, 4, 2, 64, 16, "float32")
+    message = "skipped cpu MLA decode B=2 L=32: absorbed and unabsorbed outputs differ"
+    with pytest.raises(ValueError, match=message):  # and so nothing could be timed
+        bench.bench_attention([], ["cpu"], "cpu", progress=False, mla_shapes=[shape])
 
 
 def test_overrides_keep_prefill_from_scratch_and_shrink_chunks():

@@ -193,11 +193,20 @@ def decode_rows(
         )
         q_nope, q_pe = randn(batch, heads, nope), randn(batch, heads, rope)
         new = cache.view(-1, rank + rope)[torch.tensor(slots, device=device)].clone()
-        outputs = {}
-        for form in ("absorbed", "unabsorbed"):
-            layer = MLAPagedAttention(scale, backend, nope, v_dim, absorb=form == "absorbed")
-            step = functools.partial(layer, q_nope, q_pe, new, (cache,), attn, kv_b_proj)
-            outputs[form] = step()
+        steps = {
+            form: functools.partial(
+                MLAPagedAttention(scale, backend, nope, v_dim, absorb=form == "absorbed"),
+                q_nope,
+                q_pe,
+                new,
+                (cache,),
+                attn,
+                kv_b_proj,
+            )
+            for form in ("absorbed", "unabsorbed")
+        }
+        assert_close(steps["absorbed"](), steps["unabsorbed"](), dtype)
+        for form, step in steps.items():
             # What the attention kernel reads a step: the latents once, or every
             # head's (zero-padded) keys and values, which decompression wrote first.
             width = rank + rope if form == "absorbed" else 2 * heads * (nope + rope)
@@ -212,7 +221,6 @@ def decode_rows(
                     "us_per_step": time_us(step, device),
                 }
             )
-        assert_close(outputs["absorbed"], outputs["unabsorbed"], dtype)
     for absorbed, unabsorbed in zip(rows[::2], rows[1::2]):
         absorbed["speedup"] = unabsorbed["us_per_step"] / absorbed["us_per_step"]
     return rows
