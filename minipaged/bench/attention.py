@@ -633,10 +633,8 @@ def format_table(bench: AttentionBench) -> str:
     return "\n".join(
         [
             f"streaming read bandwidth: {bench.read_bandwidth_gbs:.1f} GB/s; {peak}",
-            "",
-            rows,
-            "",
-            overheads,
+            *(["", rows] if bench.rows else []),
+            *(["", overheads] if paging else []),
             *(["", _format_mla(bench.mla_rows)] if bench.mla_rows else []),
             *(["", *builds] if builds else []),
         ]
