@@ -13,6 +13,7 @@ from cli_helpers import run_main
 from minipaged.bench import attention as bench
 from minipaged.bench.results import COMMITTED_DIR, committed_path, device_slug
 from minipaged.cli import main
+from minipaged.ops import mla as mla_ops
 from minipaged.ops import paged_attention_decode, prefill_oracle
 from minipaged.ops.testing import assert_close
 
@@ -126,6 +127,28 @@ def test_cpu_times_torch_cpp_and_sdpa_and_notes_the_rest(cpu_run):
     assert "streaming read bandwidth" in stdout and "triton / triton-contiguous" in stdout
 
 
+def test_latent_attention_decode_absorbed_against_unabsorbed(cpu_run):
+    """DeepSeek-V2-Lite's layer at the decode shape (B=2, L=64), on the two backends
+    with latent attention kernels that time on a CPU; what each kernel reads worked
+    out by hand from config.json's numbers (16 heads, latent 512 + 64, keys of 128 +
+    64, values of 128 padded to the keys' width)."""
+    doc, stdout, _ = cpu_run
+    rows = doc["mla_decode"]
+    assert [(r["backend"], r["form"]) for r in rows] == [
+        ("torch", "absorbed"),
+        ("torch", "unabsorbed"),
+        ("cpu", "absorbed"),
+        ("cpu", "unabsorbed"),
+    ]
+    assert all((r["batch"], r["context_len"], r["dtype"]) == (2, 64, "float32") for r in rows)
+    for absorbed, unabsorbed in zip(rows[::2], rows[1::2]):
+        assert absorbed["kernel_bytes"] == 2 * 64 * (512 + 64) * 4
+        assert unabsorbed["kernel_bytes"] == 2 * 64 * 16 * 2 * (128 + 64) * 4
+        assert absorbed["speedup"] == unabsorbed["us_per_step"] / absorbed["us_per_step"]
+        assert "speedup" not in unabsorbed
+    assert "MLA decode, one DeepSeek-V2-Lite layer" in stdout and "absorbed speedup" in stdout
+
+
 def test_png_is_saved_beside_the_json(cpu_run):
     _, stdout, path = cpu_run
     png = path.with_suffix(".png")
@@ -174,6 +197,18 @@ def test_a_wrong_output_gets_a_note_not_a_number(monkeypatch):
     result = bench.bench_attention([shape], ["torch", "sdpa-contiguous"], "cpu", progress=False)
     assert [row["backend"] for row in result.rows] == ["torch"]
     assert "sdpa-contiguous decode B=2 L=32: output differs" in result.notes[0]
+
+
+def test_latent_attention_forms_that_disagree_get_a_note_not_a_number(monkeypatch):
+    """A wrong absorbed kernel (zeros) is caught against the unabsorbed form before
+    either is timed."""
+    monkeypatch.setattr(
+        mla_ops, "decode_absorbed", lambda q_latent, *args, **kwargs: torch.zeros_like(q_latent)
+    )
+    shape = bench.Shape("decode", 2, 32, 1, 4, 2, 64, 16, "float32")
+    message = "skipped cpu MLA decode B=2 L=32: absorbed and unabsorbed outputs differ"
+    with pytest.raises(ValueError, match=message):  # and so nothing could be timed
+        bench.bench_attention([], ["cpu"], "cpu", progress=False, mla_shapes=[shape])
 
 
 def test_overrides_keep_prefill_from_scratch_and_shrink_chunks():
@@ -265,6 +300,8 @@ def test_gpu_run_times_every_backend(tmp_path):
         assert {"torch", "triton", "triton-contiguous", "sdpa-contiguous"} <= timed
     decode = {r["backend"] for r in doc["results"] if r["op"] == "decode"}
     assert {"cuda-v1", "cuda-v2", "cuda-v3"} <= decode
+    mla = {(r["backend"], r["form"]) for r in doc["mla_decode"]}
+    assert mla == {(b, f) for b in ("torch", "triton") for f in ("absorbed", "unabsorbed")}
     # The four versions' kernels for bf16, head_dim 128, blocks of 16: one build, timed.
     (build,) = [b for b in doc["cuda_builds"] if b["kernels"] == "vall_bfloat16_bfloat16_d128_b16"]
     assert build["build_s"] > 0 and build["arch"].startswith("sm_")

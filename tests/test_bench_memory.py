@@ -10,7 +10,7 @@ import pytest
 
 from cli_helpers import run_main
 from minipaged.bench import results
-from minipaged.bench.memory import bench_memory, slots_for
+from minipaged.bench.memory import bench_memory, latent_rows, slots_for
 from minipaged.core.memory.simulate import OPT13B_A100_SLOTS, SYSTEMS, simulate_memory
 from minipaged.core.memory.workloads import MEMORY_NUM_REQUESTS, synthetic_requests
 
@@ -47,6 +47,23 @@ def test_results_file_holds_the_contract_and_the_simulation(tmp_path):
         assert got == pytest.approx({k: getattr(want, k) for k in KEYS})
     assert [row["system"] for row in document["results"]] == list(SYSTEMS)
     assert out.with_suffix(".png").stat().st_size > 0
+    # The pool's bytes as DeepSeek-V2-Lite's caches, from the config.json values.
+    assert latent_per_token(document["latent_kv"]) == {
+        "DeepSeek-V2-Lite, latent (MLA)": 27 * (512 + 64) * 2,
+        "DeepSeek-V2-Lite, 8 KV heads (GQA)": 27 * 8 * (192 + 128) * 2,
+    }
+
+
+OPT13B_FP16_TOKEN = 40 * 40 * 128 * 2 * 2  # layers x heads x head_dim x (K, V) x fp16
+
+
+def latent_per_token(rows):
+    """Bytes per token of the latent cache and of the same model with GQA, each row's
+    tokens checked against the pool of 4,000 OPT-13B fp16 tokens."""
+    for row in rows:
+        assert row["kv_slots"] == 4000 * OPT13B_FP16_TOKEN // row["bytes_per_token"]
+    names = ("DeepSeek-V2-Lite, latent (MLA)", "DeepSeek-V2-Lite, 8 KV heads (GQA)")
+    return {r["cache"]: r["bytes_per_token"] for r in rows if r["cache"] in names}
 
 
 def test_a_byte_per_element_holds_twice_the_tokens(tmp_path):
@@ -61,6 +78,12 @@ def test_a_byte_per_element_holds_twice_the_tokens(tmp_path):
     assert document["systems"]["paged"]["max_batch"] == want.max_batch
     # int8's scales: 4 bytes per token and head of 128 (128 bytes of fp8).
     assert slots_for(4000, "int8") == int(8000 / (1 + 4 / 128))
+    # fp8 stores DeepSeek-V2-Lite's caches a byte per element too; int8 it refuses.
+    assert latent_per_token(document["latent_kv"]) == {
+        "DeepSeek-V2-Lite, latent (MLA)": 27 * (512 + 64),
+        "DeepSeek-V2-Lite, 8 KV heads (GQA)": 27 * 8 * (192 + 128),
+    }
+    assert latent_rows(4000, "int8") is None
 
 
 def test_the_paper_shape_on_sharegpt():

@@ -34,6 +34,7 @@ from minipaged.core.memory.block_table import blocks_for
 from minipaged.distributed.layers import ColumnParallelLinear
 from minipaged.models import AttentionMetadata, allocate_kv_caches, load_model
 from minipaged.models.deepseek_v2 import (
+    ABSORPTION_ENV,
     DeepseekV2ForCausalLM,
     MLAPagedAttention,
     deepseek_route,
@@ -276,6 +277,31 @@ def test_chunked_prefill_and_decode_logits_equal_hf(tiny, shape, backend):
         set_mla_absorption(ours, absorb)
         for seq, start, end, logits in run_schedule(PagedRunner(ours, block_size=4), sequences):
             torch.testing.assert_close(logits, full[seq][start:end], atol=1e-4, rtol=1e-5)
+
+
+def test_the_environment_flag_builds_models_that_decode_unabsorbed(tiny, monkeypatch):
+    """``MINIPAGED_MLA_DISABLE_ABSORPTION=1``: every layer decodes by decompressing the
+    latents (the absorbed op is never called), and still equals transformers."""
+    path, oracle = tiny("deepseek_v2")
+    assert all(m.absorb for m in mla_layers(load_model(path, attention_backend="torch")))
+    monkeypatch.setenv(ABSORPTION_ENV, "1")
+    ours = load_model(path, attention_backend="torch")
+    assert not any(m.absorb for m in mla_layers(ours))
+
+    def absorbed(*args, **kwargs):
+        raise AssertionError("decoded in the absorbed form")
+
+    monkeypatch.setattr(mla, "decode_absorbed", absorbed)
+    tokens = random_tokens(9, seed=4)
+    runner = PagedRunner(ours, block_size=4)
+    (prefill,) = runner.step([("A", tokens[:-1], 0)])
+    (decode,) = runner.step([("A", tokens[-1:], len(tokens) - 1)])
+    expected = hf_logits(oracle.hf, tokens)
+    torch.testing.assert_close(torch.cat((prefill, decode)), expected, atol=1e-4, rtol=1e-5)
+
+
+def mla_layers(model):
+    return [m for m in model.modules() if isinstance(m, MLAPagedAttention)]
 
 
 MAX_TOKENS = 8

@@ -31,6 +31,13 @@ queries), so its rows report arithmetic instead: the causal attention's FLOPs ov
 time in TFLOP/s (`Shape.flops`), and on a GPU whose dense 16-bit tensor-core peak is
 known (`PEAK_TFLOPS`, from the vendors' datasheets) the share of it.
 
+Beside them, latent attention's decode (DeepSeek-V2's MLA, lesson 21): one
+DeepSeek-V2-Lite layer at each decode shape's batch, context length, block size and
+dtype, absorbed against unabsorbed, on the backends with MLA kernels (torch and the C++
+one on a CPU; torch and Triton on a GPU), as ``bench mla`` times it
+(`minipaged.bench.mla.decode_rows`): what each one's kernel reads, and its time per
+step (``--ops mla-decode``; ``mla_decode`` in the JSON, a panel of the PNG).
+
 The CUDA kernels are built before anything is timed, the versions asked for in one
 build per shape's configuration; how long each cold build took is printed and saved
 (``cuda_builds`` in the JSON, from `cuda_build.builds`).
@@ -41,8 +48,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -50,9 +55,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from minipaged.bench import common
+from minipaged.bench import common, mla
 from minipaged.bench.args import add_output_flags, write
-from minipaged.bench.common import Column
+from minipaged.bench.common import Column, time_us
 from minipaged.ops import (
     LIBRARY_BACKENDS,
     BackendUnavailableError,
@@ -70,9 +75,13 @@ HELP = "attention ops per backend vs the device's read bandwidth"
 DESCRIPTION = (
     "Time paged decode and prefill for each backend, the same kernel over "
     "a contiguous cache, and torch's scaled_dot_product_attention, and "
-    "report each as a fraction of the measured streaming-read bandwidth."
+    "report each as a fraction of the measured streaming-read bandwidth; then "
+    "DeepSeek-V2-Lite's latent attention decode, absorbed against unabsorbed."
 )
 OPS = ("decode", "prefill")
+# Latent attention's decode (`_mla_decode_rows`), at the preset's decode shapes: an op of
+# ``--ops`` too.
+MLA_OP = "mla-decode"
 BACKENDS = (
     "torch",
     "cpu",
@@ -179,12 +188,6 @@ class Shape:
         return fields
 
 
-# On a CPU each timed call starts cold (`time_us`): written before it, a buffer larger
-# than any last-level cache; at least this many calls and this much time timed.
-CPU_FLUSH_BYTES = 256 << 20
-CPU_MIN_CALLS = 5
-CPU_MIN_RUN_S = 0.2
-
 _GPU = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
 _CPU = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
 # SmolLM2-135M's attention layer: 9 query heads over 3 KV heads of 64.
@@ -284,32 +287,6 @@ def sdpa_attention(
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, **gqa)
 
 
-def time_us(fn: Callable[[], object], device: torch.device) -> float:
-    """The median time of ``fn()`` on ``device``, in microseconds."""
-    if device.type == "cuda":
-        # Imported here: there are no Triton wheels for some CPU-only platforms.
-        import triton.testing
-
-        # do_bench zeroes a 256 MB buffer before every call, flushing L2 (50 MB on an
-        # H100): each call starts cold, as a layer's attention does after the rest of
-        # the model ran, so its K/V really comes from HBM.
-        return triton.testing.do_bench(fn, return_mode="median") * 1e3
-    # On every thread torch uses, as the engine runs it, and each call cold too: a
-    # buffer larger than any CPU's last-level cache is written before it, as do_bench
-    # does on a GPU.  Timed warm, the K/V of a serving shape (tens of MB) stays partly
-    # in the L3 from one call to the next, and the kernel seemed to read faster than
-    # memory streams.  The read bandwidth is measured the same way.
-    flush = torch.empty(CPU_FLUSH_BYTES // 4, dtype=torch.float32)
-    fn()  # first-call work (allocations, a lazy build) is not timed
-    times: list[float] = []
-    while len(times) < CPU_MIN_CALLS or sum(times) < CPU_MIN_RUN_S:
-        flush.fill_(1.0)
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
-
-
 def peak_tflops(device: torch.device) -> float | None:
     """The dense bf16 / fp16 tensor-core peak of ``device`` (`PEAK_TFLOPS`), None for
     a CPU or a GPU not in the table."""
@@ -340,6 +317,7 @@ class AttentionBench:
     notes: list[str]
     peak_tflops: float | None = None
     cuda_builds: list[dict] = dataclasses.field(default_factory=list)
+    mla_rows: list[dict] = dataclasses.field(default_factory=list)
 
 
 def bench_attention(
@@ -347,10 +325,12 @@ def bench_attention(
     backends: Sequence[str] = BACKENDS,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    mla_shapes: Sequence[Shape] = (),
 ) -> AttentionBench:
     """Time each of ``backends`` on each of ``shapes`` on ``device``, every one only
-    after its output matched the torch reference's.  Raises ``ValueError`` when not one
-    backend could be timed."""
+    after its output matched the torch reference's; then latent attention's decode at
+    each of the decode shapes ``mla_shapes`` (`_mla_decode_rows`).  Raises
+    ``ValueError`` when not one backend could be timed."""
     device = torch.device(device)
     bad = [b for b in backends if b not in BACKENDS]
     if bad or not backends:
@@ -376,10 +356,56 @@ def bench_attention(
                 if row is not None:
                     rows.append(row)
                 bar.update()
-    if not rows:
+    mla_rows = _mla_decode_rows(mla_shapes, backends, device, note)
+    if not rows and not mla_rows:
         raise ValueError(f"backends {list(backends)} could not run here: " + "; ".join(notes))
     builds = cuda_build.builds() if device.type == "cuda" else []  # none timed on a CPU
-    return AttentionBench(rows, read_bw, notes, peak, builds)
+    return AttentionBench(rows, read_bw, notes, peak, builds, mla_rows)
+
+
+def _mla_decode_rows(shapes: Sequence[Shape], backends: Sequence[str], device, note) -> list[dict]:
+    """DeepSeek-V2-Lite's attention layer decoding over its latent cache, absorbed
+    against unabsorbed (`minipaged.bench.mla.decode_rows`, as ``bench mla`` times it), at
+    each decode shape's batch, context length, block size and dtype (its heads are the
+    layer's own), on each of ``backends`` that latent attention has kernels for
+    (`mla.DECODE_BACKENDS`)."""
+    if any(s.op != "decode" for s in shapes):
+        raise ValueError(f"latent attention is timed at decode shapes, got {list(shapes)}")
+    rows = []
+    for backend in (b for b in backends if b in mla.DECODE_BACKENDS and shapes):
+        if skipped := _cpu_skip(backend, device):
+            note(skipped)
+            continue
+        try:
+            get_backend(backend, device)
+        except BackendUnavailableError as error:
+            note(f"skipped {backend}: {error}")
+            continue
+        for shape in tqdm(shapes, desc=f"bench attention: MLA decode, {backend}", leave=False):
+            try:
+                rows += mla.decode_rows(
+                    shape.batch,
+                    [shape.context_len],
+                    DTYPES[shape.dtype],
+                    shape.block_size,
+                    device,
+                    backend,
+                )
+            except AssertionError as error:  # the two forms disagree: no number
+                note(
+                    f"skipped {backend} MLA decode {_label(shape.fields())}: absorbed and "
+                    f"unabsorbed outputs differ: {str(error).splitlines()[0]}"
+                )
+    return rows
+
+
+def _cpu_skip(backend: str, device: torch.device) -> str | None:
+    """Why ``backend`` is not timed on ``device``, or None: on a CPU, Triton runs only in
+    its interpreter and the CUDA kernels only in an emulator."""
+    if device.type != "cpu" or not backend.startswith(("triton", "cuda")):
+        return None
+    runs_in = "Triton's interpreter" if backend.startswith("triton") else "an emulator"
+    return f"skipped {backend}: on a CPU it runs only in {runs_in}, whose timings mean nothing"
 
 
 def _build_cuda_kernels(shapes: Sequence[Shape], backends: Sequence[str], device) -> None:
@@ -502,9 +528,8 @@ def _sdpa_runner(x: _Inputs) -> Callable[[], torch.Tensor]:
 def _measure(backend, inputs, expected, read_bw, peak, note) -> dict | None:
     """One result row, or ``None`` (and a note) when ``backend`` cannot run or is wrong."""
     shape = inputs.shape
-    if inputs.query.device.type == "cpu" and backend.startswith(("triton", "cuda")):
-        runs_in = "Triton's interpreter" if backend.startswith("triton") else "an emulator"
-        note(f"skipped {backend}: on a CPU it runs only in {runs_in}, whose timings mean nothing")
+    if skipped := _cpu_skip(backend, inputs.query.device):
+        note(skipped)
         return None
     if shape.op == "prefill" and backend.startswith("cuda"):
         note(
@@ -608,25 +633,42 @@ def format_table(bench: AttentionBench) -> str:
     return "\n".join(
         [
             f"streaming read bandwidth: {bench.read_bandwidth_gbs:.1f} GB/s; {peak}",
-            "",
-            rows,
-            "",
-            overheads,
+            *(["", rows] if bench.rows else []),
+            *(["", overheads] if paging else []),
+            *(["", _format_mla(bench.mla_rows)] if bench.mla_rows else []),
             *(["", *builds] if builds else []),
         ]
     )
 
 
-def plot_fractions(rows: list[dict], goal: float = GOAL_FRACTION["cuda"]):
+def _format_mla(mla_rows: list[dict]) -> str:
+    lite = mla.DEEPSEEK_V2_LITE
+    title = (
+        f"MLA decode, one DeepSeek-V2-Lite layer ({lite['num_attention_heads']} heads, "
+        f"latent {lite['kv_lora_rank']} + {lite['qk_rope_head_dim']}): absorbed against "
+        "unabsorbed"
+    )
+    columns = [Column("backend", "backend"), Column("batch", "batch"), *mla.DECODE_COLUMNS]
+    return f"{title}\n{common.format_table(mla_rows, columns)}"
+
+
+def plot_fractions(
+    rows: list[dict], goal: float = GOAL_FRACTION["cuda"], mla_rows: Sequence[dict] = ()
+):
     """One panel per op: bars per shape and backend of decode's ``fraction_of_read_bw``,
     with the ``goal`` dashed, and of prefill's ``fraction_of_peak`` (``tflops`` where
-    the peak is unknown).  Returns a matplotlib ``Figure``, drawn without pyplot so that
-    no GUI backend is needed."""
+    the peak is unknown); then, given ``mla_rows``, latent attention's time per decode
+    step, absorbed and unabsorbed (`mla.draw_decode`).  Returns a matplotlib
+    ``Figure``, drawn without pyplot so that no GUI backend is needed."""
     from matplotlib.figure import Figure  # imported here, like causal_lower_right
 
     ops = [op for op in OPS if any(row["op"] == op for row in rows)]
-    fig = Figure(figsize=(6.5 * len(ops), 4.2), layout="constrained")
-    for ax, op in zip(fig.subplots(1, len(ops), squeeze=False)[0], ops):
+    panels = len(ops) + bool(mla_rows)
+    fig = Figure(figsize=(6.5 * panels, 4.2), layout="constrained")
+    axes = fig.subplots(1, panels, squeeze=False)[0]
+    if mla_rows:
+        mla.draw_decode(axes[-1], list(mla_rows), "MLA decode, one DeepSeek-V2-Lite layer")
+    for ax, op in zip(axes, ops):
         op_rows = [row for row in rows if row["op"] == op]
         key, ylabel = _plotted(op_rows)
         shapes = list(dict.fromkeys(map(_label, op_rows)))
@@ -677,10 +719,11 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--ops",
         nargs="+",
-        choices=OPS,
+        choices=(*OPS, MLA_OP),
         metavar="OP",
-        default=list(OPS),
-        help=f"any of {', '.join(OPS)} (default: all)",
+        default=[*OPS, MLA_OP],
+        help=f"any of {', '.join(OPS)} and {MLA_OP} (DeepSeek-V2-Lite's latent attention, "
+        "absorbed and unabsorbed, at the decode shapes) (default: all)",
     )
     parser.add_argument(
         "--backends",
@@ -708,9 +751,7 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> None:
-    shapes = make_shapes(
-        args.preset,
-        args.ops,
+    overrides = dict(
         batch=args.batch,
         context_len=args.context_len,
         num_heads=args.num_heads,
@@ -719,18 +760,22 @@ def main(args) -> None:
         block_size=args.block_size,
         dtype=args.dtype,
     )
+    ops = [op for op in args.ops if op in OPS]
+    shapes = make_shapes(args.preset, ops, **overrides) if ops else []
+    mla_shapes = make_shapes(args.preset, ["decode"], **overrides) if MLA_OP in args.ops else []
     device = preset_device(args.preset)
-    bench = bench_attention(shapes, args.backends, device)
+    bench = bench_attention(shapes, args.backends, device, mla_shapes=mla_shapes)
     print(format_table(bench))
     write(
         args,
         NAME,
         device,
         bench.rows,
-        plot_fractions(bench.rows, GOAL_FRACTION[device.type]),
+        plot_fractions(bench.rows, GOAL_FRACTION[device.type], bench.mla_rows),
         preset=args.preset,
         read_bandwidth_gbs=bench.read_bandwidth_gbs,
         peak_tflops=bench.peak_tflops,
         notes=bench.notes,
         cuda_builds=bench.cuda_builds,
+        mla_decode=bench.mla_rows,
     )

@@ -10,6 +10,11 @@ pool is the paper's: OPT-13B on an A100-40GB leaves room for about 15.7K tokens 
 (§6.1), in fp16; ``--kv-cache-dtype`` fp8 or int8 (`minipaged.ops.kv_quant`) stores a
 byte per element, so the same bytes hold about twice the tokens (`slots_for`).
 
+The same bytes then hold DeepSeek-V2-Lite's KV cache (`latent_rows`): its multi-head
+latent attention caches one latent vector a token and layer, against the same model
+caching per-head keys and values with grouped-query attention (GQA) or without, and a
+GQA model of its size (`minipaged.bench.mla`, lesson 21).
+
 The paper's numbers: contiguous systems keep 20.4-38.2% of their KV memory as token
 states, vLLM 96.3% (Fig. 2); on ShareGPT vLLM batches 2.2x more requests than Orca
 Oracle and 4.3x more than Orca Max (Fig. 13).
@@ -36,7 +41,19 @@ DESCRIPTION = (
     "and the mean number of requests resident.  Counts, not times."
 )
 SHARES = ("token_share", "reserved_share", "internal_share", "external_share")
-OPT13B_HEAD_DIM = 128
+# https://huggingface.co/facebook/opt-13b/blob/main/config.json: 40 layers of 40 heads of
+# 128, the model whose fp16 KV the default pool holds.
+OPT13B = dict(num_hidden_layers=40, num_key_value_heads=40, head_dim=128)
+
+
+def pool_bytes(fp16_slots: int) -> int:
+    """The bytes of ``fp16_slots`` tokens of OPT-13B's KV cache in fp16."""
+    import torch  # here: the simulation and its tables run without torch
+
+    from minipaged.bench.mla import config
+    from minipaged.worker.cache_engine import block_bytes
+
+    return fp16_slots * block_bytes(config(**OPT13B), 1, torch.float16)
 
 
 def slots_for(fp16_slots: int, kv_cache_dtype: str) -> int:
@@ -47,8 +64,47 @@ def slots_for(fp16_slots: int, kv_cache_dtype: str) -> int:
         return fp16_slots
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-    scales = 4 / OPT13B_HEAD_DIM if kv_cache_dtype == "int8" else 0
-    return int(fp16_slots * 2 / (1 + scales))
+    from minipaged.bench.mla import config
+    from minipaged.ops.kv_quant import FORMATS
+    from minipaged.worker.cache_engine import block_bytes
+
+    return pool_bytes(fp16_slots) // block_bytes(config(**OPT13B), 1, FORMATS[kv_cache_dtype])
+
+
+def latent_rows(fp16_slots: int, kv_cache_dtype: str) -> list[dict] | None:
+    """The pool's bytes (``fp16_slots`` fp16 tokens of OPT-13B) as DeepSeek-V2-Lite's KV
+    cache in ``kv_cache_dtype`` (auto: fp16): the bytes per token of its latent cache
+    against the same model caching per-head keys and values, grouped into fewer KV heads
+    or not, and against a GQA model of its size (`minipaged.bench.mla.memory_rows`), and
+    the tokens (``kv_slots``) each leaves room for.  None for int8, which the latent
+    cache refuses."""
+    if kv_cache_dtype == "int8":
+        return None
+    import torch
+
+    from minipaged.bench.mla import memory_rows
+    from minipaged.ops.kv_quant import cache_dtype
+
+    dtype = cache_dtype(kv_cache_dtype, torch.float16)
+    # A budget of the pool's bytes, in sequences of one token: the tokens it holds.
+    rows = memory_rows(pool_bytes(fp16_slots) / 2**30, 1, dtype)
+    return [
+        {
+            "cache": r["cache"],
+            "bytes_per_token": r["bytes_per_token"],
+            "latent_share": r["latent_share"],
+            "kv_slots": r["sequences"],
+        }
+        for r in rows
+    ]
+
+
+LATENT_COLUMNS = [
+    Column("KV cache", "cache"),
+    Column("bytes/token", "bytes_per_token", "{:,}"),
+    Column("latent / this", "latent_share", "{:.1%}"),
+    Column("tokens in the pool", "kv_slots", "{:,}"),
+]
 
 
 def bench_memory(
@@ -177,6 +233,16 @@ def main(args) -> None:
     pool = f"{kv_slots} KV slots ({args.kv_cache_dtype})"
     print(f"{args.num_requests} {args.workload}-like requests on {pool}")
     print(format_table(reports))
+    latent = latent_rows(args.kv_slots, args.kv_cache_dtype)
+    if latent is None:
+        print("\nDeepSeek-V2-Lite's latent cache has no int8 form: no latent rows")
+    else:
+        print(
+            f"\nthe bytes of {args.kv_slots:,} fp16 tokens of OPT-13B "
+            f"({pool_bytes(args.kv_slots) / 2**30:.1f} GiB) as DeepSeek-V2-Lite's KV cache "
+            f"({args.kv_cache_dtype})"
+        )
+        print(common.format_table(latent, LATENT_COLUMNS))
     title = (
         f"{args.num_requests} {args.workload}-like requests, {pool}, blocks of {args.block_size}"
     )
@@ -195,4 +261,5 @@ def main(args) -> None:
         max_len=args.max_len,
         num_requests=args.num_requests,
         seed=args.seed,
+        latent_kv=latent,
     )
