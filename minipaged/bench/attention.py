@@ -396,6 +396,12 @@ def _mla_decode_rows(shapes: Sequence[Shape], backends: Sequence[str], device, n
                     f"skipped {backend} MLA decode {_label(shape.fields())}: absorbed and "
                     f"unabsorbed outputs differ: {str(error).splitlines()[0]}"
                 )
+            except Exception as error:  # noqa: BLE001 (a row never run on a GPU yet that
+                # fails, out of memory or in a kernel's compile, costs a note, not the run)
+                note(
+                    f"skipped {backend} MLA decode {_label(shape.fields())}: "
+                    f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                )
     return rows
 
 
