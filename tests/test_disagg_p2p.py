@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -92,6 +93,16 @@ def test_a_consumer_pulls_the_prompts_kv_and_decodes_as_hf(model, producer):
     assert stats["num_external_computed_tokens"] == sum(map(loadable, PROMPTS))
     assert stats["num_computed_prompt_tokens"] == sum(len(p) - loadable(p) for p in PROMPTS)
     assert_all_blocks_free(consumer)
+    # /metrics carries both counts.
+    pytest.importorskip("prometheus_client")
+    from minipaged.server.metrics import make_registry
+
+    registry = make_registry(SimpleNamespace(stats=stats))
+    for name, key in (
+        ("external_computed_tokens", "num_external_computed_tokens"),
+        ("computed_prompt_tokens", "num_computed_prompt_tokens"),
+    ):
+        assert registry.get_sample_value(f"minipaged:{name}_total") == stats[key]
     consumer.shutdown()
 
 

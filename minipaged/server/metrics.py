@@ -94,6 +94,18 @@ METRICS = [
         lambda s: s["num_prompt_tokens"],
     ),
     ("generation_tokens", COUNTER, "Tokens generated.", lambda s: s["num_generated_tokens"]),
+    (
+        "computed_prompt_tokens",
+        COUNTER,
+        "Prompt tokens run through the model (neither in the prefix cache nor loaded).",
+        lambda s: s["num_computed_prompt_tokens"],
+    ),
+    (
+        "external_computed_tokens",
+        COUNTER,
+        "Prompt tokens a KV connector loaded from another engine instead of computing them.",
+        lambda s: s["num_external_computed_tokens"],
+    ),
     ("engine_steps", COUNTER, "Engine steps run, each one batch.", lambda s: s["num_steps"]),
 ]
 # With speculative_config only: vLLM's spec_decode counters, under their names.
