@@ -30,6 +30,7 @@ COMMANDS = (
     "demo",
     "serve",
     "serve_ray",
+    "disagg_proxy",
     "check",
 )
 BENCHES = (

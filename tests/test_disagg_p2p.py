@@ -135,6 +135,64 @@ def test_bad_settings_are_refused_naming_them(model, change, message):
         make_llm(model[0], kv_transfer_config={**transfer("kv_producer", "127.0.0.1", 1), **change})
 
 
+def test_a_proxy_sends_the_prefill_to_one_server_and_streams_the_decode_from_the_other(model):
+    """``minipaged disagg-proxy`` over a producer server and a consumer server: the
+    answer, whole and streamed, is a single engine's greedy text, whose tokens are HF's;
+    the consumer loaded every prompt's whole blocks from the producer."""
+    pytest.importorskip("fastapi")
+    import asyncio
+
+    import httpx
+
+    from minipaged.server.disagg_proxy import build_proxy_app
+    from server_helpers import MODEL, in_process_app
+
+    port = free_port()
+    engine = dict(block_size=BLOCK_SIZE, num_gpu_blocks=POOL, enable_prefix_caching=False)
+    producer = in_process_app(
+        model[0],
+        engine_kwargs={**engine, "kv_transfer_config": transfer("kv_producer", "127.0.0.1", port)},
+    )
+    prefill_url, _, _ = next(producer)
+    consumer = in_process_app(
+        model[0],
+        engine_kwargs={**engine, "kv_transfer_config": transfer("kv_consumer", "127.0.0.1", port)},
+    )
+    decode_url, decode_engine, _ = next(consumer)
+
+    async def ask(prompt, stream):
+        app = build_proxy_app(prefill_url, decode_url)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+            if not stream:
+                response = await client.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+                return response.json()["choices"][0]["text"]
+            text = ""
+            async with client.stream(
+                "POST", "/v1/completions", json={**body, "stream": True}
+            ) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        text += json.loads(line[6:])["choices"][0]["text"]
+            return text
+
+    try:
+        whole = asyncio.run(ask(PROMPTS[1], stream=False))
+        streamed = asyncio.run(ask(PROMPTS[2], stream=True))
+        loaded = decode_engine.stats["num_external_computed_tokens"]
+    finally:
+        for server in (consumer, producer):
+            server.close()
+    single = make_llm(model[0], block_size=BLOCK_SIZE).generate(
+        as_inputs(PROMPTS[1:3]), GREEDY, use_tqdm=False
+    )
+    assert_greedy_matches_hf(single, PROMPTS[1:3], model[1], MAX_TOKENS)
+    assert [whole, streamed] == [o.outputs[0].text for o in single]
+    assert loaded == loadable(PROMPTS[1]) + loadable(PROMPTS[2])
+
+
 @pytest.mark.netns
 def test_across_two_hosts_then_with_the_producer_gone(model):
     """The producer on host A, consumers on host B: the first one's greedy tokens equal
