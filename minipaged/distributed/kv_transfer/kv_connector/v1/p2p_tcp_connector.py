@@ -51,7 +51,8 @@ class ProducerStore:
             collections.OrderedDict()
         )
         self.partial: dict[str, dict[str, bytes]] = {}
-        self.num_bytes = 0
+        self.num_bytes = 0  # held
+        self.bytes_sent = 0  # the layers' bytes served to consumers
         self.lock = threading.Lock()
         self.listener = Listener(address, authkey=AUTHKEY)
         threading.Thread(target=self._accept, daemon=True, name="kv-producer").start()
@@ -90,6 +91,7 @@ class ProducerStore:
                     conn.send_bytes(json.dumps(meta).encode())
                     for layer in meta["files"]:
                         conn.send_bytes(layers[layer])
+                        self.bytes_sent += len(layers[layer])
             except (EOFError, OSError):  # the consumer went away
                 return
 

@@ -78,6 +78,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self._pending: dict[str, tuple[str, int, int, dict[str, bytes]]] = {}
         self._loads: list[ReqMeta] = []
         self._saved: dict[str, dict[str, str]] = {}  # the worker's: key -> layer -> sha256
+        # Entries read this step: admission asks twice per prompt (to plan, then to
+        # allocate), and a networked store would send the entry twice.
+        self._read: dict[str, tuple[int, dict[str, bytes]]] = {}
         self._open_store()
 
     # -- where the entries live: a directory (a networked connector overrides these) ---
@@ -132,7 +135,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
             return 0, False
         prompt = request.token_ids[: request.prompt_len]
         key = prompt_key(prompt)
-        stored, layers = self._read_entry(key)
+        if key not in self._read:
+            self._read[key] = self._read_entry(key)
+        stored, layers = self._read[key]
         # Whole blocks, never the last token (its logits are sampled from).
         loadable = min(stored, len(prompt) - 1) // self.block_size * self.block_size
         num_new = max(0, loadable - num_computed_tokens)
@@ -177,7 +182,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = SharedStorageConnectorMetadata(self._loads, self._saves(scheduler_output))
-        self._loads, self._pending = [], {}
+        self._loads, self._pending, self._read = [], {}, {}
         return meta
 
     def _saves(self, scheduler_output: SchedulerOutput) -> list[ReqMeta]:
