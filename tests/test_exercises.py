@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from minipaged.commands.check import EXERCISES, ROOT, reference, run
+from minipaged.commands.check import EXERCISES, ROOT, reference, run, run_each
 
-pytestmark = pytest.mark.spread  # each test runs its own pytest processes
+pytestmark = pytest.mark.spread  # each test runs its own pytest process
 
 STUBS = ROOT / "exercises"
 
@@ -88,7 +88,8 @@ def lesson_text(number: str) -> str:
 
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: Path(e.file).stem)
 def test_stub_fails_every_test_and_the_reference_passes_them(exercise, tmp_path):
-    stub = run(exercise, STUBS)
+    # One pytest process runs the tests on the stub, then on the solution.
+    stub, done = run_each(exercise, [STUBS, solved(exercise, tmp_path).parent])
     assert stub.problem is None, stub.problem
     assert stub.passed == 0 and stub.failed > 0
     stub_says = f"in exercises/{exercise.file})"
@@ -96,7 +97,6 @@ def test_stub_fails_every_test_and_the_reference_passes_them(exercise, tmp_path)
         f for f in stub.failures if "not implemented yet (write " not in f or stub_says not in f
     ] == []
 
-    done = run(exercise, solved(exercise, tmp_path).parent)
     assert done.problem is None, done.problem
     assert (done.passed, done.failed) == (stub.failed, 0), done.failures
 
