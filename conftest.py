@@ -4,12 +4,14 @@ are measured against.
 A lesson fails under `make test` on an error, a wrong output (a failed assert) or a cell
 that hangs (``--nbmake-timeout``, several times the budget); its time is a measurement:
 the run ends with the lessons and cells that took longest against the minute a lesson
-should take (`scripts/execute_lessons.py`'s `budget_report`).  nbmake is imported only
+should take (`scripts/execute_lessons.py`'s `budget_report`), gathered from every
+pytest-xdist worker when the lessons run two at a time (`-n 2`).  nbmake is imported only
 when `--nbmake` is given, so the tests run where it is not installed: a GPU machine's
 stock Python (torch, triton, transformers, pytest) has none of the optional plugins, and
 `make gpu-test` must start there (`tests/test_run_gpu.py` checks it).
 """
 
+import json
 import time
 
 import pytest
@@ -46,6 +48,20 @@ def pytest_runtest_call(item):
     finally:
         cells = [cell for client in _CLIENTS for cell in client.cell_seconds]
         _RUNS[item.path.stem] = (time.perf_counter() - start, cells)
+
+
+def pytest_sessionfinish(session):
+    # A pytest-xdist worker hands its lessons' times to the controller (`workeroutput`
+    # goes back with the worker's end; execnet sends strings, not tuples of tuples).
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None and _RUNS:
+        workeroutput["minipaged_lesson_runs"] = json.dumps(_RUNS)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent where xdist is
+def pytest_testnodedown(node, error):
+    runs = json.loads(getattr(node, "workeroutput", {}).get("minipaged_lesson_runs", "{}"))
+    _RUNS.update({name: (s, [tuple(c) for c in cells]) for name, (s, cells) in runs.items()})
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -2,6 +2,11 @@
 `conftest.py`) for `make test`: a kernel that fails to start is started again, and the
 lessons' times are reported against the budget, never failed on."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 # The notebook machinery is a dev dependency (a GPU machine's environment may lack it).
@@ -75,3 +80,23 @@ def test_the_budget_report_names_the_slow_lessons_and_cells_first():
         f"  05_scheduler: {LESSON_BUDGET_S + 30:.0f} s (over)",
     ]
     assert lines[4:] == ["  16_mixture_of_experts cell 12: 170 s", "  05_scheduler cell 3: 50 s"]
+
+
+def test_lessons_run_two_at_a_time_report_the_times_of_both(tmp_path):
+    """Under pytest-xdist (`make test` runs the lessons with ``-n 2``) each worker times
+    its own lessons: the report, printed by the controller, has every lesson."""
+    for name in ("01_first", "02_second"):
+        nbformat.write(notebook(), tmp_path / f"{name}.ipynb")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    command = [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider"]
+    command += ["--nbmake", "-n", "2", str(tmp_path)]
+    out = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = out.stdout[out.stdout.index("lesson times against") :].splitlines()
+    assert report[0].endswith("0 of 2 over")
+    assert sorted(line.split(":")[0].strip() for line in report[1:3]) == ["01_first", "02_second"]
+    assert sorted(line.split(" cell ")[0].strip() for line in report[4:6]) == [
+        "01_first",
+        "02_second",
+    ]

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from minipaged.commands.check import EXERCISES, ROOT, reference, run
+from minipaged.commands.check import EXERCISES, ROOT, reference, run, run_each
 
-pytestmark = pytest.mark.spread  # each test runs its own pytest processes
+pytestmark = pytest.mark.spread  # each test runs its own pytest process
 
 STUBS = ROOT / "exercises"
 
@@ -88,7 +88,8 @@ def lesson_text(number: str) -> str:
 
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: Path(e.file).stem)
 def test_stub_fails_every_test_and_the_reference_passes_them(exercise, tmp_path):
-    stub = run(exercise, STUBS)
+    # One pytest process runs the tests on the stub, then on the solution.
+    stub, done = run_each(exercise, [STUBS, solved(exercise, tmp_path).parent])
     assert stub.problem is None, stub.problem
     assert stub.passed == 0 and stub.failed > 0
     stub_says = f"in exercises/{exercise.file})"
@@ -96,7 +97,6 @@ def test_stub_fails_every_test_and_the_reference_passes_them(exercise, tmp_path)
         f for f in stub.failures if "not implemented yet (write " not in f or stub_says not in f
     ] == []
 
-    done = run(exercise, solved(exercise, tmp_path).parent)
     assert done.problem is None, done.problem
     assert (done.passed, done.failed) == (stub.failed, 0), done.failures
 
@@ -107,11 +107,21 @@ def test_stub_fails_every_test_and_the_reference_passes_them(exercise, tmp_path)
 
 def test_a_broken_exercise_is_named_in_one_line_and_breaks_nothing_else(tmp_path):
     exercise = EXERCISES[0]
-    (tmp_path / exercise.file).write_text("def allocate(self):\n    return (\n")
-    result = run(exercise, tmp_path)
-    assert result.problem.startswith(f"{tmp_path / exercise.file} does not load: SyntaxError")
-    (tmp_path / exercise.file).write_text("def allocate(self):\n    return 0\n")
-    assert "has no function free()" in run(exercise, tmp_path).problem
+    syntax, incomplete = tmp_path / "syntax", tmp_path / "incomplete"
+    for folder, code in (
+        (syntax, "def allocate(self):\n    return (\n"),
+        (incomplete, "def allocate(self):\n    return 0\n"),
+    ):
+        folder.mkdir()
+        (folder / exercise.file).write_text(code)
+    # One process: a file that does not load runs none of the tests, and leaves the
+    # next file's run (the stub's) as it would be alone.
+    first, second, stub = run_each(exercise, [syntax, incomplete, STUBS])
+    assert first.problem.startswith(f"{syntax / exercise.file} does not load: SyntaxError")
+    assert "has no function free()" in second.problem
+    assert first.passed == first.failed == second.passed == second.failed == 0
+    assert stub.problem is None and stub.passed == 0 and stub.failed > 0
+    assert all("not implemented yet (write " in f for f in stub.failures), stub.failures
     # The package imports, and runs, without the exercises.
     code = "import minipaged.core.memory as m; print(m.BlockAllocator(2).allocate())"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

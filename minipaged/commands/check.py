@@ -8,14 +8,14 @@ passed and the first failure in plain words.  The package itself is never edited
 functions are swapped only inside the pytest process this command starts, one per
 exercise, so a broken exercise breaks neither ``minipaged`` nor another lesson.
 
-The swap happens once the tests are collected (`ExercisePlugin`): every module of the
-checkout (the package's and the tests') that holds the reference object gets the
-learner's instead, and a method is replaced on its class, so subclasses that inherit
-it use the learner's too.  A C++ exercise (lesson 07's kernel loop) is compiled instead:
-the CPU kernel is built again, in a folder of its own, with the learner's file in place
-of the reference one, and a compile error is reported as its first line.  This is the
-tiny-llm way of teaching (write the code, run the command, watch the counts go from 0
-to all), over this engine's own test suite.
+The swap happens once the tests are collected, before they run (`ExercisePlugin`):
+every module of the checkout (the package's and the tests') that holds the reference
+object gets the learner's instead, and a method is replaced on its class, so subclasses
+that inherit it use the learner's too.  A C++ exercise (lesson 07's kernel loop) is
+compiled instead: the CPU kernel is built again, in a folder of its own, with the
+learner's file in place of the reference one, and a compile error is reported as its
+first line.  This is the tiny-llm way of teaching (write the code, run the command,
+watch the counts go from 0 to all), over this engine's own test suite.
 """
 
 from __future__ import annotations
@@ -154,7 +154,13 @@ EXERCISES = (
         "10",
         "stop_strings.py",
         {"stop_string": "minipaged.engine.output_processor:stop_string"},
-        ("tests/test_engine.py", "tests/test_server.py", "-k", "stop_string"),
+        (
+            "tests/test_engine.py",
+            "tests/test_server.py",
+            "-k",
+            # A server in a process of its own runs minipaged's function: not a test of yours.
+            "stop_string and not subprocess",
+        ),
     ),
     Exercise(
         "11",
@@ -275,15 +281,29 @@ class Result:
 def run(exercise: Exercise, exercises_dir: Path, verbose: bool = False) -> Result:
     """Run ``exercise``'s tests in a pytest process of their own, with the functions of
     ``exercises_dir / exercise.file`` swapped in."""
+    return run_each(exercise, [exercises_dir], verbose)[0]
+
+
+def run_each(exercise: Exercise, dirs: list[Path], verbose: bool = False) -> list[Result]:
+    """`run` for each folder of ``dirs`` in turn (a stub, then a solution), in one pytest
+    process: its start-up and collection are paid once, and each pass sets up its
+    fixtures afresh.  A C++ exercise takes a process per folder: a process cannot unload
+    the kernel it built (`build_in`)."""
     if not (ROOT / "tests").is_dir():
         raise ValueError(f"minipaged check needs a source checkout: no tests/ in {ROOT}")
+    if exercise.file.endswith(".cpp") and len(dirs) > 1:
+        return [run(exercise, folder, verbose) for folder in dirs]
     with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.json"
-        spec = {"file": str(exercises_dir / exercise.file), "report": str(report)}
-        spec["replaces"] = exercise.replaces
+        reports = [Path(tmp) / f"report{i}.json" for i in range(len(dirs))]
+        passes = [
+            {"file": str(folder / exercise.file), "report": str(report)}
+            for folder, report in zip(dirs, reports)
+        ]
+        spec = {"passes": passes, "replaces": exercise.replaces}
         env = {**os.environ, _ENV: json.dumps(spec), "PYTHONPATH": str(ROOT)}
         command = [sys.executable, "-m", "pytest", "-p", __name__, "-p", "no:cacheprovider"]
         command += ["-q", "--no-header", *exercise.tests]
+        timeout = TIMEOUT_S * len(dirs)
         try:
             done = subprocess.run(
                 command,
@@ -291,19 +311,20 @@ def run(exercise: Exercise, exercises_dir: Path, verbose: bool = False) -> Resul
                 env=env,
                 capture_output=not verbose,
                 text=True,
-                timeout=TIMEOUT_S,
+                timeout=timeout,
             )
         except subprocess.TimeoutExpired:
-            problem = f"the tests did not finish in {TIMEOUT_S} s: is there an endless loop?"
-            return Result(exercise, problem=problem)
+            problem = f"the tests did not finish in {timeout} s: is there an endless loop?"
+            return [Result(exercise, problem=problem) for _ in dirs]
         if done.returncode < 0:  # a signal: a C++ exercise's stray pointer kills the process
             name = signal.Signals(-done.returncode).name
             problem = f"the tests crashed ({name}): does your code read or write out of bounds?"
-            return Result(exercise, problem=problem)
-        if not report.exists():
+            return [Result(exercise, problem=problem) for _ in dirs]
+        if not all(report.exists() for report in reports):
             tail = (done.stdout or "")[-2000:] + (done.stderr or "")[-2000:]
-            return Result(exercise, problem=f"pytest stopped before any test ran:\n{tail}")
-        return Result(exercise, **json.loads(report.read_text()))
+            problem = f"pytest stopped before any test ran:\n{tail}"
+            return [Result(exercise, problem=problem) for _ in dirs]
+        return [Result(exercise, **json.loads(report.read_text())) for report in reports]
 
 
 def describe(result: Result) -> str:
@@ -353,37 +374,55 @@ def main(args) -> None:
 
 # -- inside the pytest process: the plugin `run` loads with -p ------------------------
 class ExercisePlugin:
-    """Swaps the learner's functions in once the tests are collected, and records each
-    test's outcome for `run`."""
+    """Runs the collected tests once for each exercise file of the spec's ``passes``, with
+    that file's functions swapped in, and records each pass's outcomes for `run_each`."""
 
     def __init__(self, spec: dict) -> None:
         self.spec = spec
-        self.result: dict = {"passed": 0, "failed": 0, "first_failure": None, "failures": []}
+        self.results = [
+            {"passed": 0, "failed": 0, "first_failure": None, "failures": []}
+            for _ in spec["passes"]
+        ]
+        self.current = 0  # the pass whose tests are running
 
-    def pytest_collection_finish(self, session) -> None:
-        try:
-            swap_in(Path(self.spec["file"]), self.spec["replaces"])
-        except _LoadError as error:
-            self.result["problem"] = str(error)
-            self._write()
-            import pytest
+    def pytest_runtestloop(self, session):
+        # Registered after pytest's own loop, so called before it (it answers first).
+        if session.testsfailed or session.config.option.collectonly:
+            return None  # pytest's own loop stops on collection errors, or only lists
+        problems = []
+        for number, run in enumerate(self.spec["passes"]):
+            self.current = number
+            try:
+                swap_in(Path(run["file"]), self.spec["replaces"])
+            except _LoadError as error:
+                self.results[self.current]["problem"] = str(error)
+                problems.append(str(error))
+                continue
+            for i, item in enumerate(session.items):
+                # The last item tears every fixture down: the next pass starts afresh.
+                nextitem = session.items[i + 1] if i + 1 < len(session.items) else None
+                item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+                if session.shouldfail or session.shouldstop:
+                    raise session.Interrupted(session.shouldfail or session.shouldstop)
+        if problems:
+            import pytest  # only inside pytest: the package runs without it
 
-            pytest.exit(str(error), returncode=3)
+            pytest.exit("\n".join(problems), returncode=3)
+        return True
 
     def pytest_runtest_logreport(self, report) -> None:
+        result = self.results[self.current]
         if report.when == "call" and report.passed:
-            self.result["passed"] += 1
+            result["passed"] += 1
         elif report.failed:
             reason = f"{report.nodeid}: {plain_words(report)}"
-            self.result["failed"] += 1
-            self.result["failures"].append(reason)
-            self.result["first_failure"] = self.result["first_failure"] or reason
+            result["failed"] += 1
+            result["failures"].append(reason)
+            result["first_failure"] = result["first_failure"] or reason
 
     def pytest_sessionfinish(self, session) -> None:
-        self._write()
-
-    def _write(self) -> None:
-        Path(self.spec["report"]).write_text(json.dumps(self.result))
+        for run, result in zip(self.spec["passes"], self.results):
+            Path(run["report"]).write_text(json.dumps(result))
 
 
 class _LoadError(Exception):
