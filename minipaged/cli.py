@@ -52,6 +52,7 @@ BENCHES = (
     "mla",
     "embed",
     "structured",
+    "structured_acceptance",
 )
 
 
