@@ -300,14 +300,41 @@ def test_refused_combinations():
     assert params.structured_outputs == structured(choice=["x", "y"])
 
 
-def test_speculative_decoding_refuses_structured_outputs(llm):
-    processor = llm.engine.input_processor
-    processor.speculative = True
-    try:
-        with pytest.raises(ValueError, match="speculative_config"):
-            processor.check("r", [1, 2], SamplingParams(structured_outputs=structured(regex="a")))
-    finally:
-        processor.speculative = False
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_speculative_decoding_keeps_the_grammar_and_the_greedy_tokens(model, proposer):
+    """With speculation on, greedy structured tokens are still HF's under the same
+    grammar (the masked argmax), sampled ones validate, and no block is left.  The
+    n-gram proposer copies a valid record from the prompt (guesses the grammar allows,
+    some of which the masked target keeps); the target as its own draft guesses its
+    unmasked argmax (which the grammar mostly cuts).  Oracle: HF + llguidance."""
+    path, oracle = model
+    schema = SCHEMAS["nested"]
+    spec = structured(json=schema)
+    record = oracle.tokenizer.encode('{"name": "abc", "inner": {"ok": true}}')
+    prompts = [record * 2 + random_prompt(2, seed=7), *PROMPTS[:2]]
+    config = (
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+        if proposer == "ngram"
+        else {"model": str(path), "num_speculative_tokens": 3}
+    )
+    llm = make_llm(path, block_size=8, speculative_config=config)
+    max_tokens = 40
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=spec)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == constrained_hf_greedy(oracle, prompt, spec, max_tokens)
+    stats = llm.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    if proposer == "ngram":
+        assert stats["spec_decode_num_accepted_tokens"] > 0
+    sampled = SamplingParams(
+        temperature=1.0, seed=2, n=2, max_tokens=MAX_TOKENS, structured_outputs=spec
+    )
+    for out in llm.generate([{"prompt_token_ids": p} for p in prompts], sampled, use_tqdm=False):
+        for completion in out.outputs:
+            assert completion.finish_reason == "stop"
+            jsonschema.validate(json.loads(completion.text), schema)
+    assert_all_blocks_free(llm)
 
 
 def test_a_dead_end_finishes_the_request_saying_why(llm):
