@@ -15,6 +15,7 @@ do:
 
 Each answer is parsed and validated with ``jsonschema`` (the oracle), and counted.  It
 is a count, not a timing: a busy machine changes nothing but how long the run takes.
+The clients retry nothing, but a connection error is tried once more, and counted.
 Without ``--base-url`` it starts ``minipaged serve MODEL --device cpu`` itself.
 """
 
@@ -122,12 +123,23 @@ def check_one(clients: dict, model: str, entry: dict, max_tokens: int) -> dict:
         "langchain_structured": lambda: ask_langchain_structured(clients["chat"], entry),
         "langchain_tools": lambda: ask_langchain_tools(clients["chat"], entry),
     }
-    row = {"name": entry["name"], "features": entry["features"]}
+    import openai  # noqa: PLC0415
+
+    row = {"name": entry["name"], "features": entry["features"], "connection_retries": 0}
     for name, ask in asks.items():
-        try:
-            value, problem = ask()
-        except Exception as error:  # noqa: BLE001 (a client's error is this answer's failure)
-            value, problem = None, f"{type(error).__name__}: {error}"
+        for attempt in range(2):
+            try:
+                value, problem = ask()
+            except openai.APIConnectionError as error:
+                # A pooled keep-alive connection the server closed just as it was reused
+                # (what the clients' own retries are for): once more, counted.
+                value, problem = None, f"{type(error).__name__}: {error}"
+                if attempt == 0:
+                    row["connection_retries"] += 1
+                    continue
+            except Exception as error:  # noqa: BLE001 (a client's error is this answer's failure)
+                value, problem = None, f"{type(error).__name__}: {error}"
+            break
         problem = problem or validation_error(value, entry["schema"])
         row[f"{name}_valid"] = problem is None
         row[f"{name}_problem"] = problem
@@ -160,6 +172,7 @@ def summary(rows: list[dict]) -> dict:
     return {
         "num_schemas": len(rows),
         **{f"{c}_valid": sum(r[f"{c}_valid"] for r in rows) for c in CLIENTS},
+        "connection_retries": sum(r["connection_retries"] for r in rows),
     }
 
 
