@@ -22,7 +22,7 @@ import llguidance  # noqa: E402
 import llguidance.hf  # noqa: E402
 
 from engine_helpers import EOS, assert_all_blocks_free, make_llm, random_prompt  # noqa: E402
-from minipaged import SamplingParams, StructuredOutputsParams  # noqa: E402
+from minipaged import BeamSearchParams, SamplingParams, StructuredOutputsParams  # noqa: E402
 from minipaged.core.memory.block_table import blocks_for  # noqa: E402
 
 SCHEMAS = {
@@ -335,6 +335,78 @@ def test_speculative_decoding_keeps_the_grammar_and_the_greedy_tokens(model, pro
             assert completion.finish_reason == "stop"
             jsonschema.validate(json.loads(completion.text), schema)
     assert_all_blocks_free(llm)
+
+
+def constrained_reference_beam_search(oracle, prompt, params, spec):
+    """vLLM's beam search written the slow way (test_beam_search.py's reference), each
+    beam with a fresh llguidance matcher of its own: its candidates are the top
+    ``2 * beam_width`` of HF's logprobs masked by it and renormalised.  ``[(tokens,
+    cum_logprob)]``, best first."""
+    vocab = oracle.hf.config.vocab_size
+    tokenizer = llguidance.hf.from_tokenizer(oracle.tokenizer, n_vocab=vocab, eos_token=EOS)
+
+    def score(beam):
+        tokens, cum = beam[0], beam[1]
+        return cum / (len(tokens) - (tokens[-1] == EOS)) ** params.length_penalty
+
+    width = params.beam_width
+    live = [(list(prompt), 0.0, llguidance.LLMatcher(tokenizer, spec.llguidance_grammar()))]
+    completed = []
+    for _ in range(params.max_tokens):
+        proposals = []
+        for tokens, cum, matcher in live:
+            bits = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
+            allowed = ((bits.unsqueeze(-1) >> torch.arange(8)) & 1).flatten()[:vocab].bool()
+            logprobs = oracle.next_logprobs(tokens).masked_fill(~allowed, float("-inf"))
+            top = logprobs.log_softmax(-1).topk(2 * width)
+            for logprob, token in zip(top.values.tolist(), top.indices.tolist()):
+                if logprob == float("-inf"):
+                    continue
+                if token == EOS:
+                    completed.append((tokens + [token], cum + logprob))
+                    continue
+                child = matcher.deep_copy()
+                assert child.consume_token(token)
+                proposals.append((tokens + [token], cum + logprob, child))
+        live = sorted(proposals, key=score, reverse=True)[:width]
+    beams = completed + [(tokens, cum) for tokens, cum, _ in live]
+    return sorted(beams, key=score, reverse=True)[:width]
+
+
+@pytest.mark.parametrize("kind", ["json", "choice"])
+def test_beam_search_holds_every_beam_to_the_grammar(model, kind):
+    """Beam search with a grammar: the engine's beams (forked, sharing blocks, each
+    with its own matcher) are those of the reference above, and every finished beam's
+    text is in the grammar (jsonschema; the choice list)."""
+    path, oracle = model
+    choices = ["red", "green", "blue", "cyan"]
+    spec = structured(json=SCHEMAS["defs"]) if kind == "json" else structured(choice=choices)
+    llm = make_llm(path, block_size=8)
+    params = BeamSearchParams(beam_width=3, max_tokens=30, structured_outputs=spec)
+    prompts = PROMPTS[:2]
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    finished = 0
+    for prompt, out in zip(prompts, outputs):
+        expected = constrained_reference_beam_search(oracle, prompt, params, spec)
+        assert [s.tokens for s in out.sequences] == [t for t, _ in expected]
+        for seq, (_, cum) in zip(out.sequences, expected):
+            assert seq.cum_logprob == pytest.approx(cum, abs=1e-3)
+            if seq.tokens[-1] == EOS:
+                finished += 1
+                if kind == "json":
+                    jsonschema.validate(json.loads(seq.text), SCHEMAS["defs"])
+                else:
+                    assert seq.text in choices
+    if kind == "choice":
+        assert finished == 3 * len(prompts)
+    assert_all_blocks_free(llm)
+
+
+def test_beam_search_checks_its_structured_outputs():
+    with pytest.raises(ValueError, match="structured_outputs"):
+        BeamSearchParams(structured_outputs={"regex": "a", "whitespace_pattern": " "})
+    with pytest.raises(ValueError, match="structured_outputs.regex"):
+        BeamSearchParams(structured_outputs={"regex": "a(b"})
 
 
 def test_a_dead_end_finishes_the_request_saying_why(llm):

@@ -365,6 +365,7 @@ class LLMEngine:
             self.structured_output.apply(sampling, logits, plain)  # grammars' masks
             samples.tokens = self.parallel_sampling.sample(sampling, logits, plain)
         if beams:
+            self.structured_output.apply(sampling, logits, beams)
             samples.extend(self.beam_search.rank(sampling, logits, beams))
         return samples
 
