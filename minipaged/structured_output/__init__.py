@@ -11,7 +11,8 @@ each appended token to its sequence's matcher (`GuidanceGrammar.accept_token`, f
 `Scheduler.check_stop`): the matcher's state is a function of the sequence's tokens
 alone, so it survives preemption (recompute and swap keep the tokens), prefix caching
 and chunked prefill (which only change how the prompt's KV is computed), and a fork for
-``n`` > 1 copies it (`Sequence.fork`).
+``n`` > 1 or a beam kept twice copies it (`Sequence.fork`); beam search masks each
+beam's row before ranking its candidates.
 
 With speculative decoding (vLLM's way), a draft's guesses are cut to the longest
 prefix the grammar allows when proposed (`GuidanceGrammar.validate_tokens`, from
