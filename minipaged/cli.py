@@ -53,6 +53,7 @@ BENCHES = (
     "mla",
     "embed",
     "structured",
+    "structured_acceptance",
 )
 
 

@@ -260,18 +260,24 @@ class BeamSearchParams:
         max_tokens: the most new tokens per sequence.
         length_penalty: the exponent of the length normalisation above.
         ignore_eos: keep extending beams after the end-of-sequence token.
+        structured_outputs: hold every beam to a grammar, as `SamplingParams`' field
+            does (a minipaged extension: vLLM's beam search takes none): each beam's
+            candidates are the tokens its own matcher allows, ranked by logprobs
+            renormalised over them.
     """
 
     beam_width: int = 4
     max_tokens: int = 16
     length_penalty: float = 1.0
     ignore_eos: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, low=1)
         _check_int("max_tokens", self.max_tokens, low=1)
         _check_float("length_penalty", self.length_penalty, "a finite number")
         _check_bool("ignore_eos", self.ignore_eos)
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
 
 
 def _structured_outputs(value: Any) -> StructuredOutputsParams | None:

@@ -22,7 +22,7 @@ import llguidance  # noqa: E402
 import llguidance.hf  # noqa: E402
 
 from engine_helpers import EOS, assert_all_blocks_free, make_llm, random_prompt  # noqa: E402
-from minipaged import SamplingParams, StructuredOutputsParams  # noqa: E402
+from minipaged import BeamSearchParams, SamplingParams, StructuredOutputsParams  # noqa: E402
 from minipaged.core.memory.block_table import blocks_for  # noqa: E402
 
 SCHEMAS = {
@@ -300,14 +300,113 @@ def test_refused_combinations():
     assert params.structured_outputs == structured(choice=["x", "y"])
 
 
-def test_speculative_decoding_refuses_structured_outputs(llm):
-    processor = llm.engine.input_processor
-    processor.speculative = True
-    try:
-        with pytest.raises(ValueError, match="speculative_config"):
-            processor.check("r", [1, 2], SamplingParams(structured_outputs=structured(regex="a")))
-    finally:
-        processor.speculative = False
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_speculative_decoding_keeps_the_grammar_and_the_greedy_tokens(model, proposer):
+    """With speculation on, greedy structured tokens are still HF's under the same
+    grammar (the masked argmax), sampled ones validate, and no block is left.  The
+    n-gram proposer copies a valid record from the prompt (guesses the grammar allows,
+    some of which the masked target keeps); the target as its own draft guesses its
+    unmasked argmax (which the grammar mostly cuts).  Oracle: HF + llguidance."""
+    path, oracle = model
+    schema = SCHEMAS["nested"]
+    spec = structured(json=schema)
+    record = oracle.tokenizer.encode('{"name": "abc", "inner": {"ok": true}}')
+    prompts = [record * 2 + random_prompt(2, seed=7), *PROMPTS[:2]]
+    config = (
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+        if proposer == "ngram"
+        else {"model": str(path), "num_speculative_tokens": 3}
+    )
+    llm = make_llm(path, block_size=8, speculative_config=config)
+    max_tokens = 40
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=spec)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == constrained_hf_greedy(oracle, prompt, spec, max_tokens)
+    stats = llm.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    if proposer == "ngram":
+        assert stats["spec_decode_num_accepted_tokens"] > 0
+    sampled = SamplingParams(
+        temperature=1.0, seed=2, n=2, max_tokens=MAX_TOKENS, structured_outputs=spec
+    )
+    for out in llm.generate([{"prompt_token_ids": p} for p in prompts], sampled, use_tqdm=False):
+        for completion in out.outputs:
+            assert completion.finish_reason == "stop"
+            jsonschema.validate(json.loads(completion.text), schema)
+    assert_all_blocks_free(llm)
+
+
+def constrained_reference_beam_search(oracle, prompt, params, spec):
+    """vLLM's beam search written the slow way (test_beam_search.py's reference), each
+    beam with a fresh llguidance matcher of its own: its candidates are the top
+    ``2 * beam_width`` of HF's logprobs masked by it and renormalised.  ``[(tokens,
+    cum_logprob)]``, best first."""
+    vocab = oracle.hf.config.vocab_size
+    tokenizer = llguidance.hf.from_tokenizer(oracle.tokenizer, n_vocab=vocab, eos_token=EOS)
+
+    def score(beam):
+        tokens, cum = beam[0], beam[1]
+        return cum / (len(tokens) - (tokens[-1] == EOS)) ** params.length_penalty
+
+    width = params.beam_width
+    live = [(list(prompt), 0.0, llguidance.LLMatcher(tokenizer, spec.llguidance_grammar()))]
+    completed = []
+    for _ in range(params.max_tokens):
+        proposals = []
+        for tokens, cum, matcher in live:
+            bits = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
+            allowed = ((bits.unsqueeze(-1) >> torch.arange(8)) & 1).flatten()[:vocab].bool()
+            logprobs = oracle.next_logprobs(tokens).masked_fill(~allowed, float("-inf"))
+            top = logprobs.log_softmax(-1).topk(2 * width)
+            for logprob, token in zip(top.values.tolist(), top.indices.tolist()):
+                if logprob == float("-inf"):
+                    continue
+                if token == EOS:
+                    completed.append((tokens + [token], cum + logprob))
+                    continue
+                child = matcher.deep_copy()
+                assert child.consume_token(token)
+                proposals.append((tokens + [token], cum + logprob, child))
+        live = sorted(proposals, key=score, reverse=True)[:width]
+    beams = completed + [(tokens, cum) for tokens, cum, _ in live]
+    return sorted(beams, key=score, reverse=True)[:width]
+
+
+@pytest.mark.parametrize("kind", ["json", "choice"])
+def test_beam_search_holds_every_beam_to_the_grammar(model, kind):
+    """Beam search with a grammar: the engine's beams (forked, sharing blocks, each
+    with its own matcher) are those of the reference above, and every finished beam's
+    text is in the grammar (jsonschema; the choice list)."""
+    path, oracle = model
+    choices = ["red", "green", "blue", "cyan"]
+    spec = structured(json=SCHEMAS["defs"]) if kind == "json" else structured(choice=choices)
+    llm = make_llm(path, block_size=8)
+    params = BeamSearchParams(beam_width=3, max_tokens=30, structured_outputs=spec)
+    prompts = PROMPTS[:2]
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    finished = 0
+    for prompt, out in zip(prompts, outputs):
+        expected = constrained_reference_beam_search(oracle, prompt, params, spec)
+        assert [s.tokens for s in out.sequences] == [t for t, _ in expected]
+        for seq, (_, cum) in zip(out.sequences, expected):
+            assert seq.cum_logprob == pytest.approx(cum, abs=1e-3)
+            if seq.tokens[-1] == EOS:
+                finished += 1
+                if kind == "json":
+                    jsonschema.validate(json.loads(seq.text), SCHEMAS["defs"])
+                else:
+                    assert seq.text in choices
+    if kind == "choice":
+        assert finished == 3 * len(prompts)
+    assert_all_blocks_free(llm)
+
+
+def test_beam_search_checks_its_structured_outputs():
+    with pytest.raises(ValueError, match="structured_outputs"):
+        BeamSearchParams(structured_outputs={"regex": "a", "whitespace_pattern": " "})
+    with pytest.raises(ValueError, match="structured_outputs.regex"):
+        BeamSearchParams(structured_outputs={"regex": "a(b"})
 
 
 def test_a_dead_end_finishes_the_request_saying_why(llm):

@@ -234,6 +234,28 @@ def test_hermes_parser_on_hand_written_text():
     assert HermesToolParser().extract_tool_calls("plain") == ("plain", [])
 
 
+def test_hermes_parser_reads_smollm2s_list_of_calls():
+    """SmolLM2-1.7B-Instruct's tool template asks for one block holding a JSON list of
+    calls, ``[]`` when none fits; hand-written in that format."""
+    text = (
+        "<tool_call>[\n"
+        '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}},\n'
+        '{"name": "get_time", "arguments": {"zone": 2}}\n'
+        "]</tool_call>"
+    )
+    content, calls = HermesToolParser().extract_tool_calls(text)
+    assert content is None
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].arguments) == {"city": "Oslo", "unit": "c"}
+    assert json.loads(calls[1].arguments) == {"zone": 2}
+    assert HermesToolParser().extract_tool_calls("No tool fits.<tool_call>[]</tool_call>") == (
+        "No tool fits.",
+        [],
+    )
+    mixed = '<tool_call>[{"name": "get_time"}, 3]</tool_call>'  # not all calls: kept as text
+    assert HermesToolParser().extract_tool_calls(mixed) == (mixed, [])
+
+
 def test_the_serve_flags_are_checked_as_vllm_does():
     from minipaged.server.app import check_tool_flags
 

@@ -50,4 +50,6 @@ time per step, with the model stubbed), `common` (timing, a system's row, tables
   Face's batched forward, and how far apart their vectors are.
 * `structured` - structured outputs (a JSON schema held by llguidance) on against off:
   time per output token at batch 1 and 32, and the schema's compile time apart.
+* `structured_acceptance` - 50 JSON schemas sent to ``minipaged serve`` through the
+  official openai client and LangChain: how many answers parse and validate.
 """

@@ -327,36 +327,28 @@ def run(
 
 @contextlib.contextmanager
 def local_server(max_body_bytes: int = 2**20):
-    """``minipaged serve`` on the tiny demo checkpoint, on a free loopback port, with a
-    small body cap; yields its base URL and stops it (SIGINT) after.  Its log is kept
-    in a temporary file, named if it fails to start."""
+    """``minipaged serve`` on the tiny demo checkpoint with a small body cap
+    (`serve_process`)."""
     from minipaged.models.tiny import cached_checkpoint
 
+    flags = ["--device", "cpu", "--max-model-len", "128", "--swap-space", "0.01"]
+    flags += ["--max-request-bytes", str(max_body_bytes), "--read-timeout", "2"]
+    with serve_process(cached_checkpoint("tiny-llama"), flags) as base_url:
+        yield base_url
+
+
+@contextlib.contextmanager
+def serve_process(model, flags: list[str]):
+    """``minipaged serve model *flags`` on a free loopback port; yields its base URL and
+    stops it (SIGINT) after.  Its log is kept in a temporary file, named if it fails to
+    start."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    log = Path(tempfile.mkdtemp(prefix="minipaged-chaos-")) / "serve.log"
+    log = Path(tempfile.mkdtemp(prefix="minipaged-serve-")) / "serve.log"
     with log.open("w") as stderr:
         process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "minipaged",
-                "serve",
-                str(cached_checkpoint("tiny-llama")),
-                "--port",
-                str(port),
-                "--device",
-                "cpu",
-                "--max-model-len",
-                "128",
-                "--swap-space",
-                "0.01",
-                "--max-request-bytes",
-                str(max_body_bytes),
-                "--read-timeout",
-                "2",
-            ],
+            [sys.executable, "-m", "minipaged", "serve", str(model), "--port", str(port), *flags],
             stdout=subprocess.DEVNULL,
             stderr=stderr,
         )

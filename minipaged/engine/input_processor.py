@@ -112,12 +112,6 @@ class InputProcessor:
                 "beam search cannot run with speculative_config (neither can it in vLLM); "
                 "start an LLM without speculative_config for it"
             )
-        if self.speculative and getattr(params, "structured_outputs", None) is not None:
-            raise ValueError(
-                "structured_outputs cannot run with speculative_config in minipaged (the "
-                "draft's guesses are not checked against the grammar); start an LLM "
-                "without speculative_config for it"
-            )
         if self.pipelined and getattr(params, "prompt_logprobs", None) is not None:
             raise ValueError(
                 "prompt_logprobs cannot run with pipeline_parallel_size > 1 in minipaged"

@@ -352,9 +352,10 @@ class LLMEngine:
         if any(s.spec_token_ids for s in sampling):
             rows = logit_rows(sampling)
             spec = [i for i, s in enumerate(sampling) if s.spec_token_ids]
-            samples.verified = self.speculator.verify(
-                [sampling[i] for i in spec], [logits[rows[i].start : rows[i].stop] for i in spec]
-            )
+            verifying = [sampling[i] for i in spec]
+            spec_logits = [logits[rows[i].start : rows[i].stop] for i in spec]
+            self.structured_output.apply_drafts(verifying, spec_logits)  # grammars' masks
+            samples.verified = self.speculator.verify(verifying, spec_logits)
             rest = [i for i, s in enumerate(sampling) if not s.spec_token_ids]
             sampling, logits = [sampling[i] for i in rest], logits[[rows[i][0] for i in rest]]
         plain, beams = [], []
@@ -364,6 +365,7 @@ class LLMEngine:
             self.structured_output.apply(sampling, logits, plain)  # grammars' masks
             samples.tokens = self.parallel_sampling.sample(sampling, logits, plain)
         if beams:
+            self.structured_output.apply(sampling, logits, beams)
             samples.extend(self.beam_search.rank(sampling, logits, beams))
         return samples
 

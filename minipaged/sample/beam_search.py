@@ -10,11 +10,14 @@ freed.  Extensions ending in EOS are set aside as finished candidates, and at
 `BeamSearch` is the sample phase for beam search requests, as `ParallelSampling` is for
 sampling: it only chooses (`StepSamples`); forking the beams kept more than once,
 freeing the others, the length limit and the output are the update phase's
-(`OutputProcessor.update_from_output`).
+(`OutputProcessor.update_from_output`).  With structured outputs each beam's logits are
+masked by its own grammar first (a fork copies its parent's matcher), so its candidates
+are the tokens the grammar allows.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
@@ -53,8 +56,10 @@ class BeamSearch:
         for j, i in enumerate(rows):
             k = 2 * sampling[i].group.params.beam_width
             # Kept on the beam until it grows: after a recompute, beams may finish their
-            # prompts in different steps.
-            sampling[i].seq.beam_candidates = list(zip(ids[j][:k], logprobs[j][:k]))
+            # prompts in different steps.  A token its grammar masked is no candidate.
+            sampling[i].seq.beam_candidates = [
+                (t, lp) for t, lp in zip(ids[j][:k], logprobs[j][:k]) if lp > -math.inf
+            ]
         out = StepSamples()
         for group in dict.fromkeys(sampling[i].group for i in rows):
             if all(b.beam_candidates is not None for b in group.unfinished_seqs):

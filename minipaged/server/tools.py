@@ -2,8 +2,10 @@
 and its ``tool_choice`` handling in ``serving_chat.py``).
 
 The tools reach the model through its chat template (``apply_chat_template(...,
-tools=...)``), which tells it how to call one: Hermes-style templates (Qwen2.5, Hermes,
-SmolLM2's own fine-tunes) ask for ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``.
+tools=...)``), which tells it how to call one: Hermes-style templates (Qwen2.5, Hermes)
+ask for ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, SmolLM2-1.7B-Instruct's
+for a JSON list of such calls in one ``<tool_call>`` block (SmolLM2-135M-Instruct's own
+template renders no tools: with it only ``required`` and named choices make calls).
 What the model writes back becomes ``tool_calls`` in one of two ways, as in vLLM:
 
 - ``tool_choice="auto"`` (needs ``--enable-auto-tool-choice --tool-call-parser hermes``):
@@ -47,36 +49,47 @@ class ToolCall:
 
 class HermesToolParser:
     """Calls written as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-    (vLLM's ``Hermes2ProToolParser``).  Text outside the tags is the message's content;
-    a block that is not JSON with a ``name`` stays in the content, as written."""
+    (vLLM's ``Hermes2ProToolParser``), or, SmolLM2's way (the tool-calling template of
+    SmolLM2-1.7B-Instruct), as one block holding a JSON list of such calls:
+    ``<tool_call>[{...}, {...}]</tool_call>`` (``[]``: no call).  Text outside the tags
+    is the message's content; a block that is not JSON calls (each with a ``name``)
+    stays in the content, as written."""
 
     _block = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
     def extract_tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a complete completion."""
-        calls, kept = [], []
+        calls, kept, parsed = [], [], False
         for match in self._block.finditer(text):
-            call = self._parse(match.group(1))
-            if call is None:
+            block_calls = self._parse(match.group(1))
+            if block_calls is None:
                 kept.append(match.group(0))
             else:
-                calls.append(call)
-        if not calls:
+                parsed = True  # (SmolLM2 writes ``[]`` when no tool fits)
+                calls.extend(block_calls)
+        if not parsed:
             return text, []
         content = self._block.sub("", text)
         content = (content + "".join(kept)).strip()
         return content or None, calls
 
     @staticmethod
-    def _parse(block: str) -> ToolCall | None:
+    def _parse(block: str) -> list[ToolCall] | None:
+        """The calls of one block: a call object, or a list of them."""
         try:
             value = json.loads(block.strip())
         except json.JSONDecodeError:
             return None
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        values = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, dict) and isinstance(v.get("name"), str) for v in values):
             return None
-        arguments = value.get("arguments", value.get("parameters", {}))
-        return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+        return [
+            ToolCall(
+                v["name"],
+                json.dumps(v.get("arguments", v.get("parameters", {})), ensure_ascii=False),
+            )
+            for v in values
+        ]
 
 
 def check_tools(tools: list | None, tool_choice) -> None:

@@ -26,6 +26,8 @@ The target's distribution at each position is the sampler's (`processed_logits`,
 included; logprobs are the target's raw logits', as `sample` reports them.  A greedy
 request keeps exactly the guesses equal to the target's argmax: the same tokens as
 without a draft.  Beam search is not combined with speculation (vLLM does not either).
+A structured output's guesses are cut to what its grammar allows, and its target rows
+masked by the grammar (`minipaged.structured_output`): the argmax is the masked one.
 
 The rest of the engine is unchanged by a step that verifies: a LoRA request's guesses
 run under its adapter in the target (the draft guesses without one, which only costs
@@ -141,6 +143,8 @@ class Speculator:
                     ks.append(k)
         if seqs:
             for seq, guesses in zip(seqs, self.proposer.propose_batch(seqs, ks)):
+                if seq.grammar is not None:  # structured: only what its grammar allows
+                    guesses = guesses[: seq.grammar.validate_tokens(guesses)]
                 seq.spec_token_ids = guesses
 
     def release(self, groups: list[SequenceGroup]) -> None:

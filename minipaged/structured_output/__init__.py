@@ -11,7 +11,15 @@ each appended token to its sequence's matcher (`GuidanceGrammar.accept_token`, f
 `Scheduler.check_stop`): the matcher's state is a function of the sequence's tokens
 alone, so it survives preemption (recompute and swap keep the tokens), prefix caching
 and chunked prefill (which only change how the prompt's KV is computed), and a fork for
-``n`` > 1 copies it (`Sequence.fork`).
+``n`` > 1 or a beam kept twice copies it (`Sequence.fork`); beam search masks each
+beam's row before ranking its candidates.
+
+With speculative decoding (vLLM's way), a draft's guesses are cut to the longest
+prefix the grammar allows when proposed (`GuidanceGrammar.validate_tokens`, from
+`Speculator.propose`), and each of the ``1 + k`` rows a verifying step scores is masked
+by the grammar advanced through the guesses before it, then rolled back
+(`StructuredOutputManager.apply_drafts`): the update phase advances the matcher by the
+tokens kept, one at a time, as without a draft.
 
 The grammar engine is llguidance (vLLM's ``guidance`` backend): `backend_guidance`.
 """
@@ -115,3 +123,17 @@ class StructuredOutputManager:
             return
         bitmask = self.grammar_bitmask([sampling[i].seq.grammar for i in structured])
         apply_grammar_bitmask(logits, bitmask, structured)
+
+    def apply_drafts(self, verifying: list[ScheduledSeq], logits: list[torch.Tensor]) -> None:
+        """Mask, in place, the ``1 + k`` rows of ``logits[i]`` at which
+        ``verifying[i]``'s guesses are checked, if it is structured: row ``j`` to what
+        its grammar allows after its tokens and the first ``j`` guesses.  Rejection
+        sampling then keeps a guess only where the masked target would (a greedy one:
+        the masked argmax), so the tokens are those of decoding without a draft."""
+        for s, rows in zip(verifying, logits):
+            if s.seq.grammar is None:
+                continue
+            bitmask = self.backend.allocate_token_bitmask(len(s.spec_token_ids) + 1)
+            s.seq.grammar.fill_draft_bitmask(s.spec_token_ids, bitmask)
+            bitmask[(bitmask == 0).all(dim=1)] = -1  # a dead end: see `grammar_bitmask`
+            apply_grammar_bitmask(rows, bitmask, list(range(len(rows))))

@@ -57,6 +57,24 @@ class GuidanceGrammar:
         allow it (or it is at one already: a matcher in error accepts nothing more)."""
         return self.matcher.consume_token(token_id) and not self.matcher.is_error()
 
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids``, from the first, the grammar allows in a row (a
+        draft's guesses: the rest are cut); the matcher does not move."""
+        return self.matcher.validate_tokens(token_ids)
+
+    def fill_draft_bitmask(self, draft: list[int], bitmask: torch.Tensor) -> None:
+        """Row ``i`` of ``bitmask`` (``len(draft) + 1`` rows): the tokens allowed after
+        the first ``i`` of ``draft``, a verifying step's masks (vLLM's
+        ``StructuredOutputManager.grammar_bitmask`` with speculative tokens).  The
+        matcher advances through ``draft`` (which `validate_tokens` has cut to what it
+        allows) and is rolled back: the update phase advances it by the tokens kept."""
+        for i, token_id in enumerate(draft):
+            llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, i)
+            if not self.matcher.consume_token(token_id):
+                raise RuntimeError(f"draft token {token_id} was not validated against its grammar")
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, len(draft))
+        self.matcher.rollback(len(draft))
+
     def is_terminated(self) -> bool:
         """The grammar is complete: only an end-of-sequence token may follow."""
         return self.matcher.is_stopped()

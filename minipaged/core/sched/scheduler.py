@@ -318,15 +318,15 @@ class Scheduler:
         request only has the
         last two (its EOS extensions were set aside when ranked)."""
         params, token = group.params, seq.token_ids[-1]
-        if group.is_beam_search:
-            if self._at_length(params, seq):  # the beam joins the finished candidates
-                group.completed_beams.append((list(seq.token_ids), seq.cumulative_logprob))
-                self._finish_seq(group, seq, "length", None)
-            return
         grammar = seq.grammar
         if grammar is not None and not grammar.accept_token(token):
             # Only a grammar with no allowed token left lets the sampler draw this.
             self._finish_seq(group, seq, "abort", f"structured output dead end: {grammar.error}")
+            return
+        if group.is_beam_search:
+            if self._at_length(params, seq):  # the beam joins the finished candidates
+                group.completed_beams.append((list(seq.token_ids), seq.cumulative_logprob))
+                self._finish_seq(group, seq, "length", None)
             return
         # A complete grammar allows only EOS next: it ends the completion even with
         # ignore_eos, which could only repeat it.

@@ -1,0 +1,66 @@
+"""``minipaged bench structured-acceptance`` on a handful of its 50 schemas: each answer
+through the official openai client (``response_format``) and LangChain
+(``with_structured_output``, ``bind_tools`` with a named ``tool_choice``) parses and
+validates (oracle: ``jsonschema``, applied here again to the answers the results file
+records).  The full run on SmolLM2 is committed under benchmarks/results/cpu/.
+"""
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")  # the server extra
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("openai")
+pytest.importorskip("langchain_openai")
+pytest.importorskip("llguidance")
+
+from cli_helpers import run_main  # noqa: E402
+from minipaged.bench.structured_acceptance import (  # noqa: E402
+    CLIENTS,
+    load_schemas,
+    validation_error,
+)
+from server_helpers import MODEL, in_process_app  # noqa: E402
+
+# Nested objects, an array of objects, an enum, optional fields, $defs: a field each.
+NAMES = ["person", "book", "color", "todo_list", "user_refs"]  # in the file's order
+FEATURES = {"nested", "array", "enum", "numbers", "optional", "$defs"}
+
+
+def test_the_set_is_50_valid_schemas_covering_each_feature():
+    entries = load_schemas()
+    assert len(entries) == 50 and len({e["name"] for e in entries}) == 50
+    for entry in entries:
+        jsonschema.validators.validator_for(entry["schema"]).check_schema(entry["schema"])
+    for feature in FEATURES:
+        assert sum(feature in e["features"] for e in entries) >= 5, feature
+    assert any("$defs" in e["schema"] for e in entries)
+    with pytest.raises(ValueError, match="names"):
+        load_schemas(["nosuchschema"])
+
+
+def test_validation_error_catches_a_wrong_answer():
+    (person,) = load_schemas(["person"])
+    assert validation_error({"name": "Ada", "age": 36}, person["schema"]) is None
+    assert validation_error({"name": "Ada", "age": 200}, person["schema"]) is not None
+    assert validation_error({"name": "Ada"}, person["schema"]) is not None
+    assert validation_error(None, person["schema"]) is not None
+
+
+def test_a_few_schemas_through_openai_and_langchain_all_validate(tiny, tmp_path):
+    path, _ = tiny("llama")
+    out = tmp_path / "acceptance.json"
+    for url, _, _ in in_process_app(path, engine_kwargs=dict(max_model_len=1024)):
+        argv = ["bench", "structured-acceptance", "--base-url", url, "--model", MODEL]
+        argv += ["--schemas", *NAMES, "--max-tokens", "300", "--json", str(out)]
+        assert run_main(argv) == 0
+    results = json.loads(out.read_text())
+    schemas = {e["name"]: e["schema"] for e in load_schemas(NAMES)}
+    assert [r["name"] for r in results["results"]] == NAMES
+    for row in results["results"]:
+        for client in CLIENTS:
+            assert row[f"{client}_valid"], (row["name"], client, row[f"{client}_problem"])
+            jsonschema.validate(row[f"{client}_answer"], schemas[row["name"]])
+    assert all(results[f"{c}_valid"] == len(NAMES) for c in CLIENTS)
+    assert out.with_suffix(".png").stat().st_size > 0
