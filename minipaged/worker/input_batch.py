@@ -215,16 +215,19 @@ class InputBatch:
         if not cached.req_ids:
             return
         index = self.req_id_to_index
-        rows = np.fromiter((index[r] for r in cached.req_ids), np.int64, len(cached.req_ids))
+        rows = np.fromiter(map(index.__getitem__, cached.req_ids), np.int64, len(cached.req_ids))
         lens = np.fromiter(map(len, cached.new_token_ids), np.int64, len(rows))
         total = int(lens.sum())
         if total:
             flat = np.fromiter(itertools.chain.from_iterable(cached.new_token_ids), np.int32, total)
             starts = self.num_tokens[rows].astype(np.int64)
             self._ensure(len(self.req_ids), int((starts + lens).max()) + 1)
-            ends = np.cumsum(lens)
-            columns = np.repeat(starts - (ends - lens), lens) + np.arange(total)
-            self.token_ids_cpu[np.repeat(rows, lens), columns] = flat
+            if total == len(rows) and lens.min() == 1:  # one each: a decode step's
+                self.token_ids_cpu[rows, starts] = flat
+            else:
+                ends = np.cumsum(lens)
+                columns = np.repeat(starts - (ends - lens), lens) + np.arange(total)
+                self.token_ids_cpu[np.repeat(rows, lens), columns] = flat
             self.num_tokens[rows] = starts + lens
         self.num_computed_tokens[rows] = cached.num_computed_tokens
         kept = np.asarray(cached.num_kept_blocks)
@@ -247,8 +250,7 @@ class InputBatch:
         """The step's rows in batch order (prefills, then decodes; each by LoRA slot,
         stably from the scheduler's order), their token counts and their guesses."""
         ids = out.num_scheduled_tokens
-        index = self.req_id_to_index
-        rows = np.fromiter((index[r] for r in ids), np.int64, len(ids))
+        rows = np.fromiter(map(self.req_id_to_index.__getitem__, ids), np.int64, len(ids))
         counts = np.fromiter(ids.values(), np.int64, len(ids))
         guesses = np.zeros(len(ids), np.int64)
         if out.scheduled_spec_decode_tokens:

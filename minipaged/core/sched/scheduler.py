@@ -267,26 +267,29 @@ class Scheduler:
             self.free_seq(group, beam)
             group.seqs.remove(beam)
         # Every fork before any sequence grows: a child starts from its parent as it was.
-        seqs = [self._fork_sample(s) if s.fork else s.seq for s in samples.tokens]
-        traced = self.trace.enabled
-        for s, seq in zip(samples.tokens, seqs):
+        tokens = samples.tokens
+        seqs = [self._fork_sample(s) if s.fork else s.seq for s in tokens]
+        traced, check_stop = self.trace.enabled, self.check_stop
+        for s, seq in zip(tokens, seqs):
             if traced:
                 self.append_token(s.group, seq, s.token_id, s.logprob)
             else:
                 seq.append_token(s.token_id, s.logprob)
             if seq.logprobs is not None:
                 seq.logprobs.append(s.top_logprobs)
-            self.check_stop(s.group, seq)
-        groups = []
-        for group in dict.fromkeys([s.group for s in scheduler_output.seqs]):
-            if group.status is SequenceStatus.FINISHED:  # aborted
-                continue
+            check_stop(s.group, seq)
+        finished = SequenceStatus.FINISHED
+        groups = [  # those aborted left out
+            g
+            for g in dict.fromkeys([s.group for s in scheduler_output.seqs])
+            if g.status is not finished
+        ]
+        for group in groups:
             if group.embedding is not None and not group.is_finished:
                 # A pooling request is done once its prompt is: its blocks go back now.
                 self._finish_seq(group, group.seqs[0], "stop", None)
             if group.is_finished:
                 self.retire(group)
-            groups.append(group)
         return groups
 
     def _apply_verified(self, v: Verified) -> None:
