@@ -340,7 +340,11 @@ class Scheduler:
             # The stop token stays in the token ids but not in the text (vLLM).
             self._finish_seq(group, seq, "stop", None if eos else token)
             return
-        if self.check_stop_strings and (hit := self.check_stop_strings(group, seq)):
+        if (
+            group.detokenizes_early
+            and self.check_stop_strings
+            and (hit := self.check_stop_strings(group, seq))
+        ):
             self._finish_seq(group, seq, "stop", hit)
             return
         if self._at_length(params, seq):
@@ -615,7 +619,7 @@ class Scheduler:
                 self.num_computed_prompt_tokens += 1
             lora_slot = slot_of.get(group.lora_id, -1) if group.lora_request else -1
             positions = (
-                range(0)
+                NO_POSITIONS
                 if group.prompt_logprobs is None
                 else group.prompt_logprob_positions(start, 1)
             )
@@ -744,6 +748,9 @@ class Scheduler:
 
     def _tables(self, seq_ids: list[str]) -> dict[str, list[int]]:
         return {s: self.kv.block_table(s) for s in seq_ids}
+
+
+NO_POSITIONS = range(0)  # a sequence's positions scoring prompt tokens, most often
 
 
 def _plan(group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
