@@ -125,7 +125,8 @@ class StepInputs:
     attn: AttentionMetadata
     lora_slots: list[int]
     num_scheduled: list[int]
-    logit_index: torch.Tensor  # rows of the hidden states to project to logits
+    # Rows of the hidden states to project to logits (a slice of all, where all are).
+    logit_index: torch.Tensor | slice
     sampling_req_ids: list[str]  # their sequences, in order (one more row per guess)
 
 
@@ -308,12 +309,15 @@ class InputBatch:
         )
         # The rows to project: each sampling sequence's last token, after its guesses'.
         samples = starts + counts - guesses == self.num_tokens[rows]
-        if total == len(rows) and samples.all():  # every row samples its one token
-            logit_index = np.arange(total)
+        if total == len(rows) and samples.all():  # every row samples its one token: all
+            logit_index = slice(None)
         else:
             num_logit_rows = np.where(samples, 1 + guesses, 0)
             cum = np.cumsum(num_logit_rows)
-            logit_index = np.repeat(ends - cum, num_logit_rows) + np.arange(int(cum[-1]))
+            logit_index = self._device(
+                key + "logit_index",
+                np.repeat(ends - cum, num_logit_rows) + np.arange(int(cum[-1])),
+            )
         req_ids = self.req_ids
         return StepInputs(
             self._device(key + "input_ids", input_ids),
@@ -321,7 +325,7 @@ class InputBatch:
             attn,
             self.lora_slot[rows].tolist(),
             counts.tolist(),
-            self._device(key + "logit_index", logit_index),
+            logit_index,
             [req_ids[r] for r in rows[samples].tolist()],
         )
 
