@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minipaged.lora_request import LoRARequest
-from minipaged.sampling_params import BeamSearchParams, SamplingParams
+from minipaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -133,11 +133,19 @@ class SequenceGroup:
     num_pooled: int = 0
     embedding: list[float] | None = None
 
-    # Set once: every step asks it of every running request.
+    # Set once: every step asks them of every running request.  Whether it wants
+    # outputs before it finishes (``output_kind`` other than ``FINAL_ONLY``; beam search
+    # never does), and whether its text is needed before then: to stream, or to look
+    # for stop strings in (`OutputProcessor.check_stop_strings`).
     is_beam_search: bool = field(init=False)
+    streams: bool = field(init=False)
+    detokenizes_early: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.is_beam_search = isinstance(self.params, BeamSearchParams)
+        kind = getattr(self.params, "output_kind", RequestOutputKind.FINAL_ONLY)
+        self.streams = not self.is_beam_search and kind is not RequestOutputKind.FINAL_ONLY
+        self.detokenizes_early = self.streams or bool(getattr(self.params, "stop", None))
         if getattr(self.params, "prompt_logprobs", None) is not None:
             self.prompt_logprobs = [None]
 

@@ -349,7 +349,7 @@ class LLMEngine:
         verify the guesses it ran (with one more row each, `logit_rows`).  Changes no
         request (`Scheduler.update_from_output` applies the choice)."""
         samples = StepSamples()
-        if any(s.spec_token_ids for s in sampling):
+        if any([s.spec_token_ids for s in sampling]):
             rows = logit_rows(sampling)
             spec = [i for i, s in enumerate(sampling) if s.spec_token_ids]
             verifying = [sampling[i] for i in spec]
@@ -358,9 +358,12 @@ class LLMEngine:
             samples.verified = self.speculator.verify(verifying, spec_logits)
             rest = [i for i, s in enumerate(sampling) if not s.spec_token_ids]
             sampling, logits = [sampling[i] for i in rest], logits[[rows[i][0] for i in rest]]
-        plain, beams = [], []
-        for i, s in enumerate(sampling):
-            (beams if s.group.is_beam_search else plain).append(i)
+        beams = [i for i, s in enumerate(sampling) if s.group.is_beam_search]
+        plain = (
+            [i for i, s in enumerate(sampling) if not s.group.is_beam_search]
+            if beams
+            else list(range(len(sampling)))
+        )
         if plain:
             self.structured_output.apply(sampling, logits, plain)  # grammars' masks
             samples.tokens = self.parallel_sampling.sample(sampling, logits, plain)

@@ -36,9 +36,9 @@ class OutputProcessor:
     def check_stop_strings(self, group: SequenceGroup, seq: Sequence) -> str | None:
         """Decode ``seq``'s new token where its text is needed before the end (stop
         strings, streaming), and return the stop string it completed, if any."""
-        params = group.params
-        if not params.stop and params.output_kind is RequestOutputKind.FINAL_ONLY:
+        if not group.detokenizes_early:
             return None
+        params = group.params
         new_text = seq.detokenizer.update(seq.output_token_ids)
         seq.output_text += new_text
         # vLLM: no stop string counts before min_tokens (stop tokens are masked).
@@ -53,7 +53,7 @@ class OutputProcessor:
         for group in groups:
             if group.is_finished:
                 outputs.append(self._finish(group))
-            elif streams(group):
+            elif group.streams:
                 self._finish_texts(group)
                 if output := self.request_output(group):
                     outputs.append(output)
@@ -141,8 +141,3 @@ def stop_string(seq: Sequence, stops: list[str], num_new: int) -> str | None:
             seq.output_text = text[:index]
             return stop
     return None
-
-
-def streams(group: SequenceGroup) -> bool:
-    """Whether ``group`` wants outputs before it finishes (beam search never does)."""
-    return not group.is_beam_search and group.params.output_kind is not RequestOutputKind.FINAL_ONLY

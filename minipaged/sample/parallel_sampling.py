@@ -42,9 +42,9 @@ class ParallelSampling:
     ) -> list[Sample]:
         """One token per sequence of ``rows``; a prompt with ``n`` > 1 draws ``n``, the
         ``n - 1`` after its own for the forks it will become, from its one row of logits."""
-        scheduled = [sampling[i] for i in rows]
+        scheduled = sampling if len(rows) == len(sampling) else [sampling[i] for i in rows]
         params = [s.group.params for s in scheduled]
-        if all(p.n == 1 for p in params) or all(len(s.group.seqs) > 1 for s in scheduled):
+        if max([p.n for p in params]) == 1 or min([len(s.group.seqs) for s in scheduled]) > 1:
             return self._sample_unforked(scheduled, params, logits, rows)
         logit_rows, groups, seqs, generators, forks = [], [], [], [], []
         for i in rows:

@@ -94,6 +94,14 @@ class DeviceBlockTable:
             index = torch.tensor(src, device=self.device)
             self.gpu[torch.tensor(dst, device=self.device)] = self.gpu[index]
 
+    def gather(self, rows: np.ndarray, index: torch.Tensor, width: int) -> torch.Tensor:
+        """Rows ``rows`` of the table (``index``: the same ids on the device), ``width``
+        blocks wide.  On a CPU, numpy gathers from the host array at a third of torch's
+        cost."""
+        if self.device.type == "cpu":
+            return torch.from_numpy(self.cpu[rows, :width])
+        return self.gpu[index, :width]
+
     def commit(self) -> None:
         """The step's new block ids to the device: one copy of (row, column, id) triples,
         one scatter."""
@@ -117,7 +125,8 @@ class StepInputs:
     attn: AttentionMetadata
     lora_slots: list[int]
     num_scheduled: list[int]
-    logit_index: torch.Tensor  # rows of the hidden states to project to logits
+    # Rows of the hidden states to project to logits (a slice of all, where all are).
+    logit_index: torch.Tensor | slice
     sampling_req_ids: list[str]  # their sequences, in order (one more row per guess)
 
 
@@ -215,16 +224,19 @@ class InputBatch:
         if not cached.req_ids:
             return
         index = self.req_id_to_index
-        rows = np.fromiter((index[r] for r in cached.req_ids), np.int64, len(cached.req_ids))
+        rows = np.fromiter(map(index.__getitem__, cached.req_ids), np.int64, len(cached.req_ids))
         lens = np.fromiter(map(len, cached.new_token_ids), np.int64, len(rows))
         total = int(lens.sum())
         if total:
             flat = np.fromiter(itertools.chain.from_iterable(cached.new_token_ids), np.int32, total)
             starts = self.num_tokens[rows].astype(np.int64)
             self._ensure(len(self.req_ids), int((starts + lens).max()) + 1)
-            ends = np.cumsum(lens)
-            columns = np.repeat(starts - (ends - lens), lens) + np.arange(total)
-            self.token_ids_cpu[np.repeat(rows, lens), columns] = flat
+            if total == len(rows) and lens.min() == 1:  # one each: a decode step's
+                self.token_ids_cpu[rows, starts] = flat
+            else:
+                ends = np.cumsum(lens)
+                columns = np.repeat(starts - (ends - lens), lens) + np.arange(total)
+                self.token_ids_cpu[np.repeat(rows, lens), columns] = flat
             self.num_tokens[rows] = starts + lens
         self.num_computed_tokens[rows] = cached.num_computed_tokens
         kept = np.asarray(cached.num_kept_blocks)
@@ -247,8 +259,7 @@ class InputBatch:
         """The step's rows in batch order (prefills, then decodes; each by LoRA slot,
         stably from the scheduler's order), their token counts and their guesses."""
         ids = out.num_scheduled_tokens
-        index = self.req_id_to_index
-        rows = np.fromiter((index[r] for r in ids), np.int64, len(ids))
+        rows = np.fromiter(map(self.req_id_to_index.__getitem__, ids), np.int64, len(ids))
         counts = np.fromiter(ids.values(), np.int64, len(ids))
         guesses = np.zeros(len(ids), np.int64)
         if out.scheduled_spec_decode_tokens:
@@ -282,28 +293,31 @@ class InputBatch:
         np.cumsum(counts[:split], out=query_start_loc[1:])
         row_index = self._device(key + "rows", rows)
         num_blocks = self.block_table.num_blocks[rows]
-        table = self.block_table.gpu
+        table = self.block_table
         prefill_width = int(num_blocks[:split].max()) if split else 1
         decode_width = int(num_blocks[split:].max()) if split < len(rows) else 1
         attn = AttentionMetadata(
             slot_mapping=self._device(key + "slots", slots),
             num_prefill_tokens=int(ends[split - 1]) if split else 0,
-            prefill_block_tables=table[row_index[:split], :prefill_width],
+            prefill_block_tables=table.gather(rows[:split], row_index[:split], prefill_width),
             prefill_query_start_loc=self._device(key + "query_start_loc", query_start_loc),
             prefill_context_lens=self._device(key + "prefill_context_lens", context_lens[:split]),
             max_prefill_query_len=int(counts[:split].max()) if split else 0,
-            decode_block_tables=table[row_index[split:], :decode_width],
+            decode_block_tables=table.gather(rows[split:], row_index[split:], decode_width),
             decode_context_lens=self._device(key + "decode_context_lens", context_lens[split:]),
             max_decode_context_len=int(context_lens[split:].max()) if split < len(rows) else 0,
         )
         # The rows to project: each sampling sequence's last token, after its guesses'.
         samples = starts + counts - guesses == self.num_tokens[rows]
-        if total == len(rows) and samples.all():  # every row samples its one token
-            logit_index = np.arange(total)
+        if total == len(rows) and samples.all():  # every row samples its one token: all
+            logit_index = slice(None)
         else:
             num_logit_rows = np.where(samples, 1 + guesses, 0)
             cum = np.cumsum(num_logit_rows)
-            logit_index = np.repeat(ends - cum, num_logit_rows) + np.arange(int(cum[-1]))
+            logit_index = self._device(
+                key + "logit_index",
+                np.repeat(ends - cum, num_logit_rows) + np.arange(int(cum[-1])),
+            )
         req_ids = self.req_ids
         return StepInputs(
             self._device(key + "input_ids", input_ids),
@@ -311,7 +325,7 @@ class InputBatch:
             attn,
             self.lora_slot[rows].tolist(),
             counts.tolist(),
-            self._device(key + "logit_index", logit_index),
+            logit_index,
             [req_ids[r] for r in rows[samples].tolist()],
         )
 

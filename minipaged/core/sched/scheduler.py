@@ -267,26 +267,29 @@ class Scheduler:
             self.free_seq(group, beam)
             group.seqs.remove(beam)
         # Every fork before any sequence grows: a child starts from its parent as it was.
-        seqs = [self._fork_sample(s) if s.fork else s.seq for s in samples.tokens]
-        traced = self.trace.enabled
-        for s, seq in zip(samples.tokens, seqs):
+        tokens = samples.tokens
+        seqs = [self._fork_sample(s) if s.fork else s.seq for s in tokens]
+        traced, check_stop = self.trace.enabled, self.check_stop
+        for s, seq in zip(tokens, seqs):
             if traced:
                 self.append_token(s.group, seq, s.token_id, s.logprob)
             else:
                 seq.append_token(s.token_id, s.logprob)
             if seq.logprobs is not None:
                 seq.logprobs.append(s.top_logprobs)
-            self.check_stop(s.group, seq)
-        groups = []
-        for group in dict.fromkeys([s.group for s in scheduler_output.seqs]):
-            if group.status is SequenceStatus.FINISHED:  # aborted
-                continue
+            check_stop(s.group, seq)
+        finished = SequenceStatus.FINISHED
+        groups = [  # those aborted left out
+            g
+            for g in dict.fromkeys([s.group for s in scheduler_output.seqs])
+            if g.status is not finished
+        ]
+        for group in groups:
             if group.embedding is not None and not group.is_finished:
                 # A pooling request is done once its prompt is: its blocks go back now.
                 self._finish_seq(group, group.seqs[0], "stop", None)
             if group.is_finished:
                 self.retire(group)
-            groups.append(group)
         return groups
 
     def _apply_verified(self, v: Verified) -> None:
@@ -337,7 +340,11 @@ class Scheduler:
             # The stop token stays in the token ids but not in the text (vLLM).
             self._finish_seq(group, seq, "stop", None if eos else token)
             return
-        if self.check_stop_strings and (hit := self.check_stop_strings(group, seq)):
+        if (
+            group.detokenizes_early
+            and self.check_stop_strings
+            and (hit := self.check_stop_strings(group, seq))
+        ):
             self._finish_seq(group, seq, "stop", hit)
             return
         if self._at_length(params, seq):
@@ -381,6 +388,12 @@ class Scheduler:
         queue, self.running = self.running, []
         roomy = self._roomy(queue, budget)
         i, running = 0, self.running
+        # The decodes in a row, run in one `_decode` call, in order, before anything
+        # else allocates.  Each takes at most one block, so while fewer are pending than
+        # the blocks free (``spare``) when the last ran, the next fits too; past that,
+        # they run, and the next one's check sees what they took.
+        decodes: list[tuple[SequenceGroup, Sequence]] = []
+        spare = self.kv.num_free_gpu_blocks
         while i < len(queue) and budget > 0:
             group = queue[i]
             seqs = group.seqs
@@ -390,14 +403,22 @@ class Scheduler:
                     seq.num_computed_tokens == len(seq.token_ids) - 1
                     and seq.finish_reason is None
                     and not seq.spec_token_ids
-                    # What _plan and _fits would find for it, without building the plan.
-                    and (roomy or self.kv.can_append_slot(seq.seq_id))
                 ):
-                    self._decode(group, seq, out)
-                    budget -= 1
-                    running.append(group)
-                    i += 1
-                    continue
+                    # What _plan and _fits would find for it, without building the plan.
+                    fits = roomy or len(decodes) < spare
+                    if not fits:
+                        self._decode(decodes, out)
+                        decodes, spare = [], self.kv.num_free_gpu_blocks
+                        fits = self.kv.can_append_slot(seq.seq_id)
+                    if fits:
+                        decodes.append((group, seq))
+                        budget -= 1
+                        running.append(group)
+                        i += 1
+                        continue
+            if decodes:
+                self._decode(decodes, out)
+                decodes = []
             plan = _plan(group, budget)
             while not roomy and not self._fits(plan):
                 victim = queue.pop()  # the most recent arrival goes first
@@ -408,6 +429,9 @@ class Scheduler:
                 budget -= self._append(group, plan, out)
                 self.running.append(group)
                 i += 1
+            spare = self.kv.num_free_gpu_blocks
+        if decodes:
+            self._decode(decodes, out)
         # Requests the token budget did not reach keep their place, and their blocks.
         self.running.extend(queue[i:])
         return budget
@@ -466,7 +490,7 @@ class Scheduler:
         for seq, n in plan:
             start = seq.num_computed_tokens
             if n == 1 and start == len(seq.token_ids) - 1 and not seq.spec_token_ids:
-                self._decode(group, seq, out)
+                self._decode([(group, seq)], out)
                 used += 1
                 continue
             # Past the sequence's own tokens: a draft's guesses, in lookahead slots.
@@ -563,50 +587,59 @@ class Scheduler:
         if positions:
             out.prompt_logprob_positions[seq.seq_id] = positions
 
-    def _decode(self, group: SequenceGroup, seq: Sequence, out: SchedulerOutput) -> None:
-        """`_run` for a decode, the step's common case, flattened: one token, its slot,
+    def _decode(self, decodes: list[tuple[SequenceGroup, Sequence]], out: SchedulerOutput) -> None:
+        """`_run` for decodes, the step's common case, flattened and batched (every
+        running sequence takes one each step): per ``(group, seq)``, one token, its slot,
         and the diff of a sequence the runner most likely holds."""
-        seq_id, tokens = seq.seq_id, seq.token_ids
-        start = len(tokens) - 1
-        slot, copies, blocks, num_kept = self.kv.append_slot(seq_id, tokens[start])
-        if copies:
-            for src, dst in copies:
-                out.copies.append((src, dst))
-                self.trace.record("cow", group.request_id, seq_id, src=src, dst=dst)
-        if self.trace.enabled:
-            self.trace.record(
-                "append",
-                group.request_id,
-                seq_id,
-                num_tokens=1,
-                num_lookahead=0,
-                blocks=list(blocks),
+        append_slot, held_of, traced = self.kv.append_slot, self._held.get, self.trace.enabled
+        slot_of, add_seq = self.lora_slots.slot_of, out.seqs.append
+        cached, num_scheduled = out.scheduled_cached_reqs, out.num_scheduled_tokens
+        add_id, add_tokens = cached.req_ids.append, cached.new_token_ids.append
+        add_kept, add_blocks = cached.num_kept_blocks.append, cached.new_block_ids.append
+        add_computed = cached.num_computed_tokens.append
+        for group, seq in decodes:
+            seq_id, tokens = seq.seq_id, seq.token_ids
+            start = len(tokens) - 1
+            slot, copies, blocks, num_kept = append_slot(seq_id, tokens[start])
+            if copies:
+                for src, dst in copies:
+                    out.copies.append((src, dst))
+                    self.trace.record("cow", group.request_id, seq_id, src=src, dst=dst)
+            if traced:
+                self.trace.record(
+                    "append",
+                    group.request_id,
+                    seq_id,
+                    num_tokens=1,
+                    num_lookahead=0,
+                    blocks=list(blocks),
+                )
+            seq.num_computed_tokens = start + 1
+            if start < seq.prompt_len:  # a prompt's last chunk of one token
+                self.num_computed_prompt_tokens += 1
+            lora_slot = slot_of.get(group.lora_id, -1) if group.lora_request else -1
+            positions = (
+                NO_POSITIONS
+                if group.prompt_logprobs is None
+                else group.prompt_logprob_positions(start, 1)
             )
-        seq.num_computed_tokens = start + 1
-        if start < seq.prompt_len:  # a prompt's last chunk of one token
-            self.num_computed_prompt_tokens += 1
-        lora_slot = self.lora_slots.slot_of.get(group.lora_id, -1) if group.lora_request else -1
-        positions = (
-            range(0) if group.prompt_logprobs is None else group.prompt_logprob_positions(start, 1)
-        )
-        out.seqs.append(
-            ScheduledSeq(seq, group, start, 1, blocks, [slot], True, lora_slot, positions, [])
-        )
-        held = self._held.get(seq_id)
-        if held is None:
-            self._send(seq, start, 1, blocks, out, num_kept, lora_slot)
-        else:
-            kept = held[1] if held[1] < num_kept else num_kept
-            cached = out.scheduled_cached_reqs
-            cached.req_ids.append(seq_id)
-            cached.new_token_ids.append(tokens[held[0] :])
-            cached.num_kept_blocks.append(kept)
-            cached.new_block_ids.append(blocks[kept:])
-            cached.num_computed_tokens.append(start)
-            held[0], held[1] = start + 1, len(blocks)
-            out.num_scheduled_tokens[seq_id] = 1
-        if positions:
-            out.prompt_logprob_positions[seq_id] = positions
+            add_seq(
+                ScheduledSeq(seq, group, start, 1, blocks, [slot], True, lora_slot, positions, [])
+            )
+            held = held_of(seq_id)
+            if held is None:
+                self._send(seq, start, 1, blocks, out, num_kept, lora_slot)
+            else:
+                kept = held[1] if held[1] < num_kept else num_kept
+                add_id(seq_id)
+                add_tokens(tokens[held[0] :])
+                add_kept(kept)
+                add_blocks(blocks[kept:])
+                add_computed(start)
+                held[0], held[1] = start + 1, len(blocks)
+                num_scheduled[seq_id] = 1
+            if positions:
+                out.prompt_logprob_positions[seq_id] = positions
 
     def _send(self, seq, start, n, blocks, out, num_kept_blocks, lora_slot) -> None:
         """The runner's diff for ``seq``: whole if the runner does not hold it, else the
@@ -673,7 +706,7 @@ class Scheduler:
     def _roomy(self, queue: list[SequenceGroup], budget: int) -> bool:
         """Can every running sequence take its next tokens, whatever they are?  True on
         most steps, which then skip checking request by request."""
-        return self.kv.can_append_any(sum(len(group.seqs) for group in queue), budget)
+        return self.kv.can_append_any(sum([len(group.seqs) for group in queue]), budget)
 
     def _fits(self, plan: list[tuple[Sequence, int]]) -> bool:
         """Can the GPU pool take every sequence's next tokens?"""
@@ -715,6 +748,9 @@ class Scheduler:
 
     def _tables(self, seq_ids: list[str]) -> dict[str, list[int]]:
         return {s: self.kv.block_table(s) for s in seq_ids}
+
+
+NO_POSITIONS = range(0)  # a sequence's positions scoring prompt tokens, most often
 
 
 def _plan(group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
