@@ -82,7 +82,7 @@ pytest: $(STAMP) ## unit and property tests, the real-weights tests, every lesso
 	@$(VENV)/bin/minipaged download smollm2 || \
 		echo "*** SmolLM2 could not be fetched: the tests on real weights will skip"
 	$(PY) -m pytest -q -m "not site and not serial" -n $(PYTEST_WORKERS) --dist loadgroup \
-		--max-worker-restart=0 tests --doctest-modules minipaged/core/memory
+		--max-worker-restart=0 --durations=25 tests --doctest-modules minipaged/core/memory
 	$(PY) -m pytest -q -m "serial and not site" tests
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --nbmake lessons --nbmake-timeout=300 \
 		-n $(PYTEST_WORKERS) --dist worksteal
