@@ -46,35 +46,33 @@ def profile_steps(
     ids = [f"profile-{i}" for i in range(len(prompts))]
     for request_id, prompt, n in zip(ids, prompts, output_lens):
         engine.add_request(request_id, list(prompt), SamplingParams(max_tokens=n, ignore_eos=True))
+    on_gpu = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
     try:
-        for _ in range(max(MIN_WARMUP_STEPS, num_steps)):
-            engine.step()
-        sync(engine.device)
-        start = time.perf_counter()
-        for _ in range(num_steps):
-            engine.step()
-        sync(engine.device)
-        wall_s = time.perf_counter() - start
-        activities = [ProfilerActivity.CPU]
-        if engine.device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
+        _steps(engine, max(MIN_WARMUP_STEPS, num_steps))
+        wall_s = _steps(engine, num_steps)
         before, running = _tokens(engine), len(engine.scheduler.running)
         with profile(activities=activities) as prof:
-            start = time.perf_counter()
-            for _ in range(num_steps):
-                engine.step()
-            sync(engine.device)
-            profiled_s = time.perf_counter() - start
+            profiled_s = _steps(engine, num_steps)
         tokens = _tokens(engine) - before
     finally:
         for request_id in ids:
             if request_id in engine.requests:
                 engine.abort_request(request_id)
-    on_gpu = engine.device.type == "cuda"
     # How many requests the profiled steps began with: none, when the workload was too
     # short to outlast the warm-up and the timed steps.
     summary = {"num_running": running}
     return summary | summarize(prof.events(), num_steps, wall_s, profiled_s, tokens, on_gpu)
+
+
+def _steps(engine, n: int) -> float:
+    """Seconds ``n`` engine steps took, the device synchronised before and after."""
+    sync(engine.device)
+    start = time.perf_counter()
+    for _ in range(n):
+        engine.step()
+    sync(engine.device)
+    return time.perf_counter() - start
 
 
 def _tokens(engine) -> int:
