@@ -147,6 +147,15 @@ class EngineConfig:
             (`minipaged.distributed.kv_transfer`).  None: off.  Not with tensor or
             pipeline parallelism, speculative decoding, compilation, an fp8 KV cache
             or a contiguous ``memory_mode``.
+        limit_mm_per_prompt: a vision model's most images in one prompt, as vLLM's
+            ``{"image": n}``; None: one.
+        allowed_local_media_path: the directory a chat's ``image_url`` may name local
+            files in (vLLM's); empty: none.  Network URLs are always refused.
+        encoder_cache_size: a vision model's encoder cache, in embeddings (image
+            tokens) (`minipaged.core.sched.encoder_cache_manager`); None:
+            ``max_num_batched_tokens``, as vLLM sizes it.  A vision model runs without
+            tensor or pipeline parallelism, speculative decoding, LoRA, pooling, a
+            contiguous ``memory_mode`` or a KV connector.
     """
 
     model: str
@@ -187,6 +196,9 @@ class EngineConfig:
     task: str | None = None
     pooler_config: PoolerConfig | dict | None = None
     kv_transfer_config: KVTransferConfig | dict | None = None
+    limit_mm_per_prompt: dict | None = None
+    allowed_local_media_path: str = ""
+    encoder_cache_size: int | None = None
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
@@ -273,6 +285,42 @@ class EngineConfig:
         self._check_quantization()
         self._check_runner()
         self._check_kv_transfer()
+        self._check_multimodal()
+
+    def _check_multimodal(self) -> None:
+        """The multimodal settings' types (whether the model takes images, and what it
+        then cannot run with, is checked once it is loaded: `check_multimodal`)."""
+        if self.limit_mm_per_prompt is None:
+            self.limit_mm_per_prompt = {"image": 1}
+        limits = self.limit_mm_per_prompt
+        if not isinstance(limits, dict) or any(
+            key != "image" or not isinstance(n, int) or isinstance(n, bool) or n < 0
+            for key, n in limits.items()
+        ):
+            raise ValueError(
+                f"limit_mm_per_prompt must be a dict like {{'image': 2}}, got {limits!r}"
+            )
+        if not isinstance(self.allowed_local_media_path, str):
+            raise ValueError(
+                f"allowed_local_media_path must be a str, got {self.allowed_local_media_path!r}"
+            )
+        if self.encoder_cache_size is None:
+            self.encoder_cache_size = self.max_num_batched_tokens
+        _positive_int("encoder_cache_size", self.encoder_cache_size)
+
+    def check_multimodal(self) -> None:
+        """What a vision model cannot run with in minipaged: its encoder runs on one
+        device, beside the one-process model runner's forward pass."""
+        combos = {
+            "tensor_parallel_size": self.tensor_parallel_size > 1,
+            "pipeline_parallel_size": self.pipeline_parallel_size > 1,
+            "speculative_config": self.speculative_config is not None,
+            "enable_lora": self.enable_lora,
+            "runner": self.runner == "pooling",
+            "memory_mode": self.memory_mode != "paged",
+            "kv_transfer_config": self.kv_transfer_config is not None,
+        }
+        _refuse_combinations("a multimodal model", combos, self)
 
     def _check_runner(self) -> None:
         """Settle ``runner`` (from ``task`` if given) and ``pooler_config``, and refuse

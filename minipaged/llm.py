@@ -72,6 +72,7 @@ class LLM:
             raise ValueError("chat_template must be given: the tokenizer has none")
         prompts = []
         for conversation in conversations:
+            conversation, images = split_images(conversation, self.engine.image_placeholder)
             text = tokenizer.apply_chat_template(
                 conversation,
                 chat_template=chat_template,
@@ -79,6 +80,15 @@ class LLM:
                 tokenize=False,
             )
             # The template writes the special tokens (BOS) itself.
+            if images:
+                prompts.append(
+                    {
+                        "prompt": text,
+                        "multi_modal_data": {"image": images},
+                        "add_special_tokens": False,
+                    }
+                )
+                continue
             prompts.append(
                 {
                     "prompt": text,
@@ -170,10 +180,12 @@ class LLM:
             (str(next(self._request_ids)), *self._tokenize(p), sp, lora)
             for p, sp, lora in zip(prompts, params, loras)
         ]
-        for request_id, token_ids, _, sp, lora in requests:  # all checked before any is queued
-            self.engine.check_request(request_id, token_ids, sp, lora)
-        for request_id, token_ids, text, sp, lora in requests:
-            self.engine.add_request(request_id, token_ids, sp, prompt=text, lora_request=lora)
+        for request_id, token_ids, _, mm, sp, lora in requests:  # all checked before any is queued
+            self.engine.check_request(request_id, token_ids, sp, lora, mm)
+        for request_id, token_ids, text, mm, sp, lora in requests:
+            self.engine.add_request(
+                request_id, token_ids, sp, prompt=text, lora_request=lora, mm_features=mm
+            )
         ours = {request_id for request_id, *_ in requests}
         done: dict[str, Output] = {}
         try:
@@ -194,19 +206,75 @@ class LLM:
                     self.engine.abort_request(request_id)
         return [done[request_id] for request_id, *_ in requests]
 
-    def _tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
+    def _tokenize(self, prompt: Prompt) -> tuple[list[int], str | None, list]:
+        """A prompt's token ids, its text, and its images' ``mm_features``."""
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            return self._process_multimodal(prompt)
         if isinstance(prompt, str):
             if not prompt:  # the tokenizer would make it a lone BOS
                 raise ValueError("prompt must not be empty, got ''")
-            return self.engine.tokenizer.encode(prompt), prompt
+            return self.engine.tokenizer.encode(prompt), prompt, []
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+            return list(prompt["prompt_token_ids"]), prompt.get("prompt"), []
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
             return self._tokenize(prompt["prompt"])
         raise ValueError(
             f"prompt must be a str, {{'prompt': str}} or "
             f"{{'prompt_token_ids': [...]}}, got {prompt!r:.80}"
         )
+
+    def _process_multimodal(self, prompt: dict) -> tuple[list[int], str, list]:
+        """``{"prompt": str, "multi_modal_data": {"image": image or [images]}}``: the
+        placeholders expanded by the model's processor (`LLMEngine.process_multimodal`)."""
+        data, text = prompt["multi_modal_data"], prompt.get("prompt")
+        if not isinstance(text, str) or not text:
+            raise ValueError(
+                "multi_modal_data needs a 'prompt' string holding the image placeholders"
+            )
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError(
+                f"multi_modal_data must be {{'image': image or [images]}}, got {data!r:.80}"
+            )
+        images = data.get("image", [])
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        token_ids, features = self.engine.process_multimodal(
+            text, images, prompt.get("add_special_tokens", True)
+        )
+        return token_ids, text, features
+
+
+def split_images(conversation: Conversation, placeholder: str | None) -> tuple[Conversation, list]:
+    """A conversation whose messages' content may be lists of OpenAI content parts
+    (``{"type": "text", "text": ...}``, ``{"type": "image_url", "image_url": {"url":
+    ...}}``), as plain-text messages with the model's image ``placeholder`` where each
+    image was, and the images' URLs in order.  As vLLM places them for LLaVA, a
+    message's images come first, each placeholder on a line of its own."""
+    messages, images = [], []
+    for message in conversation:
+        content = message["content"]
+        if not isinstance(content, list):
+            messages.append(message)
+            continue
+        texts, urls = [], []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif kind == "image_url" and isinstance(part.get("image_url"), dict):
+                urls.append(part["image_url"].get("url"))
+            else:
+                raise ValueError(
+                    f"messages: a content part must be {{'type': 'text', 'text': str}} or "
+                    f"{{'type': 'image_url', 'image_url': {{'url': str}}}}, got {part!r:.80}"
+                )
+        if urls and placeholder is None:
+            raise ValueError(
+                "messages: image_url parts need a multimodal model; this one is text-only"
+            )
+        images += urls
+        text = "\n".join(texts)
+        messages.append({**message, "content": "".join(f"{placeholder}\n" for _ in urls) + text})
+    return messages, images
 
 
 def _as_list(prompts) -> list[Prompt]:

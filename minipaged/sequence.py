@@ -132,6 +132,9 @@ class SequenceGroup:
     pooled: Any = None
     num_pooled: int = 0
     embedding: list[float] | None = None
+    # A multimodal request's images (`minipaged.multimodal.inputs.MultiModalFeatureSpec`),
+    # in prompt order: each one's pixels, hash and placeholder range.
+    mm_features: list[Any] = field(default_factory=list)
 
     # Set once: every step asks them of every running request.  Whether it wants
     # outputs before it finishes (``output_kind`` other than ``FINAL_ONLY``; beam search
@@ -201,5 +204,14 @@ class SequenceGroup:
 
     @property
     def lora_id(self) -> int | None:
-        """Its adapter's id (the prefix cache's extra key, its slot's owner), or None."""
+        """Its adapter's id (its slot's owner), or None."""
         return None if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
+    def cache_key(self) -> object:
+        """The prefix cache's extra key (vLLM's ``extra_keys``): what, beside the
+        tokens, decides its KV: its adapter, and its images' hashes, since every
+        image's placeholder tokens are the same ids whatever the image."""
+        if not self.mm_features:
+            return self.lora_id
+        return (self.lora_id, tuple(f.identifier for f in self.mm_features))

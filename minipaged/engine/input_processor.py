@@ -69,12 +69,14 @@ class InputProcessor:
         prompt_token_ids: list[int],
         params: Params,
         prompt: str | None = None,
+        mm_features: list | None = None,
     ) -> SequenceGroup:
         """The checked request as a group of one sequence, numbered in arrival order."""
-        self.check(request_id, prompt_token_ids, params)
+        self.check(request_id, prompt_token_ids, params, mm_features)
         group = SequenceGroup(
             request_id, prompt, list(prompt_token_ids), params, next(self._arrivals)
         )
+        group.mm_features = list(mm_features or ())
         wants_logprobs = getattr(params, "logprobs", None) is not None
         pooling = isinstance(params, PoolingParams)
         if pooling:
@@ -100,7 +102,13 @@ class InputProcessor:
         spec = getattr(params, "structured_outputs", None)
         return None if spec is None else self.structured_output.grammar_init(spec)
 
-    def check(self, request_id: str, prompt_token_ids: list[int], params: Params) -> None:
+    def check(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: Params,
+        mm_features: list | None = None,
+    ) -> None:
         if not isinstance(params, (SamplingParams, BeamSearchParams, PoolingParams)):
             raise ValueError(
                 f"params must be SamplingParams, BeamSearchParams or PoolingParams, "
@@ -134,7 +142,23 @@ class InputProcessor:
                 f"max_model_len={self.max_model_len}"
             )
         self.scheduler.check_fits(len(prompt_token_ids), params)
+        if mm_features:
+            self._check_mm(prompt_token_ids, mm_features)
         self._grammar(params)  # compiles against the tokenizer: ValueError if it cannot
+
+    def _check_mm(self, prompt_token_ids: list[int], mm_features: list) -> None:
+        """Images only for a vision model, each placeholder range inside the prompt,
+        and all of them at once within the encoder cache."""
+        if self.scheduler.encoder_cache is None:
+            raise ValueError("mm_features: this is a text-only model, which takes no images")
+        for f in mm_features:
+            end = f.mm_position.offset + f.mm_position.length
+            if f.mm_position.offset < 0 or end > len(prompt_token_ids):
+                raise ValueError(
+                    f"mm_features: placeholder {f.mm_position} lies outside the prompt's "
+                    f"{len(prompt_token_ids)} tokens"
+                )
+        self.scheduler.encoder_cache.check_fits(mm_features)
 
     def _check_runner(self, params: Params) -> None:
         """A pooling runner makes embeddings only, a generating one generates only (as

@@ -31,11 +31,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoProcessor, AutoTokenizer
 
 from minipaged.config import EngineConfig
 from minipaged.core.memory import KVCacheManager
 from minipaged.core.memory.lora_slots import LoRASlots
+from minipaged.core.sched.encoder_cache_manager import EncoderCacheManager
 from minipaged.core.sched.output import ScheduledSeq, StepSamples, logit_rows
 from minipaged.core.sched.scheduler import make_scheduler
 from minipaged.distributed.parallel_state import NO_PIPELINE, SINGLE
@@ -47,6 +48,7 @@ from minipaged.executor.uniproc_executor import Executor
 from minipaged.lora_request import LoRARequest
 from minipaged.models.attention import calculate_kv_scales_on_next_batch, head_dim, latent_dim
 from minipaged.models.hub import resolve_model
+from minipaged.models.llava import num_image_tokens
 from minipaged.models.loader import load_model, model_class, read_config
 from minipaged.models.moe import routing_stats
 from minipaged.models.pooler import Pooler
@@ -56,6 +58,7 @@ from minipaged.models.resolve import (
     resolve_device,
     resolve_max_model_len,
 )
+from minipaged.multimodal.processing import MultiModalProcessor
 from minipaged.ops import check_supported, kv_quant
 from minipaged.outputs import Output
 from minipaged.sample.beam_search import BeamSearch
@@ -115,6 +118,7 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.model.config)
         self.vocab_size = self.model.config.vocab_size
         self.runner = ModelRunner(self.model, config.block_size, self.device)
+        self.mm_processor = make_mm_processor(config, path, self.model, self.tokenizer)
         if config.runner == "pooling":
             self.runner.pooler = Pooler(config.pooler_config, self.model.config)
         if config.enable_lora:
@@ -209,6 +213,8 @@ class LLMEngine:
         if config.enable_lora:
             self.scheduler.lora_slots = LoRASlots(config.max_loras)
         self.scheduler.connector = self.kv_connector
+        if self.mm_processor is not None:
+            self.scheduler.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
         self.adapters = Adapters(
             self.runner.lora, self.scheduler.lora_slots, self.scheduler.requests
         )
@@ -266,12 +272,16 @@ class LLMEngine:
         params: Params,
         prompt: str | None = None,
         lora_request: LoRARequest | None = None,
+        mm_features: list | None = None,
     ) -> None:
-        """Queue a request, with ``lora_request``'s adapter if given.  Raises
+        """Queue a request, with ``lora_request``'s adapter if given, and
+        ``mm_features``, its images as `process_multimodal` made them.  Raises
         ``ValueError`` (changing nothing) if it is malformed or could never fit the KV
         pool."""
         self.adapters.check(lora_request)
-        group = self.input_processor.process(request_id, prompt_token_ids, params, prompt)
+        group = self.input_processor.process(
+            request_id, prompt_token_ids, params, prompt, mm_features
+        )
         if lora_request is not None:
             self.adapters.add(lora_request)
             group.lora_request = lora_request
@@ -284,10 +294,32 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: Params,
         lora_request: LoRARequest | None = None,
+        mm_features: list | None = None,
     ) -> None:
         """Raise ``ValueError`` if `add_request` would refuse the request."""
         self.adapters.check(lora_request)
-        self.input_processor.check(request_id, prompt_token_ids, params)
+        self.input_processor.check(request_id, prompt_token_ids, params, mm_features)
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text a prompt holds where an image goes (``"<image>"``); None for a
+        text-only model."""
+        return None if self.mm_processor is None else self.mm_processor.image_token
+
+    def process_multimodal(
+        self, prompt: str, images: list, add_special_tokens: bool = True
+    ) -> tuple[list[int], list]:
+        """``prompt``'s token ids, each image placeholder expanded to the encoder's
+        token count, and its images' ``mm_features`` for `add_request` (vLLM's input
+        processing).  ``images``: PIL images, data URLs or local paths.  ``ValueError``
+        if this model takes no images, or an image is refused
+        (`minipaged.multimodal.processing`)."""
+        if self.mm_processor is None:
+            raise ValueError(
+                f"multi_modal_data: {type(self.model).__name__} is a text-only model "
+                "and takes no images"
+            )
+        return self.mm_processor.process(prompt, images, add_special_tokens)
 
     # -- adapters (vLLM's names) ------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -414,6 +446,23 @@ class LLMEngine:
             "draft_weight_bytes": sum(p.nbytes for p in self.draft_model.parameters()),
             "draft_kv_cache_block_bytes": self.draft_block_bytes,
         }
+
+
+def make_mm_processor(config: EngineConfig, path: Path, model, tokenizer):
+    """A vision model's `MultiModalProcessor` over the checkpoint's Hugging Face
+    processor (None for a text model); first, what such a model cannot run with."""
+    if not hasattr(model, "get_multimodal_embeddings"):
+        return None
+    config.check_multimodal()
+    processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    processor.tokenizer = tokenizer
+    return MultiModalProcessor(
+        processor,
+        model.image_token_id,
+        num_image_tokens(model.hf_config),
+        config.limit_mm_per_prompt,
+        config.allowed_local_media_path,
+    )
 
 
 def num_lookahead(config: EngineConfig) -> int:

@@ -139,6 +139,31 @@ ARCHS = {
         tie_word_embeddings=False,
     ),
 }
+# LLaVA-1.5 (`minipaged.models.llava`): a CLIP vision tower (32x32 pixels in 8x8 patches:
+# 16 patch tokens, the class token dropped), a two-layer GELU projector, and the Llama
+# above as its language model.  Its image placeholder is one more special token.
+IMAGE_TOKEN, IMAGE_TOKEN_ID = "<image>", 259
+LLAVA_VISION_CONFIG = dict(
+    model_type="clip_vision_model",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    image_size=32,
+    patch_size=8,
+    projection_dim=32,
+    hidden_act="quick_gelu",
+)
+LLAVA_CONFIG = dict(
+    architectures=["LlavaForConditionalGeneration"],
+    model_type="llava",
+    image_token_index=IMAGE_TOKEN_ID,
+    image_seq_length=16,
+    vision_feature_layer=-2,
+    vision_feature_select_strategy="default",
+    projector_hidden_act="gelu",
+    tie_word_embeddings=False,
+)
 # Far larger than the usual 0.02: at 0.02 a 64-wide model's logits are nearly flat (top
 # token ~1%), greedy picks hinge on rounding noise and some models repeat one token forever.
 # At 0.3 the top token holds ~25%: greedy choices are clear, sampling still varies.
@@ -151,20 +176,31 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides) -> Pa
     ``arch`` is one of :data:`ARCHS`; ``overrides`` replace config values
     (e.g. ``num_hidden_layers=4``).
     """
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
+    if arch not in (*ARCHS, "llava"):
+        raise ValueError(f"arch must be one of {sorted(ARCHS)} or 'llava', got {arch!r}")
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-    config = {**BASE_CONFIG, **ARCHS[arch], **overrides}
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if arch == "llava":
+        text = {**BASE_CONFIG, **ARCHS["llama"], **overrides}
+        del text["architectures"]
+        config = {**LLAVA_CONFIG, "text_config": text, "vision_config": LLAVA_VISION_CONFIG}
+    else:
+        text = config = {**BASE_CONFIG, **ARCHS[arch], **overrides}
     _write_json(path / "config.json", config)
     _write_json(
         path / "generation_config.json",
-        {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+        {k: text[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
     )
     _write_weights(path, seed)
-    _write_tokenizer(path, model_max_length=config["max_position_embeddings"])
+    _write_tokenizer(
+        path,
+        model_max_length=text["max_position_embeddings"],
+        image_token=IMAGE_TOKEN if arch == "llava" else None,
+    )
+    if arch == "llava":
+        _write_llava_processor(path)
     return path
 
 
@@ -177,19 +213,21 @@ def _write_weights(path: Path, seed: int) -> None:
     # Heavy imports live in the functions that need them, so the CLI starts fast.
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.core_model_loading import revert_weight_conversion
 
     # On the meta device the model has names and shapes but no storage and no init cost;
     # transformers itself thus decides which tensors a checkpoint of this config holds.
+    config = AutoConfig.from_pretrained(path)
+    auto = AutoModelForImageTextToText if config.model_type == "llava" else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        model = auto.from_config(config)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     # named_parameters() lists a tied weight once, so a tied lm_head is left out, as on the Hub.
     for name, param in model.named_parameters():
         # Norm scales near 1 rather than exactly 1, so a loader that forgets them is caught.
-        mean = 1.0 if "norm" in name else 0.0
+        mean = 1.0 if "norm" in name or "layrnorm" in name else 0.0
         tensors[name] = torch.empty(param.shape).normal_(mean, INIT_STD, generator=generator)
     # Under the names the Hub's checkpoints use: transformers 5 fuses each MoE layer's
     # experts into one tensor in memory, but saves (and reads) one tensor per expert.
@@ -197,8 +235,9 @@ def _write_weights(path: Path, seed: int) -> None:
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
 
 
-def _write_tokenizer(path: Path, model_max_length: int) -> None:
-    """A byte-level BPE tokenizer with no merges: one token per UTF-8 byte, plus specials."""
+def _write_tokenizer(path: Path, model_max_length: int, image_token: str | None = None) -> None:
+    """A byte-level BPE tokenizer with no merges: one token per UTF-8 byte, plus specials
+    (and ``image_token``, a vision model's placeholder, after them)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     # Byte-level BPE (GPT-2, Llama 3, Qwen) names each byte by a printable character.
@@ -209,7 +248,9 @@ def _write_tokenizer(path: Path, model_max_length: int) -> None:
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(list(SPECIAL_TOKENS.values()))
+    tokenizer.add_special_tokens(
+        list(SPECIAL_TOKENS.values()) + ([image_token] if image_token else [])
+    )
     # Like Llama's tokenizer, encoding a prompt prepends BOS.
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
@@ -226,6 +267,41 @@ def _write_tokenizer(path: Path, model_max_length: int) -> None:
             "unk_token": None,
             "model_max_length": model_max_length,
             "chat_template": CHAT_TEMPLATE,
+            **({"extra_special_tokens": {"image_token": image_token}} if image_token else {}),
+        },
+    )
+
+
+def _write_llava_processor(path: Path) -> None:
+    """LLaVA's processor files: CLIP's image preprocessing (resize, center crop,
+    normalize) to the tower's 32x32, and how many placeholder tokens an image gets."""
+    size = LLAVA_VISION_CONFIG["image_size"]
+    _write_json(
+        path / "preprocessor_config.json",
+        {
+            "image_processor_type": "CLIPImageProcessor",
+            "processor_class": "LlavaProcessor",
+            "do_resize": True,
+            "size": {"shortest_edge": size},
+            "do_center_crop": True,
+            "crop_size": {"height": size, "width": size},
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073],
+            "image_std": [0.26862954, 0.26130258, 0.27577711],
+            "do_convert_rgb": True,
+            "resample": 3,
+        },
+    )
+    _write_json(
+        path / "processor_config.json",
+        {
+            "processor_class": "LlavaProcessor",
+            "patch_size": LLAVA_VISION_CONFIG["patch_size"],
+            "vision_feature_select_strategy": LLAVA_CONFIG["vision_feature_select_strategy"],
+            "image_token": IMAGE_TOKEN,
+            "num_additional_image_tokens": 1,
         },
     )
 

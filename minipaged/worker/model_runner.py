@@ -66,6 +66,9 @@ class ModelRunner:
         self.pooler: Pooler | None = None  # a pooling runner's: no logits, embeddings
         self.kv_connector = None  # the worker's side of a KV connector (`set_kv_connector`)
         self.kv_layer_names: list[str] = []
+        # A vision model's encoder outputs, by mm_hash: the tensors the scheduler's
+        # `EncoderCacheManager` keeps the books of.
+        self.encoder_cache: dict[str, torch.Tensor] = {}
 
     def set_kv_connector(self, connector) -> None:
         """Load and save KV through ``connector``'s worker side: each attention layer
@@ -127,7 +130,13 @@ class ModelRunner:
         if self.model.pp.size > 1:
             return self._execute_stage_batch(rows, counts, guesses, kv_caches)
         inputs = batch.prepare(rows, counts, guesses)
-        if self.kv_connector is None:
+        embeds = None
+        if scheduler_output.scheduled_encoder_inputs or self.encoder_cache:
+            self._execute_mm_encoder(scheduler_output)
+            embeds = self._gather_mm_embeddings(scheduler_output, rows, counts, inputs)
+        if embeds is not None:
+            hidden = self._run_model(inputs, kv_caches, embeds)
+        elif self.kv_connector is None:
             hidden = self._run_model(inputs, kv_caches)
         else:
             hidden = self._run_model_with_kv_transfer(scheduler_output, inputs, kv_caches)
@@ -139,6 +148,42 @@ class ModelRunner:
         if not inputs.sampling_req_ids:
             return [], None
         return inputs.sampling_req_ids, self.model.compute_logits(hidden[inputs.logit_index])
+
+    def _execute_mm_encoder(self, scheduler_output: SchedulerOutput) -> None:
+        """Drop the embeddings the scheduler evicted, then encode the images it
+        scheduled, all in one batch, and cache each image's embeddings by its hash."""
+        for mm_hash in scheduler_output.free_encoder_mm_hashes:
+            self.encoder_cache.pop(mm_hash, None)
+        scheduled = scheduler_output.scheduled_encoder_inputs
+        if not scheduled:
+            return
+        pixels = torch.stack([f.data for f in scheduled.values()]).to(self.device)
+        for mm_hash, embeds in zip(scheduled, self.model.get_multimodal_embeddings(pixels)):
+            self.encoder_cache[mm_hash] = embeds
+
+    def _gather_mm_embeddings(self, scheduler_output, rows, counts, inputs) -> torch.Tensor | None:
+        """The step's input embeddings with each placeholder token's replaced by its
+        image's embedding (vLLM's ``_gather_mm_embeddings``): for every row, the part of
+        each image's placeholder range its tokens cover, read from the encoder cache
+        (a chunk that splits a placeholder reads the slice it covers); None if no row
+        covers any."""
+        groups = {s.seq.seq_id: s.group for s in scheduler_output.seqs}
+        batch, offset, index, parts = self.input_batch, 0, [], []
+        for row, count in zip(rows.tolist(), counts.tolist()):
+            start = int(batch.num_computed_tokens[row])
+            for feature in groups[batch.req_ids[row]].mm_features:
+                span = feature.mm_position.overlap(start, start + count)
+                if span is None:
+                    continue
+                lo, hi = span
+                first = feature.mm_position.offset
+                parts.append(self.encoder_cache[feature.identifier][lo - first : hi - first])
+                index.extend(range(offset + lo - start, offset + hi - start))
+            offset += count
+        if not parts:
+            return None
+        rows_index = torch.tensor(index, dtype=torch.long, device=self.device)
+        return self.model.get_input_embeddings(inputs.input_ids, rows_index, torch.cat(parts))
 
     def _run_model(self, inputs: StepInputs, kv_caches, hidden=None) -> torch.Tensor:
         """The model over a step's prepared inputs (by replay, where a graph fits)."""

@@ -126,6 +126,10 @@ class SchedulerOutput:
     # Disaggregated prefill: what the KV connector's worker side loads and saves this
     # step (its `build_connector_meta`); None without a connector.
     kv_connector_metadata: Any = None
+    # A vision model's encoder: the images to encode before the forward pass, by
+    # mm_hash (`MultiModalFeatureSpec`), and the cached embeddings to drop first.
+    scheduled_encoder_inputs: dict[str, Any] = field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

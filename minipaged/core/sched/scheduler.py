@@ -63,6 +63,7 @@ from minipaged.config import PREEMPTION_MODES
 from minipaged.core.memory import Allocation, KVCacheManager
 from minipaged.core.memory.block_table import blocks_for
 from minipaged.core.memory.lora_slots import LoRASlots
+from minipaged.core.sched.encoder_cache_manager import EncoderCacheManager
 from minipaged.core.sched.output import (
     NewRequestData,
     Sample,
@@ -144,6 +145,8 @@ class Scheduler:
         self.connector: KVConnectorBase_V1 | None = None
         self.num_computed_prompt_tokens = 0
         self.num_external_computed_tokens = 0
+        # A vision model's encoder cache (`EncoderCacheManager`; None: a text model).
+        self.encoder_cache: EncoderCacheManager | None = None
 
     # -- the queues -------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -173,6 +176,8 @@ class Scheduler:
         self.running.remove(group)
         group.status = SequenceStatus.FINISHED
         self.lora_slots.release(group.lora_id)
+        if group.mm_features:
+            self.encoder_cache.release(group.request_id)
         self.trace.record("finish", group.request_id)
 
     def _queue(self, status: SequenceStatus) -> list[SequenceGroup]:
@@ -370,6 +375,8 @@ class Scheduler:
                 self._admit_waiting(out, token_budget)
         # Last: this step's preemptions too (the runner drops rows before adding any).
         out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
+        if self.encoder_cache is not None:
+            out.free_encoder_mm_hashes = self.encoder_cache.get_freed_mm_hashes()
         out.preempted_req_ids = {g.request_id for g in out.preempted}
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
@@ -469,7 +476,11 @@ class Scheduler:
                 continue
             if group.num_seats > seats or not self._can_admit(group, budget):
                 return
+            if group.mm_features and not self.encoder_cache.can_allocate(group.mm_features):
+                return  # its images wait for room in the encoder cache
             self.waiting.pop(i)
+            if group.mm_features:
+                self.encoder_cache.acquire(group.request_id, group.mm_features)
             self._hold_adapter(group, out)
             budget -= self._allocate(group, out, budget)
             _insert(self.running, group, SequenceStatus.RUNNING)
@@ -523,13 +534,13 @@ class Scheduler:
             # Planned again per sequence: with prefix caching, a sibling allocated just
             # before may have cached more of this one's tokens.
             cached = self.kv.num_cached_tokens(
-                seq.token_ids, group.lora_id, group.reads_prefix_cache
+                seq.token_ids, group.cache_key, group.reads_prefix_cache
             )
             external = self._num_external_tokens(group, seq, cached)
             start = cached + external
             n = min(len(seq.token_ids) - start, budget - used - _later(seqs, k))
             allocation = self.kv.allocate(
-                seq.seq_id, seq.token_ids, external + n, group.lora_id, group.reads_prefix_cache
+                seq.seq_id, seq.token_ids, external + n, group.cache_key, group.reads_prefix_cache
             )
             if external:  # loaded, not computed: their slots are the connector's
                 allocation.slot_mapping = allocation.slot_mapping[external:]
@@ -562,6 +573,8 @@ class Scheduler:
         seq.num_computed_tokens = start + n - len(spec)
         if start < seq.prompt_len:
             self.num_computed_prompt_tokens += min(start + n, seq.prompt_len) - start
+            if group.mm_features:
+                self._schedule_encoder(group, start, n, out)
         lora_slot = self.lora_slots.slot_of.get(group.lora_id, -1) if group.lora_request else -1
         positions = (
             range(0) if group.prompt_logprobs is None else group.prompt_logprob_positions(start, n)
@@ -617,6 +630,8 @@ class Scheduler:
             seq.num_computed_tokens = start + 1
             if start < seq.prompt_len:  # a prompt's last chunk of one token
                 self.num_computed_prompt_tokens += 1
+                if group.mm_features:
+                    self._schedule_encoder(group, start, 1, out)
             lora_slot = slot_of.get(group.lora_id, -1) if group.lora_request else -1
             positions = (
                 NO_POSITIONS
@@ -640,6 +655,17 @@ class Scheduler:
                 num_scheduled[seq_id] = 1
             if positions:
                 out.prompt_logprob_positions[seq_id] = positions
+
+    def _schedule_encoder(self, group: SequenceGroup, start: int, n: int, out) -> None:
+        """Run the encoder this step on each image whose placeholder the tokens
+        ``[start, start + n)`` reach and whose embeddings are not cached (vLLM's
+        ``_try_schedule_encoder_inputs``); an image the prefix cache covered whole is
+        never reached, so never encoded."""
+        for feature in group.mm_features:
+            if feature.mm_position.overlap(start, start + n) and self.encoder_cache.needs_compute(
+                feature.identifier
+            ):
+                out.scheduled_encoder_inputs[feature.identifier] = feature
 
     def _send(self, seq, start, n, blocks, out, num_kept_blocks, lora_slot) -> None:
         """The runner's diff for ``seq``: whole if the runner does not hold it, else the
@@ -702,6 +728,8 @@ class Scheduler:
                 self.free_seq(group, seq)
             seq.num_computed_tokens = 0
             seq.finish_reason = finish_reason
+        if group.mm_features:
+            self.encoder_cache.release(group.request_id)
 
     def _roomy(self, queue: list[SequenceGroup], budget: int) -> bool:
         """Can every running sequence take its next tokens, whatever they are?  True on
@@ -717,7 +745,7 @@ class Scheduler:
         blocks now?"""
         plan = self._admission_plan(group, budget)
         return plan is not None and self.kv.can_allocate_all(
-            [(seq.token_ids, n) for seq, n in plan], group.lora_id, group.reads_prefix_cache
+            [(seq.token_ids, n) for seq, n in plan], group.cache_key, group.reads_prefix_cache
         )
 
     def _admission_plan(self, group: SequenceGroup, budget: int):
@@ -726,7 +754,7 @@ class Scheduler:
         plan, seqs = [], group.unfinished_seqs
         for k, seq in enumerate(seqs):
             cached = self.kv.num_cached_tokens(
-                seq.token_ids, group.lora_id, group.reads_prefix_cache
+                seq.token_ids, group.cache_key, group.reads_prefix_cache
             )
             external = self._num_external_tokens(group, seq, cached)
             n = min(len(seq.token_ids) - cached - external, budget - _later(seqs, k))

@@ -1,0 +1,170 @@
+"""Images in, a prompt's token ids and its `MultiModalFeatureSpec` items out (vLLM's
+``vllm/multimodal/processing.py``, ``hasher.py`` and ``image.py``, for LLaVA).
+
+An image comes as a ``PIL.Image`` (`LLM.generate`'s ``multi_modal_data``) or as a URL
+(a chat message's ``image_url`` part): a ``data:image/...;base64,`` URL, or a local
+file (``file://`` or a plain path) under ``allowed_local_media_path`` (vLLM's flag;
+empty: no local file may be read).  Network URLs are refused: minipaged fetches
+nothing.  Every failure is a ``ValueError`` naming what was wrong.
+
+The checkpoint's own Hugging Face processor (``LlavaProcessor``: CLIP's resize, crop
+and normalization, and the expansion of each ``<image>`` placeholder to the encoder's
+token count) does the work; this module checks the counts it made, finds each image's
+`PlaceholderRange` in the token ids, and hashes each image's pixels (its ``mm_hash``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from pathlib import Path
+
+from PIL import Image
+
+from minipaged.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+# The largest image decoded, in pixels: larger ones are refused from their header, before
+# decoding (PIL's own limit, for decompression bombs, is far higher).
+MAX_IMAGE_PIXELS = 4096 * 4096
+
+
+def load_image(image, allowed_local_media_path: str = "") -> Image.Image:
+    """``image`` (a PIL image, a data URL or a local path) decoded, as RGB."""
+    if isinstance(image, Image.Image):
+        return _checked(image)
+    if not isinstance(image, str):
+        raise ValueError(
+            f"image must be a PIL.Image, a data: URL or a local file path, "
+            f"got {type(image).__name__}"
+        )
+    if image.startswith(("http://", "https://")):
+        raise ValueError(
+            f"image_url {image[:60]!r}: minipaged fetches no images over the network; "
+            "send a data: URL, or a local file under --allowed-local-media-path"
+        )
+    if image.startswith("data:"):
+        return _decode(_data_url_bytes(image), "image_url data: URL")
+    return _decode(_local_file(image, allowed_local_media_path).read_bytes(), image)
+
+
+def _data_url_bytes(url: str) -> bytes:
+    header, _, payload = url.partition(",")
+    if not header.startswith("data:image/") or not header.endswith(";base64"):
+        raise ValueError(f"image_url must be a data:image/...;base64, URL, got {header[:40]!r}")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise ValueError(f"image_url data: URL is not valid base64: {error}") from None
+
+
+def _local_file(name: str, allowed_local_media_path: str) -> Path:
+    path = Path(name.removeprefix("file://")).resolve()
+    if not allowed_local_media_path:
+        raise ValueError(
+            f"image_url {name[:60]!r} is a local file, and reading local files needs "
+            "allowed_local_media_path (--allowed-local-media-path) to name their directory"
+        )
+    root = Path(allowed_local_media_path).resolve()
+    if not path.is_relative_to(root):
+        raise ValueError(
+            f"image_url {name[:60]!r} is outside allowed_local_media_path {str(root)!r}"
+        )
+    if not path.is_file():
+        raise ValueError(f"image_url {name[:60]!r}: no such file")
+    return path
+
+
+def _decode(data: bytes, what: str) -> Image.Image:
+    try:
+        image = Image.open(io.BytesIO(data))
+        _checked(image)  # from the header: no pixels decoded yet
+        image.load()
+    except ValueError:
+        raise
+    except Exception as error:  # PIL raises many kinds for a broken file
+        raise ValueError(f"image ({what[:60]}) does not decode: {error}") from None
+    return image
+
+
+def _checked(image: Image.Image) -> Image.Image:
+    width, height = image.size
+    if width * height > MAX_IMAGE_PIXELS or not width or not height:
+        raise ValueError(
+            f"image is {width}x{height} pixels; minipaged takes images of 1 to "
+            f"{MAX_IMAGE_PIXELS:,} pixels"
+        )
+    return image
+
+
+def mm_hash(image: Image.Image) -> str:
+    """The image's content hash: its mode, size and pixels (the same picture from a PIL
+    image, a data URL or a file hashes the same)."""
+    digest = hashlib.sha256(f"{image.mode}:{image.size}".encode())
+    digest.update(image.tobytes())
+    return digest.hexdigest()
+
+
+class MultiModalProcessor:
+    """A vision model's processor, with the limits a request is checked against.
+
+    ``processor``: the checkpoint's Hugging Face processor; ``image_token_id`` and
+    ``num_image_tokens``: the placeholder and how many of it one image becomes;
+    ``limit_mm_per_prompt``: vLLM's ``{"image": n}``, the most images in one prompt.
+    """
+
+    def __init__(
+        self,
+        processor,
+        image_token_id: int,
+        num_image_tokens: int,
+        limit_mm_per_prompt: dict[str, int],
+        allowed_local_media_path: str = "",
+    ) -> None:
+        self.processor = processor
+        self.image_token = processor.image_token
+        self.image_token_id = image_token_id
+        self.num_image_tokens = num_image_tokens
+        self.limit = limit_mm_per_prompt.get("image", 1)
+        self.allowed_local_media_path = allowed_local_media_path
+
+    def process(
+        self, prompt: str, images: list, add_special_tokens: bool = True
+    ) -> tuple[list[int], list[MultiModalFeatureSpec]]:
+        """``prompt``'s token ids, each ``<image>`` expanded, and one item per image."""
+        if len(images) > self.limit:
+            raise ValueError(
+                f"multi_modal_data has {len(images)} images, more than "
+                f"limit_mm_per_prompt={{'image': {self.limit}}} allows"
+            )
+        if prompt.count(self.image_token) != len(images):
+            raise ValueError(
+                f"prompt has {prompt.count(self.image_token)} {self.image_token} "
+                f"placeholders for {len(images)} images; write one per image"
+            )
+        images = [load_image(image, self.allowed_local_media_path) for image in images]
+        out = self.processor(
+            text=prompt,
+            images=[image.convert("RGB") for image in images] or None,
+            add_special_tokens=add_special_tokens,
+            return_tensors="pt",
+        )
+        token_ids = out["input_ids"][0].tolist()
+        positions = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        n = self.num_image_tokens
+        if len(positions) != n * len(images):  # a literal placeholder token in the text
+            raise ValueError(
+                f"prompt must hold the image placeholder only where an image goes; it has "
+                f"{len(positions)} placeholder tokens for {len(images)} images of {n}"
+            )
+        features = [
+            MultiModalFeatureSpec(
+                data=out["pixel_values"][i],
+                modality="image",
+                identifier=mm_hash(image),
+                mm_position=PlaceholderRange(positions[i * n], n),
+            )
+            for i, image in enumerate(images)
+        ]
+        return token_ids, features
