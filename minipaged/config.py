@@ -153,7 +153,8 @@ class EngineConfig:
             files in (vLLM's); empty: none.  Network URLs are always refused.
         encoder_cache_size: a vision model's encoder cache, in embeddings (image
             tokens) (`minipaged.core.sched.encoder_cache_manager`); None:
-            ``max_num_batched_tokens``, as vLLM sizes it.  A vision model runs without
+            ``max_num_batched_tokens``, or a prompt's most images if more (vLLM
+            sizes it so that the largest item fits).  A vision model runs without
             tensor or pipeline parallelism, speculative decoding, LoRA, pooling, a
             contiguous ``memory_mode`` or a KV connector.
     """
@@ -304,9 +305,8 @@ class EngineConfig:
             raise ValueError(
                 f"allowed_local_media_path must be a str, got {self.allowed_local_media_path!r}"
             )
-        if self.encoder_cache_size is None:
-            self.encoder_cache_size = self.max_num_batched_tokens
-        _positive_int("encoder_cache_size", self.encoder_cache_size)
+        if self.encoder_cache_size is not None:
+            _positive_int("encoder_cache_size", self.encoder_cache_size)
 
     def check_multimodal(self) -> None:
         """What a vision model cannot run with in minipaged: its encoder runs on one

@@ -214,7 +214,9 @@ class LLMEngine:
             self.scheduler.lora_slots = LoRASlots(config.max_loras)
         self.scheduler.connector = self.kv_connector
         if self.mm_processor is not None:
-            self.scheduler.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
+            self.scheduler.encoder_cache = EncoderCacheManager(
+                config.encoder_cache_size or self.mm_processor.default_cache_size(config)
+            )
         self.adapters = Adapters(
             self.runner.lora, self.scheduler.lora_slots, self.scheduler.requests
         )
@@ -437,6 +439,19 @@ class LLMEngine:
             **(self.speculator.stats() if self.speculator else {}),
             **(self.draft_memory() if self.draft_model else {}),
             **routing_stats(self.model),
+            **(self.encoder_stats() if self.mm_processor else {}),
+        }
+
+    def encoder_stats(self) -> dict[str, float]:
+        """A vision model's encoder cache: images looked up by admitted requests, those
+        found cached, the images encoded, and the embeddings the cache holds."""
+        cache = self.scheduler.encoder_cache
+        return {
+            "encoder_cache_queries": cache.num_lookups,
+            "encoder_cache_hits": cache.num_hits,
+            "encoder_cache_hit_rate": cache.hit_rate,
+            "num_encoded_images": self.runner.num_encoded_items,
+            "encoder_cache_usage": cache.cache_size - cache.num_free_slots,
         }
 
     def draft_memory(self) -> dict[str, int]:

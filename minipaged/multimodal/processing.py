@@ -129,6 +129,11 @@ class MultiModalProcessor:
         self.limit = limit_mm_per_prompt.get("image", 1)
         self.allowed_local_media_path = allowed_local_media_path
 
+    def default_cache_size(self, config) -> int:
+        """The encoder cache's size when ``encoder_cache_size`` is None: a step's tokens,
+        or the embeddings of a prompt's most images if more."""
+        return max(config.max_num_batched_tokens, self.limit * self.num_image_tokens)
+
     def process(
         self, prompt: str, images: list, add_special_tokens: bool = True
     ) -> tuple[list[int], list[MultiModalFeatureSpec]]:

@@ -69,6 +69,7 @@ class ModelRunner:
         # A vision model's encoder outputs, by mm_hash: the tensors the scheduler's
         # `EncoderCacheManager` keeps the books of.
         self.encoder_cache: dict[str, torch.Tensor] = {}
+        self.num_encoded_items = 0  # images run through the encoder, in all
 
     def set_kv_connector(self, connector) -> None:
         """Load and save KV through ``connector``'s worker side: each attention layer
@@ -158,6 +159,7 @@ class ModelRunner:
         if not scheduled:
             return
         pixels = torch.stack([f.data for f in scheduled.values()]).to(self.device)
+        self.num_encoded_items += len(scheduled)
         for mm_hash, embeds in zip(scheduled, self.model.get_multimodal_embeddings(pixels)):
             self.encoder_cache[mm_hash] = embeds
 

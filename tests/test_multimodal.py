@@ -1,0 +1,265 @@
+"""LLaVA through the engine, against transformers' ``LlavaForConditionalGeneration``.
+
+The oracle is Hugging Face's model and processor on the same tiny random checkpoint
+(a CLIP tower, the projector and a Llama): greedy tokens must be equal, with images in
+the prompt, while the engine chunks prompts through the middle of an image's
+placeholder, reads repeated images from its encoder cache, reuses (or must not reuse)
+prefix-cached KV, forks ``n`` > 1 completions and preempts by recompute.  Bad images and
+unsupported combinations are ``ValueError``s naming the cause, and leave nothing behind.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+from engine_helpers import assert_all_blocks_free, make_llm
+from minipaged import SamplingParams
+from minipaged.models.tiny import EOS_ID, make_tiny_model
+from minipaged.multimodal.processing import mm_hash
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+PROMPT = "USER: <image>\nWhat is in it? ASSISTANT:"
+# A 12-token step: the 16-token placeholder after a 6-token prefix runs over two steps.
+CHUNKED = dict(block_size=4, max_num_batched_tokens=12, max_num_seqs=4)
+
+
+def noise_image(seed: int, size=(40, 30)) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size[::-1], 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llava"), arch="llava", seed=0)
+
+
+@pytest.fixture(scope="module")
+def oracle(llava):
+    """``oracle(text, images, add_special_tokens=True)``: HF's greedy continuation."""
+    processor = AutoProcessor.from_pretrained(llava, local_files_only=True)
+    model = LlavaForConditionalGeneration.from_pretrained(
+        llava, local_files_only=True, dtype=torch.float32
+    ).eval()
+    cache = {}
+
+    def greedy(text, images, add_special_tokens=True):
+        key = (text, tuple(np.asarray(i).tobytes() for i in images), add_special_tokens)
+        if key not in cache:
+            inputs = processor(
+                text=text,
+                images=images or None,
+                add_special_tokens=add_special_tokens,
+                return_tensors="pt",
+            )
+            out = model.generate(
+                **inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False, eos_token_id=EOS_ID
+            )
+            cache[key] = (
+                inputs["input_ids"][0].tolist(),
+                out[0, inputs["input_ids"].shape[1] :].tolist(),
+            )
+        return cache[key]
+
+    return greedy
+
+
+@pytest.fixture(scope="module")
+def llm(llava):
+    return make_llm(llava, limit_mm_per_prompt={"image": 2}, **CHUNKED)
+
+
+def mm_prompt(text, *images):
+    return {"prompt": text, "multi_modal_data": {"image": list(images)}}
+
+
+def assert_matches(outputs, requests, oracle):
+    for out, (text, images) in zip(outputs, requests):
+        prompt_ids, expected = oracle(text, images)
+        assert out.prompt_token_ids == prompt_ids
+        assert out.outputs[0].token_ids == expected
+
+
+def test_greedy_matches_hf_with_images_chunked_through_the_placeholder(llm, oracle):
+    a, b = noise_image(1), noise_image(2, size=(64, 48))
+    requests = [
+        (PROMPT, [a]),
+        (PROMPT, [b]),
+        ("<image> and <image>: which differs?", [b, a]),
+        ("no image here, just words", []),
+    ]
+    outputs = llm.generate([mm_prompt(t, *i) for t, i in requests], GREEDY, use_tqdm=False)
+    assert_matches(outputs, requests, oracle)
+    assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids  # images matter
+    assert_all_blocks_free(llm)
+
+
+def test_a_repeated_image_is_encoded_once(llm, oracle):
+    image = noise_image(3)
+    before = llm.stats()
+    requests = [(PROMPT, [image]), ("<image> again", [image]), (PROMPT, [image])]
+    outputs = llm.generate([mm_prompt(t, *i) for t, i in requests], GREEDY, use_tqdm=False)
+    assert_matches(outputs, requests, oracle)
+    after = llm.stats()
+    assert after["num_encoded_images"] - before["num_encoded_images"] == 1
+    assert after["encoder_cache_queries"] - before["encoder_cache_queries"] == 3
+    assert after["encoder_cache_hits"] - before["encoder_cache_hits"] == 2
+    # Later, the same picture sent as a data URL (decoded anew) is still a hit.
+    out = llm.chat(
+        [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": data_url(image)}}],
+            }
+        ],
+        GREEDY,
+        use_tqdm=False,
+    )
+    assert llm.stats()["num_encoded_images"] == after["num_encoded_images"]
+    text = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "<image>\n"}], tokenize=False, add_generation_prompt=True
+    )
+    prompt_ids, expected = oracle(text, [image], add_special_tokens=False)
+    assert out[0].prompt_token_ids == prompt_ids and out[0].outputs[0].token_ids == expected
+
+
+def test_the_prefix_cache_keys_on_the_image(llava, oracle):
+    """The same text before two different images shares no KV; the same image does."""
+    llm = make_llm(llava, block_size=4)
+    a, b = noise_image(4), noise_image(5)
+    hits, encoded = [], []
+    for image in (a, b, a):
+        before = llm.stats()
+        (out,) = llm.generate(mm_prompt(PROMPT, image), GREEDY, use_tqdm=False)
+        assert_matches([out], [(PROMPT, [image])], oracle)
+        after = llm.stats()
+        computed = after["num_computed_prompt_tokens"] - before["num_computed_prompt_tokens"]
+        hits.append(len(out.prompt_token_ids) - computed)
+        encoded.append(after["num_encoded_images"] - before["num_encoded_images"])
+    assert hits[1] == 0  # image b after image a: every token computed
+    assert hits[2] == (len(out.prompt_token_ids) - 1) // 4 * 4  # a again: its full blocks
+    # The cached blocks cover a's placeholder whole: its KV needs no encoder run.
+    assert encoded == [1, 1, 0]
+
+
+def test_n_and_recompute_preemption_with_images(llava, oracle):
+    # Three prompts' blocks fill the pool; their completions' blocks do not fit.
+    llm = make_llm(
+        llava,
+        num_gpu_blocks=40,
+        preemption_mode="recompute",
+        block_size=4,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+    )
+    images = [noise_image(10 + i) for i in range(4)]
+    params = SamplingParams(n=2, max_tokens=8, temperature=0)
+    outputs = llm.generate([mm_prompt(PROMPT, i) for i in images], params, use_tqdm=False)
+    assert llm.stats()["num_preemptions"] > 0
+    for out, image in zip(outputs, images):
+        _, expected = oracle(PROMPT, [image])
+        assert [c.token_ids for c in out.outputs] == [expected, expected]
+    assert_all_blocks_free(llm)
+
+
+def test_the_encoder_cache_budget_evicts_unheld_images(llava, oracle):
+    """A cache of two images' embeddings: a third evicts the least recently released."""
+    # (No prefix caching: a prompt whose blocks it holds would need no encoder at all.)
+    llm = make_llm(
+        llava,
+        encoder_cache_size=32,
+        enable_prefix_caching=False,
+        limit_mm_per_prompt={"image": 3},
+        **CHUNKED,
+    )
+    a, b, c = noise_image(20), noise_image(21), noise_image(22)
+    for image in (a, b, c, a):
+        (out,) = llm.generate(mm_prompt(PROMPT, image), GREEDY, use_tqdm=False)
+        assert_matches([out], [(PROMPT, [image])], oracle)
+    stats = llm.stats()
+    assert stats["num_encoded_images"] == 4 and stats["encoder_cache_hits"] == 0
+    assert stats["encoder_cache_usage"] <= 32
+    assert set(llm.engine.runner.encoder_cache) == {mm_hash(c), mm_hash(a)}  # b went first
+    with pytest.raises(ValueError, match="encoder_cache_size=32"):
+        llm.generate(mm_prompt("<image><image><image>", a, b, c), GREEDY, use_tqdm=False)
+
+
+def _bad_inputs(tmp_path):
+    big = tmp_path / "big.png"
+    Image.new("L", (4097, 4097)).save(big)
+    return [
+        (mm_prompt(PROMPT, "data:image/png;base64,aGVsbG8="), "does not decode"),
+        (mm_prompt(PROMPT, "data:image/png;base64,***"), "not valid base64"),
+        (mm_prompt(PROMPT, "https://example.com/cat.png"), "network"),
+        (mm_prompt(PROMPT, str(big)), "allowed_local_media_path"),
+        (mm_prompt(PROMPT, Image.new("L", (4097, 4097))), "4097x4097"),
+        (mm_prompt("<image><image><image>", *[noise_image(1)] * 3), "limit_mm_per_prompt"),
+        (mm_prompt("no placeholder", noise_image(1)), "0 <image> placeholders"),
+        ({"prompt": PROMPT, "multi_modal_data": {"video": []}}, "multi_modal_data"),
+    ]
+
+
+def test_bad_images_are_value_errors_that_change_nothing(llm, oracle, tmp_path):
+    good = mm_prompt(PROMPT, noise_image(1))
+    for bad, message in _bad_inputs(tmp_path):
+        with pytest.raises(ValueError, match=message):
+            llm.generate([good, bad], GREEDY, use_tqdm=False)
+        assert_all_blocks_free(llm)
+    assert_matches(llm.generate(good, GREEDY, use_tqdm=False), [(PROMPT, [noise_image(1)])], oracle)
+
+
+def test_a_local_file_under_the_allowed_path(llava, oracle, tmp_path):
+    image = noise_image(30)
+    image.save(tmp_path / "cat.png")
+    llm = make_llm(llava, allowed_local_media_path=str(tmp_path))
+    content = [
+        {"type": "text", "text": "What is it?"},
+        {"type": "image_url", "image_url": {"url": f"file://{tmp_path / 'cat.png'}"}},
+    ]
+    (out,) = llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)
+    text = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "<image>\nWhat is it?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    prompt_ids, expected = oracle(text, [image], add_special_tokens=False)
+    assert out.prompt_token_ids == prompt_ids and out.outputs[0].token_ids == expected
+    with pytest.raises(ValueError, match="outside allowed_local_media_path"):
+        llm.generate(mm_prompt(PROMPT, "/etc/hostname"), GREEDY, use_tqdm=False)
+
+
+def test_an_image_for_a_text_only_model_is_refused(tiny):
+    llm = make_llm(tiny("llama")[0])
+    with pytest.raises(ValueError, match="text-only"):
+        llm.generate(mm_prompt(PROMPT, noise_image(1)), GREEDY, use_tqdm=False)
+    content = [{"type": "image_url", "image_url": {"url": data_url(noise_image(1))}}]
+    with pytest.raises(ValueError, match="text-only"):
+        llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"enable_lora": True},
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+        {"runner": "pooling"},
+        {"memory_mode": "contiguous-max"},
+    ],
+)
+def test_unsupported_combinations_name_the_option(llava, kwargs):
+    with pytest.raises(
+        ValueError, match=f"a multimodal model cannot run with {next(iter(kwargs))}"
+    ):
+        make_llm(llava, **kwargs)
