@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from minipaged.config import EngineConfig
 from minipaged.engine.llm_engine import LLMEngine
 from minipaged.lora_request import LoRARequest
+from minipaged.multimodal.inputs import split_images
 from minipaged.outputs import BeamSearchOutput, EmbeddingRequestOutput, Output, RequestOutput
 from minipaged.pooling_params import PoolingParams
 from minipaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -241,40 +242,6 @@ class LLM:
             text, images, prompt.get("add_special_tokens", True)
         )
         return token_ids, text, features
-
-
-def split_images(conversation: Conversation, placeholder: str | None) -> tuple[Conversation, list]:
-    """A conversation whose messages' content may be lists of OpenAI content parts
-    (``{"type": "text", "text": ...}``, ``{"type": "image_url", "image_url": {"url":
-    ...}}``), as plain-text messages with the model's image ``placeholder`` where each
-    image was, and the images' URLs in order.  As vLLM places them for LLaVA, a
-    message's images come first, each placeholder on a line of its own."""
-    messages, images = [], []
-    for message in conversation:
-        content = message["content"]
-        if not isinstance(content, list):
-            messages.append(message)
-            continue
-        texts, urls = [], []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                texts.append(part["text"])
-            elif kind == "image_url" and isinstance(part.get("image_url"), dict):
-                urls.append(part["image_url"].get("url"))
-            else:
-                raise ValueError(
-                    f"messages: a content part must be {{'type': 'text', 'text': str}} or "
-                    f"{{'type': 'image_url', 'image_url': {{'url': str}}}}, got {part!r:.80}"
-                )
-        if urls and placeholder is None:
-            raise ValueError(
-                "messages: image_url parts need a multimodal model; this one is text-only"
-            )
-        images += urls
-        text = "\n".join(texts)
-        messages.append({**message, "content": "".join(f"{placeholder}\n" for _ in urls) + text})
-    return messages, images
 
 
 def _as_list(prompts) -> list[Prompt]:

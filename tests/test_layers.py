@@ -240,6 +240,7 @@ PLAIN_DATA = {
     "minipaged.pooling_params",
     "minipaged.outputs",
     "minipaged.lora_request",
+    "minipaged.multimodal.inputs",
 }
 
 

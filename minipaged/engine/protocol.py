@@ -25,6 +25,7 @@ from minipaged.sampling_params import SamplingParams
 
 # A request for the engine: (request id, prompt token ids, params, prompt text, LoRA
 # adapter or None); PoolingParams for a pooling engine (``runner="pooling"``).
+# (request id, prompt token ids, params, prompt text, adapter[, images' mm_features]).
 Request = tuple[str, list[int], SamplingParams | PoolingParams, str | None, LoRARequest | None]
 
 
@@ -41,6 +42,7 @@ class EngineFacts:
     vocab_size: int
     num_gpu_blocks: int
     description: list[str]
+    image_placeholder: str | None = None  # a vision model's "<image>"; None: text only
 
     @classmethod
     def of(cls, engine) -> EngineFacts:
@@ -52,6 +54,7 @@ class EngineFacts:
             engine.vocab_size,
             engine.kv.num_gpu_blocks,
             describe(engine),
+            engine.image_placeholder,
         )
 
 
@@ -90,6 +93,14 @@ class EngineClient(ABC):
         """Check ``requests`` (``ValueError`` before queueing any) and queue them;
         return one stream of all their outputs.  Leaving it early aborts those still
         running, which frees their blocks."""
+
+    def process_multimodal(
+        self, prompt: str, images: list, add_special_tokens: bool
+    ) -> tuple[list[int], list]:
+        """`LLMEngine.process_multimodal`: a prompt's token ids with its images'
+        placeholders expanded, and their ``mm_features`` for the request's sixth
+        element; ``ValueError`` where the model takes no images (here: every model)."""
+        raise ValueError("image_url: this server's model takes no images")
 
     async def encode(self, requests: list[Request]) -> AsyncIterator[EmbeddingRequestOutput]:
         """vLLM's ``encode``: queue pooling requests (PoolingParams; the engine must

@@ -5,7 +5,8 @@ many as the encoder makes embeddings for it.  `PlaceholderRange` says where that
 is; `MultiModalFeatureSpec` is one image of a request: its preprocessed tensor
 (``data``, the model runner's input to the encoder), its ``identifier`` (the image's
 hash, ``mm_hash``: the encoder cache's key and the prefix cache's extra key) and its
-placeholder range.
+placeholder range.  `split_images` reads a chat's OpenAI content parts (``LLM.chat``
+and ``/v1/chat/completions`` both).
 
 Standard library only: the scheduler reads these.
 """
@@ -41,3 +42,37 @@ class MultiModalFeatureSpec:
     @property
     def num_embeds(self) -> int:
         return self.mm_position.length
+
+
+def split_images(conversation: list[dict], placeholder: str | None) -> tuple[list[dict], list[str]]:
+    """A conversation whose messages' content may be lists of OpenAI content parts
+    (``{"type": "text", "text": ...}``, ``{"type": "image_url", "image_url": {"url":
+    ...}}``), as plain-text messages with the model's image ``placeholder`` where each
+    image was, and the images' URLs in order.  As vLLM places them for LLaVA, a
+    message's images come first, each placeholder on a line of its own."""
+    messages, images = [], []
+    for message in conversation:
+        content = message["content"]
+        if not isinstance(content, list):
+            messages.append(message)
+            continue
+        texts, urls = [], []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif kind == "image_url" and isinstance(part.get("image_url"), dict):
+                urls.append(part["image_url"].get("url"))
+            else:
+                raise ValueError(
+                    f"messages: a content part must be {{'type': 'text', 'text': str}} or "
+                    f"{{'type': 'image_url', 'image_url': {{'url': str}}}}, got {part!r:.80}"
+                )
+        if urls and placeholder is None:
+            raise ValueError(
+                "messages: image_url parts need a multimodal model; this one is text-only"
+            )
+        images += urls
+        text = "\n".join(texts)
+        messages.append({**message, "content": "".join(f"{placeholder}\n" for _ in urls) + text})
+    return messages, images

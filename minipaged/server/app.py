@@ -54,6 +54,7 @@ from minipaged.config import EngineConfig
 from minipaged.engine.llm_engine import LLMEngine
 from minipaged.engine.protocol import EngineClient
 from minipaged.lora_request import LoRARequest
+from minipaged.multimodal.inputs import split_images
 from minipaged.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from minipaged.server.async_engine import (
     AsyncEngine,
@@ -399,7 +400,7 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
         self._check_logprobs(body.top_logprobs, "top_logprobs")
         tools = self._chat_tools(body)
-        token_ids = await self._chat_prompt(body)
+        token_ids, mm_features = await self._chat_prompt(body)
         asked = [m for m in (body.max_completion_tokens, body.max_tokens) if m is not None]
         max_tokens = asked[0] if asked else max(1, self.max_model_len - len(token_ids))
         self._check_context(len(token_ids), max_tokens, "messages")
@@ -408,7 +409,9 @@ class OpenAIServing:
             max_tokens, top if body.logprobs else None, body.prompt_logprobs
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = await self.engine.generate([(request_id, token_ids, params, None, lora_request)])
+        outputs = await self.engine.generate(
+            [(request_id, token_ids, params, None, lora_request, mm_features)]
+        )
         head = {
             "id": request_id,
             "object": "chat.completion.chunk" if body.stream else "chat.completion",
@@ -463,16 +466,46 @@ class OpenAIServing:
             )
         return ChatTools(choice)
 
-    async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], list]:
+        """The messages' token ids, and the ``mm_features`` of their images (none
+        without ``image_url`` parts)."""
         if not body.messages:
             raise APIError(400, "messages must not be empty", "messages")
         if self.tokenizer.chat_template is None:
             raise APIError(
                 400, "this model's tokenizer has no chat template; use /v1/completions", "messages"
             )
-        return await self._render_chat(
+        if any(m.has_images for m in body.messages):
+            return await self._render_chat_with_images(body)
+        tokens = await self._render_chat(
             body.messages, add_special_tokens=body.add_special_tokens, tools=body.tools
         )
+        return tokens, []
+
+    async def _render_chat_with_images(self, body: ChatCompletionRequest):
+        """Messages with ``image_url`` parts: each image's placeholder where it goes
+        (`split_images`), the template rendered, then the model's processor expands the
+        placeholders and reads the images (decoded, checked and hashed off the event
+        loop); a refused image is a 400 naming ``messages`` and what was wrong."""
+        placeholder = self.engine.facts.image_placeholder
+        try:
+            messages, images = split_images(
+                [m.as_template_input() for m in body.messages], placeholder
+            )
+        except ValueError as error:
+            raise APIError(400, str(error), "messages") from error
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+
+        def render():
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=body.tools, add_generation_prompt=True, tokenize=False
+            )
+            return self.engine.process_multimodal(text, images, body.add_special_tokens)
+
+        try:
+            return await self._off_loop(render)
+        except ValueError as error:
+            raise APIError(400, str(error), "messages") from error
 
     async def _render_chat(
         self,

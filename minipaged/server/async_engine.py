@@ -76,9 +76,10 @@ class AsyncEngine(EngineClient):
         still running, which frees their blocks."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
-        for request_id, token_ids, params, *_ in requests:
+        for request_id, token_ids, params, *rest in requests:
             # Reads only the engine's fixed limits and its request ids: safe from here.
-            self.engine.check_request(request_id, token_ids, params)
+            mm = rest[2] if len(rest) > 2 else None
+            self.engine.check_request(request_id, token_ids, params, mm_features=mm)
         outputs: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         for request in requests:
@@ -103,6 +104,12 @@ class AsyncEngine(EngineClient):
     def abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
             self._commands.put(("abort", request_id))
+
+    def process_multimodal(
+        self, prompt: str, images: list, add_special_tokens: bool
+    ) -> tuple[list[int], list]:
+        # The engine's processor reads nothing the step loop changes: safe from here.
+        return self.engine.process_multimodal(prompt, images, add_special_tokens)
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """Have the engine read and know an adapter (between steps, on its thread);
@@ -189,13 +196,18 @@ class AsyncEngine(EngineClient):
             if kind == "add_lora":
                 self._add_lora(*arg)
                 continue
-            request_id, token_ids, params, prompt, lora_request = arg
+            request_id, token_ids, params, prompt, lora_request, *mm = arg
             if self._closed is not None:
                 self._end(request_id, ServerClosingError(self._closed))
                 continue
             try:
                 self.engine.add_request(
-                    request_id, token_ids, params, prompt=prompt, lora_request=lora_request
+                    request_id,
+                    token_ids,
+                    params,
+                    prompt=prompt,
+                    lora_request=lora_request,
+                    mm_features=mm[0] if mm else None,
                 )
             except ValueError as error:  # e.g. its id reused since it was checked
                 self._send(request_id, error)

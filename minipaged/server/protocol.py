@@ -281,20 +281,38 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; one size here
+
+
+class ImageURLPart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: ignored
 
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImageURLPart] | None = None
 
     tool_calls: list[dict] | None = None  # an assistant's, sent back
     tool_call_id: str | None = None  # a tool message's: the call it answers
+
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(
+            isinstance(part, ImageURLPart) for part in self.content
+        )
 
     def as_template_input(self) -> dict:
         """The message as chat templates read it: an assistant's calls with their
         arguments as objects (as vLLM passes them), a tool result with its call's id."""
         content = self.content
-        if isinstance(content, list):
+        if isinstance(content, list) and self.has_images:  # for `split_images`
+            content = [part.model_dump(exclude_none=True) for part in content]
+        elif isinstance(content, list):
             content = "".join(part.text for part in content)
         message = {"role": self.role, "content": content or ""}
         if self.tool_calls:
