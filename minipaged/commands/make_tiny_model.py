@@ -15,7 +15,7 @@ DESCRIPTION = (
 
 def add_arguments(parser) -> None:
     parser.add_argument("dir", help="directory to write (created if missing)")
-    parser.add_argument("--arch", choices=sorted(ARCHS), default="llama")
+    parser.add_argument("--arch", choices=[*sorted(ARCHS), "llava"], default="llama")
     parser.add_argument("--seed", type=int, default=0, help="same seed, same weights")
 
 
