@@ -154,12 +154,13 @@ def test_the_prefix_cache_keys_on_the_image(llava, oracle):
     assert encoded == [1, 1, 0]
 
 
-def test_n_and_recompute_preemption_with_images(llava, oracle):
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_n_and_preemption_with_images(llava, oracle, preemption_mode):
     # Three prompts' blocks fill the pool; their completions' blocks do not fit.
     llm = make_llm(
         llava,
         num_gpu_blocks=40,
-        preemption_mode="recompute",
+        preemption_mode=preemption_mode,
         block_size=4,
         max_num_batched_tokens=64,
         max_num_seqs=8,
@@ -238,6 +239,16 @@ def test_a_local_file_under_the_allowed_path(llava, oracle, tmp_path):
     assert out.prompt_token_ids == prompt_ids and out.outputs[0].token_ids == expected
     with pytest.raises(ValueError, match="outside allowed_local_media_path"):
         llm.generate(mm_prompt(PROMPT, "/etc/hostname"), GREEDY, use_tqdm=False)
+
+
+def test_beam_search_with_an_image_is_refused(llm):
+    from minipaged.sampling_params import BeamSearchParams
+
+    with pytest.raises(ValueError, match="BeamSearchParams"):
+        llm.beam_search(
+            mm_prompt(PROMPT, noise_image(1)), BeamSearchParams(beam_width=2, max_tokens=4)
+        )
+    assert_all_blocks_free(llm)
 
 
 def test_an_image_for_a_text_only_model_is_refused(tiny):

@@ -143,14 +143,16 @@ class InputProcessor:
             )
         self.scheduler.check_fits(len(prompt_token_ids), params)
         if mm_features:
-            self._check_mm(prompt_token_ids, mm_features)
+            self._check_mm(prompt_token_ids, params, mm_features)
         self._grammar(params)  # compiles against the tokenizer: ValueError if it cannot
 
-    def _check_mm(self, prompt_token_ids: list[int], mm_features: list) -> None:
-        """Images only for a vision model, each placeholder range inside the prompt,
-        and all of them at once within the encoder cache."""
+    def _check_mm(self, prompt_token_ids: list[int], params: Params, mm_features: list) -> None:
+        """Images only for a vision model and not with beam search, each placeholder
+        range inside the prompt, and all of them at once within the encoder cache."""
         if self.scheduler.encoder_cache is None:
             raise ValueError("mm_features: this is a text-only model, which takes no images")
+        if isinstance(params, BeamSearchParams):
+            raise ValueError("BeamSearchParams: minipaged runs no beam search with images")
         for f in mm_features:
             end = f.mm_position.offset + f.mm_position.length
             if f.mm_position.offset < 0 or end > len(prompt_token_ids):
