@@ -52,6 +52,7 @@ BENCHES = (
     "quant",
     "mla",
     "embed",
+    "mm",
     "structured",
     "structured_acceptance",
 )

@@ -48,6 +48,8 @@ time per step, with the model stubbed), `common` (timing, a system's row, tables
   GQA caches, and one layer's decode absorbed against unabsorbed on the CPU.
 * `embed` - a pooling model's embeddings: requests/s of ``LLM.embed`` against Hugging
   Face's batched forward, and how far apart their vectors are.
+* `mm` - a multimodal workload whose images repeat: images encoded, the encoder cache's
+  hit rate and requests/s with a cache for every image against one for a single image.
 * `structured` - structured outputs (a JSON schema held by llguidance) on against off:
   time per output token at batch 1 and 32, and the schema's compile time apart.
 * `structured_acceptance` - 50 JSON schemas sent to ``minipaged serve`` through the

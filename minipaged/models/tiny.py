@@ -333,6 +333,7 @@ def cached_checkpoint(name: str, arch: str = "llama", seed: int = 0, **overrides
         "base": BASE_CONFIG,
         "archs": ARCHS,
         "init_std": INIT_STD,
+        **({"llava": [LLAVA_CONFIG, LLAVA_VISION_CONFIG]} if arch == "llava" else {}),
     }
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     return materialize(
