@@ -26,7 +26,9 @@ def test_the_command_counts_encoder_runs_and_saves_ratios(tmp_path, capsys):
     changes = 1 + sum(a != b for a, b in zip(picks, picks[1:]))
     assert rows["one image"]["num_encoded_images"] == changes
     assert rows["all images"]["encoder_cache_hit_rate"] == pytest.approx(1 - len(set(picks)) / 12)
-    baseline = rows["one image"]["seconds"]
+    assert rows["no repeats"]["num_encoded_images"] == 12
+    assert rows["no repeats"]["encoder_cache_hit_rate"] == 0
+    baseline = rows["no repeats"]["seconds"]
     for row in rows.values():
         assert row["speedup"] == pytest.approx(baseline / row["seconds"])
         assert row["requests_per_s"] == pytest.approx(12 / row["seconds"])
