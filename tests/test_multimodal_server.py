@@ -5,6 +5,7 @@ the server is idle with every block free and still answers."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 from PIL import Image
@@ -77,3 +78,10 @@ def test_an_image_for_a_text_only_model_is_a_400(tiny):
                     model=MODEL, messages=image_message(data_url(noise_image(1))), max_tokens=2
                 )
             assert error.value.body["param"] == "messages"
+
+
+def test_tokenize_refuses_image_parts(server):
+    body = {"model": MODEL, "messages": image_message(data_url(noise_image(1)))}
+    response = httpx.post(f"{server}/tokenize", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "messages"

@@ -517,6 +517,8 @@ class OpenAIServing:
         """The messages (and ``tools``, which the template describes to the model)
         through the chat template, tokenized off the event loop (the template has the
         special tokens already, unless ``add_special_tokens``)."""
+        if any(m.has_images for m in messages):
+            raise APIError(400, "image_url parts are only read by /v1/chat/completions", "messages")
         messages = [m.as_template_input() for m in messages]
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
 
