@@ -209,6 +209,8 @@ def _bad_inputs(tmp_path):
         (mm_prompt("<image><image><image>", *[noise_image(1)] * 3), "limit_mm_per_prompt"),
         (mm_prompt("no placeholder", noise_image(1)), "0 <image> placeholders"),
         ({"prompt": PROMPT, "multi_modal_data": {"video": []}}, "multi_modal_data"),
+        (PROMPT, "1 image placeholder tokens .* for 0 images"),  # text, no image
+        ({"prompt_token_ids": [256, 259, 259]}, "2 image placeholder tokens"),
     ]
 
 

@@ -61,6 +61,7 @@ class InputProcessor:
         self.scheduler = scheduler
         self.device = device
         self.structured_output = structured_output  # compiles structured outputs' grammars
+        self.image_token_id: int | None = None  # a vision model's placeholder token
         self._arrivals = itertools.count()
 
     def process(
@@ -142,8 +143,8 @@ class InputProcessor:
                 f"max_model_len={self.max_model_len}"
             )
         self.scheduler.check_fits(len(prompt_token_ids), params)
-        if mm_features:
-            self._check_mm(prompt_token_ids, params, mm_features)
+        if mm_features or self.image_token_id is not None:
+            self._check_mm(prompt_token_ids, params, mm_features or [])
         self._grammar(params)  # compiles against the tokenizer: ValueError if it cannot
 
     def _check_mm(self, prompt_token_ids: list[int], params: Params, mm_features: list) -> None:
@@ -151,6 +152,15 @@ class InputProcessor:
         range inside the prompt, and all of them at once within the encoder cache."""
         if self.scheduler.encoder_cache is None:
             raise ValueError("mm_features: this is a text-only model, which takes no images")
+        placeholders = sum(t == self.image_token_id for t in prompt_token_ids)
+        if placeholders != sum(f.mm_position.length for f in mm_features):
+            raise ValueError(
+                f"prompt has {placeholders} image placeholder tokens (id "
+                f"{self.image_token_id}) for {len(mm_features)} images; send images with "
+                "multi_modal_data, their placeholders in the prompt text"
+            )
+        if not mm_features:
+            return
         if isinstance(params, BeamSearchParams):
             raise ValueError("BeamSearchParams: minipaged runs no beam search with images")
         for f in mm_features:

@@ -234,6 +234,8 @@ class LLMEngine:
             pooler=self.runner.pooler,
             structured_output=self.structured_output,
         )
+        if self.mm_processor is not None:
+            self.input_processor.image_token_id = self.mm_processor.image_token_id
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.parallel_sampling = ParallelSampling(self.eos_token_ids, self.generator)
         self.beam_search = BeamSearch(self.eos_token_ids, self.tokenizer)
