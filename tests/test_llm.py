@@ -31,7 +31,7 @@ def llm(llama):
 @pytest.mark.parametrize(
     "name, value",
     [
-        ("limit_mm_per_prompt", {"image": 1}),
+        ("mm_processor_kwargs", {"num_crops": 4}),
         ("load_format", "dummy"),
         ("cpu_offload_gb", 4),
         ("block_sise", 16),
