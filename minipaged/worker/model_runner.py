@@ -24,6 +24,11 @@ within its prefills and its decodes, so each adapter's tokens form few segments.
 On a pipeline stage (``pipeline_parallel_size`` > 1) the runner runs the stage's layers
 only, micro-batch by micro-batch, receiving and sending the hidden states between
 stages (`ModelRunner._execute_stage`).
+With a vision model (LLaVA), a step first drops the encoder outputs the scheduler
+evicted and encodes the images it scheduled, keeping each image's embeddings by its
+hash (`_execute_mm_encoder`), then runs the model from input embeddings in which every
+placeholder token the step covers holds its image's embedding (`_gather_mm_embeddings`;
+vLLM's GPU model runner's names).
 With a KV connector (disaggregated prefill, `set_kv_connector`), a step loads the KV
 its scheduler counted as loaded before the forward pass, and each attention layer
 waits for its own layer's load before it runs and hands its cache to the connector to

@@ -53,8 +53,8 @@ class EncoderCacheManager:
 
     def acquire(self, request_id: str, features) -> None:
         """``request_id`` holds its images from now on: each a hit, or a new entry."""
-        hashes = list(self._distinct(features))
-        for h, n in self._distinct(features).items():
+        distinct = self._distinct(features)
+        for h, n in distinct.items():
             self.num_lookups += 1
             if h in self.sizes:
                 self.num_hits += 1
@@ -64,7 +64,7 @@ class EncoderCacheManager:
                 self.sizes[h], self.num_free_slots = n, self.num_free_slots - n
                 self.holders[h] = set()
             self.holders[h].add(request_id)
-        self.held_by[request_id] = hashes
+        self.held_by[request_id] = list(distinct)
 
     def release(self, request_id: str) -> None:
         """``request_id`` no longer needs its images (finished, aborted, recomputed)."""

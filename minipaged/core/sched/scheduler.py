@@ -44,6 +44,11 @@ remembers, per sequence the runner holds, how many of its tokens and blocks it h
 (``_held``), so a running sequence costs a step a few integers, and every sequence whose
 blocks are freed or swapped out is named once in the next output's ``finished_req_ids``.
 
+With a vision model, admission asks the encoder cache too (`EncoderCacheManager`): a
+request waits until its images fit there, then holds them until it finishes or is
+preempted by recompute; the first chunk that reaches an image's placeholder schedules
+its encoder run (``scheduled_encoder_inputs``), unless its embeddings are cached.
+
 With a KV connector (``kv_transfer_config``, disaggregated prefill), admission asks
 it too: the prompt tokens past the prefix-cache hit that another engine computed
 (`KVConnectorBase_V1.get_num_new_matched_tokens`) get blocks like the rest but count as
