@@ -21,7 +21,7 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from engine_helpers import assert_all_blocks_free, make_llm
 from minipaged import SamplingParams
-from minipaged.models.tiny import EOS_ID, make_tiny_model
+from minipaged.models.tiny import EOS_ID, IMAGE_TOKEN_ID, make_tiny_model
 from minipaged.multimodal.processing import mm_hash
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
@@ -137,7 +137,8 @@ def test_a_repeated_image_is_encoded_once(llm, oracle):
 
 def test_the_prefix_cache_keys_on_the_image(llava, oracle):
     """The same text before two different images shares no KV; the same image does."""
-    llm = make_llm(llava, block_size=4)
+    # An encoder cache of one image: each new image evicts the last.
+    llm = make_llm(llava, block_size=4, encoder_cache_size=16)
     a, b = noise_image(4), noise_image(5)
     hits, encoded = [], []
     for image in (a, b, a):
@@ -152,6 +153,19 @@ def test_the_prefix_cache_keys_on_the_image(llava, oracle):
     assert hits[2] == (len(out.prompt_token_ids) - 1) // 4 * 4  # a again: its full blocks
     # The cached blocks cover a's placeholder whole: its KV needs no encoder run.
     assert encoded == [1, 1, 0]
+    # The same image, other text right after it: the hit ends inside the placeholder,
+    # whose last embeddings need the encoder again (b evicted a's; the last request
+    # needed none).
+    other = "USER: <image>Where?"
+    before = llm.stats()
+    (out,) = llm.generate(mm_prompt(other, a), GREEDY, use_tqdm=False)
+    assert_matches([out], [(other, [a])], oracle)
+    after = llm.stats()
+    computed = after["num_computed_prompt_tokens"] - before["num_computed_prompt_tokens"]
+    hit = len(out.prompt_token_ids) - computed
+    placeholder = out.prompt_token_ids.index(IMAGE_TOKEN_ID)
+    assert placeholder < hit < placeholder + 16
+    assert after["num_encoded_images"] - before["num_encoded_images"] == 1
 
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
