@@ -151,6 +151,12 @@ EXERCISES = (
         ),
     ),
     Exercise(
+        "09",
+        "incremental_detokenizer.py",
+        {"update": "minipaged.engine.detokenizer:IncrementalDetokenizer.update"},
+        ("tests/test_detokenizer.py",),
+    ),
+    Exercise(
         "10",
         "stop_strings.py",
         {"stop_string": "minipaged.engine.output_processor:stop_string"},
