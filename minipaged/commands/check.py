@@ -246,6 +246,19 @@ EXERCISES = (
         {"route": "minipaged.models.moe:route"},
         ("tests/test_moe.py", "-k", "route_equals or routing_stats_count"),
     ),
+    Exercise(
+        "19",
+        "pooler.py",
+        {
+            "add": "minipaged.models.pooler:Pooler.add",
+            "finish": "minipaged.models.pooler:Pooler.finish",
+        },
+        (
+            "tests/test_pooling.py",
+            "-k",
+            "matches_hf or keeps_embeddings or double_counts or overrides or matryoshka_dimensions",
+        ),
+    ),
 )
 
 
