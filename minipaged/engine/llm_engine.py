@@ -402,6 +402,7 @@ class LLMEngine:
             # Prompt tokens run through the model, and those a KV connector loaded.
             "num_computed_prompt_tokens": self.scheduler.num_computed_prompt_tokens,
             "num_external_computed_tokens": self.scheduler.num_external_computed_tokens,
+            **(self.kv_connector.get_kv_connector_stats() if self.kv_connector else {}),
             **(self.speculator.stats() if self.speculator else {}),
             **(self.draft_memory() if self.draft_model else {}),
             **routing_stats(self.model),

@@ -126,3 +126,8 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
         keep them until an asynchronous save finishes (never, for a synchronous
         connector), and the dict is what a peer needs to pull them."""
         return False, None
+
+    def get_kv_connector_stats(self) -> dict[str, float]:
+        """What this side moved so far, as counters for the engine's stats (vLLM's
+        hook of that name, whose ``KVConnectorStats`` this plain dict stands for)."""
+        return {}

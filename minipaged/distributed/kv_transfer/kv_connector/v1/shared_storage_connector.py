@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
         # Entries read this step: admission asks twice per prompt (to plan, then to
         # allocate), and a networked store would send the entry twice.
         self._read: dict[str, tuple[int, dict[str, bytes]]] = {}
+        # The scheduler's reads from the store: the layers' bytes, and the seconds spent
+        # fetching them (the transfer, not the checks after it).
+        self.num_bytes_received, self.recv_seconds = 0, 0.0
         self._open_store()
 
     # -- where the entries live: a directory (a networked connector overrides these) ---
@@ -150,10 +154,13 @@ class SharedStorageConnector(KVConnectorBase_V1):
         none, or if the entry is incomplete or corrupt, or its peer unreachable (then
         the consumer computes them: a warning, no error)."""
         try:
+            start = time.perf_counter()
             entry = self._load_entry(key)
+            self.recv_seconds += time.perf_counter() - start
             if entry is None:
                 return 0, {}
             meta, layers = entry
+            self.num_bytes_received += sum(map(len, layers.values()))
             files = meta["files"]
             if len(files) != self.facts.num_layers:
                 raise ValueError(
@@ -166,6 +173,15 @@ class SharedStorageConnector(KVConnectorBase_V1):
         except (OSError, EOFError, ValueError, KeyError, TypeError) as error:
             logger.warning("stored KV %s is unusable (%s): computing it", key, error)
             return 0, {}
+
+    def get_kv_connector_stats(self) -> dict[str, float]:
+        """The scheduler's reads: bytes of the layers' files received, and seconds."""
+        if self.role is not KVConnectorRole.SCHEDULER:
+            return {}
+        return {
+            "kv_connector_bytes_received": self.num_bytes_received,
+            "kv_connector_recv_seconds": self.recv_seconds,
+        }
 
     def update_state_after_alloc(
         self, request: Sequence, blocks: list[int], num_external_tokens: int
