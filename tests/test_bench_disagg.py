@@ -61,6 +61,10 @@ def test_the_file_records_the_run(document):
     assert document["loopback_bytes_per_s"] > 0
     assert rows(document)["single"]["torch_threads"] == {"decode": 2}
     assert rows(document)["disagg"]["torch_threads"] == {"prefill": 1, "decode": 1}
+    # The same cores in both setups, each disaggregated engine on its own.
+    prefill, decode = rows(document)["disagg"]["cores"].values()
+    assert not set(prefill) & set(decode)
+    assert sorted(prefill + decode) == rows(document)["single"]["cores"]["decode"]
 
 
 def test_every_request_made_its_tokens_and_the_bursts_came_on_time(document):

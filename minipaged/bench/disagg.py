@@ -12,14 +12,21 @@ The workload mixes two kinds of request:
 It runs twice, through two setups, each engine a process of its own (a
 `DataParallelEngine` of one replica) driven from here:
 
-- **single**: one engine on ``num_threads`` torch threads; a burst's prompts are cut
-  into chunks of at most ``max_num_batched_tokens`` tokens a step, beside the streams'
-  decodes (chunked prefill), so every decode step of a burst's time carries a chunk;
-- **disagg**: a prefill engine (``kv_producer``) and a decode engine (``kv_consumer``),
-  ``num_threads // 2`` threads each, so the two setups use the same cores.  Each
-  request goes to the prefill engine with ``max_tokens=1``, then to the decode engine,
-  whose `P2pTcpConnector` pulls the prompt's KV over loopback TCP and decodes: the
-  steps of `minipaged disagg-proxy`, without its HTTP (which both setups would pay).
+- **single**: one engine on ``num_threads`` cores (a torch thread each); a burst's
+  prompts are cut into chunks of at most ``max_num_batched_tokens`` tokens a step,
+  beside the streams' decodes (chunked prefill), so every decode step of a burst's
+  time carries a chunk;
+- **disagg**: a prefill engine (``kv_producer``) on half of those cores and a decode
+  engine (``kv_consumer``) on the other half, a torch thread per core.  Each request
+  goes to the prefill engine with ``max_tokens=1``, then to the decode engine, whose
+  `P2pTcpConnector` pulls the prompt's KV over loopback TCP and decodes: the steps of
+  `minipaged disagg-proxy`, without its HTTP (which both setups would pay).
+
+The same cores in both (by default 2: one engine on 2 threads against two engines on 1
+each), each engine pinned to its own (``sched_setaffinity``): what disaggregation buys
+is a decode engine whose core no prefill ever takes, and what it costs is that each
+phase gets half the machine; giving the two engines more cores than the single one
+would measure the extra cores instead.
 
 Reported per setup, from the times the tokens arrived here: TTFT (arrival to first
 token) of the streams and of the bursts' prompts, ITL (the gaps between a stream's
@@ -80,11 +87,11 @@ class Workload:
     stream_prompt_len: int = 32
     stream_output_len: int = 64
     num_bursts: int = 3
-    burst_size: int = 4
-    burst_prompt_len: int = 512
+    burst_size: int = 2
+    burst_prompt_len: int = 256
     burst_output_len: int = 8
-    quiet_s: float = 2.0
-    burst_interval_s: float = 4.0
+    quiet_s: float = 3.0
+    burst_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -137,18 +144,34 @@ class Record:
 
 # -- the engines ----------------------------------------------------------------------
 @contextlib.contextmanager
-def omp_num_threads(num_threads: int):
-    """Engines spawned inside run torch on ``num_threads`` threads (they read the
-    variable when they import torch)."""
-    before = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(num_threads)
+def pinned(cores: list[int]):
+    """Engines spawned inside run on ``cores`` only (they inherit this process's
+    affinity), torch on one thread per core (``OMP_NUM_THREADS``, read when they
+    import torch); then this process is as before."""
+    before = os.environ.get("OMP_NUM_THREADS"), common.usable_cores()
+    os.environ["OMP_NUM_THREADS"] = str(len(cores))
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
     try:
         yield
     finally:
-        if before is None:
+        if before[0] is None:
             del os.environ["OMP_NUM_THREADS"]
         else:
-            os.environ["OMP_NUM_THREADS"] = before
+            os.environ["OMP_NUM_THREADS"] = before[0]
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, before[1])
+
+
+def engine_cores(setup: str, num_threads: int) -> dict[str, list[int]]:
+    """The cores of each engine of ``setup``: the single engine's ``num_threads``, or
+    half of them each for the prefill engine and the decode engine (the same cores in
+    all, so that neither setup gets more of the machine)."""
+    cores = common.usable_cores()[:num_threads]
+    if setup == "single":
+        return {"decode": cores}
+    half = max(1, len(cores) // 2)
+    return {"prefill": cores[:half], "decode": cores[-half:]}
 
 
 def p2p(role: str, port: int) -> dict:
@@ -174,20 +197,17 @@ class Setup:
         from minipaged.server.data_parallel import DataParallelEngine
 
         self.name, self.engines = name, {}
+        self.cores = engine_cores(name, num_threads)
+        port = free_port()
         try:
-            if name == "single":
-                with omp_num_threads(num_threads):
-                    config = EngineConfig(model=str(path), **engine_kwargs)
-                    self.engines["decode"] = DataParallelEngine(config, 1)
-            else:
-                port, threads = free_port(), max(1, num_threads // 2)
-                with omp_num_threads(threads):
-                    for role, side in (("kv_producer", "prefill"), ("kv_consumer", "decode")):
-                        transfer = p2p(role, port)
-                        config = EngineConfig(
-                            model=str(path), kv_transfer_config=transfer, **engine_kwargs
-                        )
-                        self.engines[side] = DataParallelEngine(config, 1)
+            for side, cores in self.cores.items():
+                kwargs = dict(engine_kwargs)
+                if name == "disagg":
+                    role = "kv_producer" if side == "prefill" else "kv_consumer"
+                    kwargs["kv_transfer_config"] = p2p(role, port)
+                with pinned(cores):
+                    config = EngineConfig(model=str(path), **kwargs)
+                    self.engines[side] = DataParallelEngine(config, 1)
         except BaseException:
             self.shutdown()
             raise
@@ -314,7 +334,7 @@ def percentiles_ms(values: list[float]) -> dict[str, float | None]:
     return {f"p{q}": float(np.percentile(values, q)) * 1e3 for q in (50, 99)}
 
 
-def setup_row(setup: str, records: list[Record], before: dict, after: dict, threads: dict) -> dict:
+def setup_row(setup: str, records: list[Record], before: dict, after: dict, cores: dict) -> dict:
     """One setup's row: latencies from ``records``, and what the decode engine's
     connector pulled (counters ``after`` minus ``before`` the timed run)."""
     windows = burst_windows(records)
@@ -335,8 +355,9 @@ def setup_row(setup: str, records: list[Record], before: dict, after: dict, thre
     recv_s = delta("decode", "kv_connector_recv_seconds")
     return {
         "setup": setup,
-        "engines": len(threads),
-        "torch_threads": threads,
+        "engines": len(cores),
+        "cores": cores,  # each engine's, one torch thread per core
+        "torch_threads": {side: len(c) for side, c in cores.items()},
         "num_requests": len(records),
         "num_stream_requests": len(streams),
         "output_tokens": sum(r.num_tokens for r in records),
@@ -428,16 +449,11 @@ def bench_disagg(
     for name in setups:
         setup = Setup(name, path, engine_kwargs, num_threads)
         try:
-            threads = (
-                {"decode": num_threads}
-                if name == "single"
-                else {"prefill": max(1, num_threads // 2), "decode": max(1, num_threads // 2)}
-            )
-
+            cores = setup.cores
             records, before, after = asyncio.run(measure(setup, w, config.vocab_size, seed))
         finally:
             setup.shutdown()
-        rows.append(setup_row(name, records, before, after, threads))
+        rows.append(setup_row(name, records, before, after, cores))
     return {
         "rows": rows,
         "loopback_bytes_per_s": link,
@@ -550,8 +566,8 @@ def add_arguments(parser) -> None:
         )  # fmt: skip
     parser.add_argument(
         "--num-threads", type=int, default=2,
-        help="torch threads of the single engine; each disaggregated engine gets half "
-        "(default: %(default)s)",
+        help="cores (a torch thread each) of the single engine; each disaggregated "
+        "engine gets half (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=256,
