@@ -454,7 +454,7 @@ def make_kv_connectors(engine: LLMEngine, path: Path):
     )
     scheduler_side = KVConnectorFactory.create_connector(transfer, KVConnectorRole.SCHEDULER, facts)
     worker_side = KVConnectorFactory.create_connector(transfer, KVConnectorRole.WORKER, facts)
-    engine.runner.set_kv_connector(worker_side)
+    engine.executor.set_kv_connector(worker_side)
     return scheduler_side
 
 

@@ -140,6 +140,11 @@ class P2pTcpConnector(SharedStorageConnector):
             self.conn = self._connect(extra.get("connect_timeout_s", DEFAULT_CONNECT_TIMEOUT_S))
             self._check_facts()
 
+    def __getstate__(self) -> dict:
+        """A copy for another tensor-parallel rank of this engine: its worker side
+        saves and loads through rank 0, so it needs no store or connection."""
+        return {**self.__dict__, "store": None, "conn": None}
+
     def _connect(self, timeout_s: float) -> Connection:
         deadline = time.monotonic() + timeout_s
         while True:
