@@ -54,6 +54,7 @@ BENCHES = (
     "embed",
     "structured",
     "structured_acceptance",
+    "disagg",
 )
 
 
