@@ -240,6 +240,17 @@ EXERCISES = (
         {"route": "minipaged.models.moe:route"},
         ("tests/test_moe.py", "-k", "route_equals or routing_stats_count"),
     ),
+    Exercise(
+        "22",
+        "grammar_bitmask.py",
+        {"apply_grammar_bitmask": "minipaged.structured_output.utils:apply_grammar_bitmask"},
+        (
+            "tests/test_structured_output.py",
+            "-k",
+            "bit_by_bit_loop or greedy_tokens_equal_hf or regex_and_choice or sampled_json"
+            " or n_forks",
+        ),
+    ),
 )
 
 
