@@ -241,6 +241,18 @@ EXERCISES = (
         ("tests/test_moe.py", "-k", "route_equals or routing_stats_count"),
     ),
     Exercise(
+        "21",
+        "absorbed_decode.py",
+        {"decode_absorbed": "minipaged.models.deepseek_v2:MLAPagedAttention._decode_absorbed"},
+        (
+            "tests/test_mla.py",
+            "-k",
+            # Prefill only, or unabsorbed, never runs the absorbed decode: not a test of yours.
+            "naive_oracle and absorbed and not unabsorbed and not prefills or fp8_latent_cache"
+            " or every_feature_at_once and torch",
+        ),
+    ),
+    Exercise(
         "22",
         "grammar_bitmask.py",
         {"apply_grammar_bitmask": "minipaged.structured_output.utils:apply_grammar_bitmask"},
