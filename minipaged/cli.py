@@ -55,6 +55,7 @@ BENCHES = (
     "mm",
     "structured",
     "structured_acceptance",
+    "disagg",
 )
 
 

@@ -144,9 +144,10 @@ class EngineConfig:
             ``{"kv_connector": "SharedStorageConnector", "kv_role": "kv_producer",
             "kv_connector_extra_config": {"shared_storage_path": DIR}}``; a producer
             saves each prompt's KV, a consumer loads it instead of computing it
-            (`minipaged.distributed.kv_transfer`).  None: off.  Not with tensor or
-            pipeline parallelism, speculative decoding, compilation, an fp8 KV cache
-            or a contiguous ``memory_mode``.
+            (`minipaged.distributed.kv_transfer`).  None: off.  With tensor
+            parallelism each rank moves its own KV heads (the two engines' sizes may
+            differ); not with pipeline parallelism, speculative decoding,
+            compilation, an fp8 KV cache or a contiguous ``memory_mode``.
         limit_mm_per_prompt: a vision model's most images in one prompt, as vLLM's
             ``{"image": n}``; None: one.
         allowed_local_media_path: the directory a chat's ``image_url`` may name local
@@ -352,14 +353,14 @@ class EngineConfig:
         _refuse_combinations("runner='pooling'", combos, self)
 
     def _check_kv_transfer(self) -> None:
-        """What a KV connector cannot run with in minipaged: its blocks are one
-        process's whole layers, loaded and saved around an eager forward pass, with
-        no per-layer scale that differs between two engines (fp8's)."""
+        """What a KV connector cannot run with in minipaged: its blocks are whole
+        layers, loaded and saved around an eager forward pass on every rank (a
+        pipeline stage holds only some layers), with no per-layer scale that differs
+        between two engines (fp8's)."""
         self.kv_transfer_config = KVTransferConfig.from_value(self.kv_transfer_config)
         if self.kv_transfer_config is None:
             return
         combos = {
-            "tensor_parallel_size": self.tensor_parallel_size > 1,
             "pipeline_parallel_size": self.pipeline_parallel_size > 1,
             "distributed_executor_backend": self.distributed_executor_backend != "mp",
             "speculative_config": self.speculative_config is not None,

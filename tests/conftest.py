@@ -19,6 +19,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("MINIPAGED_CUDA_EMULATE", "1")
     torch.set_num_threads(1)
 
+from minipaged.bench import common as bench_common  # noqa: E402  (after TRITON_INTERPRET)
+
+# No test asserts a timing, only what is computed from one: a bench run in a test times
+# each call after a small flush, the fewest calls (a real run writes 256 MB before each
+# and times 0.2 s at least: ~20 s of every `bench attention` run in the tests).
+bench_common.CPU_FLUSH_BYTES = 1 << 20
+bench_common.CPU_MIN_RUN_S = 0.0
+
 
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):

@@ -58,10 +58,12 @@ def in_process(path, api_key: str | None = None):
         yield base_url, engine
 
 
-def in_process_app(path, api_key: str | None = None, engine_kwargs=None, **app_kwargs):
+def in_process_app(
+    path, api_key: str | None = None, engine_kwargs=None, host: str = "127.0.0.1", **app_kwargs
+):
     """As `in_process`, with `build_app`'s other arguments (``limits``,
-    ``allowed_hosts``, ``lora_modules``) and more engine settings; yields the base URL,
-    the `AsyncEngine` and the app."""
+    ``allowed_hosts``, ``lora_modules``), more engine settings and the address to
+    listen on; yields the base URL, the `AsyncEngine` and the app."""
     import uvicorn
 
     from minipaged.config import EngineConfig
@@ -75,10 +77,10 @@ def in_process_app(path, api_key: str | None = None, engine_kwargs=None, **app_k
     port = free_port()
     app = build_app(engine, MODEL, api_key, **app_kwargs)
     limits = app_kwargs.get("limits") or ServerLimits()
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, limits, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, host, port, limits, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    base_url = f"http://127.0.0.1:{port}"
+    base_url = f"http://{host}:{port}"
     wait_healthy(base_url, thread.is_alive)
     try:
         yield base_url, engine, app

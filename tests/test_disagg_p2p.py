@@ -6,7 +6,8 @@ The oracles: Hugging Face transformers on the same checkpoint (the consumer's gr
 output), arithmetic on the prompts for how many tokens load (whole blocks, never a
 prompt's last token), and the consumer computing everything itself when the producer is
 gone.  The first test runs both engines in this process over loopback; the last puts
-them on two hosts, network namespaces joined by a veth pair (`netns`).
+them on two hosts, network namespaces joined by a veth pair (`netns`), the proxy
+on the decode host reaching the prefill server across the link.
 """
 
 from __future__ import annotations
@@ -194,31 +195,40 @@ def test_a_proxy_sends_the_prefill_to_one_server_and_streams_the_decode_from_the
 
 
 @pytest.mark.netns
-def test_across_two_hosts_then_with_the_producer_gone(model):
-    """The producer on host A, consumers on host B: the first one's greedy tokens equal
-    HF's, its prompts loaded over the veth link; A's engine is killed after the second
-    one connects, and that one computes every prompt itself, with the same tokens."""
+def test_across_two_hosts_through_the_proxy_then_with_the_producer_gone(model):
+    """A prefill server on host A; on host B a decode server with the proxy in front of
+    both: each answer is a single engine's greedy text (its tokens HF's), the prompts'
+    KV loaded over the veth link.  A is killed after an offline consumer on B connects,
+    and that one computes every prompt itself, its tokens HF's."""
     from netns import two_hosts
 
     with two_hosts("kvp2p", "10.77.3.1", "10.77.3.2") as (a, b):
         producer = start(a, "producer", model, a.address)
         try:
-            assert producer.stdout.readline().strip() == "ready"
-            first = decode(start(b, "consumer", model, a.address))
+            ready, port = producer.stdout.readline().split()
+            assert ready == "ready"
+            proxied = start(b, "proxy", model, a.address, port)
+            out, _ = proxied.communicate(timeout=120)
+            assert proxied.returncode == 0
+            first = json.loads(out.strip().splitlines()[-1])
             second = start(b, "consumer", model, a.address)
             assert second.stdout.readline().strip() == "connected"
         finally:
             producer.kill()
             producer.wait()
         second = decode(second, connected=True)
+    single = make_llm(model[0], block_size=BLOCK_SIZE).generate(
+        as_inputs(PROMPTS), GREEDY, use_tqdm=False
+    )
+    assert_greedy_matches_hf(single, PROMPTS, model[1], MAX_TOKENS)
+    assert first["texts"] == [o.outputs[0].text for o in single]
     assert first["external"] == sum(map(loadable, PROMPTS))
     assert second["external"] == 0
-    for result in (first, second):
-        assert result["tokens"] == [model[1].greedy(p, MAX_TOKENS)[0] for p in PROMPTS]
+    assert second["tokens"] == [model[1].greedy(p, MAX_TOKENS)[0] for p in PROMPTS]
 
 
-def start(host, role: str, model, ip: str) -> subprocess.Popen:
-    command = [sys.executable, str(PEER), role, str(model[0]), ip, json.dumps(PROMPTS)]
+def start(host, role: str, model, ip: str, *rest: str) -> subprocess.Popen:
+    command = [sys.executable, str(PEER), role, str(model[0]), ip, json.dumps(PROMPTS), *rest]
     return subprocess.Popen(
         host.exec(*command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )

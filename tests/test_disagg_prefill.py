@@ -242,7 +242,6 @@ def test_a_bad_kv_transfer_config_is_refused_naming_the_field(change, named):
 @pytest.mark.parametrize(
     "combo",
     [
-        {"tensor_parallel_size": 2},
         {"pipeline_parallel_size": 2},
         {"kv_cache_dtype": "fp8"},
         {"memory_mode": "contiguous-max"},

@@ -145,3 +145,14 @@ def test_each_op_equals_its_torch_reference(dtype):
         expected = run()
     for got, want in zip(run(), expected):
         assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", sorted(fused.ACTIVATIONS))
+def test_get_act_fn_is_transformers_activation(name):
+    x = randn(5, 67, dtype=torch.float32, seed=7, scale=3.0)
+    assert_close(fused.get_act_fn(name)(x), ACT2FN[name](x))
+
+
+def test_an_unknown_activation_is_refused_by_name():
+    with pytest.raises(ValueError, match="hidden_act must be one of .*'quick_gelu'"):
+        fused.get_act_fn("quick_gelu")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -351,6 +353,21 @@ def test_client_gone_mid_stream_aborts_and_frees_every_block(client, base_url):
     stream.close()
     after = wait_idle(base_url)
     assert after["minipaged:generation_tokens_total"] - before < 100  # it did stop early
+
+
+def test_a_connection_idle_as_long_as_a_client_pool_keeps_one_is_still_served(base_url):
+    """httpx (under the openai client and LangChain) sends a request on a pooled
+    connection idle up to its keep-alive expiry; a server that closes it at that same
+    moment (uvicorn's default 5 s) loses some of those requests to the race."""
+    expiry = httpx.Limits().keepalive_expiry
+    port = int(base_url.rsplit(":", 1)[1])
+    request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(expiry + 0.5)
+        sock.sendall(request)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # b"" if the server closed it
 
 
 def test_health(base_url):

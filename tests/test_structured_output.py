@@ -214,6 +214,23 @@ def test_greedy_tokens_equal_hf_constrained_by_the_same_grammar(llm, model):
         assert out.outputs[0].token_ids == constrained_hf_greedy(oracle, prompt, spec, 48)
 
 
+def test_tensor_parallel_keeps_the_grammar(model):
+    """Two ranks' logits reach the sample phase whole, where the grammar masks them:
+    greedy tokens are HF's under the same grammar."""
+    path, oracle = model
+    spec = structured(json=SCHEMAS["bounded_numbers"])
+    llm = make_llm(path, block_size=8, tensor_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=spec)
+        prompts = PROMPTS[:2]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outputs):
+            assert out.outputs[0].token_ids == constrained_hf_greedy(oracle, prompt, spec, 48)
+        assert_all_blocks_free(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_n_forks_each_get_their_own_matcher(llm):
     """n = 4 sampled completions fork from one prompt: each is held to the grammar on
     its own (a shared matcher would see the other forks' tokens and refuse)."""

@@ -52,6 +52,10 @@ time per step, with the model stubbed), `common` (timing, a system's row, tables
   hit rate and requests/s with a cache for every image against one for a single image.
 * `structured` - structured outputs (a JSON schema held by llguidance) on against off:
   time per output token at batch 1 and 32, and the schema's compile time apart.
+* `disagg` - disaggregated prefill (a prefill engine and a decode engine, the KV
+  moved by `P2pTcpConnector`) against one engine with chunked prefill, on the same
+  cores: decode ITL p99 during bursts of long prompts against without, TTFT, the KV
+  bytes moved and their rate against loopback TCP's.
 * `structured_acceptance` - 50 JSON schemas sent to ``minipaged serve`` through the
   official openai client and LangChain: how many answers parse and validate.
 """

@@ -131,9 +131,10 @@ def check_one(clients: dict, model: str, entry: dict, max_tokens: int) -> dict:
             try:
                 value, problem = ask()
             except openai.APIConnectionError as error:
-                # Seen once in a run of 150 requests, not traced; most likely a pooled
-                # keep-alive connection closed as it was reused (what the clients' own
-                # retries are for): once more, and counted in the results.
+                # A pooled connection closed by the server as the client reused it:
+                # the race of a server whose keep-alive timeout is no longer than
+                # httpx's 5 s (uvicorn's and vLLM's default; minipaged serve's now
+                # outlasts it, see `uvicorn_config`): once more, and counted.
                 value, problem = None, f"{type(error).__name__}: {error}"
                 if attempt == 0:
                     row["connection_retries"] += 1

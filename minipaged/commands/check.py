@@ -151,6 +151,12 @@ EXERCISES = (
         ),
     ),
     Exercise(
+        "09",
+        "incremental_detokenizer.py",
+        {"update": "minipaged.engine.detokenizer:IncrementalDetokenizer.update"},
+        ("tests/test_detokenizer.py",),
+    ),
+    Exercise(
         "10",
         "stop_strings.py",
         {"stop_string": "minipaged.engine.output_processor:stop_string"},
@@ -239,6 +245,42 @@ EXERCISES = (
         "routing.py",
         {"route": "minipaged.models.moe:route"},
         ("tests/test_moe.py", "-k", "route_equals or routing_stats_count"),
+    ),
+    Exercise(
+        "19",
+        "pooler.py",
+        {
+            "add": "minipaged.models.pooler:Pooler.add",
+            "finish": "minipaged.models.pooler:Pooler.finish",
+        },
+        (
+            "tests/test_pooling.py",
+            "-k",
+            "matches_hf or keeps_embeddings or double_counts or overrides or matryoshka_dimensions",
+        ),
+    ),
+    Exercise(
+        "21",
+        "absorbed_decode.py",
+        {"decode_absorbed": "minipaged.models.deepseek_v2:MLAPagedAttention._decode_absorbed"},
+        (
+            "tests/test_mla.py",
+            "-k",
+            # Prefill only, or unabsorbed, never runs the absorbed decode: not a test of yours.
+            "naive_oracle and absorbed and not unabsorbed and not prefills or fp8_latent_cache"
+            " or every_feature_at_once and torch",
+        ),
+    ),
+    Exercise(
+        "22",
+        "grammar_bitmask.py",
+        {"apply_grammar_bitmask": "minipaged.structured_output.utils:apply_grammar_bitmask"},
+        (
+            "tests/test_structured_output.py",
+            "-k",
+            "bit_by_bit_loop or greedy_tokens_equal_hf or regex_and_choice or sampled_json"
+            " or n_forks",
+        ),
     ),
 )
 

@@ -85,7 +85,12 @@ def _add_safety_flags(parser) -> None:
         ("--max-prompts", "max_prompts", int, "prompts in one completions request"),
         ("--max-n", "max_n", int, "completions per prompt"),
         ("--max-logprobs", "max_logprobs", int, "logprobs and top_logprobs"),
-        ("--read-timeout", "read_timeout_s", float, "seconds a request body may pause (408)"),
+        (
+            "--read-timeout",
+            "read_timeout_s",
+            float,
+            "seconds a request body may pause (408), and a connection waits for a request",
+        ),
         (
             "--shutdown-grace",
             "shutdown_grace_s",

@@ -43,6 +43,7 @@ from minipaged.distributed.parallel_state import (
 )
 from minipaged.distributed.worker import (
     TIMELINE_REQUEST,
+    SetKVConnector,
     WorkerArgs,
     rank_kv_config,
     worker_main,
@@ -127,6 +128,13 @@ class TensorParallelExecutor(Executor):
         self.cache_shapes = [shape for _, shape in pools]
         return cache_engine
 
+    def set_kv_connector(self, connector) -> None:
+        """Every rank loads and saves its KV heads through a copy of ``connector``'s
+        worker side (sent instead of a plan, `SetKVConnector`), rank 0 through it."""
+        self.workers.check()
+        self.workers.world.broadcast_object(SetKVConnector(connector))
+        super().set_kv_connector(connector)
+
     def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
         self.workers.check()
         self.workers.in_step.set()
@@ -174,6 +182,13 @@ def worker_args(
     model_config = read_config(path)
     cls = model_class(model_config)
     cls.check_parallel(model_config, tp_size, config.enable_expert_parallel)
+    if config.kv_transfer_config is not None and model_config.num_key_value_heads % tp_size:
+        raise ValueError(
+            f"kv_transfer_config cannot run with tensor_parallel_size={tp_size} over the "
+            f"model's {model_config.num_key_value_heads} KV heads in minipaged: each rank "
+            "must hold its own share of them (a KV connector moves each rank's), none "
+            "replicated"
+        )
     check_pipeline_parallel(cls, model_config, pp_size)
     return WorkerArgs(
         str(path),

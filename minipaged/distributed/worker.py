@@ -43,6 +43,7 @@ from minipaged.worker.model_runner import ModelRunner
 
 __all__ = [
     "TIMELINE_REQUEST",
+    "SetKVConnector",
     "WorkerArgs",
     "rank_device",
     "rank_kv_config",
@@ -52,6 +53,14 @@ __all__ = [
 
 # Broadcast instead of a plan: every rank answers with its timeline (`gather_object`).
 TIMELINE_REQUEST = "timeline"
+
+
+@dataclass(frozen=True)
+class SetKVConnector:
+    """Broadcast instead of a plan, once: the worker side of the engine's KV connector,
+    a copy of which every rank's runner then loads and saves its KV heads through."""
+
+    connector: object
 
 
 @dataclass(frozen=True)
@@ -135,6 +144,9 @@ def run_rank(
         while (plan := world.broadcast_object()) is not None:
             if plan == TIMELINE_REQUEST:
                 world.gather_object(TIMELINE.take())
+                continue
+            if isinstance(plan, SetKVConnector):
+                runner.set_kv_connector(plan.connector)
                 continue
             cache_engine.execute(plan)
             runner.activate_loras(plan.lora_loads)

@@ -438,6 +438,7 @@ class LLMEngine:
             # Prompt tokens run through the model, and those a KV connector loaded.
             "num_computed_prompt_tokens": self.scheduler.num_computed_prompt_tokens,
             "num_external_computed_tokens": self.scheduler.num_external_computed_tokens,
+            **(self.kv_connector.get_kv_connector_stats() if self.kv_connector else {}),
             **(self.speculator.stats() if self.speculator else {}),
             **(self.draft_memory() if self.draft_model else {}),
             **routing_stats(self.model),
@@ -519,7 +520,7 @@ def make_kv_connectors(engine: LLMEngine, path: Path):
     )
     scheduler_side = KVConnectorFactory.create_connector(transfer, KVConnectorRole.SCHEDULER, facts)
     worker_side = KVConnectorFactory.create_connector(transfer, KVConnectorRole.WORKER, facts)
-    engine.runner.set_kv_connector(worker_side)
+    engine.executor.set_kv_connector(worker_side)
     return scheduler_side
 
 

@@ -61,6 +61,10 @@ class Executor:
         )
         return self.cache_engine
 
+    def set_kv_connector(self, connector) -> None:
+        """Load and save KV through ``connector``'s worker side (`ModelRunner`)."""
+        self.runner.set_kv_connector(connector)
+
     def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
         """Run ``batch``; returns the sequences that sample, and their logits."""
         self.cache_engine.execute(batch)

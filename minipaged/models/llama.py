@@ -47,7 +47,6 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from minipaged.distributed.layers import (
@@ -211,7 +210,7 @@ class LlamaMLP(nn.Module):
             config.hidden_size, {"gate_proj": size, "up_proj": size}, bias=bias, tp=tp
         )
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, tp=tp)
-        self.act_fn = ACT2FN[config.hidden_act]
+        self.act_fn = fused.get_act_fn(config.hidden_act)
         self.silu = config.hidden_act == "silu"  # the family's; `fused.silu_and_mul`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

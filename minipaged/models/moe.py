@@ -45,11 +45,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 
 from minipaged.config import ALL2ALL_BACKENDS
 from minipaged.distributed.layers import LoadTargets
 from minipaged.distributed.parallel_state import SINGLE, TensorParallelGroup
+from minipaged.ops import fused
 
 __all__ = [
     "ALL2ALL_BACKENDS",
@@ -299,7 +299,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.renormalize = config.num_experts_per_tok, renormalize
         self.weights_in_float32 = weights_in_float32
-        act = ACT2FN[config.hidden_act]
+        act = fused.get_act_fn(config.hidden_act)
         self.gate = nn.Linear(config.hidden_size, num_experts, bias=False)
         self.experts = FusedMoE(num_experts, config.hidden_size, intermediate_size, act, names, tp)
         if shared_expert is not None:

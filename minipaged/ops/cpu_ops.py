@@ -41,6 +41,7 @@ __all__ = [
     "fused_add_rms_norm",
     "isa",
     "machine_isas",
+    "mark_constant_for_compile",
     "mla_decode",
     "paged_attention_decode",
     "paged_attention_prefill",
@@ -96,7 +97,6 @@ def check_available(device: torch.device) -> None:
         raise RuntimeError(reason)
 
 
-@torch.compiler.assume_constant_result  # torch.compile asks once, while tracing
 def available() -> bool:
     """Whether the C++ extension runs here (built on the first call, as
     `check_available`)."""
@@ -252,9 +252,18 @@ def _ops():
     return getattr(torch.ops, _namespace())
 
 
-@torch.compiler.assume_constant_result  # torch.compile asks once, while tracing
 def _namespace() -> str:
     return _kernel().name
+
+
+def mark_constant_for_compile() -> None:
+    """Tell torch.compile that `available` and `_namespace` answer the same every time,
+    so a trace asks each once.  Marked here, before a compile, not where they are
+    defined: the mark imports TorchDynamo, a second or two of every process's start,
+    and only a compiled engine needs it (the mark is set on the functions themselves,
+    so every caller sees it)."""
+    for fn in (available, _namespace):
+        torch.compiler.assume_constant_result(fn)
 
 
 def register_fakes(namespace: str) -> None:

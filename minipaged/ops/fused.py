@@ -22,6 +22,7 @@ the torch path, to compare the two in one process (``tests/test_fused_ops.py``,
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ from minipaged.ops import cpu_ops
 
 __all__ = [
     "fused_add_rms_norm",
+    "get_act_fn",
     "reference_ops",
     "rms_norm",
     "rotary_embedding",
@@ -85,6 +87,25 @@ def fused_add_rms_norm(
         return cpu_ops.fused_add_rms_norm(x, residual, weight, eps)
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
+
+
+# config.json's `hidden_act` names the families here use, each the function transformers'
+# ``ACT2FN`` maps it to (tests/test_fused_ops.py compares them).  Not ACT2FN itself:
+# importing it loads transformers' kernel hub, a second or more of every process's start.
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def get_act_fn(name: str):
+    """The activation config.json's ``hidden_act`` names (vLLM's ``get_act_fn``)."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"hidden_act must be one of {sorted(ACTIVATIONS)}, got {name!r}")
+    return ACTIVATIONS[name]
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

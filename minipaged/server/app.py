@@ -898,12 +898,21 @@ def uvicorn_config(
     app: FastAPI, host: str, port: int, limits: ServerLimits, **kwargs
 ) -> uvicorn.Config:
     """uvicorn's settings for ``app``: HTTP/1.1 heads timed like bodies, and shutdown
-    waiting out the grace period (plus time for the last error events to go out)."""
+    waiting out the grace period (plus time for the last error events to go out).
+
+    An idle keep-alive connection is closed after the read timeout too, not after
+    uvicorn's 5 s: httpx (under the openai client and LangChain) reuses a pooled
+    connection until it has been idle 5 s by its own clock, which starts after the
+    server's, so a server closing at 5 s races the client's next request on it, and the
+    request is lost ("Server disconnected without sending a response").  The server's
+    idle limit must outlast the clients' (vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s
+    unless set, is this setting)."""
     return uvicorn.Config(
         app,
         host=host,
         port=port,
         http=h11_with_head_timeout(limits.read_timeout_s),
+        timeout_keep_alive=limits.read_timeout_s,
         timeout_graceful_shutdown=limits.shutdown_grace_s + 5,
         **kwargs,
     )

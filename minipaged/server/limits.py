@@ -18,7 +18,8 @@ class ServerLimits:
         max_n: completions per prompt (OpenAI's cap, 128).
         max_logprobs: ``logprobs`` and ``top_logprobs`` (vLLM's ``max_logprobs``, 20).
         max_body_bytes: a request body's size (413 beyond).
-        read_timeout_s: the longest pause while a body arrives (408 beyond).
+        read_timeout_s: the longest pause while a body arrives (408 beyond), and
+            the longest a connection waits for a request's head, idle or kept alive.
         shutdown_grace_s: how long running requests may finish after a shutdown
             begins, before the rest are ended with an error.
     """

@@ -32,13 +32,12 @@ minute on two cores.  The engine checks first that the graph can run here
 from __future__ import annotations
 
 import torch
-import torch._inductor.config
-import torch.fx.experimental._config
 import torch.nn.functional as F
 
 from minipaged.config import EngineConfig
 from minipaged.models.attention import AttentionMetadata, bind_backends
 from minipaged.models.llama import sliding_window
+from minipaged.ops import cpu_ops
 
 # Batches and block tables below this size run padded to it: torch compiles a
 # dimension of size 1 apart.
@@ -79,6 +78,7 @@ class CompiledDecode:
 
     def __init__(self, model, kv_caches, device: torch.device) -> None:
         bind_backends(model, device)
+        cpu_ops.mark_constant_for_compile()
         self.kv_caches, self.device = kv_caches, device
         # Each engine its own graphs: torch would count them against one limit per class.
         self.forward = torch.compile(model, dynamic=True, fullgraph=True, isolate_recompiles=True)
@@ -95,12 +95,17 @@ class CompiledDecode:
         slots = torch.full((1,), -1, dtype=torch.long, device=self.device)
         attn = AttentionMetadata.decode(slots, tables, lens, max_context_len=1)
         input_ids, positions, attn = pad(ids, ids.clone(), attn)
+        # Imported here, not at the top: inductor's config pulls in TorchDynamo, a second
+        # or two of every process's start, and only a compiled engine needs it.
+        from torch._inductor import config as inductor_config
+        from torch.fx.experimental import _config as fx_config
+
         # Freezing: the weights are constants, which inductor may pack.  Duck shapes
         # off: torch would otherwise assume that two sizes equal while it traces (two
         # rows, two KV heads) stay equal, and compile again when they are not.
         with (
-            torch._inductor.config.patch(freezing=True),
-            torch.fx.experimental._config.patch(use_duck_shape=False),
+            inductor_config.patch(freezing=True),
+            fx_config.patch(use_duck_shape=False),
         ):
             self.forward(input_ids, positions, self.kv_caches, attn)
 

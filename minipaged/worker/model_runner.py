@@ -85,6 +85,7 @@ class ModelRunner:
         )
 
         self.kv_connector, self._forward_context_type = connector, ForwardContext
+        connector.tp = self.model.tp  # which KV heads this rank's cache holds
         layers = [(n, m) for n, m in self.model.named_modules() if isinstance(m, PagedAttention)]
         self.kv_layer_names = [name for name, _ in layers]
         for name, layer in layers:

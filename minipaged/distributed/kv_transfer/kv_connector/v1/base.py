@@ -14,6 +14,9 @@ One class, two instances per engine, one per role:
   KV before the forward pass needs it (`start_load_kv`, then `wait_for_layer_load`
   before each attention layer), saves each layer's after it is written
   (`save_kv_layer`) and waits for the saves to land after the pass (`wait_for_save`).
+  With tensor parallelism every rank runs one (its ``tp``, which the model runner
+  sets, says which of the KV heads its cache holds), from the metadata the driver
+  broadcasts with each step's plan.
 
 The scheduler and the model runner hold a connector but never import one: the engine
 builds both (`minipaged.distributed.kv_transfer.kv_connector.factory`).
@@ -28,6 +31,7 @@ from typing import Any
 
 from minipaged.config import KVTransferConfig
 from minipaged.core.sched.output import SchedulerOutput
+from minipaged.distributed.parallel_state import TensorParallelGroup
 from minipaged.sequence import Sequence
 
 
@@ -68,6 +72,9 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
     ) -> None:
         self.config, self.role, self.facts = config, role, facts
         self._metadata: KVConnectorMetadata | None = None
+        # The worker's rank among the engine's tensor-parallel ranks (`ModelRunner`
+        # sets it): its cache holds its share of the KV heads only.
+        self.tp = TensorParallelGroup()
 
     # -- worker side ------------------------------------------------------------------
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
@@ -126,3 +133,8 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
         keep them until an asynchronous save finishes (never, for a synchronous
         connector), and the dict is what a peer needs to pull them."""
         return False, None
+
+    def get_kv_connector_stats(self) -> dict[str, float]:
+        """What this side moved so far, as counters for the engine's stats (vLLM's
+        hook of that name, whose ``KVConnectorStats`` this plain dict stands for)."""
+        return {}

@@ -25,6 +25,8 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from dataclasses import asdict
@@ -72,6 +74,7 @@ class ProducerStore:
                 conn = self.listener.accept()
             except (OSError, EOFError, AuthenticationError):  # a peer that failed to connect
                 continue
+            no_delay(conn)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: Connection) -> None:
@@ -91,9 +94,19 @@ class ProducerStore:
                     conn.send_bytes(json.dumps(meta).encode())
                     for layer in meta["files"]:
                         conn.send_bytes(layers[layer])
-                        self.bytes_sent += len(layers[layer])
+                    with self.lock:  # one thread per consumer
+                        self.bytes_sent += sum(len(layers[layer]) for layer in meta["files"])
             except (EOFError, OSError):  # the consumer went away
                 return
+
+
+def no_delay(conn: Connection) -> Connection:
+    """Send each message at once (``TCP_NODELAY``): with Nagle's algorithm a message
+    written right after another (the meta, then a small layer) waits for the peer's
+    delayed acknowledgement, tens of milliseconds a request."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
 
 
 _STORES: dict[tuple[str, int], ProducerStore] = {}
@@ -127,11 +140,16 @@ class P2pTcpConnector(SharedStorageConnector):
             self.conn = self._connect(extra.get("connect_timeout_s", DEFAULT_CONNECT_TIMEOUT_S))
             self._check_facts()
 
+    def __getstate__(self) -> dict:
+        """A copy for another tensor-parallel rank of this engine: its worker side
+        saves and loads through rank 0, so it needs no store or connection."""
+        return {**self.__dict__, "store": None, "conn": None}
+
     def _connect(self, timeout_s: float) -> Connection:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                return Client(self.address, authkey=AUTHKEY)
+                return no_delay(Client(self.address, authkey=AUTHKEY))
             except OSError as error:
                 if time.monotonic() >= deadline:
                     raise ValueError(
@@ -156,6 +174,15 @@ class P2pTcpConnector(SharedStorageConnector):
 
     def _has_entry(self, key: str) -> bool:
         return key in self.store.entries
+
+    def get_kv_connector_stats(self) -> dict[str, float]:
+        """A consumer's reads (`SharedStorageConnector`'s), or what a producer's store
+        served: the layers' bytes sent to consumers."""
+        if self.store is None:
+            return super().get_kv_connector_stats()
+        if self.role is not KVConnectorRole.SCHEDULER:  # one store, counted once
+            return {}
+        return {"kv_connector_bytes_sent": self.store.bytes_sent}
 
     def _load_entry(self, key: str) -> tuple[dict, dict[str, bytes]] | None:
         if self.conn is None:  # lost earlier: try once more

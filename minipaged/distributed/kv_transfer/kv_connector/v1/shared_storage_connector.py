@@ -17,6 +17,17 @@ computes for the logits it samples from (vLLM does the same).  Loading is synchr
 all layers in `start_load_kv`, as vLLM's connector does; `wait_for_layer_load` then has
 nothing to wait for.  ``kv_cache_facts.json`` at the top records what both engines must
 agree on (`KVCacheFacts`); an engine that disagrees is refused, naming the field.
+
+With tensor parallelism each rank's cache holds its share of the KV heads (rank r the
+r-th slice, dim 2 of every cache tensor).  An entry always holds every head, so the
+two engines' sizes may differ (prefill on 2 ranks, decode on 1, or the other way):
+a producer's ranks gather their slices on rank 0 (`TensorParallelGroup.gather`, over
+gloo on a CPU), which writes the entry; a consumer's ranks each copy their own slice
+of the entry, whose bytes came to every rank with the step's plan.  That is the
+heterogeneous-TP case of vLLM's ``NixlConnector`` (each decode rank reads its slice of
+the prefill's heads), done the simplest way; vLLM's ``P2pNcclConnector``, rank k to
+rank k, needs equal sizes.  Heads replicated over ranks (more ranks than KV heads)
+are refused at start-up.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +93,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
         # Entries read this step: admission asks twice per prompt (to plan, then to
         # allocate), and a networked store would send the entry twice.
         self._read: dict[str, tuple[int, dict[str, bytes]]] = {}
+        # The scheduler's reads from the store: the layers' bytes, and the seconds spent
+        # fetching them (the transfer, not the checks after it).
+        self.num_bytes_received, self.recv_seconds = 0, 0.0
         self._open_store()
 
     # -- where the entries live: a directory (a networked connector overrides these) ---
@@ -150,10 +165,13 @@ class SharedStorageConnector(KVConnectorBase_V1):
         none, or if the entry is incomplete or corrupt, or its peer unreachable (then
         the consumer computes them: a warning, no error)."""
         try:
+            start = time.perf_counter()
             entry = self._load_entry(key)
+            self.recv_seconds += time.perf_counter() - start
             if entry is None:
                 return 0, {}
             meta, layers = entry
+            self.num_bytes_received += sum(map(len, layers.values()))
             files = meta["files"]
             if len(files) != self.facts.num_layers:
                 raise ValueError(
@@ -166,6 +184,15 @@ class SharedStorageConnector(KVConnectorBase_V1):
         except (OSError, EOFError, ValueError, KeyError, TypeError) as error:
             logger.warning("stored KV %s is unusable (%s): computing it", key, error)
             return 0, {}
+
+    def get_kv_connector_stats(self) -> dict[str, float]:
+        """The scheduler's reads: bytes of the layers' files received, and seconds."""
+        if self.role is not KVConnectorRole.SCHEDULER:
+            return {}
+        return {
+            "kv_connector_bytes_received": self.num_bytes_received,
+            "kv_connector_recv_seconds": self.recv_seconds,
+        }
 
     def update_state_after_alloc(
         self, request: Sequence, blocks: list[int], num_external_tokens: int
@@ -211,7 +238,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
             for layer, kv_layer in forward_context.kv_caches.items():
                 stored = load(req.layers[layer])  # the bytes the scheduler checked
                 for i, cache in enumerate(kv_layer):
-                    src = stored[str(i)][stored_index]
+                    src = self._own_heads(stored[str(i)][stored_index], cache)
                     if src.shape[1:] != cache.shape[1:] or src.dtype != cache.dtype:
                         raise ValueError(
                             f"stored KV of layer {layer!r} is {tuple(src.shape[1:])} "
@@ -220,21 +247,35 @@ class SharedStorageConnector(KVConnectorBase_V1):
                     index = torch.tensor(req.block_ids, device=cache.device)
                     cache.index_copy_(0, index, src.to(cache.device))
 
+    def _own_heads(self, stored: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a stored tensor's KV heads (all of them on one rank)."""
+        if self.tp.size == 1:
+            return stored
+        heads = cache.shape[2]
+        return stored[:, :, self.tp.rank * heads : (self.tp.rank + 1) * heads]
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: `start_load_kv` loaded every layer."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: tuple, attn_metadata: Any) -> None:
+        """Each saved prompt's blocks of this layer, every rank's heads gathered on rank
+        0, which writes them (every rank takes part in the gather, in the same order)."""
         for req in self._get_connector_metadata().saves:
             index = torch.tensor(req.block_ids, device=kv_layer[0].device)
             tensors = {
-                str(i): cache.index_select(0, index).cpu() for i, cache in enumerate(kv_layer)
+                str(i): self.tp.gather(cache.index_select(0, index), dim=2)
+                for i, cache in enumerate(kv_layer)
             }
-            data = save(tensors)
+            if self.tp.rank:
+                continue
+            data = save({name: t.cpu() for name, t in tensors.items()})
             self._put_layer(req.key, layer_name, data)
             self._saved.setdefault(req.key, {})[layer_name] = _sha256(data)
 
     def wait_for_save(self) -> None:
-        """The writes are done; commit each entry with its ``meta.json``."""
+        """The writes are done; rank 0 commits each entry with its ``meta.json``."""
+        if self.tp.rank:
+            return
         for req in self._get_connector_metadata().saves:
             meta = {"num_tokens": req.num_tokens, "files": self._saved.pop(req.key, {})}
             self._commit(req.key, meta)

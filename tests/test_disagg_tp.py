@@ -1,0 +1,95 @@
+"""Disaggregated prefill with tensor parallelism on one side: each rank holds its share
+of the KV heads, the stored entries hold all of them (the producer's ranks gather theirs
+on rank 0, a consumer's ranks each load their own slice), so the two sides' sizes may
+differ.
+
+The oracle is Hugging Face transformers on the same checkpoint: the consumer's greedy
+tokens are HF's, whichever side is split, and the tokens it loaded are the prompts'
+whole blocks (never a prompt's last token), counted from their lengths.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from engine_helpers import (
+    as_inputs,
+    assert_all_blocks_free,
+    assert_greedy_matches_hf,
+    make_llm,
+    random_prompt,
+)
+from minipaged import SamplingParams
+
+BLOCK_SIZE = 4
+MAX_TOKENS = 5
+PROMPTS = [random_prompt(n, seed) for seed, n in enumerate([22, 9, 14])]
+SETTINGS = dict(block_size=BLOCK_SIZE, num_gpu_blocks=48)
+
+
+def loadable(prompt: list[int]) -> int:
+    return (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return tiny("llama")  # 2 KV heads: one per rank at tensor_parallel_size=2
+
+
+@pytest.mark.parametrize(
+    "connector, producer_tp, consumer_tp",
+    [("P2pTcpConnector", 2, 1), ("SharedStorageConnector", 1, 2)],
+)
+def test_one_side_split_over_two_ranks_decodes_as_hf(
+    model, tmp_path, connector, producer_tp, consumer_tp
+):
+    extra = {"shared_storage_path": str(tmp_path)} if connector == "SharedStorageConnector" else {}
+    port = free_port()
+
+    def transfer(role):
+        return {
+            "kv_connector": connector,
+            "kv_role": role,
+            "kv_port": port,
+            "kv_connector_extra_config": extra,
+        }
+
+    producer = make_llm(
+        model[0],
+        tensor_parallel_size=producer_tp,
+        kv_transfer_config=transfer("kv_producer"),
+        **SETTINGS,
+    )
+    producer.generate(as_inputs(PROMPTS), SamplingParams(max_tokens=1), use_tqdm=False)
+    consumer = make_llm(
+        model[0],
+        tensor_parallel_size=consumer_tp,
+        kv_transfer_config=transfer("kv_consumer"),
+        **SETTINGS,
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    outputs = consumer.generate(as_inputs(PROMPTS), greedy, use_tqdm=False)
+    assert_greedy_matches_hf(outputs, PROMPTS, model[1], MAX_TOKENS)
+    assert consumer.stats()["num_external_computed_tokens"] == sum(map(loadable, PROMPTS))
+    for llm in (producer, consumer):
+        assert_all_blocks_free(llm)
+        llm.shutdown()
+
+
+def test_kv_heads_replicated_over_ranks_are_refused(tiny):
+    path, _ = tiny("llama", num_key_value_heads=1)
+    config = {
+        "kv_connector": "SharedStorageConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": "/nonexistent"},
+    }
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        make_llm(path, tensor_parallel_size=2, kv_transfer_config=config, **SETTINGS)
