@@ -99,8 +99,12 @@ class EngineClient(ABC):
     ) -> tuple[list[int], list]:
         """`LLMEngine.process_multimodal`: a prompt's token ids with its images'
         placeholders expanded, and their ``mm_features`` for the request's sixth
-        element; ``ValueError`` where the model takes no images (here: every model)."""
-        raise ValueError("image_url: this server's model takes no images")
+        element; ``ValueError`` where the model takes no images.  Here: a client of
+        several replicas, which minipaged sends no images."""
+        raise ValueError(
+            "image_url: minipaged serves images from one engine only, not with "
+            "data_parallel_size > 1"
+        )
 
     async def encode(self, requests: list[Request]) -> AsyncIterator[EmbeddingRequestOutput]:
         """vLLM's ``encode``: queue pooling requests (PoolingParams; the engine must
