@@ -66,7 +66,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Reply to one conversation (a list of ``{"role": ..., "content": ...}``) or to
         each of a list of them, as vLLM's ``LLM.chat``: each is rendered with the
-        tokenizer's chat template (or ``chat_template``), then generated from."""
+        tokenizer's chat template (or ``chat_template``), then generated from.  A
+        vision model's messages may hold OpenAI's content parts, ``image_url`` ones
+        among them (`minipaged.multimodal.inputs.split_images`)."""
         conversations = _conversations(messages)
         tokenizer = self.engine.tokenizer
         if chat_template is None and tokenizer.chat_template is None:
@@ -108,7 +110,9 @@ class LLM:
         """Complete every prompt; outputs in prompt order.
 
         ``prompts``: a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}``, or a
-        list of those.  ``sampling_params``: one for all prompts, or one per prompt
+        list of those; for a vision model (LLaVA), ``{"prompt": "... <image> ...",
+        "multi_modal_data": {"image": image or [images]}}`` with PIL images, data URLs
+        or local paths (under ``allowed_local_media_path``), one placeholder each.  ``sampling_params``: one for all prompts, or one per prompt
         (default ``SamplingParams()``).  ``lora_request``: the LoRA adapter of every
         prompt, or one per prompt (None in the list: the base model); needs
         ``enable_lora=True``.
