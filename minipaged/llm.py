@@ -112,8 +112,9 @@ class LLM:
         ``prompts``: a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}``, or a
         list of those; for a vision model (LLaVA), ``{"prompt": "... <image> ...",
         "multi_modal_data": {"image": image or [images]}}`` with PIL images, data URLs
-        or local paths (under ``allowed_local_media_path``), one placeholder each.  ``sampling_params``: one for all prompts, or one per prompt
-        (default ``SamplingParams()``).  ``lora_request``: the LoRA adapter of every
+        or local paths (under ``allowed_local_media_path``), one placeholder each.
+        ``sampling_params``: one for all prompts, or one per prompt (default
+        ``SamplingParams()``).  ``lora_request``: the LoRA adapter of every
         prompt, or one per prompt (None in the list: the base model); needs
         ``enable_lora=True``.
         """
