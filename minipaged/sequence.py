@@ -22,6 +22,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from minipaged.core.memory.prefix_cache import MultiModalKey
 from minipaged.lora_request import LoRARequest
 from minipaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -210,8 +211,15 @@ class SequenceGroup:
     @property
     def cache_key(self) -> object:
         """The prefix cache's extra key (vLLM's ``extra_keys``): what, beside the
-        tokens, decides its KV: its adapter, and its images' hashes, since every
-        image's placeholder tokens are the same ids whatever the image."""
+        tokens, decides its KV: its adapter, for every block, and each image's hash
+        for the blocks its placeholder overlaps, since every image's placeholder
+        tokens are the same ids whatever the image (`MultiModalKey`)."""
         if not self.mm_features:
             return self.lora_id
-        return (self.lora_id, tuple(f.identifier for f in self.mm_features))
+        return MultiModalKey(
+            self.lora_id,
+            tuple(
+                (f.identifier, f.mm_position.offset, f.mm_position.length)
+                for f in self.mm_features  # in prompt order
+            ),
+        )

@@ -136,7 +136,8 @@ def test_a_repeated_image_is_encoded_once(llm, oracle):
 
 
 def test_the_prefix_cache_keys_on_the_image(llava, oracle):
-    """The same text before two different images shares no KV; the same image does."""
+    """The same text before two different images shares only its blocks before the
+    image; the same image shares every full block."""
     # An encoder cache of one image: each new image evicts the last.
     llm = make_llm(llava, block_size=4, encoder_cache_size=16)
     a, b = noise_image(4), noise_image(5)
@@ -149,7 +150,8 @@ def test_the_prefix_cache_keys_on_the_image(llava, oracle):
         computed = after["num_computed_prompt_tokens"] - before["num_computed_prompt_tokens"]
         hits.append(len(out.prompt_token_ids) - computed)
         encoded.append(after["num_encoded_images"] - before["num_encoded_images"])
-    assert hits[1] == 0  # image b after image a: every token computed
+    placeholder = out.prompt_token_ids.index(IMAGE_TOKEN_ID)
+    assert hits[1] == placeholder // 4 * 4  # image b after image a: the blocks before it
     assert hits[2] == (len(out.prompt_token_ids) - 1) // 4 * 4  # a again: its full blocks
     # The cached blocks cover a's placeholder whole: its KV needs no encoder run.
     assert encoded == [1, 1, 0]
@@ -166,6 +168,29 @@ def test_the_prefix_cache_keys_on_the_image(llava, oracle):
     placeholder = out.prompt_token_ids.index(IMAGE_TOKEN_ID)
     assert placeholder < hit < placeholder + 16
     assert after["num_encoded_images"] - before["num_encoded_images"] == 1
+
+
+def test_text_before_an_image_is_shared_across_images(llava, oracle):
+    """Blocks are keyed on an image only from the image on (vLLM's per-block extra
+    keys): prompts with two full blocks of the same text before different images
+    share exactly those blocks, counted by the prefix cache's own hit counter."""
+    block_size = 4
+    llm = make_llm(llava, block_size=block_size)
+    gpu = llm.engine.kv.gpu
+    text = "USER: here is a long question about the picture <image>\nWhat? ASSISTANT:"
+    a, b = noise_image(6), noise_image(7)
+    hits = []
+    for image in (a, b, a):
+        before = gpu.num_hit_tokens
+        (out,) = llm.generate(mm_prompt(text, image), GREEDY, use_tqdm=False)
+        assert_matches([out], [(text, [image])], oracle)
+        hits.append(gpu.num_hit_tokens - before)
+    placeholder = out.prompt_token_ids.index(IMAGE_TOKEN_ID)
+    # The block holding the last text tokens and the first image tokens is not shared.
+    assert placeholder >= 2 * block_size and placeholder % block_size != 0
+    full_blocks = (len(out.prompt_token_ids) - 1) // block_size
+    assert hits == [0, placeholder // block_size * block_size, full_blocks * block_size]
+    assert_all_blocks_free(llm)
 
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])

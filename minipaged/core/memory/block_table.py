@@ -151,7 +151,7 @@ class BlockTable:
         parent = self.identities[-1] if self.identities else None
         tokens = tuple(self.token_ids[index * self.block_size : (index + 1) * self.block_size])
         self.identities.append(
-            self.allocator.register(self.blocks[index], tokens, parent, self.extra_key)
+            self.allocator.register(self.blocks[index], tokens, parent, self.extra_key, index)
         )
 
     def adopt_cached_prefix(self, entries: list[CachedBlock]) -> None:

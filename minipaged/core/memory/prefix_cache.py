@@ -9,7 +9,12 @@ named by a hash chained with its parent block's hash,
 so a block's hash stands for the whole prefix up to and including it.  The first block's
 parent is the request's *extra key* (vLLM's ``extra_keys``): its LoRA adapter, since an
 adapter changes every key and value, so the same prompt under two adapters (or under
-one and the base model) never shares a block, while under one adapter it does.  The hash only
+one and the base model) never shares a block, while under one adapter it does.  A block
+that holds part of an image's placeholder (whose token ids are the same whatever the
+image) is keyed on that image too (`MultiModalKey`, vLLM's
+``generate_block_hash_extra_keys``): its parent hash is chained with the hashes and
+offsets of the images it overlaps, so two prompts with different images part ways at
+the first block an image reaches, and the blocks before it are shared.  The hash only
 *finds* a candidate; a candidate is accepted only if its stored tokens and extra key
 equal ours and its parent is the entry we matched one block earlier.  Entries get ids that are never
 reused, so an accepted chain is exactly our prefix: a hash collision costs a miss, never
@@ -48,7 +53,8 @@ class CachedBlock(NamedTuple):
     token_ids: tuple[int, ...]
     entry_id: int
     parent_id: int
-    extra_key: object = None  # the adapter whose KV it holds (None: the base model)
+    # The adapter whose KV it holds (None: the base model), and the images it overlaps.
+    extra_key: object = None
 
 
 class BlockIdentity(NamedTuple):
@@ -69,6 +75,32 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 def root_hash(extra_key) -> int | None:
     """The "parent hash" of a prompt's first block: None, or its extra key's hash."""
     return None if extra_key is None else hash(("extra_key", extra_key))
+
+
+class MultiModalKey(NamedTuple):
+    """A request with images' extra key: its adapter's id (or None), which keys every
+    block, and its images as ``(mm_hash, offset, length)``, by offset, each keying only
+    the blocks its placeholder ``[offset, offset + length)`` overlaps."""
+
+    lora_id: object
+    mm_items: tuple[tuple[str, int, int], ...]
+
+
+def block_key(
+    parent_hash: int | None, extra_key, index: int, block_size: int
+) -> tuple[int | None, object]:
+    """The hash block ``index`` chains on (after its parent's ``parent_hash``; None
+    for the first) and its own extra key: the request's ``extra_key``, or for a
+    `MultiModalKey` its adapter's id plus the ``(mm_hash, offset)`` of each image the
+    block overlaps (vLLM's ``_gen_mm_extra_hash_keys``)."""
+    if not isinstance(extra_key, MultiModalKey):
+        return (root_hash(extra_key) if index == 0 else parent_hash), extra_key
+    start, end = index * block_size, (index + 1) * block_size
+    images = tuple((h, off) for h, off, n in extra_key.mm_items if off < end and start < off + n)
+    chained = root_hash(extra_key.lora_id) if index == 0 else parent_hash
+    if not images:
+        return chained, extra_key.lora_id
+    return hash((chained, images)), (extra_key.lora_id, images)
 
 
 class PrefixCachingBlockAllocator(BlockAllocator):
@@ -124,22 +156,23 @@ class PrefixCachingBlockAllocator(BlockAllocator):
     # -- lookup -----------------------------------------------------------------------
     def match_prefix(self, token_ids: list[int], extra_key=None) -> list[CachedBlock]:
         """The longest chain of cached full blocks that begins ``token_ids`` under
-        ``extra_key`` (the request's adapter, or None).
+        ``extra_key`` (the request's adapter, or None; a `MultiModalKey` with images).
 
         The last token is never served from the cache: its logits must be computed,
         so at most ``(len - 1) // block_size`` blocks match.  Read-only.
         """
         bs = self.block_size
         matched: list[CachedBlock] = []
-        parent_hash, parent_id = root_hash(extra_key), ROOT_ID
+        parent_hash, parent_id = None, ROOT_ID
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            entry = self._by_hash.get(hash_block(parent_hash, tokens))
+            chained, key = block_key(parent_hash, extra_key, i, bs)
+            entry = self._by_hash.get(hash_block(chained, tokens))
             if (
                 entry is None
                 or entry.token_ids != tokens
                 or entry.parent_id != parent_id
-                or entry.extra_key != extra_key
+                or entry.extra_key != key
             ):
                 break
             matched.append(entry)
@@ -165,14 +198,18 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         token_ids: tuple[int, ...],
         parent: BlockIdentity | None,
         extra_key=None,
+        index: int = 0,
     ) -> BlockIdentity:
         """Offer a block that just became full to the cache.
 
         ``parent`` is the identity of the previous block of the same sequence (``None``
-        for the first); ``extra_key`` its request's (see `match_prefix`).  Returns the
-        identity the block table should remember.
+        for the first); ``extra_key`` its request's (see `match_prefix`); ``index`` the
+        block's place in the sequence.  Returns the identity the block table should
+        remember.
         """
-        parent_hash = parent.block_hash if parent else root_hash(extra_key)
+        parent_hash, extra_key = block_key(
+            parent.block_hash if parent else None, extra_key, index, self.block_size
+        )
         parent_id = parent.entry_id if parent else ROOT_ID
         block_hash = hash_block(parent_hash, token_ids)
         if parent_id is None:  # the prefix before this block is uncacheable
