@@ -158,6 +158,11 @@ class EngineConfig:
             sizes it so that the largest item fits).  A vision model runs without
             tensor or pipeline parallelism, speculative decoding, LoRA, pooling, a
             contiguous ``memory_mode`` or a KV connector.
+        max_num_encoder_input_tokens: a vision model's encoder compute budget per step,
+            in encoder tokens (vLLM's): a step encodes images only while they fit, and
+            a chunk that reaches an image that does not is cut just before its
+            placeholder; None: ``max_num_batched_tokens``, or one image's tokens if
+            more (as vLLM raises it).  A value below one image's tokens is refused.
     """
 
     model: str
@@ -201,6 +206,7 @@ class EngineConfig:
     limit_mm_per_prompt: dict | None = None
     allowed_local_media_path: str = ""
     encoder_cache_size: int | None = None
+    max_num_encoder_input_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
@@ -306,8 +312,9 @@ class EngineConfig:
             raise ValueError(
                 f"allowed_local_media_path must be a str, got {self.allowed_local_media_path!r}"
             )
-        if self.encoder_cache_size is not None:
-            _positive_int("encoder_cache_size", self.encoder_cache_size)
+        for name in ("encoder_cache_size", "max_num_encoder_input_tokens"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
 
     def check_multimodal(self) -> None:
         """What a vision model cannot run with in minipaged: its encoder runs on one

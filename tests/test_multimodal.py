@@ -236,6 +236,54 @@ def test_the_encoder_cache_budget_evicts_unheld_images(llava, oracle):
         llm.generate(mm_prompt("<image><image><image>", a, b, c), GREEDY, use_tqdm=False)
 
 
+def record_steps(llm) -> list[tuple[int, list[int]]]:
+    """Per step from now on: the encoder tokens it runs, and each sequence's new tokens."""
+    steps, schedule = [], llm.engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        encoder = sum(f.num_embeds for f in out.scheduled_encoder_inputs.values())
+        steps.append((encoder, list(out.num_scheduled_tokens.values())))
+        return out
+
+    llm.engine.scheduler.schedule = recording
+    return steps
+
+
+def test_the_encoder_budget_cuts_a_chunk_before_an_image_that_does_not_fit(llava, oracle):
+    """``max_num_encoder_input_tokens`` of one image: a step encodes one, and a chunk
+    that reaches a second stops just before its placeholder (vLLM's scheduler)."""
+    kwargs = dict(
+        block_size=4, max_num_batched_tokens=64, max_num_seqs=4, limit_mm_per_prompt={"image": 2}
+    )
+    with pytest.raises(ValueError, match="max_num_encoder_input_tokens=15"):
+        make_llm(llava, max_num_encoder_input_tokens=15, **kwargs)
+    llm = make_llm(llava, max_num_encoder_input_tokens=16, **kwargs)
+    steps = record_steps(llm)
+    text, a, b = "<image> and <image>: which differs?", noise_image(40), noise_image(41)
+    (out,) = llm.generate(mm_prompt(text, a, b), GREEDY, use_tqdm=False)
+    assert_matches([out], [(text, [a, b])], oracle)
+    ids = out.prompt_token_ids
+    image_positions = [i for i, t in enumerate(ids) if t == IMAGE_TOKEN_ID]
+    per_image = len(image_positions) // 2
+    second = image_positions[per_image]  # where b's placeholder begins
+    assert second > image_positions[per_image - 1] + 1 and len(ids) < 64  # one chunk, uncut
+    assert steps[:2] == [(per_image, [second]), (per_image, [len(ids) - second])]
+    assert all(encoder == 0 for encoder, _ in steps[2:])
+
+    # Two requests in one step: the second's text before its image still runs.
+    steps.clear()
+    c, d = noise_image(42), noise_image(43)
+    outputs = llm.generate([mm_prompt(PROMPT, c), mm_prompt(PROMPT, d)], GREEDY, use_tqdm=False)
+    assert_matches(outputs, [(PROMPT, [c]), (PROMPT, [d])], oracle)
+    ids = outputs[1].prompt_token_ids
+    before = ids.index(IMAGE_TOKEN_ID)
+    shared = before // 4 * 4  # its full blocks of text are c's, from the prefix cache
+    assert steps[0] == (per_image, [len(ids), before - shared])
+    assert steps[1][0] == per_image and steps[1][1][1] == len(ids) - before
+    assert_all_blocks_free(llm)
+
+
 def _bad_inputs(tmp_path):
     big = tmp_path / "big.png"
     Image.new("L", (4097, 4097)).save(big)

@@ -217,6 +217,9 @@ class LLMEngine:
             self.scheduler.encoder_cache = EncoderCacheManager(
                 config.encoder_cache_size or self.mm_processor.default_cache_size(config)
             )
+            self.scheduler.max_num_encoder_input_tokens = self.mm_processor.encoder_compute_budget(
+                config
+            )
         self.adapters = Adapters(
             self.runner.lora, self.scheduler.lora_slots, self.scheduler.requests
         )

@@ -134,6 +134,21 @@ class MultiModalProcessor:
         or the embeddings of a prompt's most images if more."""
         return max(config.max_num_batched_tokens, self.limit * self.num_image_tokens)
 
+    def encoder_compute_budget(self, config) -> int:
+        """A step's encoder tokens (``max_num_encoder_input_tokens``): by default a
+        step's tokens, or one image's if more, so that every image can be encoded
+        (vLLM's ``compute_mm_encoder_budget``); a smaller value is refused, since an
+        image whose encoder run never fits would never be prefilled."""
+        budget = config.max_num_encoder_input_tokens
+        if budget is None:
+            return max(config.max_num_batched_tokens, self.num_image_tokens)
+        if budget < self.num_image_tokens:
+            raise ValueError(
+                f"max_num_encoder_input_tokens={budget} is less than one image's "
+                f"{self.num_image_tokens} encoder tokens: no image could ever be encoded"
+            )
+        return budget
+
     def process(
         self, prompt: str, images: list, add_special_tokens: bool = True
     ) -> tuple[list[int], list[MultiModalFeatureSpec]]:

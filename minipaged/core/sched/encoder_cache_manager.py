@@ -73,6 +73,10 @@ class EncoderCacheManager:
             if not self.holders[h]:
                 self.freeable[h] = None
 
+    def is_computed(self, mm_hash: str) -> bool:
+        """Whether the runner has its embeddings (or gets them this step)."""
+        return mm_hash in self.computed
+
     def needs_compute(self, mm_hash: str) -> bool:
         """True once per cached image: whether its embeddings must be computed now."""
         if mm_hash in self.computed:

@@ -47,7 +47,11 @@ blocks are freed or swapped out is named once in the next output's ``finished_re
 With a vision model, admission asks the encoder cache too (`EncoderCacheManager`): a
 request waits until its images fit there, then holds them until it finishes or is
 preempted by recompute; the first chunk that reaches an image's placeholder schedules
-its encoder run (``scheduled_encoder_inputs``), unless its embeddings are cached.
+its encoder run (``scheduled_encoder_inputs``), unless its embeddings are cached.  A
+step encodes at most ``max_num_encoder_input_tokens`` encoder tokens: a chunk that
+reaches an image that is not encoded and does not fit what is left of them is cut just
+before its placeholder, so the text before it still runs (vLLM's
+``_try_schedule_encoder_inputs``).
 
 With a KV connector (``kv_transfer_config``, disaggregated prefill), admission asks
 it too: the prompt tokens past the prefix-cache hit that another engine computed
@@ -150,8 +154,11 @@ class Scheduler:
         self.connector: KVConnectorBase_V1 | None = None
         self.num_computed_prompt_tokens = 0
         self.num_external_computed_tokens = 0
-        # A vision model's encoder cache (`EncoderCacheManager`; None: a text model).
+        # A vision model's encoder cache (`EncoderCacheManager`; None: a text model),
+        # its encoder tokens per step (the engine sets it) and this step's left of them.
         self.encoder_cache: EncoderCacheManager | None = None
+        self.max_num_encoder_input_tokens = 0
+        self._encoder_budget = 0
 
     # -- the queues -------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -373,6 +380,7 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._encoder_budget = self.max_num_encoder_input_tokens
         token_budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._resume_swapped(out)
@@ -415,6 +423,8 @@ class Scheduler:
                     seq.num_computed_tokens == len(seq.token_ids) - 1
                     and seq.finish_reason is None
                     and not seq.spec_token_ids
+                    # (a prompt's last token may be an image's: `_fit_encoder` decides)
+                    and not (group.mm_features and seq.num_computed_tokens < seq.prompt_len)
                 ):
                     # What _plan and _fits would find for it, without building the plan.
                     fits = roomy or len(decodes) < spare
@@ -432,6 +442,8 @@ class Scheduler:
                 self._decode(decodes, out)
                 decodes = []
             plan = _plan(group, budget)
+            if group.mm_features:
+                plan = self._fit_encoder_plan(group, plan)
             while not roomy and not self._fits(plan):
                 victim = queue.pop()  # the most recent arrival goes first
                 self._preempt(victim, out)
@@ -544,6 +556,11 @@ class Scheduler:
             external = self._num_external_tokens(group, seq, cached)
             start = cached + external
             n = min(len(seq.token_ids) - start, budget - used - _later(seqs, k))
+            if group.mm_features:
+                # At least one token: `_can_admit` found one for each, but a sibling
+                # may since have cached this one's tokens up to an image that no
+                # longer fits (then the step encodes it beyond the budget).
+                n = max(self._fit_encoder(group, start, n, {}), 1)
             allocation = self.kv.allocate(
                 seq.seq_id, seq.token_ids, external + n, group.cache_key, group.reads_prefix_cache
             )
@@ -671,6 +688,36 @@ class Scheduler:
                 feature.identifier
             ):
                 out.scheduled_encoder_inputs[feature.identifier] = feature
+                self._encoder_budget -= feature.num_embeds
+
+    def _fit_encoder(self, group: SequenceGroup, start: int, n: int, counted: dict) -> int:
+        """How many of the ``n`` tokens from ``start`` can run this step: all, or those
+        before the placeholder of the first image they reach that is not encoded and
+        whose encoder tokens do not fit what is left of ``max_num_encoder_input_tokens``
+        (vLLM's ``_try_schedule_encoder_inputs`` cuts ``num_new_tokens`` so).
+        ``counted``: the images (hash -> tokens) this plan already takes from the budget."""
+        left = self._encoder_budget - sum(counted.values())
+        for feature in group.mm_features:  # in prompt order
+            pos, h = feature.mm_position, feature.identifier
+            if pos.offset >= start + n:
+                break
+            encoded = h in counted or self.encoder_cache.is_computed(h)
+            if encoded or pos.offset + pos.length <= start:
+                continue
+            if feature.num_embeds > left:
+                return max(pos.offset - start, 0)
+            left -= feature.num_embeds
+            counted[h] = feature.num_embeds
+        return n
+
+    def _fit_encoder_plan(self, group: SequenceGroup, plan: list[tuple[Sequence, int]]):
+        """A running request's plan, each chunk cut by `_fit_encoder`; a sequence cut to
+        nothing waits for the next step."""
+        counted: dict[str, int] = {}
+        fitted = [
+            (seq, self._fit_encoder(group, seq.num_computed_tokens, n, counted)) for seq, n in plan
+        ]
+        return [(seq, n) for seq, n in fitted if n]
 
     def _send(self, seq, start, n, blocks, out, num_kept_blocks, lora_slot) -> None:
         """The runner's diff for ``seq``: whole if the runner does not hold it, else the
@@ -756,13 +803,15 @@ class Scheduler:
     def _admission_plan(self, group: SequenceGroup, budget: int):
         """First-chunk sizes for a waiting request's sequences, or None if the token
         budget cannot give each of them at least one token this step."""
-        plan, seqs = [], group.unfinished_seqs
+        plan, seqs, counted = [], group.unfinished_seqs, {}
         for k, seq in enumerate(seqs):
             cached = self.kv.num_cached_tokens(
                 seq.token_ids, group.cache_key, group.reads_prefix_cache
             )
             external = self._num_external_tokens(group, seq, cached)
             n = min(len(seq.token_ids) - cached - external, budget - _later(seqs, k))
+            if group.mm_features:
+                n = self._fit_encoder(group, cached + external, n, counted)
             if n < 1:
                 return None
             plan.append((seq, external + n))  # the blocks take the loaded tokens too
