@@ -216,10 +216,13 @@ class SequenceGroup:
         tokens are the same ids whatever the image (`MultiModalKey`)."""
         if not self.mm_features:
             return self.lora_id
-        return MultiModalKey(
-            self.lora_id,
-            tuple(
-                (f.identifier, f.mm_position.offset, f.mm_position.length)
-                for f in self.mm_features  # in prompt order
-            ),
-        )
+        return mm_cache_key(self.lora_id, self.mm_features)
+
+
+def mm_cache_key(lora_id: int | None, mm_features: list) -> MultiModalKey:
+    """The prefix cache's extra key of a request with images (`MultiModalFeatureSpec`s,
+    in prompt order): its adapter's id, and each image's hash and placeholder range."""
+    return MultiModalKey(
+        lora_id,
+        tuple((f.identifier, f.mm_position.offset, f.mm_position.length) for f in mm_features),
+    )
