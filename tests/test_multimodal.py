@@ -193,9 +193,24 @@ def test_text_before_an_image_is_shared_across_images(llava, oracle):
     assert_all_blocks_free(llm)
 
 
+def record_steps(llm) -> list[tuple[int, list[int]]]:
+    """Per step from now on: the encoder tokens it runs, and each sequence's new tokens."""
+    steps, schedule = [], llm.engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        encoder = sum(f.num_embeds for f in out.scheduled_encoder_inputs.values())
+        steps.append((encoder, list(out.num_scheduled_tokens.values())))
+        return out
+
+    llm.engine.scheduler.schedule = recording
+    return steps
+
+
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_n_and_preemption_with_images(llava, oracle, preemption_mode):
-    # Three prompts' blocks fill the pool; their completions' blocks do not fit.
+    # Three prompts' blocks fill the pool; their completions' blocks do not fit.  An
+    # encoder budget of one image a step cuts the prompts admitted together.
     llm = make_llm(
         llava,
         num_gpu_blocks=40,
@@ -203,11 +218,14 @@ def test_n_and_preemption_with_images(llava, oracle, preemption_mode):
         block_size=4,
         max_num_batched_tokens=64,
         max_num_seqs=8,
+        max_num_encoder_input_tokens=16,
     )
+    steps = record_steps(llm)
     images = [noise_image(10 + i) for i in range(4)]
     params = SamplingParams(n=2, max_tokens=8, temperature=0)
     outputs = llm.generate([mm_prompt(PROMPT, i) for i in images], params, use_tqdm=False)
     assert llm.stats()["num_preemptions"] > 0
+    assert max(encoder for encoder, _ in steps) == 16
     for out, image in zip(outputs, images):
         _, expected = oracle(PROMPT, [image])
         assert [c.token_ids for c in out.outputs] == [expected, expected]
@@ -234,20 +252,6 @@ def test_the_encoder_cache_budget_evicts_unheld_images(llava, oracle):
     assert set(llm.engine.runner.encoder_cache) == {mm_hash(c), mm_hash(a)}  # b went first
     with pytest.raises(ValueError, match="encoder_cache_size=32"):
         llm.generate(mm_prompt("<image><image><image>", a, b, c), GREEDY, use_tqdm=False)
-
-
-def record_steps(llm) -> list[tuple[int, list[int]]]:
-    """Per step from now on: the encoder tokens it runs, and each sequence's new tokens."""
-    steps, schedule = [], llm.engine.scheduler.schedule
-
-    def recording():
-        out = schedule()
-        encoder = sum(f.num_embeds for f in out.scheduled_encoder_inputs.values())
-        steps.append((encoder, list(out.num_scheduled_tokens.values())))
-        return out
-
-    llm.engine.scheduler.schedule = recording
-    return steps
 
 
 def test_the_encoder_budget_cuts_a_chunk_before_an_image_that_does_not_fit(llava, oracle):
