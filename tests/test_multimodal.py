@@ -21,6 +21,9 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from engine_helpers import assert_all_blocks_free, make_llm
 from minipaged import SamplingParams
+from minipaged.arg_utils import engine_kwargs
+from minipaged.cli import build_parser
+from minipaged.config import EngineConfig
 from minipaged.models.tiny import EOS_ID, IMAGE_TOKEN_ID, make_tiny_model
 from minipaged.multimodal.processing import mm_hash
 
@@ -286,6 +289,13 @@ def test_the_encoder_budget_cuts_a_chunk_before_an_image_that_does_not_fit(llava
     assert steps[0] == (per_image, [len(ids), before - shared])
     assert steps[1][0] == per_image and steps[1][1][1] == len(ids) - before
     assert_all_blocks_free(llm)
+
+
+def test_the_encoder_budget_flag_reaches_the_engine_config():
+    args = build_parser().parse_args(["serve", "M", "--max-num-encoder-input-tokens", "32"])
+    assert EngineConfig(model="M", **engine_kwargs(args)).max_num_encoder_input_tokens == 32
+    with pytest.raises(ValueError, match="max_num_encoder_input_tokens"):
+        EngineConfig(model="M", max_num_encoder_input_tokens=0)
 
 
 def _bad_inputs(tmp_path):
