@@ -12,7 +12,7 @@ Write ``hash_block`` and ``match_prefix`` (a method of
 Check with ``make check LESSON=04``.
 """
 
-from minipaged.core.memory.prefix_cache import ROOT_ID, CachedBlock, root_hash  # noqa: F401  (use them)
+from minipaged.core.memory.prefix_cache import ROOT_ID, CachedBlock, block_key  # noqa: F401  (use them)
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -25,13 +25,17 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 def match_prefix(self, token_ids: list[int], extra_key=None) -> list[CachedBlock]:
     """The longest chain of cached full blocks that begins ``token_ids`` under
     ``extra_key`` (what besides its tokens sets a prompt's KV apart: its LoRA adapter,
-    or None).
+    or None; with images, a `MultiModalKey`).
 
-    Walk the prompt one full block at a time, looking each up by its chained hash; the
-    first block's parent hash is ``root_hash(extra_key)``.  A hash only *finds* a
-    candidate: accept it only if its ``token_ids`` equal the block's, its ``parent_id``
-    is the ``entry_id`` matched one block earlier (``ROOT_ID`` for the first) and its
-    ``extra_key`` is ``extra_key``, so that a collision costs a miss, never wrong KV.
+    Walk the prompt one full block at a time, looking each up by its chained hash:
+    ``block_key(parent_hash, extra_key, index, self.block_size)`` gives the hash block
+    ``index`` chains on (``root_hash(extra_key)`` for the first, the previous block's
+    hash after it, each mixed with the images the block overlaps) and the block's own
+    extra key (``extra_key`` itself for a prompt without images).  A hash only *finds*
+    a candidate: accept it only if its ``token_ids`` equal the block's, its
+    ``parent_id`` is the ``entry_id`` matched one block earlier (``ROOT_ID`` for the
+    first) and its ``extra_key`` is the block's own, so that a collision costs a miss,
+    never wrong KV.
     Stop at the first miss.  The prompt's last token is never served from the cache
     (its logits must be computed), so at most ``(len(token_ids) - 1) // block_size``
     blocks match.  Changes nothing.
