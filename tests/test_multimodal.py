@@ -24,6 +24,8 @@ from minipaged import SamplingParams
 from minipaged.arg_utils import engine_kwargs
 from minipaged.cli import build_parser
 from minipaged.config import EngineConfig
+from minipaged.core.memory import KVCacheManager
+from minipaged.core.memory.prefix_cache import MultiModalKey
 from minipaged.models.tiny import EOS_ID, IMAGE_TOKEN_ID, make_tiny_model
 from minipaged.multimodal.processing import mm_hash
 
@@ -171,6 +173,23 @@ def test_the_prefix_cache_keys_on_the_image(llava, oracle):
     placeholder = out.prompt_token_ids.index(IMAGE_TOKEN_ID)
     assert placeholder < hit < placeholder + 16
     assert after["num_encoded_images"] - before["num_encoded_images"] == 1
+
+
+@pytest.mark.parametrize("block_size, offset", [(4, 8), (4, 9), (16, 3)])
+def test_the_kv_cache_manager_shares_the_blocks_before_an_image(block_size, offset):
+    """At the memory layer: the same ids with another image find exactly the full blocks
+    that end at or before the image's offset; the same image finds every full block; an
+    adapter keys every block."""
+    kv = KVCacheManager(64, block_size, enable_prefix_caching=True)
+    prompt = list(range(100, 100 + offset)) + [IMAGE_TOKEN_ID] * 16 + list(range(7))
+
+    def key(image, lora_id=None):
+        return MultiModalKey(lora_id, ((image, offset, 16),))
+
+    kv.allocate("a", prompt, extra_key=key("a"))
+    assert kv.num_cached_tokens(prompt, key("b")) == offset // block_size * block_size
+    assert kv.num_cached_tokens(prompt, key("a")) == (len(prompt) - 1) // block_size * block_size
+    assert kv.num_cached_tokens(prompt, key("a", lora_id=1)) == 0
 
 
 def test_text_before_an_image_is_shared_across_images(llava, oracle):
