@@ -802,7 +802,8 @@ class Scheduler:
 
     def _admission_plan(self, group: SequenceGroup, budget: int):
         """First-chunk sizes for a waiting request's sequences, or None if the token
-        budget cannot give each of them at least one token this step."""
+        budget, or the encoder budget (`_fit_encoder`), cannot give each of them at
+        least one token this step."""
         plan, seqs, counted = [], group.unfinished_seqs, {}
         for k, seq in enumerate(seqs):
             cached = self.kv.num_cached_tokens(
