@@ -77,6 +77,7 @@ TYPES = {
     "compilation_config": mode_or_json_object,
     "pooler_config": json_object,
     "kv_transfer_config": json_object,
+    "structured_outputs_config": json_object,
 }
 # Not flags: the model is an argument of its own; a trace needs code to read it.
 NOT_ENGINE_FLAGS = ("model", "trace")
