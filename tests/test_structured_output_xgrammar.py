@@ -196,3 +196,41 @@ def test_auto_is_guidance_in_minipaged():
     config = EngineConfig(model="m")
     assert config.structured_outputs_config.backend == "auto"
     assert config.structured_outputs_config.resolved_backend == "guidance"
+
+
+def test_serve_takes_the_flag_and_serves_with_xgrammar(model):
+    """``minipaged serve --structured-outputs-config '{"backend": "xgrammar"}'`` builds
+    an xgrammar engine; through the official client its JSON validates, and vLLM's
+    older per-request ``guided_decoding_backend`` naming another backend is a 400."""
+    pytest.importorskip("fastapi")  # the server extra
+    openai = pytest.importorskip("openai")
+    from minipaged.arg_utils import engine_kwargs
+    from minipaged.cli import build_parser
+    from server_helpers import MODEL, in_process_app, openai_client
+
+    flag = ["--structured-outputs-config", '{"backend": "xgrammar"}']
+    kwargs = engine_kwargs(build_parser().parse_args(["serve", "m", *flag]))
+    assert kwargs["structured_outputs_config"] == {"backend": "xgrammar"}
+    assert EngineConfig(model="m", **kwargs).structured_outputs_config.backend == "xgrammar"
+    schema = {"type": "object", "properties": {"x": {"type": "number", "minimum": 0, "maximum": 1}}}
+    schema |= {"required": ["x"], "additionalProperties": False}
+    request = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "A number."}],
+        temperature=1.0,
+        seed=4,
+        max_tokens=80,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    )
+    for url, engine, _ in in_process_app(model[0], engine_kwargs=XGRAMMAR):
+        assert engine.facts.config.structured_outputs_config.backend == "xgrammar"
+        with openai_client(url) as client:
+            response = client.chat.completions.create(
+                **request, extra_body={"guided_decoding_backend": "xgrammar"}
+            )
+            assert response.choices[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(response.choices[0].message.content), schema)
+            with pytest.raises(openai.BadRequestError, match="guided_decoding_backend"):
+                client.chat.completions.create(
+                    **request, extra_body={"guided_decoding_backend": "guidance"}
+                )
