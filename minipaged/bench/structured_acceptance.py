@@ -225,8 +225,13 @@ def add_arguments(parser) -> None:
     add_output_flags(parser, NAME)
 
 
-def backend_of(args) -> str:
-    """The backend the served engine uses (``StructuredOutputsConfig``'s check)."""
+def backend_of(args) -> str | None:
+    """The backend the served engine uses (``StructuredOutputsConfig``'s check); None:
+    a running server's (``--base-url``), which this command cannot see."""
+    if args.base_url:
+        if args.structured_outputs_config is not None:
+            raise ValueError("--structured-outputs-config is for the server this command starts")
+        return None
     return StructuredOutputsConfig.from_value(args.structured_outputs_config).resolved_backend
 
 
@@ -241,8 +246,6 @@ def main(args) -> None:
     if args.structured_outputs_config is not None:
         flags += ["--structured-outputs-config", json.dumps(args.structured_outputs_config)]
     if args.base_url:
-        if args.structured_outputs_config is not None:
-            raise ValueError("--structured-outputs-config is for the server this command starts")
         server = contextlib.nullcontext(args.base_url)
         model = args.model
     else:
@@ -254,7 +257,8 @@ def main(args) -> None:
     counts = summary(rows)
     print(", ".join(f"{c}: {counts[f'{c}_valid']} / {len(rows)} valid" for c in CLIENTS))
     name = getattr(model, "name", model)
-    figure = plot_acceptance(rows, f"{name} served by minipaged: structured outputs ({backend})")
-    results = NAME if backend == "guidance" else f"{NAME}-{backend}"
+    title = f"{name} served by minipaged: structured outputs" + (f" ({backend})" if backend else "")
+    figure = plot_acceptance(rows, title)
+    results = NAME if backend in (None, "guidance") else f"{NAME}-{backend}"
     extra = dict(model=str(name), max_tokens=args.max_tokens, backend=backend, **counts)
     write(args, results, "cpu", rows, figure, **extra)
