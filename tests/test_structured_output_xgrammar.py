@@ -200,8 +200,9 @@ def test_auto_is_guidance_in_minipaged():
 
 def test_serve_takes_the_flag_and_serves_with_xgrammar(model):
     """``minipaged serve --structured-outputs-config '{"backend": "xgrammar"}'`` builds
-    an xgrammar engine; through the official client its JSON validates, and vLLM's
-    older per-request ``guided_decoding_backend`` naming another backend is a 400."""
+    an xgrammar engine; through the official client its JSON validates; vLLM's older
+    per-request ``guided_decoding_backend`` naming another backend, and a grammar
+    xgrammar cannot compile, are 400s naming the field."""
     pytest.importorskip("fastapi")  # the server extra
     openai = pytest.importorskip("openai")
     from minipaged.arg_utils import engine_kwargs
@@ -233,4 +234,10 @@ def test_serve_takes_the_flag_and_serves_with_xgrammar(model):
             with pytest.raises(openai.BadRequestError, match="guided_decoding_backend"):
                 client.chat.completions.create(
                     **request, extra_body={"guided_decoding_backend": "guidance"}
+                )
+            # A grammar llguidance takes and xgrammar does not: a 400 naming the field.
+            grammar = '%llguidance {}\nstart: "a"'
+            with pytest.raises(openai.BadRequestError, match=r"structured_outputs\.grammar"):
+                client.completions.create(
+                    model=MODEL, prompt="a", max_tokens=4, extra_body={"guided_grammar": grammar}
                 )
