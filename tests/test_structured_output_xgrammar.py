@@ -241,3 +241,24 @@ def test_serve_takes_the_flag_and_serves_with_xgrammar(model):
                 client.completions.create(
                     model=MODEL, prompt="a", max_tokens=4, extra_body={"guided_grammar": grammar}
                 )
+
+
+def test_a_dead_end_finishes_the_request_saying_why(llm):
+    """A matcher that refused a token (here: fed one the grammar disallows before the
+    step) is at a dead end for good: its sequence ends with ``abort`` and the reason;
+    the other request of the step goes on."""
+    engine = llm.engine
+    params = SamplingParams(
+        temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex="ab+")
+    )
+    engine.add_request("dead", PROMPTS[0], params)
+    engine.add_request("alive", PROMPTS[1], params)
+    engine.step()  # the prompts run; their first tokens are "a"
+    assert not engine.requests["dead"].seqs[0].grammar.accept_token(ord("z"))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step())
+    dead, alive = finished["dead"].outputs[0], finished["alive"].outputs[0]
+    assert dead.finish_reason == "abort" and f"token {ord('z')}" in dead.stop_reason
+    assert alive.finish_reason == "stop" and re.fullmatch("ab+", alive.text)
+    assert_all_blocks_free(llm)
