@@ -158,6 +158,10 @@ class EngineConfig:
             sizes it so that the largest item fits).  A vision model runs without
             tensor or pipeline parallelism, speculative decoding, LoRA, pooling, a
             contiguous ``memory_mode`` or a KV connector.
+        structured_outputs_config: structured outputs' grammar engine, as vLLM's dict
+            (`StructuredOutputsConfig`): ``{"backend": "xgrammar"}``, ``"guidance"``
+            (llguidance) or ``"auto"`` (the default: guidance in minipaged; vLLM's
+            picks xgrammar where it supports the request); None: the default.
     """
 
     model: str
@@ -201,6 +205,7 @@ class EngineConfig:
     limit_mm_per_prompt: dict | None = None
     allowed_local_media_path: str = ""
     encoder_cache_size: int | None = None
+    structured_outputs_config: StructuredOutputsConfig | dict | None = None
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
@@ -283,6 +288,9 @@ class EngineConfig:
                 raise ValueError(
                     f"speculative_config needs memory_mode='paged', got {self.memory_mode!r}"
                 )
+        self.structured_outputs_config = StructuredOutputsConfig.from_value(
+            self.structured_outputs_config
+        )
         self._check_pipeline()
         self._check_quantization()
         self._check_runner()
@@ -532,6 +540,57 @@ class KVTransferConfig:
     @property
     def is_kv_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
+
+
+# vLLM's structured-output backends that minipaged has, and those it has not.
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
+UNIMPLEMENTED_STRUCTURED_OUTPUTS_BACKENDS = ("outlines", "lm-format-enforcer")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Structured outputs' settings, with vLLM's ``structured_outputs_config`` keys (its
+    backend only).
+
+    Args:
+        backend: the grammar engine: ``"guidance"`` (llguidance,
+            `minipaged.structured_output.backend_guidance`), ``"xgrammar"``
+            (`minipaged.structured_output.backend_xgrammar`) or ``"auto"``.  vLLM's
+            ``auto`` prefers xgrammar and falls back to guidance for what xgrammar
+            cannot compile; minipaged's ``auto`` is guidance, for every request (the
+            engine it was built on).  vLLM's ``"outlines"`` and
+            ``"lm-format-enforcer"`` are refused.
+    """
+
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.backend in UNIMPLEMENTED_STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(
+                f"structured_outputs_config 'backend' {self.backend!r} is not supported by "
+                f"minipaged (it takes {', '.join(STRUCTURED_OUTPUTS_BACKENDS)})"
+            )
+        _choice("structured_outputs_config 'backend'", self.backend, STRUCTURED_OUTPUTS_BACKENDS)
+
+    @property
+    def resolved_backend(self) -> str:
+        """The backend that compiles every grammar: ``auto`` is guidance."""
+        return "guidance" if self.backend == "auto" else self.backend
+
+    @classmethod
+    def from_value(cls, value) -> StructuredOutputsConfig:
+        """vLLM's forms: None (the default), a `StructuredOutputsConfig` or its dict (an
+        unknown key is refused, never ignored)."""
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs_config must be a dict or None, got {value!r}")
+        if unknown := [key for key in value if key != "backend"]:
+            raise ValueError(
+                f"structured_outputs_config key {unknown[0]!r} is not supported by minipaged "
+                "(it takes backend)"
+            )
+        return cls(**value)
 
 
 # vLLM's CompilationMode values that minipaged runs: NONE, STOCK_TORCH_COMPILE.

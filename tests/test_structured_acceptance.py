@@ -18,9 +18,11 @@ pytest.importorskip("llguidance")
 from cli_helpers import run_main  # noqa: E402
 from minipaged.bench.structured_acceptance import (  # noqa: E402
     CLIENTS,
+    backend_of,
     load_schemas,
     validation_error,
 )
+from minipaged.cli import build_parser  # noqa: E402
 from server_helpers import MODEL, in_process_app  # noqa: E402
 
 # Nested objects, an array of objects, an enum, optional fields, $defs: a field each.
@@ -64,3 +66,18 @@ def test_a_few_schemas_through_openai_and_langchain_all_validate(tiny, tmp_path)
             jsonschema.validate(row[f"{client}_answer"], schemas[row["name"]])
     assert all(results[f"{c}_valid"] == len(NAMES) for c in CLIENTS)
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_the_backend_flag_is_for_the_server_the_bench_starts():
+    """``--structured-outputs-config`` is checked as the server checks it, names the
+    backend whose results are saved, and is refused with ``--base-url`` (a running
+    server's backend is its own)."""
+    bench = ["bench", "structured-acceptance"]
+    assert backend_of(build_parser().parse_args(bench)) == "guidance"
+    flag = ["--structured-outputs-config", '{"backend": "xgrammar"}']
+    assert backend_of(build_parser().parse_args([*bench, *flag])) == "xgrammar"
+    with pytest.raises(ValueError, match="--structured-outputs-config"):
+        backend_of(build_parser().parse_args([*bench, *flag, "--base-url", "http://h"]))
+    outlines = ["--structured-outputs-config", '{"backend": "outlines"}']
+    with pytest.raises(ValueError, match="'outlines' is not supported"):
+        backend_of(build_parser().parse_args([*bench, *outlines]))

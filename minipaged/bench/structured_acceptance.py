@@ -16,7 +16,9 @@ do:
 Each answer is parsed and validated with ``jsonschema`` (the oracle), and counted.  It
 is a count, not a timing: a busy machine changes nothing but how long the run takes.
 The clients retry nothing, but a connection error is tried once more, and counted.
-Without ``--base-url`` it starts ``minipaged serve MODEL --device cpu`` itself.
+Without ``--base-url`` it starts ``minipaged serve MODEL --device cpu`` itself, with
+``--structured-outputs-config`` passed through: ``'{"backend": "xgrammar"}'`` measures
+the xgrammar backend, whose results are saved as ``structured-acceptance-xgrammar``.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
+from minipaged.arg_utils import json_object
 from minipaged.bench import common
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column
+from minipaged.config import StructuredOutputsConfig
 
 NAME = "structured-acceptance"
 HELP = "structured outputs' acceptance: 50 JSON schemas via openai and LangChain, validated"
@@ -211,7 +215,24 @@ def add_arguments(parser) -> None:
     parser.add_argument("--schemas", nargs="+", help="only these schemas of the set, by name")
     parser.add_argument("--max-tokens", type=int, default=512, help="(default: %(default)s)")
     parser.add_argument("--concurrency", type=int, default=8, help="(default: %(default)s)")
+    parser.add_argument(
+        "--structured-outputs-config",
+        metavar="JSON",
+        type=json_object,
+        help='the server\'s flag, passed through: \'{"backend": "xgrammar"}\' saves the '
+        f"results as {NAME}-xgrammar (default: the server's default backend)",
+    )
     add_output_flags(parser, NAME)
+
+
+def backend_of(args) -> str | None:
+    """The backend the served engine uses (``StructuredOutputsConfig``'s check); None:
+    a running server's (``--base-url``), which this command cannot see."""
+    if args.base_url:
+        if args.structured_outputs_config is not None:
+            raise ValueError("--structured-outputs-config is for the server this command starts")
+        return None
+    return StructuredOutputsConfig.from_value(args.structured_outputs_config).resolved_backend
 
 
 def main(args) -> None:
@@ -221,17 +242,23 @@ def main(args) -> None:
     from minipaged.models.hub import resolve_model  # noqa: PLC0415
 
     entries = load_schemas(args.schemas)
+    backend, flags = backend_of(args), ["--device", "cpu"]
+    if args.structured_outputs_config is not None:
+        flags += ["--structured-outputs-config", json.dumps(args.structured_outputs_config)]
     if args.base_url:
         server = contextlib.nullcontext(args.base_url)
         model = args.model
     else:
         model = resolve_model(args.model)
-        server = serve_process(model, ["--device", "cpu"])
+        server = serve_process(model, flags)
     with server as base_url:
         rows = run_acceptance(base_url, entries, args.max_tokens, args.concurrency)
     print(format_table(rows))
     counts = summary(rows)
     print(", ".join(f"{c}: {counts[f'{c}_valid']} / {len(rows)} valid" for c in CLIENTS))
     name = getattr(model, "name", model)
-    figure = plot_acceptance(rows, f"{name} served by minipaged: structured outputs")
-    write(args, NAME, "cpu", rows, figure, model=str(name), max_tokens=args.max_tokens, **counts)
+    title = f"{name} served by minipaged: structured outputs" + (f" ({backend})" if backend else "")
+    figure = plot_acceptance(rows, title)
+    results = NAME if backend in (None, "guidance") else f"{NAME}-{backend}"
+    extra = dict(model=str(name), max_tokens=args.max_tokens, backend=backend, **counts)
+    write(args, results, "cpu", rows, figure, **extra)
