@@ -26,8 +26,9 @@ from engine_helpers import (
 from minipaged.cli import main as cli
 from minipaged.config import EngineConfig
 from minipaged.models.loader import load_model
-from minipaged.models.quantization import resolve_quantization, weight_bytes
+from minipaged.models.quantization import formats, resolve_quantization, weight_bytes
 from minipaged.models.quantization.quantize import gptq_quantize, rtn_quantize
+from minipaged.ops.quant_linear import IntWeight
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: slot j of an int32 holds column AWQ_ORDER[j]
@@ -85,6 +86,46 @@ def dequantized_checkpoint(path, out):
     for file in path.glob("tokenizer*"):
         (out / file.name).write_bytes(file.read_bytes())
     return out
+
+
+def random_int4(n: int, k: int, group_size: int, act_order: bool) -> IntWeight:
+    """Random 4-bit integers, scales and zero points (1..15: GPTQ stores them minus one)."""
+    g = torch.Generator().manual_seed(n * k)
+    groups = k // group_size
+    g_idx = torch.arange(k) // group_size
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=g)]
+    return IntWeight(
+        torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+        torch.rand(n, groups, generator=g) + 0.5,
+        torch.randint(1, 16, (n, groups), generator=g, dtype=torch.int16),
+        g_idx,
+        4,
+    )
+
+
+@pytest.mark.parametrize(
+    "fmt,act_order",
+    [("gptq", False), ("gptq", True), ("awq", False)],
+    ids=["gptq", "gptq-g_idx", "awq"],
+)
+def test_packing_matches_an_independent_reading(fmt, act_order):
+    """Packed in GPTQ's or AWQ's layout, the integers read back by this file's own
+    nibble reader (the order each format documents) give the same weight, and
+    unpacking returns them exactly."""
+    weight = random_int4(24, 64, 32, act_order)
+    packed = formats.pack_gptq(weight) if fmt == "gptq" else formats.pack_awq(weight)
+    tensors = {f"w.{kind}": tensor for kind, tensor in packed.items()}
+    ours = dequantize_gptq(tensors, "w") if fmt == "gptq" else dequantize_awq(tensors, "w", 32)
+    scales = weight.scales.half().float()[:, weight.g_idx]  # the formats store float16
+    expected = (weight.q.float() - weight.zeros.float()[:, weight.g_idx]) * scales
+    torch.testing.assert_close(ours, expected, atol=0, rtol=0)
+    if fmt == "gptq":
+        back = formats.unpack_gptq(*(packed[k] for k in ("qweight", "qzeros", "scales", "g_idx")))
+    else:
+        back = formats.unpack_awq(packed["qweight"], packed["qzeros"], packed["scales"], 32)
+    assert torch.equal(back.q, weight.q) and torch.equal(back.zeros, weight.zeros)
+    assert torch.equal(back.g_idx, weight.g_idx)
 
 
 @pytest.fixture(scope="module")
