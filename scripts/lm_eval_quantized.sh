@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORKDIR=${1:-$HOME/.cache/minipaged/quantized}
-OUT=${2:-lm_eval_quantized}
+OUT=${2:-$(mktemp -d)/lm_eval}  # outside the checkout
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_DATASETS_CACHE=$OUT/datasets
 MODEL=$(python -c "from minipaged.models.hub import resolve_model; print(resolve_model('smollm2'))")
 NAME=$(basename "$MODEL")
