@@ -64,8 +64,9 @@ class EngineConfig:
             (`minipaged.models.quantization`): ``"fp8"`` or ``"int8"``, quantized as a
             16/32-bit checkpoint loads, a scale per output channel; ``"awq"`` or
             ``"gptq"``, a checkpoint quantized to 4 bits in Hugging Face's format (None:
-            the checkpoint's ``quantization_config``, if it has one).  Not with
-            tensor or pipeline parallelism, LoRA or compilation.
+            the checkpoint's ``quantization_config``, if it has one).  Sharded like
+            the dense weights under tensor and pipeline parallelism; not with LoRA or
+            compilation.
         calculate_kv_scales: fp8 only: set each layer's ``k_scale`` and ``v_scale``
             from the first batch (vLLM's), instead of 1.0.
         num_gpu_blocks: the KV pool's size in blocks; None sizes it from
@@ -379,14 +380,12 @@ class EngineConfig:
         _refuse_combinations("kv_transfer_config", combos, self)
 
     def _check_quantization(self) -> None:
-        """What quantized weights cannot run with in minipaged: the parallel ranks and
-        LoRA's layers read a projection's dense weight, inductor's graph packs it."""
+        """What quantized weights cannot run with in minipaged: LoRA's layers read a
+        projection's dense weight, inductor's graph packs it."""
         if self.quantization is None:
             return
         _choice("quantization", self.quantization, QUANTIZATION_METHODS)
         combos = {
-            "tensor_parallel_size": self.tensor_parallel_size > 1,
-            "pipeline_parallel_size": self.pipeline_parallel_size > 1,
             "enable_lora": self.enable_lora,
             "compilation_config": self.compilation_config.mode != 0,
         }
