@@ -78,6 +78,7 @@ TYPES = {
     "pooler_config": json_object,
     "kv_transfer_config": json_object,
     "limit_mm_per_prompt": json_object,
+    "structured_outputs_config": json_object,
 }
 # Not flags: the model is an argument of its own; a trace needs code to read it.
 NOT_ENGINE_FLAGS = ("model", "trace")

@@ -64,8 +64,9 @@ class EngineConfig:
             (`minipaged.models.quantization`): ``"fp8"`` or ``"int8"``, quantized as a
             16/32-bit checkpoint loads, a scale per output channel; ``"awq"`` or
             ``"gptq"``, a checkpoint quantized to 4 bits in Hugging Face's format (None:
-            the checkpoint's ``quantization_config``, if it has one).  Not with
-            tensor or pipeline parallelism, LoRA or compilation.
+            the checkpoint's ``quantization_config``, if it has one).  Sharded like
+            the dense weights under tensor and pipeline parallelism; not with LoRA or
+            compilation.
         calculate_kv_scales: fp8 only: set each layer's ``k_scale`` and ``v_scale``
             from the first batch (vLLM's), instead of 1.0.
         num_gpu_blocks: the KV pool's size in blocks; None sizes it from
@@ -163,6 +164,10 @@ class EngineConfig:
             a chunk that reaches an image that does not is cut just before its
             placeholder; None: ``max_num_batched_tokens``, or one image's tokens if
             more (as vLLM raises it).  A value below one image's tokens is refused.
+        structured_outputs_config: structured outputs' grammar engine, as vLLM's dict
+            (`StructuredOutputsConfig`): ``{"backend": "xgrammar"}``, ``"guidance"``
+            (llguidance) or ``"auto"`` (the default: guidance in minipaged; vLLM's
+            picks xgrammar where it supports the request); None: the default.
     """
 
     model: str
@@ -207,6 +212,7 @@ class EngineConfig:
     allowed_local_media_path: str = ""
     encoder_cache_size: int | None = None
     max_num_encoder_input_tokens: int | None = None
+    structured_outputs_config: StructuredOutputsConfig | dict | None = None
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
@@ -289,6 +295,9 @@ class EngineConfig:
                 raise ValueError(
                     f"speculative_config needs memory_mode='paged', got {self.memory_mode!r}"
                 )
+        self.structured_outputs_config = StructuredOutputsConfig.from_value(
+            self.structured_outputs_config
+        )
         self._check_pipeline()
         self._check_quantization()
         self._check_runner()
@@ -378,14 +387,12 @@ class EngineConfig:
         _refuse_combinations("kv_transfer_config", combos, self)
 
     def _check_quantization(self) -> None:
-        """What quantized weights cannot run with in minipaged: the parallel ranks and
-        LoRA's layers read a projection's dense weight, inductor's graph packs it."""
+        """What quantized weights cannot run with in minipaged: LoRA's layers read a
+        projection's dense weight, inductor's graph packs it."""
         if self.quantization is None:
             return
         _choice("quantization", self.quantization, QUANTIZATION_METHODS)
         combos = {
-            "tensor_parallel_size": self.tensor_parallel_size > 1,
-            "pipeline_parallel_size": self.pipeline_parallel_size > 1,
             "enable_lora": self.enable_lora,
             "compilation_config": self.compilation_config.mode != 0,
         }
@@ -539,6 +546,57 @@ class KVTransferConfig:
     @property
     def is_kv_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
+
+
+# vLLM's structured-output backends that minipaged has, and those it has not.
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
+UNIMPLEMENTED_STRUCTURED_OUTPUTS_BACKENDS = ("outlines", "lm-format-enforcer")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Structured outputs' settings, with vLLM's ``structured_outputs_config`` keys (its
+    backend only).
+
+    Args:
+        backend: the grammar engine: ``"guidance"`` (llguidance,
+            `minipaged.structured_output.backend_guidance`), ``"xgrammar"``
+            (`minipaged.structured_output.backend_xgrammar`) or ``"auto"``.  vLLM's
+            ``auto`` prefers xgrammar and falls back to guidance for what xgrammar
+            cannot compile; minipaged's ``auto`` is guidance, for every request (the
+            engine it was built on).  vLLM's ``"outlines"`` and
+            ``"lm-format-enforcer"`` are refused.
+    """
+
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.backend in UNIMPLEMENTED_STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(
+                f"structured_outputs_config 'backend' {self.backend!r} is not supported by "
+                f"minipaged (it takes {', '.join(STRUCTURED_OUTPUTS_BACKENDS)})"
+            )
+        _choice("structured_outputs_config 'backend'", self.backend, STRUCTURED_OUTPUTS_BACKENDS)
+
+    @property
+    def resolved_backend(self) -> str:
+        """The backend that compiles every grammar: ``auto`` is guidance."""
+        return "guidance" if self.backend == "auto" else self.backend
+
+    @classmethod
+    def from_value(cls, value) -> StructuredOutputsConfig:
+        """vLLM's forms: None (the default), a `StructuredOutputsConfig` or its dict (an
+        unknown key is refused, never ignored)."""
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs_config must be a dict or None, got {value!r}")
+        if unknown := [key for key in value if key != "backend"]:
+            raise ValueError(
+                f"structured_outputs_config key {unknown[0]!r} is not supported by minipaged "
+                "(it takes backend)"
+            )
+        return cls(**value)
 
 
 # vLLM's CompilationMode values that minipaged runs: NONE, STOCK_TORCH_COMPILE.

@@ -52,7 +52,10 @@ class StructuredOutputsParams:
     Each is compiled by llguidance (vLLM's ``guidance`` backend) when constructed, so
     a schema it cannot compile, an invalid regex or grammar, or an empty choice list is
     a ``ValueError`` naming the field.  `minipaged.structured_output` turns it into a
-    matcher per sequence.
+    matcher per sequence, with the engine's backend (``structured_outputs_config``):
+    one the xgrammar backend cannot compile (a Lark grammar with llguidance's
+    ``%llguidance`` directive, say) is a ``ValueError`` naming the field when the
+    request is added.
     """
 
     json: dict | str | None = None

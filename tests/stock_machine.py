@@ -37,6 +37,8 @@ MISSING = (
     "mkdocs",
     "accelerate",
     "llguidance",
+    "xgrammar",
+    "tvm_ffi",
     "jsonschema",
 )
 

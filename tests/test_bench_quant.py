@@ -11,14 +11,14 @@ from minipaged.models.tiny import cached_checkpoint
 def test_results_file(tmp_path):
     out = tmp_path / "quant.json"
     model = cached_checkpoint("bench-sharing")
-    argv = ["bench", "quant", "--model", str(model), "--schemes", "none", "int8", "rtn"]
+    argv = ["bench", "quant", "--model", str(model), "--schemes", "none", "fp32", "int8", "rtn"]
     argv += ["--batches", "1", "2", "--steps", "1", "--group-size", "32", "--window", "32"]
     argv += ["--max-windows", "2", "--workdir", str(tmp_path / "ckpt"), "--json", str(out)]
-    argv += ["--dtype", "float32"]
+    argv += ["--dtype", "float32", "--mc-questions", "3"]
     assert run_main(argv) == 0
     rows = json.loads(out.read_text())["results"]
-    assert [r["scheme"] for r in rows] == ["none", "int8", "rtn"]
-    none, int8, rtn = rows
+    assert [r["scheme"] for r in rows] == ["none", "fp32", "int8", "rtn"]
+    none, fp32, int8, rtn = rows
     assert none["bytes_vs_none"] == none["speed_vs_none_b1"] == none["perplexity_vs_none"] == 1
     config = read_config(model)
     h, i = config.hidden_size, config.intermediate_size
@@ -27,10 +27,16 @@ def test_results_file(tmp_path):
     shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
     elements = sum(n * k for n, k in shapes) * config.num_hidden_layers
     rows_out = sum(n for n, _ in shapes) * config.num_hidden_layers
-    assert none["projection_bytes"] == 4 * elements  # float32
+    assert none["projection_bytes"] == fp32["projection_bytes"] == 4 * elements  # float32
+    assert fp32["speed_vs_fp32_b1"] == 1
+    assert (
+        int8["speed_vs_fp32_b2"] == int8["decode_tokens_per_s_b2"] / fp32["decode_tokens_per_s_b2"]
+    )
     assert int8["projection_bytes"] == elements + 4 * rows_out  # a byte each, a scale a row
     assert rtn["projection_bytes"] < int8["projection_bytes"]
     for row in rows:
         assert math.isfinite(row["perplexity"]) and row["perplexity"] > 1
         assert row["decode_tokens_per_s_b2"] > 0
+        assert row["mc_accuracy"] in (0, 1 / 3, 2 / 3, 1)
+    assert none["mc_answers_changed"] == 0 and fp32["mc_answers_changed"] == 0
     assert (tmp_path / "ckpt").is_dir() and out.with_suffix(".png").stat().st_size > 0

@@ -26,8 +26,9 @@ from engine_helpers import (
 from minipaged.cli import main as cli
 from minipaged.config import EngineConfig
 from minipaged.models.loader import load_model
-from minipaged.models.quantization import resolve_quantization, weight_bytes
+from minipaged.models.quantization import formats, resolve_quantization, weight_bytes
 from minipaged.models.quantization.quantize import gptq_quantize, rtn_quantize
+from minipaged.ops.quant_linear import IntWeight
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: slot j of an int32 holds column AWQ_ORDER[j]
@@ -85,6 +86,46 @@ def dequantized_checkpoint(path, out):
     for file in path.glob("tokenizer*"):
         (out / file.name).write_bytes(file.read_bytes())
     return out
+
+
+def random_int4(n: int, k: int, group_size: int, act_order: bool) -> IntWeight:
+    """Random 4-bit integers, scales and zero points (1..15: GPTQ stores them minus one)."""
+    g = torch.Generator().manual_seed(n * k)
+    groups = k // group_size
+    g_idx = torch.arange(k) // group_size
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=g)]
+    return IntWeight(
+        torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+        torch.rand(n, groups, generator=g) + 0.5,
+        torch.randint(1, 16, (n, groups), generator=g, dtype=torch.int16),
+        g_idx,
+        4,
+    )
+
+
+@pytest.mark.parametrize(
+    "fmt,act_order",
+    [("gptq", False), ("gptq", True), ("awq", False)],
+    ids=["gptq", "gptq-g_idx", "awq"],
+)
+def test_packing_matches_an_independent_reading(fmt, act_order):
+    """Packed in GPTQ's or AWQ's layout, the integers read back by this file's own
+    nibble reader (the order each format documents) give the same weight, and
+    unpacking returns them exactly."""
+    weight = random_int4(24, 64, 32, act_order)
+    packed = formats.pack_gptq(weight) if fmt == "gptq" else formats.pack_awq(weight)
+    tensors = {f"w.{kind}": tensor for kind, tensor in packed.items()}
+    ours = dequantize_gptq(tensors, "w") if fmt == "gptq" else dequantize_awq(tensors, "w", 32)
+    scales = weight.scales.half().float()[:, weight.g_idx]  # the formats store float16
+    expected = (weight.q.float() - weight.zeros.float()[:, weight.g_idx]) * scales
+    torch.testing.assert_close(ours, expected, atol=0, rtol=0)
+    if fmt == "gptq":
+        back = formats.unpack_gptq(*(packed[k] for k in ("qweight", "qzeros", "scales", "g_idx")))
+    else:
+        back = formats.unpack_awq(packed["qweight"], packed["qzeros"], packed["scales"], 32)
+    assert torch.equal(back.q, weight.q) and torch.equal(back.zeros, weight.zeros)
+    assert torch.equal(back.g_idx, weight.g_idx)
 
 
 @pytest.fixture(scope="module")
@@ -260,26 +301,82 @@ def test_merged_projections_with_different_orders_are_refused(checkpoints, tmp_p
         load_model(path)
 
 
-@pytest.mark.parametrize(
-    "combo",
-    [
-        {"tensor_parallel_size": 2},
-        {"pipeline_parallel_size": 2},
-        {"enable_lora": True},
-        {"compilation_config": 1},
-    ],
-)
+@pytest.mark.parametrize("combo", [{"enable_lora": True}, {"compilation_config": 1}])
 def test_quantization_refuses_what_it_cannot_run_with(combo):
     with pytest.raises(ValueError, match=f"cannot run with {next(iter(combo))}"):
         EngineConfig(model="m", quantization="int8", **combo)
 
 
-def test_a_quantized_checkpoint_is_not_split_over_ranks(checkpoints):
+def rank_slices(config, rank: int, size: int) -> dict[str, tuple[list[slice], slice]]:
+    """Each merged projection's rows (per HF part) and input columns that ``rank`` of
+    ``size`` holds, from the config: Megatron's split, written out here."""
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    d, inter = config.head_dim, config.intermediate_size
+
+    def rows(total):
+        return slice(rank * total // size, (rank + 1) * total // size)
+
+    every = slice(None)
+    return {
+        "self_attn.qkv_proj": ([rows(heads * d), rows(kv * d), rows(kv * d)], every),
+        "self_attn.o_proj": ([every], rows(heads * d)),
+        "mlp.gate_up_proj": ([rows(inter), rows(inter)], every),
+        "mlp.down_proj": ([every], rows(inter)),
+    }
+
+
+HF_PARTS = {
+    "self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+    "self_attn.o_proj": ["self_attn.o_proj"],
+    "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
+    "mlp.down_proj": ["mlp.down_proj"],
+}
+
+
+@pytest.mark.parametrize("name", ["rtn", "gptq", "awq"])
+def test_each_rank_holds_its_slice_of_the_dequantized_weight(checkpoints, name):
+    """Under tensor_parallel_size=2 every quantized projection, column- or row-parallel,
+    multiplies by exactly its rank's slice of the checkpoint's dequantized weight (the
+    row-parallel ranks of the act-order GPTQ checkpoint hold columns of every group)."""
     from minipaged.distributed.parallel_state import TensorParallelGroup
 
-    tp = TensorParallelGroup(rank=0, size=2, group=None)
-    with pytest.raises(ValueError, match="cannot be split over ranks"):
-        load_model(checkpoints["gptq"][0], tp=tp)
+    path, oracle = checkpoints[name]
+    dense = load_file(oracle.path / "model.safetensors")
+    for rank in range(2):
+        model = load_model(path, "float32", tp=TensorParallelGroup(rank=rank, size=2, group=None))
+        for merged, (rows, cols) in rank_slices(model.config, rank, 2).items():
+            layer = model.get_submodule(f"model.layers.1.{merged}")
+            eye = torch.eye(layer.in_features)
+            held = layer.quant_method.apply(layer, eye, None).T
+            parts = [
+                dense[f"model.layers.1.{hf}.weight"][r, cols]
+                for hf, r in zip(HF_PARTS[merged], rows, strict=True)
+            ]
+            torch.testing.assert_close(held, torch.cat(parts), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "scheme,parallel",
+    [
+        ("gptq", {"tensor_parallel_size": 2}),
+        ("int8", {"tensor_parallel_size": 2}),
+        ("awq", {"pipeline_parallel_size": 2}),
+    ],
+)
+def test_split_over_processes_equals_one_process(base, checkpoints, scheme, parallel):
+    """A quantized model over two ranks (column and row slices with their scales;
+    int8's scales computed on each rank's slice) or two pipeline stages generates the
+    one-process quantized engine's greedy tokens."""
+    path, quantization = (base, scheme) if scheme == "int8" else (checkpoints[scheme][0], None)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    one = make_llm(path, quantization=quantization).generate(prompts, greedy, use_tqdm=False)
+    split = make_llm(path, quantization=quantization, **parallel)
+    try:
+        outputs = split.generate(prompts, greedy, use_tqdm=False)
+    finally:
+        split.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in one]
 
 
 def test_quantized_model_with_the_engines_other_features(checkpoints):

@@ -75,9 +75,22 @@ def prompt_token_logprobs(output) -> list[float]:
 def run_one(llm: LLM, prompts: list[str], questions: list[dict], max_tokens: int) -> dict:
     """One engine's answers: greedy completions of ``prompts`` (with the chosen
     tokens' logprobs), every prompt's token logprobs, each question's chosen answer."""
-    tokenizer = llm.get_tokenizer()
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
     completions = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    logprobs, answers = score_prompts_and_choices(llm, prompts, questions)
+    return {"completions": completions, "prompt_logprobs": logprobs, "answers": answers}
+
+
+def mc_answers(llm: LLM, questions: list[dict]) -> list[int]:
+    """Each multiple-choice question's chosen answer, by lm-eval's rule (module
+    docstring)."""
+    return score_prompts_and_choices(llm, [], questions)[1]
+
+
+def score_prompts_and_choices(llm: LLM, prompts, questions) -> tuple[list, list[int]]:
+    """The token logprobs of every prompt and then of every choice's prompt, and each
+    question's chosen answer, in one batch."""
+    tokenizer = llm.get_tokenizer()
     choices = [choice_prompts(tokenizer, q) for q in questions]
     scored = [{"prompt_token_ids": ids} for ids, _ in itertools.chain(*choices)]
     score = SamplingParams(max_tokens=1, prompt_logprobs=0)
@@ -89,7 +102,7 @@ def run_one(llm: LLM, prompts: list[str], questions: list[dict], max_tokens: int
         # Entry i of prompt_token_logprobs scores token i + 1.
         totals = [sum(next(per_choice)[start - 1 :]) for _, start in options]
         answers.append(max(range(len(totals)), key=totals.__getitem__))
-    return {"completions": completions, "prompt_logprobs": logprobs, "answers": answers}
+    return logprobs, answers
 
 
 def greedy_agreement(ours, base) -> tuple[bool, float, list[float]]:

@@ -1,7 +1,9 @@
 """``minipaged bench quant``: quantized weights against the unquantized model, in memory,
 quality and decode speed (`minipaged.models.quantization`).
 
-For each scheme, on SmolLM2 by default: ``none`` (the model's dtype), ``int8`` and
+For each scheme, on SmolLM2 by default: ``none`` (unquantized, in ``--dtype``),
+``fp32`` (unquantized in float32 whatever ``--dtype`` says: the baseline of the
+speed goal "int8 weight-only 1.5x faster than float32 at batch 1"), ``int8`` and
 ``fp8`` online, and the INT4 checkpoints that ``minipaged quantize`` writes with
 ``rtn``, ``gptq`` and ``awq`` (written once into ``--workdir`` and reused):
 
@@ -11,9 +13,15 @@ For each scheme, on SmolLM2 by default: ``none`` (the model's dtype), ``int8`` a
 - **perplexity** on a fixed text (`eval_text`: standard-library docstrings other than
   the calibration's), from the engine's prompt logprobs over windows of ``--window``
   tokens: ``exp(-mean log p)``;
+- **multiple-choice accuracy**: the 50 questions of the lm-eval test's local task,
+  scored by lm-evaluation-harness's rule for ``multiple_choice`` in process
+  (`minipaged.bench.kv_quality.mc_answers`; ``tests/test_lm_eval.py`` shows the same
+  rule through ``minipaged serve`` and ``lm_eval`` giving lm-eval's own answers), and
+  how many answers differ from the unquantized model's;
 - **decode tokens/s** at batch 1, 8 and 32: a full batch decoding, each engine's step
   timed in turn with the others' (a busy machine slows all alike), tokens per second
-  from the median step, and the ratio to the unquantized model's at the same batch.
+  from the median step, and the ratio to the unquantized model's at the same batch
+  (and to the float32 model's, where ``fp32`` is among the schemes).
 
 On a CPU torch runs on one thread (`bench.common.one_cpu_thread`), in bfloat16 by
 default: torch's packed weight-only CPU ops (`minipaged.ops.quant_linear`) are
@@ -24,6 +32,7 @@ float32 ones, tens of times slower than oneDNN's float32 matmul.
 from __future__ import annotations
 
 import math
+import os
 import random
 import statistics
 from pathlib import Path
@@ -36,6 +45,7 @@ from minipaged.arg_utils import add_model_flag
 from minipaged.bench import common
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column, one_cpu_thread
+from minipaged.bench.kv_quality import mc_answers, mc_questions
 from minipaged.llm import LLM
 from minipaged.models.hub import resolve_model
 from minipaged.models.loader import read_config
@@ -50,7 +60,7 @@ DESCRIPTION = (
     "by minipaged quantize (rtn, gptq, awq); measure each one's weight bytes, perplexity on "
     "a fixed text and decode tokens/s at batch 1, 8 and 32."
 )
-SCHEMES = ("none", "int8", "fp8", "rtn", "gptq", "awq")
+SCHEMES = ("none", "fp32", "int8", "fp8", "rtn", "gptq", "awq")
 INT4_METHODS = ("rtn", "gptq", "awq")
 EVAL_MODULES = ("pathlib", "textwrap", "functools", "dataclasses", "shutil", "tarfile")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -69,10 +79,13 @@ def awq_group_size(config, wanted: int) -> int:
 
 
 def checkpoint(model: Path, method: str, group_size: int, workdir: Path) -> Path:
-    """``model`` quantized with ``method``, written once into ``workdir``."""
-    out = workdir / f"{model.name}-{method}-g{group_size}"
+    """``model`` quantized with ``method``, written once into ``workdir``; GPTQ with
+    act-order (``desc_act``, AutoGPTQ's default), which on SmolLM2 took perplexity
+    from 1.25x to 1.12x the unquantized model's."""
+    act_order = method == "gptq"
+    out = workdir / f"{model.name}-{method}-g{group_size}{'-desc-act' if act_order else ''}"
     if not (out / "model.safetensors").is_file():
-        quantize_checkpoint(model, out, method=method, group_size=group_size)
+        quantize_checkpoint(model, out, method=method, group_size=group_size, act_order=act_order)
     return out
 
 
@@ -81,6 +94,8 @@ def engine_args(model: Path, scheme: str, group_size: int, workdir: Path) -> dic
         if scheme == "awq":
             group_size = awq_group_size(read_config(model), group_size)
         return {"model": str(checkpoint(model, scheme, group_size, workdir))}
+    if scheme == "fp32":
+        return {"model": str(model), "quantization": None, "dtype": "float32"}
     return {"model": str(model), "quantization": None if scheme == "none" else scheme}
 
 
@@ -141,20 +156,17 @@ def bench_quant(
     dtype: str = "bfloat16",
     window: int = 256,
     max_windows: int = 8,
+    mc_count: int | None = None,
 ) -> list[dict]:
     """One row per scheme: bytes, perplexity, decode tokens/s per batch (module docstring)."""
-    text = eval_text()
-    engines, rows = {}, []
+    text, questions = eval_text(), mc_questions(count=mc_count)
+    engines, rows, answers = {}, [], {}
     with one_cpu_thread("cpu"):
         for scheme in tqdm(schemes, desc="schemes", leave=False):
             args = engine_args(model, scheme, group_size, workdir)
+            args.setdefault("dtype", dtype)
             llm = LLM(
-                args.pop("model"),
-                device="cpu",
-                dtype=dtype,
-                max_num_seqs=max(batches),
-                swap_space=0,
-                **args,
+                args.pop("model"), device="cpu", max_num_seqs=max(batches), swap_space=0, **args
             )
             engine = engines[scheme] = llm.engine
             rows.append(
@@ -164,6 +176,13 @@ def bench_quant(
                     "projection_bytes": projection_bytes(engine.model),
                     "perplexity": perplexity(llm, text, window, max_windows),
                 }
+            )
+            answers[scheme] = mc_answers(llm, questions)
+            rows[-1]["mc_accuracy"] = sum(
+                a == q["answer"] for a, q in zip(answers[scheme], questions)
+            ) / len(questions)
+            rows[-1]["mc_answers_changed"] = sum(
+                a != b for a, b in zip(answers[scheme], answers[schemes[0]])
             )
         for batch in batches:
             rates = decode_rates(engines, batch, steps, prompt_len)
@@ -177,6 +196,11 @@ def bench_quant(
         for batch in batches:
             key = f"decode_tokens_per_s_b{batch}"
             row[f"speed_vs_none_b{batch}"] = row[key] / base[key]
+    fp32 = next((r for r in rows if r["scheme"] == "fp32"), None)
+    for row in rows if fp32 else ():
+        for batch in batches:
+            key = f"decode_tokens_per_s_b{batch}"
+            row[f"speed_vs_fp32_b{batch}"] = row[key] / fp32[key]
     return rows
 
 
@@ -188,10 +212,14 @@ def format_table(rows: list[dict], batches) -> str:
         Column("projections x none", "projection_bytes_vs_none", "{:.3f}"),
         Column("perplexity", "perplexity", "{:.3f}"),
         Column("ppl x none", "perplexity_vs_none", "{:.4f}"),
+        Column("MC acc", "mc_accuracy", "{:.2f}"),
+        Column("MC changed", "mc_answers_changed"),
     ]
     for b in batches:
         columns.append(Column(f"tok/s b{b}", f"decode_tokens_per_s_b{b}", "{:.1f}"))
         columns.append(Column(f"x none b{b}", f"speed_vs_none_b{b}", "{:.2f}"))
+        if f"speed_vs_fp32_b{b}" in rows[0]:
+            columns.append(Column(f"x fp32 b{b}", f"speed_vs_fp32_b{b}", "{:.2f}"))
     return common.format_table(rows, columns)
 
 
@@ -229,6 +257,7 @@ def add_arguments(parser) -> None:
         ("--group-size", 128, "INT4 group size (AWQ's: the largest up to it that divides)"),
         ("--window", 256, "tokens per perplexity window"),
         ("--max-windows", 8, "perplexity windows"),
+        ("--mc-questions", 50, "multiple-choice questions (of 50)"),
     ):
         parser.add_argument(flag, type=int, default=default, help=f"{help_} (default: %(default)s)")
     parser.add_argument(
@@ -247,6 +276,7 @@ def main(args) -> None:
     if args.schemes[0] != "none":
         raise ValueError("--schemes must start with none, the baseline of every ratio")
     model = resolve_model(args.model)
+    load_start = list(os.getloadavg())  # a shared machine's load slows every rate
     rows = bench_quant(
         model,
         args.workdir,
@@ -258,6 +288,7 @@ def main(args) -> None:
         args.dtype,
         args.window,
         args.max_windows,
+        args.mc_questions,
     )
     print(format_table(rows, args.batches))
     title = f"{model.name} ({args.dtype}) on a CPU, one thread: quantized weights"
@@ -270,4 +301,6 @@ def main(args) -> None:
         model=str(model),
         dtype=args.dtype,
         group_size=args.group_size,
+        load_average_start=load_start,
+        load_average_end=list(os.getloadavg()),
     )

@@ -247,6 +247,15 @@ EXERCISES = (
         ("tests/test_moe.py", "-k", "route_equals or routing_stats_count"),
     ),
     Exercise(
+        "18",
+        "int4_packing.py",
+        {
+            "pack": "minipaged.models.quantization.formats:_pack",
+            "unpack": "minipaged.models.quantization.formats:_unpack",
+        },
+        ("tests/test_quantization.py", "-k", "packing_matches"),
+    ),
+    Exercise(
         "19",
         "pooler.py",
         {

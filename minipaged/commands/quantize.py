@@ -35,6 +35,12 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--num-samples", type=int, default=16, help="calibration sequences")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: the column loop's ops are small)",
+    )
 
 
 def main(args) -> None:
@@ -51,6 +57,7 @@ def main(args) -> None:
         act_order=args.desc_act,
         num_samples=args.num_samples,
         seq_len=args.seq_len,
+        num_threads=args.threads,
     )
     print(f"wrote a {args.bits}-bit {args.method} checkpoint to {out}:")
     for file in sorted(out.iterdir()):

@@ -203,6 +203,7 @@ def worker_args(
         if config.enable_lora
         else None,
         pp_size,
+        config.quantization,
     )
 
 

@@ -77,6 +77,7 @@ class WorkerArgs:
     all2all_backend: str
     lora: tuple[int, int, int] | None = None  # (max_loras, max_lora_rank, max_cpu_loras)
     pipeline_parallel_size: int = 1
+    quantization: str | None = None  # `EngineConfig.quantization`
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -131,7 +132,15 @@ def run_rank(
     (``send`` and ``recv``), then run broadcast steps until the driver sends None.
     Returns False, having sent the traceback, if the set-up failed."""
     try:
-        model = load_model(args.path, args.dtype, device, args.attention_backend, tp, pp)
+        model = load_model(
+            args.path,
+            args.dtype,
+            device,
+            args.attention_backend,
+            tp,
+            pp,
+            quantization=args.quantization,
+        )
         runner = ModelRunner(model, args.block_size, device)
         if args.lora:
             runner.enable_lora(*args.lora)

@@ -224,7 +224,11 @@ class LLMEngine:
             self.runner.lora, self.scheduler.lora_slots, self.scheduler.requests
         )
         self.structured_output = StructuredOutputManager(
-            self.tokenizer, self.vocab_size, self.eos_token_ids, config.max_num_seqs
+            self.tokenizer,
+            self.vocab_size,
+            self.eos_token_ids,
+            config.max_num_seqs,
+            config.structured_outputs_config.resolved_backend,
         )
         self.input_processor = InputProcessor(
             self.tokenizer,

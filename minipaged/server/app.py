@@ -174,6 +174,10 @@ class OpenAIServing:
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="minipaged-tokenize")
         self.adapters = ServedAdapters(engine)
         self.runner = engine.facts.config.runner  # "generate" or "pooling"
+        # vLLM's older per-request ``guided_decoding_backend`` may only name this one.
+        self.structured_outputs_backend = (
+            engine.facts.config.structured_outputs_config.resolved_backend
+        )
 
     def models(self) -> dict:
         created = int(time.time())
@@ -646,6 +650,14 @@ class OpenAIServing:
         lora_request = self._check_model(body.model)
         if name := body.unsupported():
             raise APIError(400, f"{name} is not supported by minipaged", name)
+        backend = (body.model_extra or {}).get("guided_decoding_backend")
+        if backend not in (None, "auto", self.structured_outputs_backend):
+            raise APIError(
+                400,
+                f"guided_decoding_backend {backend!r}: this server's structured outputs use "
+                f"{self.structured_outputs_backend!r} (--structured-outputs-config)",
+                "guided_decoding_backend",
+            )
         self._check_logprobs(body.prompt_logprobs, "prompt_logprobs")
         if body.stream and body.prompt_logprobs is not None:
             raise APIError(

@@ -43,7 +43,6 @@ UNSUPPORTED = {
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "logprob_token_ids": (None,),
-    "guided_decoding_backend": (None, "guidance", "auto"),  # llguidance is the one here
     "guided_whitespace_pattern": (None,),
     "structural_tag": (None,),
     "priority": (None, 0),

@@ -21,7 +21,11 @@ by the grammar advanced through the guesses before it, then rolled back
 (`StructuredOutputManager.apply_drafts`): the update phase advances the matcher by the
 tokens kept, one at a time, as without a draft.
 
-The grammar engine is llguidance (vLLM's ``guidance`` backend): `backend_guidance`.
+The grammar engine is llguidance (vLLM's ``guidance`` backend, `backend_guidance`) or
+xgrammar (`backend_xgrammar`), as ``structured_outputs_config``'s ``backend`` says; both
+fill the same bitmask layout, and each sequence's matcher has the same methods
+(`GuidanceGrammar`, `XgrammarGrammar`).  minipaged's ``"auto"`` is guidance, where
+vLLM's prefers xgrammar.
 """
 
 from __future__ import annotations
@@ -35,9 +39,13 @@ from minipaged.core.sched.output import ScheduledSeq
 from minipaged.sampling_params import StructuredOutputsParams
 from minipaged.structured_output.utils import apply_grammar_bitmask
 
-if TYPE_CHECKING:  # llguidance is imported by the first structured request, not before:
+if TYPE_CHECKING:  # a backend is imported by the first structured request, not before:
     # an engine that never gets one runs where it is not installed (a GPU's stock image)
     from minipaged.structured_output.backend_guidance import GuidanceBackend, GuidanceGrammar
+    from minipaged.structured_output.backend_xgrammar import XgrammarBackend, XgrammarGrammar
+
+    Backend = GuidanceBackend | XgrammarBackend
+    Grammar = GuidanceGrammar | XgrammarGrammar
 
 __all__ = ["StructuredOutputManager", "apply_grammar_bitmask"]
 
@@ -52,6 +60,7 @@ class StructuredOutputManager:
         eos_token_ids: the tokens that end a completion: the ones a finished grammar
             allows.
         max_num_seqs: the most sequences a step samples: the bitmask's rows.
+        backend: ``"guidance"`` (llguidance) or ``"xgrammar"``.
     """
 
     def __init__(
@@ -60,28 +69,34 @@ class StructuredOutputManager:
         vocab_size: int,
         eos_token_ids: set[int],
         max_num_seqs: int,
+        backend: str = "guidance",
         cache_size: int = 256,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.max_num_seqs = max_num_seqs
+        self.backend_name = backend
         self.cache_size = cache_size
-        self._backend: GuidanceBackend | None = None  # built on the first structured request
-        self._compiled: OrderedDict[tuple[str, str], GuidanceGrammar] = OrderedDict()
+        self._backend: Backend | None = None  # built on the first structured request
+        self._compiled: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
         self._bitmask: torch.Tensor | None = None
 
     @property
-    def backend(self) -> GuidanceBackend:
+    def backend(self) -> Backend:
         if self._backend is None:
-            from minipaged.structured_output.backend_guidance import (  # noqa: PLC0415
-                GuidanceBackend,
-            )
-
-            self._backend = GuidanceBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            if self.backend_name == "xgrammar":
+                from minipaged.structured_output.backend_xgrammar import (  # noqa: PLC0415
+                    XgrammarBackend as backend,
+                )
+            else:
+                from minipaged.structured_output.backend_guidance import (  # noqa: PLC0415
+                    GuidanceBackend as backend,
+                )
+            self._backend = backend(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._backend
 
-    def grammar_init(self, params: StructuredOutputsParams) -> GuidanceGrammar:
+    def grammar_init(self, params: StructuredOutputsParams) -> Grammar:
         """A fresh matcher for one sequence: a copy of the spec's compiled grammar,
         compiled on its first use.  ``ValueError`` naming the field if the grammar does
         not compile against this tokenizer."""
@@ -101,11 +116,11 @@ class StructuredOutputManager:
         """Grammars in the cache."""
         return len(self._compiled)
 
-    def grammar_bitmask(self, grammars: list[GuidanceGrammar]) -> torch.Tensor:
+    def grammar_bitmask(self, grammars: list[Grammar]) -> torch.Tensor:
         """Row ``i`` of the result: the tokens ``grammars[i]`` allows next, one bit per
         token (a view of the preallocated bitmask, valid until the next call).  A
         matcher at a dead end (no token allowed) gets a row that allows every token:
-        whatever is drawn then fails `GuidanceGrammar.accept_token`, and the update
+        whatever is drawn then fails the matcher's ``accept_token``, and the update
         phase finishes the sequence, saying why."""
         if self._bitmask is None:
             self._bitmask = self.backend.allocate_token_bitmask(self.max_num_seqs)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minipaged.distributed.layers import ColumnParallelLinear, LoadTargets, RowParallelLinear
+from minipaged.distributed.layers import ALL, ColumnParallelLinear, LoadTargets, RowParallelLinear
 from minipaged.models.quantization import formats
 from minipaged.models.quantization.config import QuantizationConfig
 from minipaged.ops.quant_linear import CpuInt4Linear, CpuInt8Linear, IntWeight, reference
@@ -171,35 +171,52 @@ class CheckpointMethod(IntMethod):
         if k % formats.PACK:
             raise ValueError(f"{prefix} has {k} input features, not a multiple of {formats.PACK}")
 
-    def groups(self, k: int) -> int:
+    def groups(self, layer, k: int) -> int:
+        """How many groups the checkpoint has for ``layer``: a row-parallel rank's
+        ``k`` inputs are a slice of the tensor's, whose groups it loads whole."""
         size = self.config.group_size
-        return 1 if size == -1 else -(-k // size)
+        return 1 if size == -1 else -(-_full_inputs(layer, k) // size)
 
     @staticmethod
     def _parts(layer) -> dict[str, int]:
         return getattr(layer, "parts", {"": layer.out_features})
 
     def load_targets(self, layer, kind) -> LoadTargets:
-        """Each part's output columns of each tensor (the HF tensors are ``[in, out]``)."""
+        """Where each tensor's slice goes (the HF tensors are ``[in, out]``): a
+        column-parallel layer's output columns of each part, as its dense weight's
+        rows; a row-parallel layer's input rows, and every group's scales and zero
+        points (``int_weight`` keeps the groups its rows use)."""
         if kind not in self.TENSORS:
             return type(layer).load_targets(layer, kind)
         out_dim, per = self.TENSORS[kind]
-        targets, start = {}, 0
-        for index, (part, rows) in enumerate(self._parts(layer).items()):
-            if out_dim is None:  # one row per part (g_idx)
-                targets[part] = ((index,), (slice(None),))
+        if isinstance(layer, RowParallelLinear):
+            return {"": self._row_target(layer, kind)}
+        targets = {}
+        dense = type(layer).load_targets(layer, "weight")  # each part's rows, ours and theirs
+        for index, (part, ((ours,), (theirs,))) in enumerate(dense.items()):
+            if out_dim is None:  # one row per part (g_idx), whole
+                targets[part] = ((index,), ALL)
             else:
-                cols = slice(start // per, (start + rows) // per)
-                targets[part] = ((slice(None),) * out_dim + (cols,), (slice(None),))
-            start += rows
+                lead = (slice(None),) * out_dim
+                targets[part] = (lead + (_divided(ours, per),), lead + (_divided(theirs, per),))
         return targets
+
+    def _row_target(self, layer, kind) -> tuple[tuple, tuple]:
+        """This rank's input rows of ``kind`` (``ROW_PACK``: how many inputs a row of
+        it packs; None: it is per group, and loaded whole)."""
+        start, k = _first_input(layer), layer.in_features
+        per = self.ROW_PACK[kind]
+        if per is None:
+            return ALL, ALL
+        rows = slice(start // per, (start + k) // per)
+        return ((0,), (rows,)) if kind == "g_idx" else (ALL, (rows, slice(None)))
 
     def process_weights_after_loading(self, layer) -> None:
         weight = self.int_weight(layer, None)
         for name in self.TENSORS:
             delattr(layer, name)
         self.check(layer, weight)
-        self.set_kernel(layer, weight, layer.quant_dtype)
+        self.set_kernel(layer, _used_groups(weight), layer.quant_dtype)
 
     def check(self, layer, weight: IntWeight) -> None:
         """Refuse values the config rules out (naming the tensor)."""
@@ -214,9 +231,10 @@ class GPTQMethod(CheckpointMethod):
     as they do when one quantizer saw one input)."""
 
     TENSORS = {"qweight": (1, 1), "qzeros": (1, formats.PACK), "scales": (1, 1), "g_idx": (None, 1)}
+    ROW_PACK = {"qweight": formats.PACK, "qzeros": None, "scales": None, "g_idx": 1}
 
     def shapes(self, layer, n, k):
-        g, parts = self.groups(k), len(self._parts(layer))
+        g, parts = self.groups(layer, k), len(self._parts(layer))
         return [
             ("qweight", (k // formats.PACK, n), torch.int32),
             ("qzeros", (g, n // formats.PACK), torch.int32),
@@ -236,9 +254,9 @@ class GPTQMethod(CheckpointMethod):
 
     def check(self, layer, weight) -> None:
         super().check(layer, weight)
-        k = weight.shape[1]
+        k, start = weight.shape[1], _first_input(layer)
         if not self.config.desc_act and self.config.group_size != -1:
-            expected = torch.arange(k) // self.config.group_size
+            expected = (start + torch.arange(k)) // self.config.group_size
             if not torch.equal(weight.g_idx, expected):
                 raise ValueError(
                     f"{layer.quant_prefix}.g_idx is not k // group_size, and the config "
@@ -251,9 +269,11 @@ class AWQMethod(CheckpointMethod):
     ``scales [G, N]``; AWQ's groups divide the input evenly."""
 
     TENSORS = {"qweight": (1, formats.PACK), "qzeros": (1, formats.PACK), "scales": (1, 1)}
+    ROW_PACK = {"qweight": 1, "qzeros": None, "scales": None}
 
     def _check_divisible(self, layer, prefix, k) -> None:
         super()._check_divisible(layer, prefix, k)
+        k = _full_inputs(layer, k)
         if k % self.config.group_size:
             raise ValueError(
                 f"{prefix} has {k} input features, which AWQ's group_size "
@@ -261,7 +281,7 @@ class AWQMethod(CheckpointMethod):
             )
 
     def shapes(self, layer, n, k):
-        g = self.groups(k)
+        g = self.groups(layer, k)
         return [
             ("qweight", (k, n // formats.PACK), torch.int32),
             ("qzeros", (g, n // formats.PACK), torch.int32),
@@ -269,7 +289,37 @@ class AWQMethod(CheckpointMethod):
         ]
 
     def int_weight(self, layer, weight) -> IntWeight:
-        return formats.unpack_awq(layer.qweight, layer.qzeros, layer.scales, self.config.group_size)
+        size = self.config.group_size
+        weight = formats.unpack_awq(layer.qweight, layer.qzeros, layer.scales, size)
+        weight.g_idx = (_first_input(layer) + torch.arange(weight.shape[1])) // size
+        return weight
+
+
+def _first_input(layer) -> int:
+    """The first of the checkpoint tensor's input columns that ``layer`` holds (a
+    row-parallel rank's slice starts at ``rank * in_features``)."""
+    return layer.tp.rank * layer.in_features if isinstance(layer, RowParallelLinear) else 0
+
+
+def _full_inputs(layer, k: int) -> int:
+    """The checkpoint tensor's input columns, of which ``layer`` holds ``k``."""
+    return k * layer.tp.size if isinstance(layer, RowParallelLinear) else k
+
+
+def _divided(rows: slice, per: int) -> slice:
+    """``rows`` of a dense weight as columns of a tensor packing ``per`` of them."""
+    return slice(rows.start // per, rows.stop // per)
+
+
+def _used_groups(weight: IntWeight) -> IntWeight:
+    """``weight`` with only the groups its columns use (a row-parallel rank's slice
+    loaded every group's scales), ``g_idx`` renumbered to them."""
+    used = torch.unique(weight.g_idx)
+    if len(used) == weight.scales.shape[1]:
+        return weight
+    zeros = None if weight.zeros is None else weight.zeros[:, used]
+    g_idx = torch.searchsorted(used, weight.g_idx)
+    return IntWeight(weight.q, weight.scales[:, used], zeros, g_idx, weight.bits)
 
 
 METHODS = {"fp8": Fp8Method, "int8": Int8Method, "gptq": GPTQMethod, "awq": AWQMethod}
@@ -282,10 +332,6 @@ def make_quant_method(config: QuantizationConfig) -> QuantMethod:
 def prepare_model(model: nn.Module, config: QuantizationConfig) -> int:
     """Give each projection of ``model``'s decoder (not the LM head) ``config``'s method
     and the parameters its checkpoint holds; returns how many."""
-    if model.tp.size > 1 or not (model.pp.is_first and model.pp.is_last):
-        raise ValueError(
-            f"a {config.method} model cannot be split over ranks or stages in minipaged"
-        )
     method = make_quant_method(config)
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QUANTIZED_LAYERS)]
     if not layers:
