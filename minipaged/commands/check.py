@@ -247,6 +247,19 @@ EXERCISES = (
         ("tests/test_moe.py", "-k", "route_equals or routing_stats_count"),
     ),
     Exercise(
+        "17",
+        "kv_load.py",
+        {
+            "start_load_kv": "minipaged.distributed.kv_transfer.kv_connector.v1."
+            "shared_storage_connector:SharedStorageConnector.start_load_kv"
+        },
+        (
+            "tests/test_disagg_prefill.py",
+            "-k",
+            "consumer_loads or preempted_consumer or after_a_load or int8_cache or removed_after",
+        ),
+    ),
+    Exercise(
         "18",
         "int4_packing.py",
         {
