@@ -182,7 +182,7 @@ def test_the_command_prints_counts_and_the_first_failure(tmp_path):
 
 def test_a_lesson_without_exercises_is_refused_by_name():
     out = subprocess.run(
-        [sys.executable, "-m", "minipaged", "check", "09"], capture_output=True, text=True, cwd=ROOT
+        [sys.executable, "-m", "minipaged", "check", "08"], capture_output=True, text=True, cwd=ROOT
     )
     assert out.returncode == 2
-    assert "lesson '09' has no exercise" in out.stderr
+    assert "lesson '08' has no exercise" in out.stderr

@@ -177,7 +177,7 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides) -> Pa
     (e.g. ``num_hidden_layers=4``).
     """
     if arch not in (*ARCHS, "llava"):
-        raise ValueError(f"arch must be one of {sorted(ARCHS)} or 'llava', got {arch!r}")
+        raise ValueError(f"arch must be one of {sorted([*ARCHS, 'llava'])}, got {arch!r}")
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     path = Path(path)
