@@ -16,7 +16,7 @@ import functools
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from minipaged import LLM
 from minipaged.models.tiny import EOS_ID
@@ -66,6 +66,28 @@ class Oracle:
         """HF ``generate(do_sample=False)``: the new tokens (up to and including EOS) and
         ``log_softmax`` of its raw logits at each step, ``[len(tokens), vocab]``."""
         return self._generate(tuple(prompt), max_tokens)
+
+    def masked_greedy(self, prompt: list[int], max_tokens: int, allowed) -> list[int]:
+        """HF ``generate(do_sample=False)`` with every token ``allowed`` rules out at
+        -inf: ``allowed(token)`` gets the token generated last (None before the first)
+        and returns a boolean mask over the vocabulary (a grammar matcher's, advanced by
+        that token)."""
+
+        class Mask(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                last = int(input_ids[0, -1]) if input_ids.shape[1] > len(prompt) else None
+                return scores.masked_fill(~allowed(last), float("-inf"))
+
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = self.hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_tokens,
+                logits_processor=LogitsProcessorList([Mask()]),
+            )
+        return out[0, len(prompt) :].tolist()
 
     def next_logprobs(self, tokens: list[int]) -> torch.Tensor:
         """``log_softmax`` of the next-token logits after ``tokens``: one full forward

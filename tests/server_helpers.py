@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from minipaged.distributed.parallel_state import free_port
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 128
@@ -31,12 +32,6 @@ START_TIMEOUT_S = 120
 class Server:
     base_url: str  # http://127.0.0.1:PORT
     kind: str
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_healthy(base_url: str, alive=lambda: True) -> None:

@@ -13,7 +13,6 @@ on the decode host reaching the prefill server across the link.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ from engine_helpers import (
 )
 from minipaged import SamplingParams
 from minipaged.core.memory.block_table import blocks_for
+from minipaged.distributed.parallel_state import free_port
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 6
@@ -53,12 +53,6 @@ def transfer(role: str, ip: str, port: int, **extra) -> dict:
 def loadable(prompt: list[int]) -> int:
     """The tokens a consumer loads: whole blocks, never the last token."""
     return (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

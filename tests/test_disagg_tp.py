@@ -10,8 +10,6 @@ whole blocks (never a prompt's last token), counted from their lengths.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from engine_helpers import (
@@ -22,6 +20,7 @@ from engine_helpers import (
     random_prompt,
 )
 from minipaged import SamplingParams
+from minipaged.distributed.parallel_state import free_port
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 5
@@ -31,12 +30,6 @@ SETTINGS = dict(block_size=BLOCK_SIZE, num_gpu_blocks=48)
 
 def loadable(prompt: list[int]) -> int:
     return (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

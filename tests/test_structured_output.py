@@ -3,7 +3,8 @@
 Oracles: ``jsonschema`` validates every JSON completion against its schema, Python's
 ``re`` full-matches every regex completion, and Hugging Face ``generate`` on the same
 tiny checkpoint, constrained by a fresh llguidance matcher through a
-``LogitsProcessor`` (built here from the tokenizer, none of minipaged's code), gives
+``LogitsProcessor`` (`engine_helpers.Oracle.masked_greedy`; the mask built here from
+the tokenizer, none of minipaged's code), gives
 the greedy tokens.  The tiny model's weights are random, so its completions are
 garbage, but valid garbage: exactly what tests the mask.
 """
@@ -13,7 +14,6 @@ import re
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
 
 jsonschema = pytest.importorskip("jsonschema")  # the oracle (the dev extra)
 pytest.importorskip("llguidance")  # absent from a GPU's stock image
@@ -116,24 +116,13 @@ def _constrained_hf_greedy(oracle, prompt: list[int], spec, max_tokens: int) -> 
         spec.llguidance_grammar(),
     )
 
-    class Mask(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            if input_ids.shape[1] > len(prompt):
-                assert matcher.consume_token(int(input_ids[0, -1]))
-            bits = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
-            allowed = ((bits.unsqueeze(-1) >> torch.arange(8)) & 1).flatten()[:vocab].bool()
-            return scores.masked_fill(~allowed, float("-inf"))
+    def allowed(last):
+        if last is not None:
+            assert matcher.consume_token(last)
+        bits = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
+        return ((bits.unsqueeze(-1) >> torch.arange(8)) & 1).flatten()[:vocab].bool()
 
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = oracle.hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=max_tokens,
-            logits_processor=LogitsProcessorList([Mask()]),
-        )
-    return out[0, len(prompt) :].tolist()
+    return oracle.masked_greedy(prompt, max_tokens, allowed)
 
 
 @pytest.mark.parametrize("name", SCHEMAS)

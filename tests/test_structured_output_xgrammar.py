@@ -11,7 +11,6 @@ import re
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
 
 jsonschema = pytest.importorskip("jsonschema")  # the oracle (the dev extra)
 xgr = pytest.importorskip("xgrammar")  # absent from a GPU's stock image
@@ -63,25 +62,14 @@ def xgrammar_hf_greedy(oracle, prompt: list[int], spec, max_tokens: int) -> list
     matcher = xgr.GrammarMatcher(compiled)
     bitmask = xgr.allocate_token_bitmask(1, vocab)
 
-    class Mask(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            if input_ids.shape[1] > len(prompt):
-                assert matcher.accept_token(int(input_ids[0, -1]))
-            matcher.fill_next_token_bitmask(bitmask)
-            bits = (bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-            allowed = bits.flatten()[:vocab].bool()
-            return scores.masked_fill(~allowed, float("-inf"))
+    def allowed(last):
+        if last is not None:
+            assert matcher.accept_token(last)
+        matcher.fill_next_token_bitmask(bitmask)
+        bits = (bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        return bits.flatten()[:vocab].bool()
 
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = oracle.hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=max_tokens,
-            logits_processor=LogitsProcessorList([Mask()]),
-        )
-    return out[0, len(prompt) :].tolist()
+    return oracle.masked_greedy(prompt, max_tokens, allowed)
 
 
 @pytest.mark.parametrize("spec", [dict(json=SCHEMA), dict(regex=REGEX)], ids=["json", "regex"])
