@@ -46,18 +46,21 @@ class Oracle:
         ).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
 
-    @functools.cache  # noqa: B019 (one Oracle per checkpoint, kept for the whole session)
-    def _generate(self, prompt: tuple[int, ...], max_tokens: int):
+    def _hf_greedy(self, prompt, max_tokens: int, **options):
+        """HF ``generate(do_sample=False)`` on ``prompt``, with ``options`` of its own."""
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            out = self.hf.generate(
+            return self.hf.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
                 do_sample=False,
                 max_new_tokens=max_tokens,
-                output_logits=True,
-                return_dict_in_generate=True,
+                **options,
             )
+
+    @functools.cache  # noqa: B019 (one Oracle per checkpoint, kept for the whole session)
+    def _generate(self, prompt: tuple[int, ...], max_tokens: int):
+        out = self._hf_greedy(prompt, max_tokens, output_logits=True, return_dict_in_generate=True)
         tokens = out.sequences[0, len(prompt) :].tolist()  # HF stops at (and keeps) EOS
         logprobs = torch.stack([step[0].float() for step in out.logits]).log_softmax(-1)
         return tokens, logprobs
@@ -78,15 +81,7 @@ class Oracle:
                 last = int(input_ids[0, -1]) if input_ids.shape[1] > len(prompt) else None
                 return scores.masked_fill(~allowed(last), float("-inf"))
 
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = self.hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=max_tokens,
-                logits_processor=LogitsProcessorList([Mask()]),
-            )
+        out = self._hf_greedy(prompt, max_tokens, logits_processor=LogitsProcessorList([Mask()]))
         return out[0, len(prompt) :].tolist()
 
     def next_logprobs(self, tokens: list[int]) -> torch.Tensor:
