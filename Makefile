@@ -70,10 +70,10 @@ kernels-check-or-skip: ## kernels-check where nvcc is installed (or REQUIRE_NVCC
 	fi
 
 # The tests run in PYTEST_WORKERS processes (pytest-xdist; each test is single-threaded,
-# see tests/conftest.py); those marked serial (memory-hungry) run after them, alone; then
-# the lessons, PYTEST_WORKERS at a time, each in a kernel of its own (`--dist worksteal`
-# evens out their very different lengths) on one torch thread, as the tests, so that two
-# lessons' OpenMP threads never wait on each other's cores.  A lesson fails on an error,
+# see tests/conftest.py); then the lessons, PYTEST_WORKERS at a time, each in a kernel of
+# its own (`--dist worksteal` evens out their very different lengths) on one torch
+# thread, as the tests, so that two lessons' OpenMP threads never wait on each other's
+# cores.  A lesson fails on an error,
 # a failed assert or a cell that hangs (300 s: five times the minute a whole lesson
 # should take); its time is measured, and the run ends with the slowest lessons and
 # cells against that minute, gathered from every worker (conftest.py).
@@ -81,9 +81,8 @@ PYTEST_WORKERS ?= 2
 pytest: $(STAMP) ## unit and property tests, the real-weights tests, every lesson notebook
 	@$(VENV)/bin/minipaged download smollm2 || \
 		echo "*** SmolLM2 could not be fetched: the tests on real weights will skip"
-	$(PY) -m pytest -q -m "not site and not serial" -n $(PYTEST_WORKERS) --dist loadgroup \
+	$(PY) -m pytest -q -m "not site" -n $(PYTEST_WORKERS) --dist loadgroup \
 		--max-worker-restart=0 --durations=25 tests --doctest-modules minipaged/core/memory
-	$(PY) -m pytest -q -m "serial and not site" tests
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --nbmake lessons --nbmake-timeout=300 \
 		-n $(PYTEST_WORKERS) --dist worksteal
 

@@ -17,9 +17,6 @@ from minipaged.core.memory.workloads import RequestSpec, synthetic_requests
 from minipaged.models import make_tiny_model
 from minipaged.models.tiny import BOS_ID, EOS_ID, PAD_ID
 
-# Its Hugging Face baselines hold about 12 GB at their peak: never beside another test.
-pytestmark = pytest.mark.serial
-
 ROW_FIELDS = {
     "system",
     "num_requests",
