@@ -1,7 +1,8 @@
 """The exercises, checked at both ends: each stub fails every one of its tests with its
 "not implemented" message (never a crash), and the reference functions, copied into
 the exercise files, pass them all; the lesson tells the counts the learner will see.
-A broken exercise file is reported in a line, and breaks nothing else."""
+A broken exercise file is reported in a line, and breaks nothing else.  (The C++
+exercise, built once per file: test_exercises_cpp.py.)"""
 
 import ast
 import inspect
@@ -15,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from minipaged.commands.check import EXERCISES, ROOT, reference, run, run_each
-
-pytestmark = pytest.mark.spread  # each test runs its own pytest process
+from minipaged.commands import check
+from minipaged.commands.check import EXERCISES, ROOT, reference, run_all, run_each
 
 STUBS = ROOT / "exercises"
+PYTHON = [e for e in EXERCISES if not e.file.endswith(".cpp")]
 
 
 def solved(exercise, into: Path) -> Path:
@@ -86,10 +87,9 @@ def lesson_text(number: str) -> str:
     return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
 
 
-@pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: Path(e.file).stem)
-def test_stub_fails_every_test_and_the_reference_passes_them(exercise, tmp_path):
-    # One pytest process runs the tests on the stub, then on the solution.
-    stub, done = run_each(exercise, [STUBS, solved(exercise, tmp_path).parent])
+def assert_both_ends(exercise, stub, done) -> None:
+    """The stub fails every test with its message; the solution passes them all; the
+    lesson prints both counts."""
     assert stub.problem is None, stub.problem
     assert stub.passed == 0 and stub.failed > 0
     stub_says = f"in exercises/{exercise.file})"
@@ -103,6 +103,52 @@ def test_stub_fails_every_test_and_the_reference_passes_them(exercise, tmp_path)
     prose = lesson_text(exercise.lesson)
     assert f"exercises/{exercise.file}: 0 passed, {stub.failed} failed" in prose
     assert f"exercises/{exercise.file}: {stub.failed} passed, 0 failed" in prose
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory) -> dict:
+    """Every Python exercise on its stub, then on its solution, in one pytest process
+    (`run_all`): each exercise's file's results, ``(stub, solution)``."""
+    solutions = tmp_path_factory.mktemp("solved")
+    for exercise in PYTHON:
+        solved(exercise, solutions)
+    return dict(zip([e.file for e in PYTHON], run_all(PYTHON, [STUBS, solutions])))
+
+
+@pytest.mark.parametrize("exercise", PYTHON, ids=lambda e: Path(e.file).stem)
+def test_stub_fails_every_test_and_the_reference_passes_them(exercise, checked):
+    assert_both_ends(exercise, *checked[exercise.file])
+
+
+def test_a_swap_is_undone_as_it_was():
+    """What one exercise swapped in is put back before the next runs: a method, a
+    module's copy of a function, and a staticmethod each as they were."""
+    from minipaged.core.memory import allocator, block_table
+
+    exercises = {e.file: e for e in EXERCISES}
+    before = [
+        vars(allocator.BlockAllocator)["allocate"],
+        vars(block_table)["slot_mapping"],
+    ]
+    swaps = []
+    try:  # this process runs other tests: never leave a stub in
+        check.swap_in(STUBS / "allocator.py", exercises["allocator.py"].replaces, swaps)
+        check.swap_in(STUBS / "slot_mapping.py", exercises["slot_mapping.py"].replaces, swaps)
+        with pytest.raises(NotImplementedError):
+            allocator.BlockAllocator(2).allocate()
+        assert block_table.slot_mapping is not before[1]
+    finally:
+        check.undo(swaps)
+    assert allocator.BlockAllocator(2).allocate() == 0
+    assert [vars(allocator.BlockAllocator)["allocate"], vars(block_table)["slot_mapping"]] == before
+
+    class Holder:
+        hold = staticmethod(len)
+
+    swaps = [(Holder, "hold", vars(Holder)["hold"]), (Holder, "added", check._INHERITED)]
+    Holder.hold, Holder.added = abs, abs
+    check.undo(swaps)
+    assert Holder().hold("ab") == 2 and not hasattr(Holder, "added")
 
 
 def test_a_broken_exercise_is_named_in_one_line_and_breaks_nothing_else(tmp_path):
@@ -129,37 +175,6 @@ def test_a_broken_exercise_is_named_in_one_line_and_breaks_nothing_else(tmp_path
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env
     )
     assert out.stdout.strip() == "0"
-
-
-def test_a_broken_cpp_exercise_is_named_in_one_line_and_breaks_nothing_else(tmp_path):
-    (exercise,) = [e for e in EXERCISES if e.file.endswith(".cpp")]
-    path = tmp_path / exercise.file
-    stub = (STUBS / exercise.file).read_text()
-    path.write_text(stub.replace("TORCH_CHECK_NOT_IMPLEMENTED(", "undeclared_check(", 1))
-    line = stub[: stub.index("TORCH_CHECK_NOT_IMPLEMENTED(")].count("\n") + 1
-    problem = run(exercise, tmp_path).problem
-    shown = re.escape(str(path))
-    assert re.fullmatch(
-        rf"{shown} does not compile: {shown}:{line}:\d+: .*undeclared_check.*", problem
-    ), problem
-    # A write far out of bounds kills the test process: named, not a traceback.
-    crash = "state.acc[first - (int64_t{1} << 40)] = q[0];  // "
-    path.write_text(stub.replace("TORCH_CHECK_NOT_IMPLEMENTED(", crash, 1))
-    assert run(exercise, tmp_path).problem == (
-        "the tests crashed (SIGSEGV): does your code read or write out of bounds?"
-    )
-    # The exercise's next build starts from the stub again, and the package's kernel,
-    # another build, still runs (in a process of its own, as a learner's next command).
-    stub_says = f"not implemented yet (write attend_tile() in exercises/{exercise.file})"
-    assert run(exercise, STUBS).failures[0].endswith(stub_says)
-    code = (
-        "import torch; from minipaged.ops import paged_attention_decode as d; "
-        "c = torch.ones(2, 4, 1, 8); t = torch.tensor([[1]], dtype=torch.int32); "
-        "print(d(torch.ones(1, 1, 8), c, 2 * c, t, torch.tensor([3]), 0.5, 'cpu').tolist())"
-    )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert out.stdout.strip() == str([[[2.0] * 8]]), out.stderr
 
 
 def test_the_command_prints_counts_and_the_first_failure(tmp_path):

@@ -5,8 +5,9 @@ A lesson's exercise is a stub under ``exercises/`` (the signature, the docstring
 command runs the tests that check that piece (the package's own, from ``tests/``) with
 the learner's functions put in place of the reference ones, and prints how many
 passed and the first failure in plain words.  The package itself is never edited: the
-functions are swapped only inside the pytest process this command starts, one per
-exercise, so a broken exercise breaks neither ``minipaged`` nor another lesson.
+functions are swapped only inside the pytest process this command starts, and each
+exercise's swap is undone before the next runs, so a broken exercise breaks neither
+``minipaged`` nor another exercise.
 
 The swap happens once the tests are collected, before they run (`ExercisePlugin`):
 every module of the checkout (the package's and the tests') that holds the reference
@@ -349,25 +350,51 @@ def run(exercise: Exercise, exercises_dir: Path, verbose: bool = False) -> Resul
 
 
 def run_each(exercise: Exercise, dirs: list[Path], verbose: bool = False) -> list[Result]:
-    """`run` for each folder of ``dirs`` in turn (a stub, then a solution), in one pytest
-    process: its start-up and collection are paid once, and each pass sets up its
-    fixtures afresh.  A C++ exercise takes a process per folder: a process cannot unload
-    the kernel it built (`build_in`)."""
+    """`run` for each folder of ``dirs`` in turn (a stub, then a solution)."""
+    return run_all([exercise], dirs, verbose)[0]
+
+
+def run_all(exercises: list[Exercise], dirs: list[Path], verbose: bool = False):
+    """For each of ``exercises``, its results with each folder of ``dirs`` in turn.
+
+    The Python exercises share one pytest process: its start-up and collection, most of
+    a check's time, are paid once; each pass sets up its fixtures afresh, and each
+    exercise's swap is undone before the next.  A C++ exercise takes a process per
+    folder: a process cannot unload the kernel it built (`build_in`)."""
     if not (ROOT / "tests").is_dir():
         raise ValueError(f"minipaged check needs a source checkout: no tests/ in {ROOT}")
-    if exercise.file.endswith(".cpp") and len(dirs) > 1:
-        return [run(exercise, folder, verbose) for folder in dirs]
+    python = [i for i, e in enumerate(exercises) if not e.file.endswith(".cpp")]
+    shared = _run_process([exercises[i] for i in python], dirs, verbose) if python else []
+    found = dict(zip(python, shared))
+    return [
+        found[i] if i in found else [_run_process([e], [d], verbose)[0][0] for d in dirs]
+        for i, e in enumerate(exercises)
+    ]
+
+
+def _run_process(exercises: list[Exercise], dirs: list[Path], verbose: bool) -> list[list[Result]]:
+    """`run_all`'s pytest process: the union of the exercises' test files collected once,
+    and each exercise's own tests run on each folder's file (`ExercisePlugin`)."""
     with tempfile.TemporaryDirectory() as tmp:
-        reports = [Path(tmp) / f"report{i}.json" for i in range(len(dirs))]
-        passes = [
-            {"file": str(folder / exercise.file), "report": str(report)}
-            for folder, report in zip(dirs, reports)
+        spec = [
+            {
+                "replaces": exercise.replaces,
+                "tests": exercise.tests,
+                "passes": [
+                    {"file": str(folder / exercise.file), "report": f"{tmp}/{i}-{j}.json"}
+                    for j, folder in enumerate(dirs)
+                ],
+            }
+            for i, exercise in enumerate(exercises)
         ]
-        spec = {"passes": passes, "replaces": exercise.replaces}
         env = {**os.environ, _ENV: json.dumps(spec), "PYTHONPATH": str(ROOT)}
         command = [sys.executable, "-m", "pytest", "-p", __name__, "-p", "no:cacheprovider"]
-        command += ["-q", "--no-header", *exercise.tests]
-        timeout = TIMEOUT_S * len(dirs)
+        command += ["-q", "--no-header", *dict.fromkeys(f for e in exercises for f in files(e))]
+        timeout = TIMEOUT_S * len(exercises) * len(dirs)
+
+        def each(problem: str) -> list[list[Result]]:
+            return [[Result(e, problem=problem) for _ in dirs] for e in exercises]
+
         try:
             done = subprocess.run(
                 command,
@@ -378,17 +405,24 @@ def run_each(exercise: Exercise, dirs: list[Path], verbose: bool = False) -> lis
                 timeout=timeout,
             )
         except subprocess.TimeoutExpired:
-            problem = f"the tests did not finish in {timeout} s: is there an endless loop?"
-            return [Result(exercise, problem=problem) for _ in dirs]
+            return each(f"the tests did not finish in {timeout} s: is there an endless loop?")
         if done.returncode < 0:  # a signal: a C++ exercise's stray pointer kills the process
             name = signal.Signals(-done.returncode).name
-            problem = f"the tests crashed ({name}): does your code read or write out of bounds?"
-            return [Result(exercise, problem=problem) for _ in dirs]
-        if not all(report.exists() for report in reports):
+            return each(f"the tests crashed ({name}): does your code read or write out of bounds?")
+        reports = [[Path(p["report"]) for p in e["passes"]] for e in spec]
+        if not all(report.exists() for row in reports for report in row):
             tail = (done.stdout or "")[-2000:] + (done.stderr or "")[-2000:]
-            problem = f"pytest stopped before any test ran:\n{tail}"
-            return [Result(exercise, problem=problem) for _ in dirs]
-        return [Result(exercise, **json.loads(report.read_text())) for report in reports]
+            return each(f"pytest stopped before any test ran:\n{tail}")
+        return [
+            [Result(e, **json.loads(report.read_text())) for report in row]
+            for e, row in zip(exercises, reports)
+        ]
+
+
+def files(exercise: Exercise) -> list[str]:
+    """The test files (or node ids) of ``exercise.tests``: its arguments but ``-k``'s."""
+    tests = list(exercise.tests)
+    return [t for i, t in enumerate(tests) if t != "-k" and (i == 0 or tests[i - 1] != "-k")]
 
 
 def describe(result: Result) -> str:
@@ -418,7 +452,8 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> None:
-    results = [run(e, args.exercises_dir, args.verbose) for e in exercises_of(args.lesson)]
+    exercises = exercises_of(args.lesson)
+    results = [r for (r,) in run_all(exercises, [args.exercises_dir], args.verbose)]
     print("\n".join(describe(r) for r in results))
     if args.json:
         rows = [
@@ -436,38 +471,35 @@ def main(args) -> None:
         sys.exit(1)
 
 
-# -- inside the pytest process: the plugin `run` loads with -p ------------------------
+# -- inside the pytest process: the plugin `run_all` loads with -p --------------------
 class ExercisePlugin:
-    """Runs the collected tests once for each exercise file of the spec's ``passes``, with
-    that file's functions swapped in, and records each pass's outcomes for `run_each`."""
+    """Runs each exercise of the spec on its own tests, once for each file of its
+    ``passes`` with that file's functions swapped in, and records each pass's outcomes
+    for `run_all`; the swap is undone before the next exercise."""
 
-    def __init__(self, spec: dict) -> None:
+    def __init__(self, spec: list[dict]) -> None:
         self.spec = spec
-        self.results = [
-            {"passed": 0, "failed": 0, "first_failure": None, "failures": []}
-            for _ in spec["passes"]
-        ]
-        self.current = 0  # the pass whose tests are running
+        self.current = {}  # the result of the pass whose tests are running
 
     def pytest_runtestloop(self, session):
         # Registered after pytest's own loop, so called before it (it answers first).
         if session.testsfailed or session.config.option.collectonly:
             return None  # pytest's own loop stops on collection errors, or only lists
         problems = []
-        for number, run in enumerate(self.spec["passes"]):
-            self.current = number
-            try:
-                swap_in(Path(run["file"]), self.spec["replaces"])
-            except _LoadError as error:
-                self.results[self.current]["problem"] = str(error)
-                problems.append(str(error))
-                continue
-            for i, item in enumerate(session.items):
-                # The last item tears every fixture down: the next pass starts afresh.
-                nextitem = session.items[i + 1] if i + 1 < len(session.items) else None
-                item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
-                if session.shouldfail or session.shouldstop:
-                    raise session.Interrupted(session.shouldfail or session.shouldstop)
+        for exercise in self.spec:
+            items = selected(session.items, exercise["tests"])
+            for run in exercise["passes"]:
+                self.current = {"passed": 0, "failed": 0, "first_failure": None, "failures": []}
+                swaps = []
+                try:
+                    swap_in(Path(run["file"]), exercise["replaces"], swaps)
+                    run_items(session, items)
+                except _LoadError as error:
+                    self.current["problem"] = str(error)
+                    problems.append(str(error))
+                finally:
+                    undo(swaps)
+                Path(run["report"]).write_text(json.dumps(self.current))
         if problems:
             import pytest  # only inside pytest: the package runs without it
 
@@ -475,7 +507,7 @@ class ExercisePlugin:
         return True
 
     def pytest_runtest_logreport(self, report) -> None:
-        result = self.results[self.current]
+        result = self.current
         if report.when == "call" and report.passed:
             result["passed"] += 1
         elif report.failed:
@@ -484,18 +516,42 @@ class ExercisePlugin:
             result["failures"].append(reason)
             result["first_failure"] = result["first_failure"] or reason
 
-    def pytest_sessionfinish(self, session) -> None:
-        for run, result in zip(self.spec["passes"], self.results):
-            Path(run["report"]).write_text(json.dumps(result))
+
+def selected(items: list, tests: list[str]) -> list:
+    """The collected ``items`` that ``tests`` (an exercise's pytest arguments: files or
+    node ids, then ``-k`` and an expression) name, matched as pytest's ``-k`` does."""
+    from _pytest.mark import KeywordMatcher
+    from _pytest.mark.expression import Expression
+
+    keyword = tests[tests.index("-k") + 1] if "-k" in tests else None
+    expression = Expression.compile(keyword) if keyword else None
+    named = tuple(t for t in tests if t != "-k" and t != keyword)
+    return [
+        item
+        for item in items
+        if any(item.nodeid == n or item.nodeid.startswith(n + "::") for n in named)
+        and (expression is None or expression.evaluate(KeywordMatcher.from_item(item)))
+    ]
+
+
+def run_items(session, items: list) -> None:
+    """Run ``items`` as pytest's own loop would; the last one tears every fixture down,
+    so the next pass starts afresh."""
+    for i, item in enumerate(items):
+        nextitem = items[i + 1] if i + 1 < len(items) else None
+        item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+        if session.shouldfail or session.shouldstop:
+            raise session.Interrupted(session.shouldfail or session.shouldstop)
 
 
 class _LoadError(Exception):
     """The exercise file cannot be used: it does not import, or lacks a function."""
 
 
-def swap_in(path: Path, replaces: dict[str, str]) -> None:
+def swap_in(path: Path, replaces: dict[str, str], swaps: list) -> None:
     """Load the exercise at ``path`` and put its functions in place of the references,
-    in every module of the checkout that holds them (a C++ exercise: `build_in`)."""
+    in every module of the checkout that holds them (a C++ exercise: `build_in`); each
+    replacement is added to ``swaps``, for `undo`."""
     if path.suffix == ".cpp":
         build_in(path)
         return
@@ -512,10 +568,30 @@ def swap_in(path: Path, replaces: dict[str, str]) -> None:
         if not hasattr(module, name):
             raise _LoadError(f"{shown} has no function {name}(): keep the stub's name")
         owner, attribute, original = reference(target)
-        setattr(owner, attribute, getattr(module, name))
-        for other in list(sys.modules.values()):
-            if _in_checkout(other) and getattr(other, attribute, None) is original:
-                setattr(other, attribute, getattr(module, name))
+        holders = [owner] + [
+            other
+            for other in list(sys.modules.values())
+            if other is not owner
+            and _in_checkout(other)
+            and getattr(other, attribute, None) is original
+        ]
+        for holder in holders:
+            # What the holder itself has (a class's staticmethod, not the function it
+            # wraps), or _INHERITED: to be put back as it was.
+            swaps.append((holder, attribute, vars(holder).get(attribute, _INHERITED)))
+            setattr(holder, attribute, getattr(module, name))
+
+
+def undo(swaps: list) -> None:
+    """Put back what `swap_in` replaced, last first."""
+    for holder, attribute, original in reversed(swaps):
+        if original is _INHERITED:
+            delattr(holder, attribute)
+        else:
+            setattr(holder, attribute, original)
+
+
+_INHERITED = object()
 
 
 def build_in(path: Path) -> None:
