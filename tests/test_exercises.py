@@ -20,14 +20,14 @@ from minipaged.commands import check
 from minipaged.commands.check import EXERCISES, ROOT, reference, run_all, run_each
 
 STUBS = ROOT / "exercises"
-PYTHON = [e for e in EXERCISES if not e.file.endswith(".cpp")]
+PYTHON = [e for e in EXERCISES if not e.compiled]
 
 
 def solved(exercise, into: Path) -> Path:
     """The exercise file with each stub's body replaced by the reference's source, and
     imports of the module globals that source uses: what a learner who copied the
     package's code would have written."""
-    if exercise.file.endswith(".cpp"):
+    if exercise.compiled:
         return solved_cpp(exercise, into)
     source = (STUBS / exercise.file).read_text()
     lines = source.splitlines()

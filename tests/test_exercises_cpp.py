@@ -14,7 +14,7 @@ from test_exercises import STUBS, assert_both_ends, solved
 
 pytestmark = pytest.mark.spread  # each test builds and runs in processes of its own
 
-CPP = [e for e in EXERCISES if e.file.endswith(".cpp")]
+CPP = [e for e in EXERCISES if e.compiled]
 
 
 @pytest.mark.parametrize("exercise", CPP, ids=lambda e: e.file)

@@ -61,6 +61,11 @@ class Exercise:
     replaces: dict[str, str]
     tests: tuple[str, ...]
 
+    @property
+    def compiled(self) -> bool:
+        """A C++ file, built into a kernel: a process per file (`build_in`)."""
+        return self.file.endswith(".cpp")
+
 
 EXERCISES = (
     Exercise(
@@ -363,7 +368,7 @@ def run_all(exercises: list[Exercise], dirs: list[Path], verbose: bool = False):
     folder: a process cannot unload the kernel it built (`build_in`)."""
     if not (ROOT / "tests").is_dir():
         raise ValueError(f"minipaged check needs a source checkout: no tests/ in {ROOT}")
-    python = [i for i, e in enumerate(exercises) if not e.file.endswith(".cpp")]
+    python = [i for i, e in enumerate(exercises) if not e.compiled]
     shared = _run_process([exercises[i] for i in python], dirs, verbose) if python else []
     found = dict(zip(python, shared))
     return [
