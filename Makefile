@@ -90,8 +90,9 @@ docs-build: $(STAMP) ## build the docs site into site/ (strict: a broken link fa
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 # Needs Chromium (Debian: apt-get install chromium; CHROMIUM=PATH elsewhere): skips without.
-site-check: $(STAMP) ## open every page of the built site in headless Chromium; screenshots
-	MINIPAGED_SITE_DIR=site $(PY) -m pytest -q -m site tests/test_site.py
+site-check: $(STAMP) ## open every page of the built site in Chromium (SCREENSHOTS=DIR: lessons' pages)
+	MINIPAGED_SITE_DIR=site MINIPAGED_SITE_SCREENSHOTS=$(SCREENSHOTS) \
+		$(PY) -m pytest -q -m site tests/test_site.py
 
 docs: $(STAMP) ## serve the docs site at http://127.0.0.1:8000
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
