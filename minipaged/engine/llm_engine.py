@@ -219,6 +219,7 @@ class LLMEngine:
             self.scheduler.max_num_encoder_input_tokens = self.mm_processor.encoder_compute_budget(
                 config
             )
+            self.scheduler.disable_chunked_mm_input = self.mm_processor.check_unchunked(config)
         self.adapters = Adapters(
             self.runner.lora, self.scheduler.lora_slots, self.scheduler.requests
         )

@@ -159,6 +159,17 @@ class MultiModalProcessor:
             )
         return budget
 
+    def check_unchunked(self, config) -> bool:
+        """``disable_chunked_mm_input``, once a step can hold the largest image's
+        tokens whole (else such an image's prompt could never run)."""
+        step = config.max_num_batched_tokens
+        if config.disable_chunked_mm_input and step < self.num_image_tokens:
+            raise ValueError(
+                f"disable_chunked_mm_input needs max_num_batched_tokens={step} to hold "
+                f"an image's up to {self.num_image_tokens} tokens in one chunk"
+            )
+        return config.disable_chunked_mm_input
+
     def process(
         self, prompt: str, images: list, add_special_tokens: bool = True
     ) -> tuple[list[int], list[MultiModalFeatureSpec]]:
