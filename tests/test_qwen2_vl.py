@@ -162,14 +162,15 @@ def test_greedy_matches_hf_for_images_of_different_sizes_chunked(llm, oracle):
     assert_all_blocks_free(llm)
 
 
-def test_prefix_cache_n_and_recompute_preemption(qwen2_vl, oracle):
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_prefix_cache_n_and_preemption(qwen2_vl, oracle, preemption_mode):
     """A prompt whose blocks the prefix cache holds starts past its image; ``n`` = 2
-    forks after the prompt; recompute preemption re-runs prompt and output: each
-    position from its index and the request's images."""
+    forks after the prompt; recompute preemption re-runs prompt and output, swap brings
+    them back: each position from its index and the request's images."""
     llm = make_llm(
         qwen2_vl,
         num_gpu_blocks=40,
-        preemption_mode="recompute",
+        preemption_mode=preemption_mode,
         block_size=4,
         max_num_batched_tokens=64,
         max_num_seqs=8,
