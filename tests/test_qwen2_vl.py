@@ -249,3 +249,29 @@ def test_chat_completions_with_an_image_matches_hf(qwen2_vl, oracle):
     prompt_ids, expected = oracle(text, [image], add_special_tokens=False)
     assert reply.usage.prompt_tokens == len(prompt_ids)
     assert reply.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_disable_chunked_mm_input_with_images_of_different_sizes(qwen2_vl, oracle):
+    """Each image's tokens (16 and 12 here) run in one chunk of 16-token steps."""
+    with pytest.raises(ValueError, match="up to 16 tokens in one chunk"):
+        make_llm(qwen2_vl, disable_chunked_mm_input=True, max_num_batched_tokens=15, max_num_seqs=1)
+    llm = make_llm(
+        qwen2_vl,
+        disable_chunked_mm_input=True,
+        max_num_batched_tokens=16,
+        max_num_seqs=1,
+        block_size=4,
+        enable_prefix_caching=False,
+        limit_mm_per_prompt={"image": 2},
+    )
+    steps = record_steps(llm)
+    text, images = f"USER: {V} and {V}: which?", [noise_image(60, (60, 20)), noise_image(61)]
+    (out,) = llm.generate(mm_prompt(text, *images), GREEDY, use_tqdm=False)
+    assert_matches([out], [(text, images)], oracle)
+    ids = out.prompt_token_ids
+    ends = [b for b in np.cumsum([n for step in steps for n in step.values()]) if b < len(ids)]
+    where = np.flatnonzero(np.asarray(ids) == IMAGE_ID)
+    runs = [(r[0], r[-1] + 1) for r in np.split(where, np.flatnonzero(np.diff(where) > 1) + 1)]
+    assert [hi - lo for lo, hi in runs] == [16, 12]
+    assert not any(lo < b < hi for b in ends for lo, hi in runs)
+    assert ends[0] == runs[0][0]  # the first chunk stopped before the first image
