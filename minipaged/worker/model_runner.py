@@ -140,7 +140,7 @@ class ModelRunner:
             return self._execute_stage_batch(rows, counts, guesses, kv_caches)
         inputs = batch.prepare(rows, counts, guesses)
         if getattr(self.model, "uses_mrope", False):
-            inputs.positions = self._mrope_positions(scheduler_output, rows, counts, inputs)
+            inputs.positions = self._mrope_positions(scheduler_output, rows, counts)
         embeds = None
         if scheduler_output.scheduled_encoder_inputs or self.encoder_cache:
             self._execute_mm_encoder(scheduler_output)
@@ -197,7 +197,7 @@ class ModelRunner:
         rows_index = torch.tensor(index, dtype=torch.long, device=self.device)
         return self.model.get_input_embeddings(inputs.input_ids, rows_index, torch.cat(parts))
 
-    def _mrope_positions(self, scheduler_output, rows, counts, inputs) -> torch.Tensor:
+    def _mrope_positions(self, scheduler_output, rows, counts) -> torch.Tensor:
         """M-RoPE's positions (`minipaged.models.qwen2_vl`): ``[3, T]`` where a row's
         tokens reach or pass an image, computed from their indices (vLLM's
         ``_calc_mrope_positions``); ``[T]`` when every token's three are equal (text
