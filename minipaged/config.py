@@ -164,6 +164,12 @@ class EngineConfig:
             a chunk that reaches an image that does not is cut just before its
             placeholder; None: ``max_num_batched_tokens``, or one image's tokens if
             more (as vLLM raises it).  A value below one image's tokens is refused.
+        disable_chunked_mm_input: a vision model's chunks never split an image's
+            placeholder tokens (vLLM's): a chunk that would end inside an image stops
+            before it, and the image's tokens run whole in a later chunk.  Needs
+            ``max_num_batched_tokens`` to hold the largest image's tokens.  (A
+            prefix-cache hit may still end inside an image, as in vLLM: the chunk
+            after it starts there.)
         structured_outputs_config: structured outputs' grammar engine, as vLLM's dict
             (`StructuredOutputsConfig`): ``{"backend": "xgrammar"}``, ``"guidance"``
             (llguidance) or ``"auto"`` (the default: guidance in minipaged; vLLM's
@@ -212,6 +218,7 @@ class EngineConfig:
     allowed_local_media_path: str = ""
     encoder_cache_size: int | None = None
     max_num_encoder_input_tokens: int | None = None
+    disable_chunked_mm_input: bool = False
     structured_outputs_config: StructuredOutputsConfig | dict | None = None
 
     def __post_init__(self) -> None:
@@ -324,6 +331,10 @@ class EngineConfig:
         for name in ("encoder_cache_size", "max_num_encoder_input_tokens"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
+        if not isinstance(self.disable_chunked_mm_input, bool):
+            raise ValueError(
+                f"disable_chunked_mm_input must be a bool, got {self.disable_chunked_mm_input!r}"
+            )
 
     def check_multimodal(self) -> None:
         """What a vision model cannot run with in minipaged: its encoder runs on one

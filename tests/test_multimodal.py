@@ -310,9 +310,47 @@ def test_the_encoder_budget_cuts_a_chunk_before_an_image_that_does_not_fit(llava
     assert_all_blocks_free(llm)
 
 
+def image_runs(ids) -> list[tuple[int, int]]:
+    """``[start, end)`` of each image's placeholder run (adjacent images: 16 each)."""
+    where = [i for i, t in enumerate(ids) if t == IMAGE_TOKEN_ID]
+    return [(where[i], where[i] + 16) for i in range(0, len(where), 16)]
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_disable_chunked_mm_input_keeps_each_image_in_one_chunk(llava, oracle, disable):
+    """With ``disable_chunked_mm_input`` no chunk ends inside an image's placeholder
+    (the chunk stops before it; the image runs whole in the next); without it, the
+    same 20-token steps cut images.  The tokens equal transformers' either way."""
+    # One sequence a step, no prefix cache: each prompt's chunks start at 0 and add up.
+    kwargs = dict(
+        block_size=4, max_num_seqs=1, limit_mm_per_prompt={"image": 2}, enable_prefix_caching=False
+    )
+    if disable:
+        with pytest.raises(ValueError, match="disable_chunked_mm_input needs max_num_batched"):
+            make_llm(llava, disable_chunked_mm_input=True, max_num_batched_tokens=15, **kwargs)
+    llm = make_llm(llava, disable_chunked_mm_input=disable, max_num_batched_tokens=20, **kwargs)
+    requests = [
+        ("USER: a longer text before the <image>\nWhat is it? ASSISTANT:", [noise_image(50)]),
+        ("USER: <image> and <image>: which differs?", [noise_image(51), noise_image(52)]),
+    ]
+    inside = 0
+    for text, images in requests:  # one at a time: each step's only sequence is its own
+        steps = record_steps(llm)
+        out = llm.generate(mm_prompt(text, *images), GREEDY, use_tqdm=False)
+        assert_matches(out, [(text, images)], oracle)
+        ids = out[0].prompt_token_ids
+        ends = [b for b in np.cumsum([n for _, (n,) in steps]).tolist() if b <= len(ids)]
+        inside += sum(lo < b < hi for b in ends for lo, hi in image_runs(ids))
+    assert inside == 0 if disable else inside >= 3
+    assert_all_blocks_free(llm)
+
+
 def test_the_encoder_budget_flag_reaches_the_engine_config():
-    args = build_parser().parse_args(["serve", "M", "--max-num-encoder-input-tokens", "32"])
-    assert EngineConfig(model="M", **engine_kwargs(args)).max_num_encoder_input_tokens == 32
+    args = build_parser().parse_args(
+        ["serve", "M", "--max-num-encoder-input-tokens", "32", "--disable-chunked-mm-input"]
+    )
+    config = EngineConfig(model="M", **engine_kwargs(args))
+    assert config.max_num_encoder_input_tokens == 32 and config.disable_chunked_mm_input
     with pytest.raises(ValueError, match="max_num_encoder_input_tokens"):
         EngineConfig(model="M", max_num_encoder_input_tokens=0)
 

@@ -189,7 +189,7 @@ def test_overrides_change_the_config(tmp_path):
         (
             {"arch": "gpt2"},
             "arch must be one of ['deepseek_v2', 'llama', 'llava', 'mistral', 'mixtral', 'olmoe', "
-            "'qwen2', 'qwen2_moe', 'qwen3'], got 'gpt2'",
+            "'qwen2', 'qwen2_moe', 'qwen2_vl', 'qwen3'], got 'gpt2'",
         ),
         ({"seed": -1}, "seed must be a non-negative int, got -1"),
     ],

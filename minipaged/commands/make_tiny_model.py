@@ -3,7 +3,7 @@ checkpoint and list its files."""
 
 from __future__ import annotations
 
-from minipaged.models.tiny import ARCHS, make_tiny_model
+from minipaged.models.tiny import ARCHS, VISION_ARCHS, make_tiny_model
 
 NAME = "make-tiny-model"
 HELP = "write a tiny seeded random Hugging Face checkpoint"
@@ -15,7 +15,7 @@ DESCRIPTION = (
 
 def add_arguments(parser) -> None:
     parser.add_argument("dir", help="directory to write (created if missing)")
-    parser.add_argument("--arch", choices=[*sorted(ARCHS), "llava"], default="llama")
+    parser.add_argument("--arch", choices=[*sorted(ARCHS), *VISION_ARCHS], default="llama")
     parser.add_argument("--seed", type=int, default=0, help="same seed, same weights")
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoProcessor, AutoTokenizer
+from transformers import AutoTokenizer
 
 from minipaged.config import EngineConfig
 from minipaged.core.memory import KVCacheManager
@@ -48,7 +48,6 @@ from minipaged.executor.uniproc_executor import Executor
 from minipaged.lora_request import LoRARequest
 from minipaged.models.attention import calculate_kv_scales_on_next_batch, head_dim, latent_dim
 from minipaged.models.hub import resolve_model
-from minipaged.models.llava import num_image_tokens
 from minipaged.models.loader import load_model, model_class, read_config
 from minipaged.models.moe import routing_stats
 from minipaged.models.pooler import Pooler
@@ -220,6 +219,7 @@ class LLMEngine:
             self.scheduler.max_num_encoder_input_tokens = self.mm_processor.encoder_compute_budget(
                 config
             )
+            self.scheduler.disable_chunked_mm_input = self.mm_processor.check_unchunked(config)
         self.adapters = Adapters(
             self.runner.lora, self.scheduler.lora_slots, self.scheduler.requests
         )
@@ -313,9 +313,10 @@ class LLMEngine:
 
     @property
     def image_placeholder(self) -> str | None:
-        """The text a prompt holds where an image goes (``"<image>"``); None for a
+        """The text a prompt holds where an image goes (LLaVA's ``"<image>"``,
+        Qwen2-VL's ``"<|vision_start|><|image_pad|><|vision_end|>"``); None for a
         text-only model."""
-        return None if self.mm_processor is None else self.mm_processor.image_token
+        return None if self.mm_processor is None else self.mm_processor.placeholder
 
     def process_multimodal(
         self, prompt: str, images: list, add_special_tokens: bool = True
@@ -479,14 +480,15 @@ def make_mm_processor(config: EngineConfig, path: Path, model, tokenizer):
     if not hasattr(model, "get_multimodal_embeddings"):
         return None
     config.check_multimodal()
-    processor = AutoProcessor.from_pretrained(path, local_files_only=True)
-    processor.tokenizer = tokenizer
+    processor = model.make_processor(path, tokenizer)
     return MultiModalProcessor(
         processor,
         model.image_token_id,
-        num_image_tokens(model.hf_config),
+        model.max_image_tokens(processor),
+        model.mm_items,
         config.limit_mm_per_prompt,
         config.allowed_local_media_path,
+        placeholder=getattr(model, "image_placeholder", None),
     )
 
 

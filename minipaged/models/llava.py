@@ -21,7 +21,7 @@ cache, so there is nothing paged about them.  The language model is minipaged's
 from __future__ import annotations
 
 import torch
-from transformers import CLIPVisionModel
+from transformers import AutoProcessor, CLIPVisionModel
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
 from minipaged.distributed.parallel_state import NO_PIPELINE, SINGLE, PipelineStage
@@ -80,12 +80,27 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                 f"{size} (minipaged runs multimodal models on one device)"
             )
 
-    def get_multimodal_embeddings(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``[images, 3, H, W] -> [images, num_image_tokens, hidden_size]``: the
+    @staticmethod
+    def make_processor(path, tokenizer):
+        """The checkpoint's ``LlavaProcessor``, over the engine's tokenizer."""
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+        processor.tokenizer = tokenizer
+        return processor
+
+    def max_image_tokens(self, processor) -> int:
+        return num_image_tokens(self.hf_config)
+
+    def mm_items(self, out: dict) -> list[tuple[torch.Tensor, int]]:
+        """The processor's output cut per image: its pixels ``[3, H, W]``, its tokens."""
+        n = num_image_tokens(self.hf_config)
+        return [(pixels, n) for pixels in out["pixel_values"]]
+
+    def get_multimodal_embeddings(self, items: list[torch.Tensor]) -> torch.Tensor:
+        """``images x [3, H, W] -> [images, num_image_tokens, hidden_size]``: the
         tower's chosen layer, the class token dropped (``"default"``), projected."""
         config = self.hf_config
         tower = self.vision_tower
-        pixel_values = pixel_values.to(tower.dtype)
+        pixel_values = torch.stack(items).to(tower.device, tower.dtype)
         states = tower(pixel_values, output_hidden_states=True).hidden_states
         features = states[config.vision_feature_layer]
         if config.vision_feature_select_strategy == "default":

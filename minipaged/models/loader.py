@@ -30,7 +30,7 @@ from minipaged.distributed.parallel_state import (
     PipelineStage,
     TensorParallelGroup,
 )
-from minipaged.models import deepseek_v2, llama, llava, moe_models
+from minipaged.models import deepseek_v2, llama, llava, moe_models, qwen2_vl
 from minipaged.models.attention import check_backend
 from minipaged.models.cpu_linear import pack_linear_weights
 from minipaged.models.quantization import prepare_model, process_model, resolve_quantization
@@ -51,7 +51,13 @@ SINGLE_FILE = "model.safetensors"
 # Llama conversions (they are computed, not learned; vLLM skips them too).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # config.architectures[0] -> class.
-MODELS = {**llama.MODELS, **moe_models.MODELS, **deepseek_v2.MODELS, **llava.MODELS}
+MODELS = {
+    **llama.MODELS,
+    **moe_models.MODELS,
+    **deepseek_v2.MODELS,
+    **llava.MODELS,
+    **qwen2_vl.MODELS,
+}
 
 
 def load_model(

@@ -164,6 +164,37 @@ LLAVA_CONFIG = dict(
     projector_hidden_act="gelu",
     tie_word_embeddings=False,
 )
+# Qwen2-VL (`minipaged.models.qwen2_vl`): its own vision transformer over 4x4 patches,
+# pairs of frames (a still image is doubled) and 2x2 patches merged into one token, and
+# Qwen2's layers with M-RoPE (the 8 frequency pairs of a 16-value head split 2 + 3 + 3
+# between time, height and width).  Dynamic resolution: an image keeps its aspect,
+# resized to multiples of 8 pixels within 256 to 1024 pixels (4 to 16 tokens).
+QWEN2_VL_TOKENS = {
+    "vision_start_token_id": 259,
+    "vision_end_token_id": 260,
+    "image_token_id": 261,
+    "video_token_id": 262,
+}
+QWEN2_VL_SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN2_VL_VISION_CONFIG = dict(
+    depth=2,
+    embed_dim=32,
+    hidden_size=BASE_CONFIG["hidden_size"],
+    mlp_ratio=2,
+    num_heads=4,
+    in_channels=3,
+    patch_size=4,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+)
+QWEN2_VL_CONFIG = dict(
+    architectures=["Qwen2VLForConditionalGeneration"],
+    model_type="qwen2_vl",
+    **QWEN2_VL_TOKENS,
+    tie_word_embeddings=False,
+)
+QWEN2_VL_IMAGE_PIXELS = (16 * 16, 32 * 32)  # min_pixels, max_pixels
+VISION_ARCHS = ("llava", "qwen2_vl")
 # Far larger than the usual 0.02: at 0.02 a 64-wide model's logits are nearly flat (top
 # token ~1%), greedy picks hinge on rounding noise and some models repeat one token forever.
 # At 0.3 the top token holds ~25%: greedy choices are clear, sampling still varies.
@@ -176,8 +207,8 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides) -> Pa
     ``arch`` is one of :data:`ARCHS`; ``overrides`` replace config values
     (e.g. ``num_hidden_layers=4``).
     """
-    if arch not in (*ARCHS, "llava"):
-        raise ValueError(f"arch must be one of {sorted([*ARCHS, 'llava'])}, got {arch!r}")
+    if arch not in (*ARCHS, *VISION_ARCHS):
+        raise ValueError(f"arch must be one of {sorted([*ARCHS, *VISION_ARCHS])}, got {arch!r}")
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     path = Path(path)
@@ -186,6 +217,12 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides) -> Pa
         text = {**BASE_CONFIG, **ARCHS["llama"], **overrides}
         del text["architectures"]
         config = {**LLAVA_CONFIG, "text_config": text, "vision_config": LLAVA_VISION_CONFIG}
+    elif arch == "qwen2_vl":
+        text = {**BASE_CONFIG, **ARCHS["qwen2"], "tie_word_embeddings": False, **overrides}
+        text.update(model_type="qwen2_vl_text", rope_scaling=_mrope(text))
+        del text["architectures"]
+        vision = QWEN2_VL_VISION_CONFIG
+        config = {**QWEN2_VL_CONFIG, "text_config": text, "vision_config": vision}
     else:
         text = config = {**BASE_CONFIG, **ARCHS[arch], **overrides}
     _write_json(path / "config.json", config)
@@ -197,11 +234,21 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides) -> Pa
     _write_tokenizer(
         path,
         model_max_length=text["max_position_embeddings"],
-        image_token=IMAGE_TOKEN if arch == "llava" else None,
+        image_tokens={"llava": [IMAGE_TOKEN], "qwen2_vl": QWEN2_VL_SPECIAL}.get(arch, []),
     )
     if arch == "llava":
         _write_llava_processor(path)
+    if arch == "qwen2_vl":
+        _write_qwen2_vl_processor(path)
     return path
+
+
+def _mrope(text: dict) -> dict:
+    """M-RoPE's sections: a head's frequency pairs split between time, height and width
+    as Qwen2-VL's 16/24/24 of 64 (here 2/3/3 of 8)."""
+    pairs = text["head_dim"] // 2
+    height = width = pairs * 3 // 8
+    return {"type": "mrope", "mrope_section": [pairs - height - width, height, width]}
 
 
 def _write_json(file: Path, obj: dict) -> None:
@@ -219,7 +266,8 @@ def _write_weights(path: Path, seed: int) -> None:
     # On the meta device the model has names and shapes but no storage and no init cost;
     # transformers itself thus decides which tensors a checkpoint of this config holds.
     config = AutoConfig.from_pretrained(path)
-    auto = AutoModelForImageTextToText if config.model_type == "llava" else AutoModelForCausalLM
+    vision = config.model_type in VISION_ARCHS
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto.from_config(config)
     generator = torch.Generator().manual_seed(seed)
@@ -235,9 +283,9 @@ def _write_weights(path: Path, seed: int) -> None:
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
 
 
-def _write_tokenizer(path: Path, model_max_length: int, image_token: str | None = None) -> None:
+def _write_tokenizer(path: Path, model_max_length: int, image_tokens: list[str] = ()) -> None:
     """A byte-level BPE tokenizer with no merges: one token per UTF-8 byte, plus specials
-    (and ``image_token``, a vision model's placeholder, after them)."""
+    (and ``image_tokens``, a vision model's placeholder first, after them)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     # Byte-level BPE (GPT-2, Llama 3, Qwen) names each byte by a printable character.
@@ -248,9 +296,7 @@ def _write_tokenizer(path: Path, model_max_length: int, image_token: str | None 
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(
-        list(SPECIAL_TOKENS.values()) + ([image_token] if image_token else [])
-    )
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS.values()) + list(image_tokens))
     # Like Llama's tokenizer, encoding a prompt prepends BOS.
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
@@ -267,9 +313,48 @@ def _write_tokenizer(path: Path, model_max_length: int, image_token: str | None 
             "unk_token": None,
             "model_max_length": model_max_length,
             "chat_template": CHAT_TEMPLATE,
-            **({"extra_special_tokens": {"image_token": image_token}} if image_token else {}),
+            **(_image_token_names(image_tokens) if image_tokens else {}),
         },
     )
+
+
+def _image_token_names(image_tokens: list[str]) -> dict:
+    """The tokenizer's ``image_token`` (and Qwen2-VL's ``video_token``), by which the
+    processors find their placeholders."""
+    names = {"image_token": image_tokens[0]}
+    if "<|image_pad|>" in image_tokens:
+        names = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
+    return {"extra_special_tokens": names}
+
+
+def _write_qwen2_vl_processor(path: Path) -> None:
+    """Qwen2-VL's processor files: its image processor's dynamic resolution (resize to
+    multiples of patch x merge pixels between ``min_pixels`` and ``max_pixels``, cut
+    into patches), and the processor that expands each ``<|image_pad|>`` to the
+    image's merged token count."""
+    vision = QWEN2_VL_VISION_CONFIG
+    low, high = QWEN2_VL_IMAGE_PIXELS
+    _write_json(
+        path / "preprocessor_config.json",
+        {
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": "Qwen2VLProcessor",
+            "min_pixels": low,
+            "max_pixels": high,
+            "patch_size": vision["patch_size"],
+            "temporal_patch_size": vision["temporal_patch_size"],
+            "merge_size": vision["spatial_merge_size"],
+            "image_mean": [0.48145466, 0.4578275, 0.40821073],
+            "image_std": [0.26862954, 0.26130258, 0.27577711],
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "do_convert_rgb": True,
+            "do_resize": True,
+            "resample": 3,
+        },
+    )
+    _write_json(path / "processor_config.json", {"processor_class": "Qwen2VLProcessor"})
 
 
 def _write_llava_processor(path: Path) -> None:
@@ -334,6 +419,11 @@ def cached_checkpoint(name: str, arch: str = "llama", seed: int = 0, **overrides
         "archs": ARCHS,
         "init_std": INIT_STD,
         **({"llava": [LLAVA_CONFIG, LLAVA_VISION_CONFIG]} if arch == "llava" else {}),
+        **(
+            {"qwen2_vl": [QWEN2_VL_CONFIG, QWEN2_VL_VISION_CONFIG, QWEN2_VL_IMAGE_PIXELS]}
+            if arch == "qwen2_vl"
+            else {}
+        ),
     }
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     return materialize(

@@ -1,5 +1,5 @@
 """Images in, a prompt's token ids and its `MultiModalFeatureSpec` items out (vLLM's
-``vllm/multimodal/processing.py``, ``hasher.py`` and ``image.py``, for LLaVA).
+``vllm/multimodal/processing.py``, ``hasher.py`` and ``image.py``).
 
 An image comes as a ``PIL.Image`` (`LLM.generate`'s ``multi_modal_data``) or as a URL
 (a chat message's ``image_url`` part): a ``data:image/...;base64,`` URL, or a local
@@ -7,10 +7,11 @@ file (``file://`` or a plain path) under ``allowed_local_media_path`` (vLLM's fl
 empty: no local file may be read).  Network URLs are refused: minipaged fetches
 nothing.  Every failure is a ``ValueError`` naming what was wrong.
 
-The checkpoint's own Hugging Face processor (``LlavaProcessor``: CLIP's resize, crop
-and normalization, and the expansion of each ``<image>`` placeholder to the encoder's
-token count) does the work; this module checks the counts it made, finds each image's
-`PlaceholderRange` in the token ids, and hashes each image's pixels (its ``mm_hash``).
+The checkpoint's own processor (``LlavaProcessor``: CLIP's resize, crop and
+normalization, and the expansion of each ``<image>`` placeholder to the encoder's token
+count; Qwen2-VL's: dynamic resolution, a count per image) does the work; this module
+checks the counts it made, finds each image's `PlaceholderRange` in the token ids, and
+hashes each image's pixels (its ``mm_hash``).
 """
 
 from __future__ import annotations
@@ -109,9 +110,14 @@ def mm_hash(image: Image.Image) -> str:
 class MultiModalProcessor:
     """A vision model's processor, with the limits a request is checked against.
 
-    ``processor``: the checkpoint's Hugging Face processor; ``image_token_id`` and
-    ``num_image_tokens``: the placeholder and how many of it one image becomes;
-    ``limit_mm_per_prompt``: vLLM's ``{"image": n}``, the most images in one prompt.
+    ``processor``: the checkpoint's Hugging Face processor (or the model's own, as
+    `minipaged.models.qwen2_vl.Qwen2VLProcessor`); ``image_token_id``: the placeholder
+    token; ``num_image_tokens``: the most of it one image becomes (all images alike
+    for LLaVA; up to ``max_pixels``' worth under Qwen2-VL's dynamic resolution);
+    ``mm_items``: the processor's output cut into one ``(encoder input, tokens)`` per
+    image; ``placeholder``: the text a prompt holds where an image goes (None: the
+    processor's ``image_token``); ``limit_mm_per_prompt``: vLLM's ``{"image": n}``, the
+    most images in one prompt.
     """
 
     def __init__(
@@ -119,13 +125,17 @@ class MultiModalProcessor:
         processor,
         image_token_id: int,
         num_image_tokens: int,
+        mm_items,
         limit_mm_per_prompt: dict[str, int],
         allowed_local_media_path: str = "",
+        placeholder: str | None = None,
     ) -> None:
         self.processor = processor
         self.image_token = processor.image_token
+        self.placeholder = placeholder or processor.image_token
         self.image_token_id = image_token_id
         self.num_image_tokens = num_image_tokens
+        self.mm_items = mm_items
         self.limit = limit_mm_per_prompt.get("image", 1)
         self.allowed_local_media_path = allowed_local_media_path
 
@@ -148,6 +158,17 @@ class MultiModalProcessor:
                 f"{self.num_image_tokens} encoder tokens: no image could ever be encoded"
             )
         return budget
+
+    def check_unchunked(self, config) -> bool:
+        """``disable_chunked_mm_input``, once a step can hold the largest image's
+        tokens whole (else such an image's prompt could never run)."""
+        step = config.max_num_batched_tokens
+        if config.disable_chunked_mm_input and step < self.num_image_tokens:
+            raise ValueError(
+                f"disable_chunked_mm_input needs max_num_batched_tokens={step} to hold "
+                f"an image's up to {self.num_image_tokens} tokens in one chunk"
+            )
+        return config.disable_chunked_mm_input
 
     def process(
         self, prompt: str, images: list, add_special_tokens: bool = True
@@ -172,19 +193,22 @@ class MultiModalProcessor:
         )
         token_ids = out["input_ids"][0].tolist()
         positions = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        n = self.num_image_tokens
-        if len(positions) != n * len(images):  # a literal placeholder token in the text
+        items = self.mm_items(out) if images else []
+        if len(positions) != sum(n for _, n in items):  # a literal placeholder in the text
             raise ValueError(
                 f"prompt must hold the image placeholder only where an image goes; it has "
-                f"{len(positions)} placeholder tokens for {len(images)} images of {n}"
+                f"{len(positions)} placeholder tokens for {len(images)} images of "
+                f"{[n for _, n in items]}"
             )
-        features = [
-            MultiModalFeatureSpec(
-                data=out["pixel_values"][i],
-                modality="image",
-                identifier=mm_hash(image),
-                mm_position=PlaceholderRange(positions[i * n], n),
+        features, first = [], 0
+        for image, (data, n) in zip(images, items):
+            features.append(
+                MultiModalFeatureSpec(
+                    data=data,
+                    modality="image",
+                    identifier=mm_hash(image),
+                    mm_position=PlaceholderRange(positions[first], n),
+                )
             )
-            for i, image in enumerate(images)
-        ]
+            first += n
         return token_ids, features

@@ -24,11 +24,12 @@ within its prefills and its decodes, so each adapter's tokens form few segments.
 On a pipeline stage (``pipeline_parallel_size`` > 1) the runner runs the stage's layers
 only, micro-batch by micro-batch, receiving and sending the hidden states between
 stages (`ModelRunner._execute_stage`).
-With a vision model (LLaVA), a step first drops the encoder outputs the scheduler
+With a vision model (LLaVA, Qwen2-VL), a step first drops the encoder outputs the scheduler
 evicted and encodes the images it scheduled, keeping each image's embeddings by its
 hash (`_execute_mm_encoder`), then runs the model from input embeddings in which every
 placeholder token the step covers holds its image's embedding (`_gather_mm_embeddings`;
-vLLM's GPU model runner's names).
+vLLM's GPU model runner's names).  Under Qwen2-VL's M-RoPE a token's position is three
+numbers that are not its index from an image on (`_mrope_positions`).
 With a KV connector (disaggregated prefill, `set_kv_connector`), a step loads the KV
 its scheduler counted as loaded before the forward pass, and each attention layer
 waits for its own layer's load before it runs and hands its cache to the connector to
@@ -38,6 +39,7 @@ its forward context, so the model itself knows nothing of it.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from minipaged.core.memory import KVCacheManager
@@ -137,6 +139,8 @@ class ModelRunner:
         if self.model.pp.size > 1:
             return self._execute_stage_batch(rows, counts, guesses, kv_caches)
         inputs = batch.prepare(rows, counts, guesses)
+        if getattr(self.model, "uses_mrope", False):
+            inputs.positions = self._mrope_positions(scheduler_output, rows, counts)
         embeds = None
         if scheduler_output.scheduled_encoder_inputs or self.encoder_cache:
             self._execute_mm_encoder(scheduler_output)
@@ -164,9 +168,9 @@ class ModelRunner:
         scheduled = scheduler_output.scheduled_encoder_inputs
         if not scheduled:
             return
-        pixels = torch.stack([f.data for f in scheduled.values()]).to(self.device)
+        items = [f.data for f in scheduled.values()]
         self.num_encoded_items += len(scheduled)
-        for mm_hash, embeds in zip(scheduled, self.model.get_multimodal_embeddings(pixels)):
+        for mm_hash, embeds in zip(scheduled, self.model.get_multimodal_embeddings(items)):
             self.encoder_cache[mm_hash] = embeds
 
     def _gather_mm_embeddings(self, scheduler_output, rows, counts, inputs) -> torch.Tensor | None:
@@ -193,12 +197,33 @@ class ModelRunner:
         rows_index = torch.tensor(index, dtype=torch.long, device=self.device)
         return self.model.get_input_embeddings(inputs.input_ids, rows_index, torch.cat(parts))
 
+    def _mrope_positions(self, scheduler_output, rows, counts) -> torch.Tensor:
+        """M-RoPE's positions (`minipaged.models.qwen2_vl`): ``[3, T]`` where a row's
+        tokens reach or pass an image, computed from their indices (vLLM's
+        ``_calc_mrope_positions``); ``[T]`` when every token's three are equal (text
+        only, or decodes: each token's index plus its request's
+        ``mrope_position_delta``), which the decode graphs take as they are."""
+        groups = {s.seq.seq_id: s.group for s in scheduler_output.seqs}
+        batch, offset = self.input_batch, 0
+        starts = batch.num_computed_tokens[rows].astype(np.int64)
+        index = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts)])
+        positions = np.broadcast_to(index, (3, len(index))).copy()
+        for row, count in zip(rows.tolist(), counts.tolist()):
+            features = groups[batch.req_ids[row]].mm_features
+            if features:
+                part = slice(offset, offset + count)
+                positions[:, part] = self.model.mrope_positions(index[part], features)
+            offset += count
+        if (positions == positions[0]).all():
+            positions = positions[0]
+        return torch.from_numpy(positions).to(self.device)
+
     def _run_model(self, inputs: StepInputs, kv_caches, hidden=None) -> torch.Tensor:
         """The model over a step's prepared inputs (by replay, where a graph fits)."""
         if self.lora is not None:
             self.lora.batch.set(inputs.lora_slots, inputs.num_scheduled)
         out = None
-        if self.graphs and hidden is None:
+        if self.graphs and hidden is None and inputs.positions.dim() == 1:
             out = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
         if out is None:
             out = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn, hidden)

@@ -51,7 +51,8 @@ its encoder run (``scheduled_encoder_inputs``), unless its embeddings are cached
 step encodes at most ``max_num_encoder_input_tokens`` encoder tokens: a chunk that
 reaches an image that is not encoded and does not fit what is left of them is cut just
 before its placeholder, so the text before it still runs (vLLM's
-``_try_schedule_encoder_inputs``).
+``_try_schedule_encoder_inputs``); so is, with ``disable_chunked_mm_input``, a chunk
+that would end inside an image.
 
 With a KV connector (``kv_transfer_config``, disaggregated prefill), admission asks
 it too: the prompt tokens past the prefix-cache hit that another engine computed
@@ -159,6 +160,7 @@ class Scheduler:
         self.encoder_cache: EncoderCacheManager | None = None
         self.max_num_encoder_input_tokens = 0
         self._encoder_budget = 0
+        self.disable_chunked_mm_input = False  # a chunk never ends inside an image
 
     # -- the queues -------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -694,15 +696,20 @@ class Scheduler:
         """How many of the ``n`` tokens from ``start`` can run this step: all, or those
         before the placeholder of the first image they reach that is not encoded and
         whose encoder tokens do not fit what is left of ``max_num_encoder_input_tokens``
-        (vLLM's ``_try_schedule_encoder_inputs`` cuts ``num_new_tokens`` so).
+        (vLLM's ``_try_schedule_encoder_inputs`` cuts ``num_new_tokens`` so), or, with
+        ``disable_chunked_mm_input``, of the first image they would end inside of.
         ``counted``: the images (hash -> tokens) this plan already takes from the budget."""
         left = self._encoder_budget - sum(counted.values())
         for feature in group.mm_features:  # in prompt order
             pos, h = feature.mm_position, feature.identifier
             if pos.offset >= start + n:
                 break
-            encoded = h in counted or self.encoder_cache.is_computed(h)
-            if encoded or pos.offset + pos.length <= start:
+            if pos.offset + pos.length <= start:
+                continue
+            if self.disable_chunked_mm_input and start <= pos.offset:
+                if start + n < pos.offset + pos.length:
+                    return pos.offset - start
+            if h in counted or self.encoder_cache.is_computed(h):
                 continue
             if feature.num_embeds > left:
                 return max(pos.offset - start, 0)
