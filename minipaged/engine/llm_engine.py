@@ -415,6 +415,16 @@ class LLMEngine:
             samples.extend(self.beam_search.rank(sampling, logits, beams))
         return samples
 
+    def kv_connector_stats(self) -> dict[str, float]:
+        """What the KV connector moved: its scheduler side's counters and this rank's
+        worker side's (a networked consumer's workers receive the blocks)."""
+        if self.kv_connector is None:
+            return {}
+        return {
+            **self.kv_connector.get_kv_connector_stats(),
+            **self.runner.kv_connector.get_kv_connector_stats(),
+        }
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the engine is
         garbage collected); the engine cannot step afterwards."""
@@ -445,7 +455,7 @@ class LLMEngine:
             # Prompt tokens run through the model, and those a KV connector loaded.
             "num_computed_prompt_tokens": self.scheduler.num_computed_prompt_tokens,
             "num_external_computed_tokens": self.scheduler.num_external_computed_tokens,
-            **(self.kv_connector.get_kv_connector_stats() if self.kv_connector else {}),
+            **self.kv_connector_stats(),
             **(self.speculator.stats() if self.speculator else {}),
             **(self.draft_memory() if self.draft_model else {}),
             **routing_stats(self.model),

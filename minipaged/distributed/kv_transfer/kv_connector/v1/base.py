@@ -35,6 +35,11 @@ from minipaged.distributed.parallel_state import TensorParallelGroup
 from minipaged.sequence import Sequence
 
 
+class KVTransferError(RuntimeError):
+    """A load the scheduler counted on did not arrive (its producer went away, or was
+    too slow): the step cannot complete."""
+
+
 class KVConnectorRole(enum.Enum):
     SCHEDULER = 0
     WORKER = 1
