@@ -30,6 +30,7 @@ from engine_helpers import (
     random_prompt,
 )
 from minipaged import SamplingParams
+from minipaged.config import EngineConfig
 from minipaged.core.memory.block_table import blocks_for
 from minipaged.distributed.kv_transfer.kv_connector.v1.base import KVTransferError
 from minipaged.distributed.parallel_state import free_port
@@ -245,6 +246,14 @@ def test_no_producer_is_refused_at_start_up(model):
 def test_bad_settings_are_refused_naming_them(model, change, message):
     with pytest.raises(ValueError, match=message):
         make_llm(model[0], kv_transfer_config={**transfer("kv_producer", "127.0.0.1", 1), **change})
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_pipeline_parallelism_on_either_side_is_refused_naming_the_option(role):
+    """A pipeline stage holds only some layers; the connector moves whole ones."""
+    config = transfer(role, "127.0.0.1", 1)
+    with pytest.raises(ValueError, match="cannot run with pipeline_parallel_size=2"):
+        EngineConfig(model="m", pipeline_parallel_size=2, kv_transfer_config=config)
 
 
 def test_a_proxy_sends_the_prefill_to_one_server_and_streams_the_decode_from_the_other(model):
