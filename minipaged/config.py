@@ -444,9 +444,10 @@ class KVTransferConfig:
             ``"kv_consumer"`` (loads the KV a producer saved) or ``"kv_both"``.
         kv_rank: this engine's rank among the KV-transfer instances (None: unset).
         kv_parallel_size: how many instances take part.
-        kv_ip, kv_port: where a networked connector meets its peer: the producer
-            listens there and the consumer connects (unused by the shared-storage
-            connector, as in vLLM).
+        kv_ip: where a networked connector meets its peer: the producer listens
+            there and the consumer connects (unused by the shared-storage connector,
+            as in vLLM).
+        kv_port: the port at ``kv_ip``.
         kv_buffer_size: the bytes of KV a networked producer keeps for consumers to
             pull; past it the oldest prompts' go first.
         kv_connector_extra_config: the connector's own settings:
