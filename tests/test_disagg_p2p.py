@@ -13,6 +13,7 @@ on the decode host reaching the prefill server across the link.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -165,6 +166,9 @@ class GatedConn:
         self.taken += 1
         return data
 
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
     def close(self) -> None:
         self.gate.set()
         self.conn.close()
@@ -208,14 +212,32 @@ def test_layer_zero_computes_while_the_last_layer_is_still_on_the_wire(model, pr
     "hold, fail, message",
     [(2, True, "failed .*the producer hung up"), (1, False, "did not send layer")],
 )
-def test_a_layer_lost_or_late_on_the_wire_fails_the_step_naming_the_producer(
+def test_a_layer_lost_or_late_fails_only_its_request_naming_the_producer(
     model, producer, hold, fail, message
 ):
-    """The producer hangs up after layer 0 (mid-transfer), or layer 0 never comes."""
+    """The producer hangs up after layer 0 (mid-transfer), or layer 0 never comes: the
+    request that was loading fails alone, naming the producer, while one computed in
+    the same steps decodes as HF; no block stays held, and none of the lost blocks is
+    served from the prefix cache: asked again over a sound link, the prompt's tokens
+    are HF's."""
     consumer = consumer_of(model, producer, load_timeout_s=0.5)
+    engine, worker = consumer.engine, consumer.engine.runner.kv_connector
     gate_the_worker(consumer, hold=hold, fail=fail)
-    with pytest.raises(KVTransferError, match=f"producer at 127.0.0.1:{producer}.*{message}"):
-        consumer.generate(as_inputs(PROMPTS[1:2]), GREEDY, use_tqdm=False)
+    computed = random_prompt(11, 78)  # not on the producer
+    engine.add_request("computed", computed, GREEDY)
+    engine.add_request("pulled", PROMPTS[1], GREEDY)
+    finished, failed = {}, {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step(fail_alone=True))
+        failed.update(engine.failed)
+    assert list(failed) == ["pulled"] and list(finished) == ["computed"]
+    assert isinstance(failed["pulled"], KVTransferError)
+    assert re.search(f"producer at 127.0.0.1:{producer}.*{message}", str(failed["pulled"]))
+    assert_greedy_matches_hf([finished["computed"]], [computed], model[1], MAX_TOKENS)
+    assert_all_blocks_free(consumer)
+    del worker._connect  # a sound link again
+    again = consumer.generate(as_inputs(PROMPTS[1:2]), GREEDY, use_tqdm=False)
+    assert_greedy_matches_hf(again, PROMPTS[1:2], model[1], MAX_TOKENS)
     consumer.shutdown()
 
 

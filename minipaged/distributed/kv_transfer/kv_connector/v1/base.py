@@ -139,6 +139,15 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
         connector), and the dict is what a peer needs to pull them."""
         return False, None
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The blocks of this step's loads that did not arrive (vLLM's hook of that
+        name), forgotten once asked; the engine fails the requests that hold them."""
+        return set()
+
+    def load_error(self) -> BaseException | None:
+        """Why this step's loads failed, to tell the requests (None if they did not)."""
+        return None
+
     def get_kv_connector_stats(self) -> dict[str, float]:
         """What this side moved so far, as counters for the engine's stats (vLLM's
         hook of that name, whose ``KVConnectorStats`` this plain dict stands for)."""

@@ -31,11 +31,14 @@ the raw bytes of the requested blocks of its cache tensors (keys, values, and in
 scales), one after the other, ``blocks x block_size x heads x head_dim x element
 size`` each, nothing else, so its size follows from the model's config alone.  A
 layer that does not arrive within ``load_timeout_s``, or a producer that goes away in
-the middle, fails the step with a `KVTransferError` naming the producer: the scheduler
-counted those tokens as computed, and a half-filled block cannot be computed back
-(vLLM's ``kv_load_failure_policy="recompute"``, which rolls such requests back, is not
-built here).  One producer per process and port: both of its connector instances
-(scheduler and worker) share its store.
+the middle, fails the requests that were loading (vLLM's
+``kv_load_failure_policy="fail"``): the waits return, the step runs on, and
+`get_block_ids_with_load_errors` hands the engine their blocks, which it drops from
+the prefix cache before failing every request holding one with a `KVTransferError`
+naming the producer.  (vLLM's ``"recompute"`` policy, which rolls them back to compute
+the prompt instead, is not built here.)  With tensor parallelism only rank 0 reports
+to the engine; a failure on another rank raises there.  One producer per process and
+port: both of its connector instances (scheduler and worker) share its store.
 """
 
 from __future__ import annotations
@@ -171,6 +174,17 @@ def no_delay(conn: Connection) -> Connection:
     return conn
 
 
+def hang_up(conn: Connection) -> None:
+    """Close ``conn`` so that a thread blocked receiving on it wakes up (a shutdown:
+    closing the descriptor alone leaves that thread waiting)."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # already disconnected
+            pass
+    conn.close()
+
+
 _STORES: dict[tuple[str, int], ProducerStore] = {}
 _STORES_LOCK = threading.Lock()
 
@@ -203,6 +217,8 @@ class P2pTcpConnector(SharedStorageConnector):
         self._worker_conn, self._loader = None, None
         self._layer_loaded: dict[str, threading.Event] = {}
         self._load_error: BaseException | None = None
+        self._loads: list[ReqMeta] = []
+        self._failed_blocks: set[int] = set()
         if config.is_kv_producer:  # kv_both is refused by KVTransferConfig
             self.store = producer_store(asdict(self.facts), self.address, config.kv_buffer_size)
         elif self.role is KVConnectorRole.SCHEDULER:  # the consumer's lookups go from here
@@ -284,7 +300,7 @@ class P2pTcpConnector(SharedStorageConnector):
     def start_load_kv(self, forward_context: ForwardContext) -> None:
         """Ask for this step's blocks and receive them in a thread, layer by layer."""
         loads = self._get_connector_metadata().loads
-        self._layer_loaded, self._load_error = {}, None
+        self._layer_loaded, self._load_error, self._loads = {}, None, loads
         if not loads:
             return
         caches = forward_context.kv_caches
@@ -322,24 +338,39 @@ class P2pTcpConnector(SharedStorageConnector):
             self.recv_seconds += time.perf_counter() - start
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Block until ``layer_name``'s blocks are in this engine's cache."""
+        """Block until ``layer_name``'s blocks are in this engine's cache, or the load
+        failed (then this step's loads are marked failed, and the step runs on)."""
         event = self._layer_loaded.get(layer_name)
-        if event is None:  # nothing to load this step
+        if event is None or self._failed_blocks:  # nothing (more) to wait for
             return
         where = f"{self.address[0]}:{self.address[1]}"
         if not event.wait(self.load_timeout_s):
             conn, self._worker_conn = self._worker_conn, None
             if conn is not None:
-                conn.close()  # the thread's receive fails, and it ends
-            raise KVTransferError(
+                hang_up(conn)  # the thread's receive fails, and it ends
+            error = KVTransferError(
                 f"kv_transfer_config: the producer at {where} did not send layer "
                 f"{layer_name!r}'s KV within load_timeout_s={self.load_timeout_s:g}"
             )
-        if self._load_error is not None:
-            raise KVTransferError(
+        elif self._load_error is not None:
+            error = KVTransferError(
                 f"kv_transfer_config: loading KV from the producer at {where} failed "
                 f"({self._load_error!r})"
-            ) from self._load_error
+            )
+        else:
+            return
+        if self.tp.rank:  # only rank 0 reports to the engine
+            raise error
+        logger.warning("%s: failing the requests that were loading", error)
+        self._load_error = error
+        self._failed_blocks = {b for req in self._loads for b in req.block_ids}
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def load_error(self) -> BaseException | None:
+        return self._load_error
 
     def wait_for_save(self) -> None:
         """A consumer's: the receiving thread is done (every layer was waited for)."""
