@@ -144,6 +144,35 @@ def test_a_consumer_holding_a_prefix_asks_only_for_the_blocks_it_lacks(model, pr
     consumer.shutdown()
 
 
+def test_an_int8_cache_pulls_its_scales_with_its_blocks(model):
+    """int8's per-slot scales cross the wire after the keys and values (one float32
+    per token and KV head each): the consumer's tokens are those of an int8 engine
+    that computed the prompts, and its bytes those of the loaded blocks."""
+    port, runs = free_port(), []
+    for role in (None, "kv_producer", "kv_consumer"):
+        llm = make_llm(
+            model[0],
+            block_size=BLOCK_SIZE,
+            num_gpu_blocks=POOL,
+            kv_cache_dtype="int8",
+            kv_transfer_config=role and transfer(role, "127.0.0.1", port),
+        )
+        outputs = llm.generate(
+            as_inputs(PROMPTS), PREFILL if role == "kv_producer" else GREEDY, use_tqdm=False
+        )
+        runs.append([o.outputs[0].token_ids for o in outputs])
+        stats = llm.stats()
+        assert_all_blocks_free(llm)
+        llm.shutdown()
+    assert runs[2] == runs[0]
+    config = json.loads((Path(model[0]) / "config.json").read_text())
+    heads, num_blocks = config["num_key_value_heads"], sum(map(loadable, PROMPTS)) // BLOCK_SIZE
+    per_block = 2 * BLOCK_SIZE * heads * (config["head_dim"] * 1 + 4)  # int8 values, fp32 scale
+    assert (
+        stats["kv_connector_bytes_received"] == config["num_hidden_layers"] * num_blocks * per_block
+    )
+
+
 class GatedConn:
     """A consumer worker's connection to the producer whose messages are logged as the
     connector takes them, and whose ``hold``-th message is held back until ``gate`` is
