@@ -438,7 +438,7 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # What each connector reads of kv_connector_extra_config: required keys, then optional.
 KV_CONNECTOR_EXTRA_KEYS = {
     "SharedStorageConnector": (("shared_storage_path",), ()),
-    "P2pTcpConnector": ((), ("connect_timeout_s",)),
+    "P2pTcpConnector": ((), ("connect_timeout_s", "load_timeout_s")),
 }
 
 
@@ -455,14 +455,17 @@ class KVTransferConfig:
             ``"kv_consumer"`` (loads the KV a producer saved) or ``"kv_both"``.
         kv_rank: this engine's rank among the KV-transfer instances (None: unset).
         kv_parallel_size: how many instances take part.
-        kv_ip, kv_port: where a networked connector meets its peer: the producer
-            listens there and the consumer connects (unused by the shared-storage
-            connector, as in vLLM).
+        kv_ip: where a networked connector meets its peer: the producer listens
+            there and the consumer connects (unused by the shared-storage connector,
+            as in vLLM).
+        kv_port: the port at ``kv_ip``.
         kv_buffer_size: the bytes of KV a networked producer keeps for consumers to
             pull; past it the oldest prompts' go first.
         kv_connector_extra_config: the connector's own settings:
             ``{"shared_storage_path": DIR}`` for ``SharedStorageConnector``;
-            ``{"connect_timeout_s": S}`` (default 10) for ``P2pTcpConnector``.
+            ``{"connect_timeout_s": S, "load_timeout_s": T}`` (defaults 10 and 30:
+            how long a consumer waits for the producer at start-up, and for a
+            layer's KV in a step) for ``P2pTcpConnector``.
     """
 
     kv_connector: str | None = None
@@ -522,12 +525,12 @@ class KVTransferConfig:
                     f"kv_connector_extra_config {key!r} is required by {self.kv_connector}, "
                     f"got {extra.get(key)!r}"
                 )
-        timeout = extra.get("connect_timeout_s", 1)
-        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(
-                f"kv_connector_extra_config 'connect_timeout_s' must be a number > 0, "
-                f"got {timeout!r}"
-            )
+        for key in ("connect_timeout_s", "load_timeout_s"):
+            timeout = extra.get(key, 1)
+            if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
+                raise ValueError(
+                    f"kv_connector_extra_config {key!r} must be a number > 0, got {timeout!r}"
+                )
         if self.kv_connector == "P2pTcpConnector" and self.kv_role == "kv_both":
             raise ValueError(
                 "kv_transfer_config 'kv_role': P2pTcpConnector takes kv_producer or "

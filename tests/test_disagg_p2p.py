@@ -13,12 +13,15 @@ on the decode host reaching the prefill server across the link.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from engine_helpers import (
     as_inputs,
@@ -28,7 +31,9 @@ from engine_helpers import (
     random_prompt,
 )
 from minipaged import SamplingParams
+from minipaged.config import EngineConfig
 from minipaged.core.memory.block_table import blocks_for
+from minipaged.distributed.kv_transfer.kv_connector.v1.base import KVTransferError
 from minipaged.distributed.parallel_state import free_port
 
 BLOCK_SIZE = 4
@@ -55,6 +60,25 @@ def loadable(prompt: list[int]) -> int:
     return (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
+def wire_bytes(model, num_blocks: int) -> int:
+    """What ``num_blocks`` blocks of every layer weigh on the wire, from the
+    checkpoint's config.json alone: keys and values, each ``block_size x KV heads x
+    head_dim`` elements of its dtype."""
+    config = json.loads((Path(model[0]) / "config.json").read_text())
+    itemsize = torch.finfo(getattr(torch, config["torch_dtype"])).bits // 8
+    per_block = 2 * BLOCK_SIZE * config["num_key_value_heads"] * config["head_dim"] * itemsize
+    return config["num_hidden_layers"] * num_blocks * per_block
+
+
+def consumer_of(model, port: int, **extra):
+    return make_llm(
+        model[0],
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks=POOL,
+        kv_transfer_config=transfer("kv_consumer", "127.0.0.1", port, **extra),
+    )
+
+
 @pytest.fixture(scope="module")
 def model(tiny):
     return tiny("llama")
@@ -76,16 +100,14 @@ def producer(model):
 
 
 def test_a_consumer_pulls_the_prompts_kv_and_decodes_as_hf(model, producer):
-    consumer = make_llm(
-        model[0],
-        block_size=BLOCK_SIZE,
-        num_gpu_blocks=POOL,
-        kv_transfer_config=transfer("kv_consumer", "127.0.0.1", producer),
-    )
+    consumer = consumer_of(model, producer)
     outputs = consumer.generate(as_inputs(PROMPTS), GREEDY, use_tqdm=False)
     assert_greedy_matches_hf(outputs, PROMPTS, model[1], MAX_TOKENS)
     stats = consumer.stats()
     assert stats["num_external_computed_tokens"] == sum(map(loadable, PROMPTS))
+    # The bytes that crossed are the loaded blocks' K and V, nothing more.
+    num_blocks = sum(map(loadable, PROMPTS)) // BLOCK_SIZE
+    assert stats["kv_connector_bytes_received"] == wire_bytes(model, num_blocks)
     assert stats["num_computed_prompt_tokens"] == sum(len(p) - loadable(p) for p in PROMPTS)
     assert_all_blocks_free(consumer)
     # /metrics carries both counts.
@@ -98,6 +120,155 @@ def test_a_consumer_pulls_the_prompts_kv_and_decodes_as_hf(model, producer):
         ("computed_prompt_tokens", "num_computed_prompt_tokens"),
     ):
         assert registry.get_sample_value(f"minipaged:{name}_total") == stats[key]
+    consumer.shutdown()
+
+
+def test_a_consumer_holding_a_prefix_asks_only_for_the_blocks_it_lacks(model, producer):
+    """LOCAL (not on the producer) shares PROMPTS[1]'s first three blocks: computed
+    first, it leaves them in the consumer's prefix cache, and PROMPTS[1] then pulls
+    only its blocks 3..6 (7 loadable), those blocks' bytes exactly; its tokens HF's."""
+    local = PROMPTS[1][:12] + random_prompt(5, 77)
+    consumer = consumer_of(model, producer)
+    consumer.generate(as_inputs([local]), GREEDY, use_tqdm=False)
+    before = consumer.stats()
+    outputs = consumer.generate(as_inputs(PROMPTS[1:2]), GREEDY, use_tqdm=False)
+    assert_greedy_matches_hf(outputs, PROMPTS[1:2], model[1], MAX_TOKENS)
+    after = consumer.stats()
+    lacking = loadable(PROMPTS[1]) // BLOCK_SIZE - 3
+    assert after["num_external_computed_tokens"] - before["num_external_computed_tokens"] == (
+        lacking * BLOCK_SIZE
+    )
+    received = after["kv_connector_bytes_received"] - before["kv_connector_bytes_received"]
+    assert received == wire_bytes(model, lacking) < wire_bytes(model, lacking + 3)
+    assert_all_blocks_free(consumer)
+    consumer.shutdown()
+
+
+def test_an_int8_cache_pulls_its_scales_with_its_blocks(model):
+    """int8's per-slot scales cross the wire after the keys and values (one float32
+    per token and KV head each): the consumer's tokens are those of an int8 engine
+    that computed the prompts, and its bytes those of the loaded blocks."""
+    port, runs = free_port(), []
+    for role in (None, "kv_producer", "kv_consumer"):
+        llm = make_llm(
+            model[0],
+            block_size=BLOCK_SIZE,
+            num_gpu_blocks=POOL,
+            kv_cache_dtype="int8",
+            kv_transfer_config=role and transfer(role, "127.0.0.1", port),
+        )
+        outputs = llm.generate(
+            as_inputs(PROMPTS), PREFILL if role == "kv_producer" else GREEDY, use_tqdm=False
+        )
+        runs.append([o.outputs[0].token_ids for o in outputs])
+        stats = llm.stats()
+        assert_all_blocks_free(llm)
+        llm.shutdown()
+    assert runs[2] == runs[0]
+    config = json.loads((Path(model[0]) / "config.json").read_text())
+    heads, num_blocks = config["num_key_value_heads"], sum(map(loadable, PROMPTS)) // BLOCK_SIZE
+    per_block = 2 * BLOCK_SIZE * heads * (config["head_dim"] * 1 + 4)  # int8 values, fp32 scale
+    assert (
+        stats["kv_connector_bytes_received"] == config["num_hidden_layers"] * num_blocks * per_block
+    )
+
+
+class GatedConn:
+    """A consumer worker's connection to the producer whose messages are logged as the
+    connector takes them, and whose ``hold``-th message is held back until ``gate`` is
+    set (``fail``: it raises instead, as a connection the producer dropped)."""
+
+    def __init__(self, conn, log: list, hold: int, gate, fail: bool = False) -> None:
+        self.conn, self.log, self.hold, self.gate, self.fail = conn, log, hold, gate, fail
+        self.taken = 0
+
+    def send_bytes(self, data) -> None:
+        self.conn.send_bytes(data)
+
+    def recv_bytes(self) -> bytes:
+        if self.taken == self.hold:
+            if self.fail:
+                raise EOFError("the producer hung up")
+            self.gate.wait(30)  # a bound, so a connector that never waits cannot hang
+        data = self.conn.recv_bytes()
+        self.log.append(("received", self.taken))
+        self.taken += 1
+        return data
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def close(self) -> None:
+        self.gate.set()
+        self.conn.close()
+
+
+def gate_the_worker(consumer, hold: int, fail: bool = False):
+    """Route the consumer's worker-side loads through a `GatedConn`; the log, which
+    also records each layer's `wait_for_layer_load` returning, and the gate."""
+    worker = consumer.engine.runner.kv_connector
+    log, gate = [], threading.Event()
+    connect, wait = worker._connect, worker.wait_for_layer_load
+    worker._connect = lambda timeout: GatedConn(connect(timeout), log, hold, gate, fail)
+
+    def logged_wait(layer):
+        wait(layer)
+        if worker._layer_loaded:  # a step with loads
+            log.append(("waited", layer))
+            gate.set()  # the first layer to return lets the held message through
+
+    worker.wait_for_layer_load = logged_wait
+    return log
+
+
+def test_layer_zero_computes_while_the_last_layer_is_still_on_the_wire(model, producer):
+    """The last layer's message (the header, then one per layer) is held back until a
+    layer's wait has returned: loading layer by layer, layer 0's wait returns first
+    and the forward pass runs it while the last layer arrives; a connector that loaded
+    every layer before the pass would take the last message first.  The tokens are HF's."""
+    consumer = consumer_of(model, producer)
+    layers = consumer.engine.runner.kv_layer_names
+    log = gate_the_worker(consumer, hold=len(layers))
+    outputs = consumer.generate(as_inputs(PROMPTS[1:2]), GREEDY, use_tqdm=False)
+    assert_greedy_matches_hf(outputs, PROMPTS[1:2], model[1], MAX_TOKENS)
+    assert log.index(("waited", layers[0])) < log.index(("received", len(layers)))
+    assert log.index(("received", len(layers))) < log.index(("waited", layers[-1]))
+    assert_all_blocks_free(consumer)
+    consumer.shutdown()
+
+
+@pytest.mark.parametrize(
+    "hold, fail, message",
+    [(2, True, "failed .*the producer hung up"), (1, False, "did not send layer")],
+)
+def test_a_layer_lost_or_late_fails_only_its_request_naming_the_producer(
+    model, producer, hold, fail, message
+):
+    """The producer hangs up after layer 0 (mid-transfer), or layer 0 never comes: the
+    request that was loading fails alone, naming the producer, while one computed in
+    the same steps decodes as HF; no block stays held, and none of the lost blocks is
+    served from the prefix cache: asked again over a sound link, the prompt's tokens
+    are HF's."""
+    # The late layer's wait gives up after 0.5 s; the lost one never waits that long.
+    consumer = consumer_of(model, producer, load_timeout_s=30 if fail else 0.5)
+    engine, worker = consumer.engine, consumer.engine.runner.kv_connector
+    gate_the_worker(consumer, hold=hold, fail=fail)
+    computed = random_prompt(11, 78)  # not on the producer
+    engine.add_request("computed", computed, GREEDY)
+    engine.add_request("pulled", PROMPTS[1], GREEDY)
+    finished, failed = {}, {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step(fail_alone=True))
+        failed.update(engine.failed)
+    assert list(failed) == ["pulled"] and list(finished) == ["computed"]
+    assert isinstance(failed["pulled"], KVTransferError)
+    assert re.search(f"producer at 127.0.0.1:{producer}.*{message}", str(failed["pulled"]))
+    assert_greedy_matches_hf([finished["computed"]], [computed], model[1], MAX_TOKENS)
+    assert_all_blocks_free(consumer)
+    del worker._connect  # a sound link again, and time to spare on a busy machine
+    worker.load_timeout_s = 30
+    again = consumer.generate(as_inputs(PROMPTS[1:2]), GREEDY, use_tqdm=False)
+    assert_greedy_matches_hf(again, PROMPTS[1:2], model[1], MAX_TOKENS)
     consumer.shutdown()
 
 
@@ -128,6 +299,14 @@ def test_no_producer_is_refused_at_start_up(model):
 def test_bad_settings_are_refused_naming_them(model, change, message):
     with pytest.raises(ValueError, match=message):
         make_llm(model[0], kv_transfer_config={**transfer("kv_producer", "127.0.0.1", 1), **change})
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_pipeline_parallelism_on_either_side_is_refused_naming_the_option(role):
+    """A pipeline stage holds only some layers; the connector moves whole ones."""
+    config = transfer(role, "127.0.0.1", 1)
+    with pytest.raises(ValueError, match="cannot run with pipeline_parallel_size=2"):
+        EngineConfig(model="m", pipeline_parallel_size=2, kv_transfer_config=config)
 
 
 def test_a_proxy_sends_the_prefill_to_one_server_and_streams_the_decode_from_the_other(model):

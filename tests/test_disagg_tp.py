@@ -10,9 +10,14 @@ whole blocks (never a prompt's last token), counted from their lengths.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+from transformers import AutoTokenizer
 
 from engine_helpers import (
+    Oracle,
     as_inputs,
     assert_all_blocks_free,
     assert_greedy_matches_hf,
@@ -26,6 +31,7 @@ BLOCK_SIZE = 4
 MAX_TOKENS = 5
 PROMPTS = [random_prompt(n, seed) for seed, n in enumerate([22, 9, 14])]
 SETTINGS = dict(block_size=BLOCK_SIZE, num_gpu_blocks=48)
+SMOLLM2_TOKENS = 6
 
 
 def loadable(prompt: list[int]) -> int:
@@ -75,6 +81,52 @@ def test_one_side_split_over_two_ranks_decodes_as_hf(
     for llm in (producer, consumer):
         assert_all_blocks_free(llm)
         llm.shutdown()
+
+
+@pytest.mark.serial  # four engines' processes and HF's model: about a minute on 2 cores
+def test_smollm2_prefilled_on_one_rank_decodes_as_hf_on_three(smollm2):
+    """SmolLM2-135M (3 KV heads: one per rank at tensor_parallel_size=3) prefilled by a
+    one-rank producer, decoded by a three-rank consumer over `P2pTcpConnector`: each
+    consumer rank pulls its own KV head over its own connection, so the engine's
+    counter (rank 0's) reads a third of the loaded blocks' bytes, computed from
+    config.json; the greedy tokens are HF's, in float32."""
+    config = json.loads((Path(smollm2) / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    prompts = [
+        tokenizer.encode(text)
+        for text in (
+            "The capital of France is Paris. The capital of Germany is Berlin. "
+            "The capital of Italy is",
+            "def fibonacci(n):\n    # return the n-th Fibonacci number, iteratively\n",
+        )
+    ]
+    port = free_port()
+    settings = dict(dtype="float32", num_gpu_blocks=32, max_model_len=128)
+
+    def transfer(role):
+        return {"kv_connector": "P2pTcpConnector", "kv_role": role, "kv_port": port}
+
+    producer = make_llm(smollm2, kv_transfer_config=transfer("kv_producer"), **settings)
+    producer.generate(as_inputs(prompts), SamplingParams(max_tokens=1), use_tqdm=False)
+    consumer = make_llm(
+        smollm2, tensor_parallel_size=3, kv_transfer_config=transfer("kv_consumer"), **settings
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=SMOLLM2_TOKENS)
+    outputs = consumer.generate(as_inputs(prompts), greedy, use_tqdm=False)
+    stats = consumer.stats()
+    for llm in (producer, consumer):
+        assert_all_blocks_free(llm)
+        llm.shutdown()
+    oracle = Oracle(smollm2)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == oracle.greedy(prompt, SMOLLM2_TOKENS)[0]
+    block_size = 16  # the engine's default
+    loaded = sum((len(p) - 1) // block_size * block_size for p in prompts)
+    assert loaded and stats["num_external_computed_tokens"] == loaded
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    per_token_per_head = config["num_hidden_layers"] * 2 * head_dim * 4  # K and V, float32
+    assert config["num_key_value_heads"] == 3
+    assert stats["kv_connector_bytes_received"] == loaded * per_token_per_head
 
 
 def test_kv_heads_replicated_over_ranks_are_refused(tiny):

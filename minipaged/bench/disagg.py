@@ -35,8 +35,8 @@ burst's window, from its prompts' arrival to the last one's first token: while i
 prompts are being prefilled) against *without* (the other gaps).  The issue's goal is
 a ratio within 1.3x for disaggregation; the single engine's is measured beside it.
 The decode engine's connector counts what it pulled: the KV that landed in its cache
-(tokens loaded x the cache's bytes per token), the bytes received (each prompt's whole
-blocks, as safetensors files per layer) and the seconds spent receiving them, whose
+(tokens loaded x the cache's bytes per token), the bytes received (the same: only the
+blocks loaded cross the wire, raw) and the seconds spent receiving them, whose
 rate is set against a plain TCP transfer over loopback measured in the same run.
 """
 

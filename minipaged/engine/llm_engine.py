@@ -368,15 +368,20 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         self.parallel_sampling.remove(batch.finished_req_ids)
         sampling, logits = self.executor.execute(batch)
+        lost = self._lost_kv_loads()
+        if lost and sampling:  # their logits came from KV that never arrived
+            keep = [i for i, s in enumerate(sampling) if s.group.request_id not in lost]
+            sampling, logits = [sampling[i] for i in keep], logits[keep]
         samples, self.failed = StepSamples(), {}
         if sampling and fail_alone:
             samples, self.failed = sample_failing_alone(
                 self.sample, sampling, logits, self.generator
             )
-            for request_id in self.failed:
-                self.abort_request(request_id)
         elif sampling:
             samples = self.sample(sampling, logits)
+        self.failed.update(lost)
+        for request_id in self.failed:
+            self.abort_request(request_id)
         groups = self.scheduler.update_from_output(batch, samples)
         outputs = self.output_processor.outputs(groups)
         self.num_generated_tokens += samples.num_appended
@@ -385,7 +390,27 @@ class LLMEngine:
             self.speculator.release(self.scheduler.running)
         self.num_steps += 1
         self.trace.step = self.num_steps  # arrivals and aborts from now on belong to it
+        if lost and not fail_alone:
+            raise next(iter(lost.values()))
         return outputs
+
+    def _lost_kv_loads(self) -> dict[str, Exception]:
+        """The requests holding a block whose KV a connector failed to load this step
+        (vLLM's ``kv_load_failure_policy="fail"``), with the error each fails with;
+        those blocks leave the prefix cache first, so no later prompt reads them."""
+        if self.kv_connector is None:
+            return {}
+        worker = self.runner.kv_connector
+        blocks = worker.get_block_ids_with_load_errors()
+        if not blocks:
+            return {}
+        from minipaged.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
+            KVTransferError,
+        )
+
+        self.kv.uncache(blocks)
+        error = KVTransferError(f"the prompt's KV did not arrive: {worker.load_error()}")
+        return {request_id: error for request_id in self.scheduler.requests_holding(blocks)}
 
     def sample(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> StepSamples:
         """The sample phase: each sequence of ``sampling`` reached its end; choose its
@@ -415,6 +440,16 @@ class LLMEngine:
             self.structured_output.apply(sampling, logits, beams)
             samples.extend(self.beam_search.rank(sampling, logits, beams))
         return samples
+
+    def kv_connector_stats(self) -> dict[str, float]:
+        """What the KV connector moved: its scheduler side's counters and this rank's
+        worker side's (a networked consumer's workers receive the blocks)."""
+        if self.kv_connector is None:
+            return {}
+        return {
+            **self.kv_connector.get_kv_connector_stats(),
+            **self.runner.kv_connector.get_kv_connector_stats(),
+        }
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the engine is
@@ -446,7 +481,7 @@ class LLMEngine:
             # Prompt tokens run through the model, and those a KV connector loaded.
             "num_computed_prompt_tokens": self.scheduler.num_computed_prompt_tokens,
             "num_external_computed_tokens": self.scheduler.num_external_computed_tokens,
-            **(self.kv_connector.get_kv_connector_stats() if self.kv_connector else {}),
+            **self.kv_connector_stats(),
             **(self.speculator.stats() if self.speculator else {}),
             **(self.draft_memory() if self.draft_model else {}),
             **routing_stats(self.model),

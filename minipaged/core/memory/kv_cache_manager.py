@@ -287,6 +287,11 @@ class KVCacheManager:
             raise ValueError(f"child_id {child_id!r} already has a block table")
         self.tables[child_id] = self._table(parent_id).fork()
 
+    def uncache(self, blocks: set[int]) -> None:
+        """Never serve ``blocks`` from the prefix cache (their contents are wrong)."""
+        if self.prefix_caching:
+            self.gpu.uncache_blocks(blocks)
+
     def free(self, seq_id: str) -> None:
         self._table(seq_id).free()
         del self.tables[seq_id]

@@ -238,6 +238,13 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         del self._by_block[entry.block]
         self._live_ids.discard(entry.entry_id)
 
+    def uncache_blocks(self, blocks: set[int]) -> None:
+        """Forget the cache entries of ``blocks`` (their KV is not what their tokens
+        say: a load that failed); the blocks stay with their holders."""
+        for block in blocks:
+            if block in self._by_block:
+                self._uncache(self._by_block[block])
+
     def _uncache(self, entry: CachedBlock) -> None:
         """Drop an entry; its block stays with its holders, or is plainly free."""
         self._forget(entry)

@@ -184,6 +184,16 @@ class Scheduler:
         self.trace.record("abort", request_id)
         return group
 
+    def requests_holding(self, blocks: set[int]) -> list[str]:
+        """The running requests whose block tables hold any of ``blocks``."""
+        return [
+            group.request_id
+            for group in self.running
+            if any(
+                blocks.intersection(self.kv.block_table(s.seq_id)) for s in group.unfinished_seqs
+            )
+        ]
+
     def retire(self, group: SequenceGroup) -> None:
         """Take a finished request off the running queue (its blocks are already free)."""
         del self.requests[group.request_id]

@@ -35,6 +35,11 @@ from minipaged.distributed.parallel_state import TensorParallelGroup
 from minipaged.sequence import Sequence
 
 
+class KVTransferError(RuntimeError):
+    """A load the scheduler counted on did not arrive (its producer went away, or was
+    too slow): the step cannot complete."""
+
+
 class KVConnectorRole(enum.Enum):
     SCHEDULER = 0
     WORKER = 1
@@ -133,6 +138,15 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
         keep them until an asynchronous save finishes (never, for a synchronous
         connector), and the dict is what a peer needs to pull them."""
         return False, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The blocks of this step's loads that did not arrive (vLLM's hook of that
+        name), forgotten once asked; the engine fails the requests that hold them."""
+        return set()
+
+    def load_error(self) -> BaseException | None:
+        """Why this step's loads failed, to tell the requests (None if they did not)."""
+        return None
 
     def get_kv_connector_stats(self) -> dict[str, float]:
         """What this side moved so far, as counters for the engine's stats (vLLM's

@@ -117,10 +117,14 @@ class SharedStorageConnector(KVConnectorBase_V1):
             layer: (folder / f"{layer}.safetensors").read_bytes() for layer in meta["files"]
         }
 
-    def _put_layer(self, key: str, layer: str, data: bytes) -> None:
+    def _put_layer(self, key: str, layer: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Write one layer's blocks of an entry (``"0"``, ``"1"``, ...: the layer's
+        cache tensors, on the CPU) as a safetensors file, and remember its digest."""
+        data = save(tensors)
         folder = self.root / key
         folder.mkdir(parents=True, exist_ok=True)
         _write_atomically(folder / f"{layer}.safetensors", data)
+        self._saved.setdefault(key, {})[layer] = _sha256(data)
 
     def _commit(self, key: str, meta: dict) -> None:
         _write_atomically(self.root / key / META_FILE, json.dumps(meta).encode())
@@ -268,9 +272,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
             }
             if self.tp.rank:
                 continue
-            data = save({name: t.cpu() for name, t in tensors.items()})
-            self._put_layer(req.key, layer_name, data)
-            self._saved.setdefault(req.key, {})[layer_name] = _sha256(data)
+            self._put_layer(req.key, layer_name, {name: t.cpu() for name, t in tensors.items()})
 
     def wait_for_save(self) -> None:
         """The writes are done; rank 0 commits each entry with its ``meta.json``."""
