@@ -83,7 +83,7 @@ def test_one_side_split_over_two_ranks_decodes_as_hf(
         llm.shutdown()
 
 
-@pytest.mark.serial  # four engines' processes and HF's model: about a minute on 2 cores
+# Four engines' processes and HF's model: about a minute on 2 cores.
 def test_smollm2_prefilled_on_one_rank_decodes_as_hf_on_three(smollm2):
     """SmolLM2-135M (3 KV heads: one per rank at tensor_parallel_size=3) prefilled by a
     one-rank producer, decoded by a three-rank consumer over `P2pTcpConnector`: each
