@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from minipaged.commands import check
 from minipaged.commands.check import EXERCISES, ROOT, reference, run, run_each
 
 pytestmark = pytest.mark.spread  # each test runs its own pytest process
@@ -26,7 +27,7 @@ def solved(exercise, into: Path) -> Path:
     """The exercise file with each stub's body replaced by the reference's source, and
     imports of the module globals that source uses: what a learner who copied the
     package's code would have written."""
-    if exercise.file.endswith(".cpp"):
+    if exercise.file.endswith((".cpp", ".cu")):
         return solved_cpp(exercise, into)
     source = (STUBS / exercise.file).read_text()
     lines = source.splitlines()
@@ -66,7 +67,8 @@ def cpp_definition(name: str, source: str) -> re.Match:
 
 def solved_cpp(exercise, into: Path) -> Path:
     """The C++ exercise with each stub's definition replaced by the reference's, from
-    the package's C++ file, and that file's includes."""
+    the package's C++ file, and that file's includes (a CUDA exercise has none: it is
+    included into the kernel file, after all it uses)."""
     source = (STUBS / exercise.file).read_text()
     includes = []
     for name, target in exercise.replaces.items():
@@ -74,7 +76,8 @@ def solved_cpp(exercise, into: Path) -> Path:
         stub = cpp_definition(name, source)
         code = cpp_definition(name, reference_source)[0]
         source = source[: stub.start()] + code + source[stub.end() :]
-        includes += re.findall(r"^#include .*\n", reference_source, re.MULTILINE)
+        if target.endswith(".cpp"):
+            includes += re.findall(r"^#include .*\n", reference_source, re.MULTILINE)
     path = into / exercise.file
     path.write_text("".join(includes) + source)
     return path
@@ -182,7 +185,26 @@ def test_the_command_prints_counts_and_the_first_failure(tmp_path):
 
 def test_a_lesson_without_exercises_is_refused_by_name():
     out = subprocess.run(
-        [sys.executable, "-m", "minipaged", "check", "08"], capture_output=True, text=True, cwd=ROOT
+        [sys.executable, "-m", "minipaged", "check", "00"], capture_output=True, text=True, cwd=ROOT
     )
     assert out.returncode == 2
-    assert "lesson '08' has no exercise" in out.stderr
+    assert "lesson '00' has no exercise" in out.stderr
+
+
+def test_a_cuda_exercise_without_the_toolkits_headers_says_what_to_install(monkeypatch):
+    from minipaged.ops import cuda_build
+
+    monkeypatch.setattr(cuda_build, "_cuda_include", lambda: None)
+    cuda_build._missing.cache_clear()
+    monkeypatch.setattr(cuda_build, "_LOADED", {})
+    try:
+        with pytest.raises(check._LoadError) as error:
+            check.build_in(STUBS / "cuda_qk_logits.cu")
+    finally:
+        cuda_build._missing.cache_clear()
+    assert str(error.value).startswith(
+        "exercises/cuda_qk_logits.cu cannot be checked on this machine: the CUDA emulator "
+        "needs no GPU but the CUDA toolkit's headers (cuda_fp16.h, cuda_bf16.h)"
+    )
+    assert "install the CUDA toolkit" in str(error.value) and "CUDA_HOME" in str(error.value)
+    assert cuda_build._LOADED == {}  # nothing built, nothing swapped in

@@ -43,6 +43,7 @@ DESCRIPTION = (
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600  # a learner's endless loop ends here, and is named as one
+COMPILED = (".cpp", ".cu")  # exercises built into a kernel (`build_in`), not imported
 _ENV = "MINIPAGED_EXERCISE"  # tells the pytest child which exercise to load, and where
 
 
@@ -148,6 +149,19 @@ EXERCISES = (
             "tests/test_ops_cpu.py",
             "-k",
             "(decode_matches_oracle or long_contexts) and not avx2 and not bfloat16",
+        ),
+    ),
+    Exercise(
+        "08",
+        "cuda_qk_logits.cu",
+        {"qk_logits": "kernels/paged_attention_v1.cu"},
+        (
+            "tests/test_ops_cuda.py",
+            "-k",
+            # What cuda_build.QK_LOGITS_SET holds (v2, head_dim 64): the small cases, and
+            # contexts across v2's partitions for each block size.
+            "v2 and d64 and (every_version_matches_oracle"
+            " or every_compiled_shape_and_dtype and bfloat16)",
         ),
     ),
     Exercise(
@@ -355,7 +369,7 @@ def run_each(exercise: Exercise, dirs: list[Path], verbose: bool = False) -> lis
     the kernel it built (`build_in`)."""
     if not (ROOT / "tests").is_dir():
         raise ValueError(f"minipaged check needs a source checkout: no tests/ in {ROOT}")
-    if exercise.file.endswith(".cpp") and len(dirs) > 1:
+    if exercise.file.endswith(COMPILED) and len(dirs) > 1:
         return [run(exercise, folder, verbose) for folder in dirs]
     with tempfile.TemporaryDirectory() as tmp:
         reports = [Path(tmp) / f"report{i}.json" for i in range(len(dirs))]
@@ -496,7 +510,7 @@ class _LoadError(Exception):
 def swap_in(path: Path, replaces: dict[str, str]) -> None:
     """Load the exercise at ``path`` and put its functions in place of the references,
     in every module of the checkout that holds them (a C++ exercise: `build_in`)."""
-    if path.suffix == ".cpp":
+    if path.suffix in COMPILED:
         build_in(path)
         return
     shown = _shown(path)
@@ -519,19 +533,26 @@ def swap_in(path: Path, replaces: dict[str, str]) -> None:
 
 
 def build_in(path: Path) -> None:
-    """A C++ exercise (lesson 07's CPU kernel): the kernel built with the learner's file in
-    place of its reference inner loop (`cpu_ops.build_with_attend_tile`), then used by
-    every call of the ``cpu`` backend in this process."""
-    from minipaged.ops import cpu_ops
+    """A C++ exercise: the kernel built with the learner's file in place of its reference
+    inner loop, then used by every call of its backend in this process: lesson 07's CPU
+    kernel (`cpu_ops.build_with_attend_tile`), or lesson 08's CUDA kernels in the CPU
+    emulator (`cuda_build.build_with_qk_logits`)."""
+    from minipaged.ops import cpu_ops, cuda_build
 
     shown = _shown(path)
     if not path.is_file():
         raise _LoadError(f"{shown} is not there")
+    cuda = path.suffix == ".cu"
+    if cuda and (why := cuda_build.emulator_missing()):
+        raise _LoadError(f"{shown} cannot be checked on this machine: {why}")
     try:
-        kernel = cpu_ops.build_with_attend_tile(path)
+        built = (cuda_build.build_with_qk_logits if cuda else cpu_ops.build_with_attend_tile)(path)
     except (RuntimeError, OSError, ImportError) as error:  # compiler, linker, loader
         raise _LoadError(f"{shown} does not compile: {first_error(str(error))}") from None
-    cpu_ops._kernel = lambda: kernel
+    if cuda:  # what every emulated launch of this process loads (its tests ask no more)
+        cuda_build._LOADED[(True, None)] = [(cuda_build.ALL, built)]
+    else:
+        cpu_ops._kernel = lambda: built
 
 
 def first_error(output: str) -> str:
