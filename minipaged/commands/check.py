@@ -296,6 +296,22 @@ EXERCISES = (
         ),
     ),
     Exercise(
+        "20",
+        "image_prefix_key.py",
+        {
+            "mm_cache_key": "minipaged.sequence:mm_cache_key",
+            "block_key": "minipaged.core.memory.prefix_cache:block_key",
+        },
+        (
+            "tests/test_multimodal.py",
+            "tests/test_prefix_cache.py",
+            "tests/test_lora.py",
+            "-k",
+            "keys_on_the_image or shares_the_blocks_before or shared_prompt_prefix"
+            " or different_prefix_do_not or keeps_adapters_apart",
+        ),
+    ),
+    Exercise(
         "21",
         "absorbed_decode.py",
         {"decode_absorbed": "minipaged.models.deepseek_v2:MLAPagedAttention._decode_absorbed"},
