@@ -11,11 +11,11 @@ exercise, so a broken exercise breaks neither ``minipaged`` nor another lesson.
 The swap happens once the tests are collected, before they run (`ExercisePlugin`):
 every module of the checkout (the package's and the tests') that holds the reference
 object gets the learner's instead, and a method is replaced on its class, so subclasses
-that inherit it use the learner's too.  A C++ exercise (lesson 07's kernel loop) is
-compiled instead: the CPU kernel is built again, in a folder of its own, with the
-learner's file in place of the reference one, and a compile error is reported as its
-first line.  This is the tiny-llm way of teaching (write the code, run the command,
-watch the counts go from 0 to all), over this engine's own test suite.
+that inherit it use the learner's too.  A C++ exercise is compiled instead: lesson 07's
+CPU kernel, or lesson 08's CUDA kernel in the CPU emulator, is built again, in a folder
+of its own, with the learner's file in place of the reference loop, and a compile error
+is reported as its first line.  This is the tiny-llm way of teaching (write the code,
+run the command, watch the counts go from 0 to all), over this engine's own test suite.
 """
 
 from __future__ import annotations
