@@ -118,6 +118,11 @@ __device__ void load_query(const DecodeParams& p, int seq, const QuerySlice& qs,
 // and per round each thread reads K_VEC elements (16 bytes) of the key row, next to its
 // neighbours'; C is the cache's element type (T's, or a quantized byte).  Each thread
 // leaves in row_max the largest logit it wrote (or -inf).
+#ifdef MINIPAGED_QK_LOGITS_EXERCISE
+// Lesson 08's exercise build (cuda_build.build_with_qk_logits): phase 1 is the
+// learner's, from exercises/cuda_qk_logits.cu, included by the header that build writes.
+#include "qk_logits_exercise.h"
+#else
 template <typename C, int HEAD_DIM, int BLOCK_SIZE>
 __device__ void qk_logits(const DecodeParams& p, const TokenRange& r, const QuerySlice& qs,
                           const float (&q)[MAX_QUERIES][HEAD_DIM], float* logits,
@@ -169,6 +174,7 @@ __device__ void qk_logits(const DecodeParams& p, const TokenRange& r, const Quer
     }
   }
 }
+#endif  // MINIPAGED_QK_LOGITS_EXERCISE
 
 // Phase 2, the block-wise softmax: the range's max logit per query head (reduced over
 // the thread block), then every logit becomes exp(logit - max), and row_sum their sum.

@@ -1,8 +1,8 @@
 """The exercises, checked at both ends: each stub fails every one of its tests with its
 "not implemented" message (never a crash), and the reference functions, copied into
 the exercise files, pass them all; the lesson tells the counts the learner will see.
-A broken exercise file is reported in a line, and breaks nothing else.  (The C++
-exercise, built once per file: test_exercises_cpp.py.)"""
+A broken exercise file is reported in a line, and breaks nothing else.  (The C++ and
+CUDA exercises, built once per file: test_exercises_compiled.py.)"""
 
 import ast
 import inspect
@@ -67,7 +67,8 @@ def cpp_definition(name: str, source: str) -> re.Match:
 
 def solved_cpp(exercise, into: Path) -> Path:
     """The C++ exercise with each stub's definition replaced by the reference's, from
-    the package's C++ file, and that file's includes."""
+    the package's C++ file, and that file's includes (a CUDA exercise has none: it is
+    included into the kernel file, after all it uses)."""
     source = (STUBS / exercise.file).read_text()
     includes = []
     for name, target in exercise.replaces.items():
@@ -75,7 +76,8 @@ def solved_cpp(exercise, into: Path) -> Path:
         stub = cpp_definition(name, source)
         code = cpp_definition(name, reference_source)[0]
         source = source[: stub.start()] + code + source[stub.end() :]
-        includes += re.findall(r"^#include .*\n", reference_source, re.MULTILINE)
+        if target.endswith(".cpp"):
+            includes += re.findall(r"^#include .*\n", reference_source, re.MULTILINE)
     path = into / exercise.file
     path.write_text("".join(includes) + source)
     return path
@@ -197,7 +199,26 @@ def test_the_command_prints_counts_and_the_first_failure(tmp_path):
 
 def test_a_lesson_without_exercises_is_refused_by_name():
     out = subprocess.run(
-        [sys.executable, "-m", "minipaged", "check", "08"], capture_output=True, text=True, cwd=ROOT
+        [sys.executable, "-m", "minipaged", "check", "00"], capture_output=True, text=True, cwd=ROOT
     )
     assert out.returncode == 2
-    assert "lesson '08' has no exercise" in out.stderr
+    assert "lesson '00' has no exercise" in out.stderr
+
+
+def test_a_cuda_exercise_without_the_toolkits_headers_says_what_to_install(monkeypatch):
+    from minipaged.ops import cuda_build
+
+    monkeypatch.setattr(cuda_build, "_cuda_include", lambda: None)
+    cuda_build._missing.cache_clear()
+    monkeypatch.setattr(cuda_build, "_LOADED", {})
+    try:
+        with pytest.raises(check._LoadError) as error:
+            check.build_in(STUBS / "cuda_qk_logits.cu")
+    finally:
+        cuda_build._missing.cache_clear()
+    assert str(error.value).startswith(
+        "exercises/cuda_qk_logits.cu cannot be checked on this machine: the CUDA emulator "
+        "needs no GPU but the CUDA toolkit's headers (cuda_fp16.h, cuda_bf16.h)"
+    )
+    assert "install the CUDA toolkit" in str(error.value) and "CUDA_HOME" in str(error.value)
+    assert cuda_build._LOADED == {}  # nothing built, nothing swapped in

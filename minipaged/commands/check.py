@@ -12,11 +12,11 @@ exercise's swap is undone before the next runs, so a broken exercise breaks neit
 The swap happens once the tests are collected, before they run (`ExercisePlugin`):
 every module of the checkout (the package's and the tests') that holds the reference
 object gets the learner's instead, and a method is replaced on its class, so subclasses
-that inherit it use the learner's too.  A C++ exercise (lesson 07's kernel loop) is
-compiled instead: the CPU kernel is built again, in a folder of its own, with the
-learner's file in place of the reference one, and a compile error is reported as its
-first line.  This is the tiny-llm way of teaching (write the code, run the command,
-watch the counts go from 0 to all), over this engine's own test suite.
+that inherit it use the learner's too.  A C++ exercise is compiled instead: lesson 07's
+CPU kernel, or lesson 08's CUDA kernel in the CPU emulator, is built again, in a folder
+of its own, with the learner's file in place of the reference loop, and a compile error
+is reported as its first line.  This is the tiny-llm way of teaching (write the code,
+run the command, watch the counts go from 0 to all), over this engine's own test suite.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ DESCRIPTION = (
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600  # a learner's endless loop ends here, and is named as one
+COMPILED = (".cpp", ".cu")  # exercises built into a kernel (`build_in`), not imported
 _ENV = "MINIPAGED_EXERCISE"  # tells the pytest child which exercise to load, and where
 
 
@@ -63,8 +64,8 @@ class Exercise:
 
     @property
     def compiled(self) -> bool:
-        """A C++ file, built into a kernel: a process per file (`build_in`)."""
-        return self.file.endswith(".cpp")
+        """A C++ or CUDA file, built into a kernel: a process per file (`build_in`)."""
+        return self.file.endswith(COMPILED)
 
 
 EXERCISES = (
@@ -154,6 +155,19 @@ EXERCISES = (
             "tests/test_ops_cpu.py",
             "-k",
             "(decode_matches_oracle or long_contexts) and not avx2 and not bfloat16",
+        ),
+    ),
+    Exercise(
+        "08",
+        "cuda_qk_logits.cu",
+        {"qk_logits": "kernels/paged_attention_v1.cu"},
+        (
+            "tests/test_ops_cuda.py",
+            "-k",
+            # What cuda_build.QK_LOGITS_SET holds (v2, head_dim 64): the small cases, and
+            # contexts across v2's partitions for each block size.
+            "v2 and d64 and (every_version_matches_oracle"
+            " or every_compiled_shape_and_dtype and bfloat16)",
         ),
     ),
     Exercise(
@@ -288,6 +302,22 @@ EXERCISES = (
         ),
     ),
     Exercise(
+        "20",
+        "image_prefix_key.py",
+        {
+            "mm_cache_key": "minipaged.sequence:mm_cache_key",
+            "block_key": "minipaged.core.memory.prefix_cache:block_key",
+        },
+        (
+            "tests/test_multimodal.py",
+            "tests/test_prefix_cache.py",
+            "tests/test_lora.py",
+            "-k",
+            "keys_on_the_image or shares_the_blocks_before or shared_prompt_prefix"
+            " or different_prefix_do_not or keeps_adapters_apart",
+        ),
+    ),
+    Exercise(
         "21",
         "absorbed_decode.py",
         {"decode_absorbed": "minipaged.models.deepseek_v2:MLAPagedAttention._decode_absorbed"},
@@ -393,6 +423,8 @@ def _run_process(exercises: list[Exercise], dirs: list[Path], verbose: bool) -> 
             for i, exercise in enumerate(exercises)
         ]
         env = {**os.environ, _ENV: json.dumps(spec), "PYTHONPATH": str(ROOT)}
+        if any(e.file.endswith(".cu") for e in exercises):  # the emulator's: CPU tensors
+            env["CUDA_VISIBLE_DEVICES"] = ""
         command = [sys.executable, "-m", "pytest", "-p", __name__, "-p", "no:cacheprovider"]
         command += ["-q", "--no-header", *dict.fromkeys(f for e in exercises for f in files(e))]
         timeout = TIMEOUT_S * len(exercises) * len(dirs)
@@ -557,7 +589,7 @@ def swap_in(path: Path, replaces: dict[str, str], swaps: list) -> None:
     """Load the exercise at ``path`` and put its functions in place of the references,
     in every module of the checkout that holds them (a C++ exercise: `build_in`); each
     replacement is added to ``swaps``, for `undo`."""
-    if path.suffix == ".cpp":
+    if path.suffix in COMPILED:
         build_in(path)
         return
     shown = _shown(path)
@@ -600,19 +632,26 @@ _INHERITED = object()
 
 
 def build_in(path: Path) -> None:
-    """A C++ exercise (lesson 07's CPU kernel): the kernel built with the learner's file in
-    place of its reference inner loop (`cpu_ops.build_with_attend_tile`), then used by
-    every call of the ``cpu`` backend in this process."""
-    from minipaged.ops import cpu_ops
+    """A C++ exercise: the kernel built with the learner's file in place of its reference
+    inner loop, then used by every call of its backend in this process: lesson 07's CPU
+    kernel (`cpu_ops.build_with_attend_tile`), or lesson 08's CUDA kernels in the CPU
+    emulator (`cuda_build.build_with_qk_logits`)."""
+    from minipaged.ops import cpu_ops, cuda_build
 
     shown = _shown(path)
     if not path.is_file():
         raise _LoadError(f"{shown} is not there")
+    cuda = path.suffix == ".cu"
+    if cuda and (why := cuda_build.emulator_missing()):
+        raise _LoadError(f"{shown} cannot be checked on this machine: {why}")
     try:
-        kernel = cpu_ops.build_with_attend_tile(path)
+        built = (cuda_build.build_with_qk_logits if cuda else cpu_ops.build_with_attend_tile)(path)
     except (RuntimeError, OSError, ImportError) as error:  # compiler, linker, loader
         raise _LoadError(f"{shown} does not compile: {first_error(str(error))}") from None
-    cpu_ops._kernel = lambda: kernel
+    if cuda:  # what every emulated launch of this process loads (its tests ask no more)
+        cuda_build._LOADED[(True, None)] = [(cuda_build.ALL, built)]
+    else:
+        cpu_ops._kernel = lambda: built
 
 
 def first_error(output: str) -> str:

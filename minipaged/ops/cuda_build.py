@@ -127,6 +127,12 @@ class KernelSet:
 
 ALL = KernelSet()
 
+# Lesson 08's exercise build (`build_with_qk_logits`): what it holds, its defines, and
+# the header it writes to include the learner's file.
+QK_LOGITS_SET = KernelSet(version=2, head_dim=64)
+QK_LOGITS_FLAGS = ("-DMINIPAGED_QK_LOGITS_EXERCISE", "-DMINIPAGED_NATIVE_CACHE_ONLY")
+QK_LOGITS_HEADER = "qk_logits_exercise.h"
+
 
 def emulating() -> bool:
     """Whether CPU tensors run the CUDA kernels in the emulator."""
@@ -160,7 +166,12 @@ def _missing(device_type: str, emulated: bool) -> str | None:
         return None
     if device_type == "cpu" and emulated:
         if _cuda_include() is None:
-            return "the CUDA emulator needs the CUDA toolkit's headers (cuda_fp16.h): set CUDA_HOME"
+            return (
+                "the CUDA emulator needs no GPU but the CUDA toolkit's headers (cuda_fp16.h, "
+                "cuda_bf16.h), which were not found: install the CUDA toolkit (NVIDIA's "
+                "installer, or your distribution's package, e.g. nvidia-cuda-toolkit on "
+                "Debian and Ubuntu) and set CUDA_HOME to the folder whose include/ holds them"
+            )
         if not has_cxx():
             return "the CUDA emulator needs a C++ compiler (c++ on PATH, or CXX)"
         return None
@@ -168,6 +179,11 @@ def _missing(device_type: str, emulated: bool) -> str | None:
         f"the 'cuda' attention backend needs CUDA tensors (got {device_type}); on a CPU "
         f"it runs in minipaged's emulator only if {EMULATE_ENV}=1"
     )
+
+
+def emulator_missing() -> str | None:
+    """Why the kernels cannot be built for the CPU emulator here, or ``None``."""
+    return _missing("cpu", True)
 
 
 def has_cxx() -> bool:
@@ -234,13 +250,7 @@ def _build(emulated: bool, kernels: KernelSet = ALL, arch: str | None = None):
     start = time.perf_counter()
     with build_lock(build_dir):
         if emulated:
-            module = cpp_extension.load(
-                name,
-                [binding, *_emulated_sources(build_dir, kernels.sources)],
-                build_directory=str(build_dir),
-                extra_cflags=["-O2", "-DMINIPAGED_CPU_EMULATION", *kernels.macros()],
-                extra_include_paths=[str(KERNELS_DIR), str(_cuda_include())],
-            )
+            module = _load_emulated(name, build_dir, kernels)
         else:
             module = cpp_extension.load(
                 name,
@@ -270,6 +280,48 @@ def _build(emulated: bool, kernels: KernelSet = ALL, arch: str | None = None):
     )
     _LOADED.setdefault((emulated, arch), []).append((kernels, module))
     return module
+
+
+def _load_emulated(name: str, build_dir: Path, kernels: KernelSet, flags: Sequence[str] = ()):
+    """``cpp_extension.load`` of ``kernels`` as C++ for the emulator, in ``build_dir``
+    (which is also on the include path: an exercise build writes its header there)."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(
+        name,
+        [str(KERNELS_DIR / BINDING), *_emulated_sources(build_dir, kernels.sources)],
+        build_directory=str(build_dir),
+        extra_cflags=["-O2", "-DMINIPAGED_CPU_EMULATION", *kernels.macros(), *flags],
+        extra_include_paths=[str(KERNELS_DIR), str(_cuda_include()), str(build_dir)],
+    )
+
+
+def build_with_qk_logits(path: Path):
+    """The emulated version 2 kernel with its phase 1, v1's ``qk_logits`` (v2 runs v1's
+    thread block on each partition of the context), taken from the C++ file ``path``:
+    lesson 08's exercise, ``exercises/cuda_qk_logits.cu``.  The file is the function's
+    definition alone; ``paged_attention_v1.cu`` includes it in place of its own where
+    ``-DMINIPAGED_QK_LOGITS_EXERCISE`` is set (the only build that sets it), through a
+    header written in this build's folder.
+
+    A module of its own (the package's build is never touched) holding `QK_LOGITS_SET`
+    alone, v2 for head_dim 64 and caches of the query's dtype: a ninth of v2's
+    instances, so that after the first build, which compiles the torch binding, a
+    changed ``path`` recompiles in seconds.  Raises ``RuntimeError`` when the emulator
+    cannot be built here (`emulator_missing`), or with the compiler's output when
+    ``path`` does not compile."""
+    why = emulator_missing()
+    if why:
+        raise RuntimeError(why)
+    name, flags = "minipaged_cuda_emulated_qk_logits", QK_LOGITS_FLAGS
+    sources = [p for p in sorted(KERNELS_DIR.glob("*")) if p.suffix in SOURCE_SUFFIXES]
+    build_dir = cached_build_dir(name, sources, flags)
+    header = build_dir / QK_LOGITS_HEADER
+    code = f'#include "{path.resolve()}"\n'
+    with build_lock(build_dir):
+        if not header.exists() or header.read_text() != code:  # unchanged: ninja keeps the .o
+            header.write_text(code)
+        return _load_emulated(name, build_dir, QK_LOGITS_SET, flags)
 
 
 def _arch(device: torch.device) -> str:

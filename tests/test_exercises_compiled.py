@@ -1,6 +1,7 @@
-"""The C++ exercise (lesson 07's CPU kernel loop), checked at both ends as the Python
-ones (test_exercises.py) are, each file built in a process of its own; a file that
-does not compile, or writes out of bounds, is named in one line."""
+"""The compiled exercises (lesson 07's CPU kernel loop in C++, lesson 08's CUDA kernel
+phase in the emulator), checked at both ends as the Python ones (test_exercises.py)
+are, each file built in a process of its own; a C++ file that does not compile, or
+writes out of bounds, is named in one line."""
 
 import os
 import re
@@ -14,16 +15,16 @@ from test_exercises import STUBS, assert_both_ends, solved
 
 pytestmark = pytest.mark.spread  # each test builds and runs in processes of its own
 
-CPP = [e for e in EXERCISES if e.compiled]
+COMPILED = [e for e in EXERCISES if e.compiled]
 
 
-@pytest.mark.parametrize("exercise", CPP, ids=lambda e: e.file)
+@pytest.mark.parametrize("exercise", COMPILED, ids=lambda e: e.file)
 def test_stub_fails_every_test_and_the_reference_passes_them(exercise, tmp_path):
     assert_both_ends(exercise, *run_each(exercise, [STUBS, solved(exercise, tmp_path).parent]))
 
 
 def test_a_broken_cpp_exercise_is_named_in_one_line_and_breaks_nothing_else(tmp_path):
-    (exercise,) = CPP
+    (exercise,) = [e for e in COMPILED if e.file.endswith(".cpp")]
     path = tmp_path / exercise.file
     stub = (STUBS / exercise.file).read_text()
     path.write_text(stub.replace("TORCH_CHECK_NOT_IMPLEMENTED(", "undeclared_check(", 1))
