@@ -76,6 +76,7 @@ from minipaged.core.sched.encoder_cache_manager import EncoderCacheManager
 from minipaged.core.sched.output import (
     NewRequestData,
     Sample,
+    SampledTokens,
     ScheduledSeq,
     SchedulerOutput,
     StepSamples,
@@ -286,6 +287,8 @@ class Scheduler:
         # Every fork before any sequence grows: a child starts from its parent as it was.
         tokens = samples.tokens
         seqs = [self._fork_sample(s) if s.fork else s.seq for s in tokens]
+        for sampled in samples.sampled:  # a plain step's tokens, as columns
+            self._apply_sampled(sampled)
         traced, check_stop = self.trace.enabled, self.check_stop
         for s, seq in zip(tokens, seqs):
             if traced:
@@ -308,6 +311,33 @@ class Scheduler:
             if group.is_finished:
                 self.retire(group)
         return groups
+
+    def _apply_sampled(self, sampled: SampledTokens) -> None:
+        """Append each of ``sampled``'s tokens to its sequence; `check_stop` runs only
+        where a stop could be: a grammar, text needed early (stop strings, a stream), an
+        EOS or stop token, or the length reached.  For any other sequence it would find
+        none: a decode step's common case, kept to a few comparisons per row."""
+        eos, check_stop, traced = self.eos_token_ids, self.check_stop, self.trace.enabled
+        max_len = self.max_model_len if self.max_model_len is not None else float("inf")
+        for group, seq, token, logprob, top in zip(
+            sampled.groups, sampled.seqs, sampled.token_ids, sampled.logprobs, sampled.top_logprobs
+        ):
+            if traced:
+                self.append_token(group, seq, token, logprob)
+            else:
+                seq.append_token(token, logprob)
+            if seq.logprobs is not None:
+                seq.logprobs.append(top)
+            length, params = len(seq.token_ids), group.params
+            if (
+                seq.grammar is not None
+                or group.detokenizes_early
+                or token in eos
+                or token in params.stop_token_ids
+                or length - seq.prompt_len >= params.max_tokens
+                or length >= max_len
+            ):
+                check_stop(group, seq)
 
     def _apply_verified(self, v: Verified) -> None:
         """Keep the slots of ``v``'s accepted guesses, give back the rest, and append its
