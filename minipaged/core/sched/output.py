@@ -78,6 +78,16 @@ def logit_rows(sampling: list[ScheduledSeq]) -> list[range]:
     return rows
 
 
+def sampling_seqs(out: SchedulerOutput, req_ids: list[str]) -> list[ScheduledSeq]:
+    """The scheduled sequences of ``req_ids`` (those that sample, in the runner's order):
+    a decode step's are all of them in the scheduler's order, told by comparing ids
+    (``num_scheduled_tokens`` keeps the order of ``seqs``) instead of looking each up."""
+    if len(req_ids) == len(out.seqs) and list(out.num_scheduled_tokens) == req_ids:
+        return out.seqs
+    by_id = {s.seq.seq_id: s for s in out.seqs}
+    return [by_id[r] for r in req_ids]
+
+
 @dataclass(slots=True)
 class NewRequestData:
     """A sequence the runner does not hold (admitted, resumed, forked): all of it."""
