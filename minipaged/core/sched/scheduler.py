@@ -324,7 +324,7 @@ class Scheduler:
         EOS or stop token, or the length reached.  For any other sequence it would find
         none: a decode step's common case, kept to a few comparisons per row."""
         eos, check_stop, traced = self.eos_token_ids, self.check_stop, self.trace.enabled
-        max_len = self.max_model_len if self.max_model_len is not None else float("inf")
+        at_length = self._at_length
         for group, seq, token, logprob, top in zip(
             sampled.groups, sampled.seqs, sampled.token_ids, sampled.logprobs, sampled.top_logprobs
         ):
@@ -334,14 +334,13 @@ class Scheduler:
                 seq.append_token(token, logprob)
             if seq.logprobs is not None:
                 seq.logprobs.append(top)
-            length, params = len(seq.token_ids), group.params
+            params = group.params
             if (
                 seq.grammar is not None
                 or group.detokenizes_early
                 or token in eos
                 or token in params.stop_token_ids
-                or length - seq.prompt_len >= params.max_tokens
-                or length >= max_len
+                or at_length(params, seq)
             ):
                 check_stop(group, seq)
 
