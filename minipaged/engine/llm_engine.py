@@ -435,7 +435,7 @@ class LLMEngine:
         )
         if plain:
             self.structured_output.apply(sampling, logits, plain)  # grammars' masks
-            samples.tokens = self.parallel_sampling.sample(sampling, logits, plain)
+            samples.extend(self.parallel_sampling.step(sampling, logits, plain))
         if beams:
             self.structured_output.apply(sampling, logits, beams)
             samples.extend(self.beam_search.rank(sampling, logits, beams))

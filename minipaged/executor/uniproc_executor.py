@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from minipaged.config import EngineConfig
-from minipaged.core.sched.output import ScheduledSeq, SchedulerOutput
+from minipaged.core.sched.output import ScheduledSeq, SchedulerOutput, sampling_seqs
 from minipaged.worker.cache_engine import CacheEngine
 from minipaged.worker.model_runner import ModelRunner
 
@@ -72,5 +72,4 @@ class Executor:
         req_ids, logits = self.runner.execute_model(batch, self.cache_engine.gpu_cache)
         if not req_ids:
             return [], logits
-        by_id = {s.seq.seq_id: s for s in batch.seqs}
-        return [by_id[r] for r in req_ids], logits
+        return sampling_seqs(batch, req_ids), logits

@@ -128,10 +128,16 @@ class SamplingInputBatch:
         self.prompt_token_mask: torch.Tensor | None = None
         self.num_counted = np.zeros(n, np.int64)
         self._device_params: dict[str, torch.Tensor] | None = None
+        # The last step's sequences (compared by identity) and their rows: a decode
+        # step's are the same, so its rows are found without a lookup per sequence.
+        self._last_seqs: list | None = None
+        self._last_rows = np.zeros(0, np.int64)
 
     def rows(self, seqs: Sequence, params: Sequence[SamplingParams]) -> np.ndarray:
         """The rows of ``seqs`` (each with its request's ``params``), adding those not
         held yet."""
+        if seqs == self._last_seqs:  # a decode step's: the last step's, in its order
+            return self._last_rows
         index, held = self.req_id_to_index, self.seqs
         rows = []
         for seq, p in zip(seqs, params):
@@ -139,7 +145,8 @@ class SamplingInputBatch:
             if row is None or held[row] is not seq:  # new, or a request id used again
                 row = self._add(seq, p)
             rows.append(row)
-        return np.array(rows, np.int64)
+        self._last_seqs, self._last_rows = list(seqs), np.array(rows, np.int64)
+        return self._last_rows
 
     def remove(self, seq_ids: Collection[str]) -> None:
         """Forget sequences that finished or left the runner (they come back whole)."""
@@ -148,6 +155,7 @@ class SamplingInputBatch:
             if row is not None:
                 self.seqs[row] = self.params[row] = None
                 self._free.append(row)
+                self._last_seqs = None
 
     def _add(self, seq, p: SamplingParams) -> int:
         self.remove([seq.seq_id])

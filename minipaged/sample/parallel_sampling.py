@@ -8,7 +8,8 @@ prompt, copy-on-write).  From then on they are ordinary sequences that happen to
 blocks; ``n`` = 1 is the plain case of the same code.
 
 `ParallelSampling` is the sample phase for sampling requests, as `BeamSearch` is for
-beam search: it only chooses tokens (`Sample`); appending them, forking, the stop checks
+beam search: it only chooses tokens (`Sample`, or a plain step's as columns,
+`SampledTokens`); appending them, forking, the stop checks
 and freeing are the update phase's (`OutputProcessor.update_from_output`).
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from minipaged.core.sched.output import Sample, ScheduledSeq
+from minipaged.core.sched.output import Sample, SampledTokens, ScheduledSeq, StepSamples
 from minipaged.sample.metadata import SamplingInputBatch
 from minipaged.sample.sampler import sample, seq_generator
 
@@ -37,15 +38,34 @@ class ParallelSampling:
         if self.input_batch is not None:
             self.input_batch.remove(seq_ids)
 
+    def step(
+        self, sampling: list[ScheduledSeq], logits: torch.Tensor, rows: list[int]
+    ) -> StepSamples:
+        """`sample` for the engine's sample phase: a step where no prompt forks (every
+        decode step) as columns (`SampledTokens`), without a `Sample` per row."""
+        scheduled = sampling if len(rows) == len(sampling) else [sampling[i] for i in rows]
+        if self._forks(scheduled):
+            return StepSamples(tokens=self._sample_forking(sampling, logits, rows))
+        return StepSamples(sampled=[self._sample_unforked(scheduled, logits, rows)])
+
     def sample(
         self, sampling: list[ScheduledSeq], logits: torch.Tensor, rows: list[int]
     ) -> list[Sample]:
         """One token per sequence of ``rows``; a prompt with ``n`` > 1 draws ``n``, the
         ``n - 1`` after its own for the forks it will become, from its one row of logits."""
         scheduled = sampling if len(rows) == len(sampling) else [sampling[i] for i in rows]
-        params = [s.group.params for s in scheduled]
-        if max([p.n for p in params]) == 1 or min([len(s.group.seqs) for s in scheduled]) > 1:
-            return self._sample_unforked(scheduled, params, logits, rows)
+        if self._forks(scheduled):
+            return self._sample_forking(sampling, logits, rows)
+        return self._sample_unforked(scheduled, logits, rows).samples()
+
+    @staticmethod
+    def _forks(scheduled: list[ScheduledSeq]) -> bool:
+        """Does a prompt with ``n`` > 1 sample (its first tokens, for its forks)?"""
+        return any([s.group.params.n > 1 and len(s.group.seqs) == 1 for s in scheduled])
+
+    def _sample_forking(
+        self, sampling: list[ScheduledSeq], logits: torch.Tensor, rows: list[int]
+    ) -> list[Sample]:
         logit_rows, groups, seqs, generators, forks = [], [], [], [], []
         for i in rows:
             group, seq = sampling[i].group, sampling[i].seq
@@ -78,8 +98,8 @@ class ParallelSampling:
         ]
 
     def _sample_unforked(
-        self, scheduled: list[ScheduledSeq], params: list, logits: torch.Tensor, rows: list[int]
-    ) -> list[Sample]:
+        self, scheduled: list[ScheduledSeq], logits: torch.Tensor, rows: list[int]
+    ) -> SampledTokens:
         """`sample` of a step where no prompt forks (every decode step): one token per
         row of ``scheduled`` (``rows`` of the logits), its parameters kept across steps
         (`SamplingInputBatch`)."""
@@ -88,12 +108,9 @@ class ParallelSampling:
         batch = self.input_batch
         if batch is None:
             batch = self.input_batch = SamplingInputBatch(logits.shape[1], logits.device)
-        rows = batch.rows([s.seq for s in scheduled], params)
-        metadata = batch.metadata(rows, self.eos_token_ids)
+        groups = [s.group for s in scheduled]
+        seqs = [s.seq for s in scheduled]
+        params = [g.params for g in groups]
+        metadata = batch.metadata(batch.rows(seqs, params), self.eos_token_ids)
         out = sample(logits, params, generator=self.generator, metadata=metadata)
-        return [
-            Sample(s.group, s.seq, token, logprob, top)
-            for s, token, logprob, top in zip(
-                scheduled, out.token_ids, out.logprobs, out.top_logprobs
-            )
-        ]
+        return SampledTokens(groups, seqs, out.token_ids, out.logprobs, out.top_logprobs)

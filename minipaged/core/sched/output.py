@@ -19,10 +19,11 @@ cache engine, the model runner and the tensor-parallel workers read it; none of 
 needs the scheduler itself.  (vLLM's "request" is a sequence here: a request with
 ``n`` > 1, or a beam search, runs several, each a row of the runner's batch.)
 
-`StepSamples` is what the sample phase hands back up: each new token as a `Sample`
-(parallel sampling's draws, beam search's kept extensions), and beam search's finished
-and dropped beams.  Choosing changes no request; `OutputProcessor.update_from_output`
-applies the choice (vLLM's ``Scheduler.update_from_output``).
+`StepSamples` is what the sample phase hands back up: a plain step's tokens as columns
+(`SampledTokens`, one token per sequence, no object per row: vLLM's
+``ModelRunnerOutput.sampled_token_ids``), any other new token as a `Sample` (a prompt's
+forks, beam search's kept extensions), and beam search's finished and dropped beams.
+Choosing changes no request; `Scheduler.update_from_output` applies the choice.
 
 Standard library only.
 """
@@ -75,6 +76,16 @@ def logit_rows(sampling: list[ScheduledSeq]) -> list[range]:
         rows.append(range(start, start + s.num_logit_rows))
         start += s.num_logit_rows
     return rows
+
+
+def sampling_seqs(out: SchedulerOutput, req_ids: list[str]) -> list[ScheduledSeq]:
+    """The scheduled sequences of ``req_ids`` (those that sample, in the runner's order):
+    a decode step's are all of them in the scheduler's order, told by comparing ids
+    (``num_scheduled_tokens`` keeps the order of ``seqs``) instead of looking each up."""
+    if len(req_ids) == len(out.seqs) and list(out.num_scheduled_tokens) == req_ids:
+        return out.seqs
+    by_id = {s.seq.seq_id: s for s in out.seqs}
+    return [by_id[r] for r in req_ids]
 
 
 @dataclass(slots=True)
@@ -156,6 +167,28 @@ class Sample:
     generator: Any = None
 
 
+@dataclass(slots=True)
+class SampledTokens:
+    """One token for each of ``seqs`` (of ``groups``), none of them forking, as columns:
+    what sampling a step's plain rows chose, for the update phase to apply row by row
+    without building a `Sample` per row."""
+
+    groups: list[SequenceGroup]
+    seqs: list[Sequence]
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float] | None]
+
+    def samples(self) -> list[Sample]:
+        """The same tokens, one `Sample` each."""
+        return [
+            Sample(group, seq, token, logprob, top)
+            for group, seq, token, logprob, top in zip(
+                self.groups, self.seqs, self.token_ids, self.logprobs, self.top_logprobs
+            )
+        ]
+
+
 @dataclass
 class Verified:
     """What verifying ``seq``'s ``num_guesses`` guesses chose: the accepted ones and the
@@ -177,6 +210,8 @@ class StepSamples:
     """What the sample phase chose this step, for the update phase to apply."""
 
     tokens: list[Sample] = field(default_factory=list)
+    # A plain step's tokens, as columns (one chunk per sample call), applied first.
+    sampled: list[SampledTokens] = field(default_factory=list)
     # Beam search: extensions that end in EOS (set aside whole: they take no blocks)...
     finished_beams: list[Sample] = field(default_factory=list)
     # ... and live beams that no kept extension continues.
@@ -189,10 +224,15 @@ class StepSamples:
     @property
     def num_appended(self) -> int:
         """Tokens the update phase appended (after `update_from_output`)."""
-        return len(self.tokens) + sum(v.num_appended for v in self.verified)
+        return (
+            len(self.tokens)
+            + sum(len(c.token_ids) for c in self.sampled)
+            + sum(v.num_appended for v in self.verified)
+        )
 
     def extend(self, other: StepSamples) -> None:
         self.tokens += other.tokens
+        self.sampled += other.sampled
         self.verified += other.verified
         self.finished_beams += other.finished_beams
         self.dropped_beams += other.dropped_beams

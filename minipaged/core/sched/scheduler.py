@@ -77,6 +77,7 @@ from minipaged.core.sched.encoder_cache_manager import EncoderCacheManager
 from minipaged.core.sched.output import (
     NewRequestData,
     Sample,
+    SampledTokens,
     ScheduledSeq,
     SchedulerOutput,
     StepSamples,
@@ -146,6 +147,8 @@ class Scheduler:
         # and the sequences it must drop at the next step.
         self._held: dict[str, list[int]] = {}
         self._finished_req_ids: set[str] = set()
+        # The update phase's requests that lost a sequence: only these may have finished.
+        self._finishing: set[SequenceGroup] = set()
         # The update phase's stop checks: the engine's EOS tokens, and the front end's
         # check of stop strings on the text so far (which detokenizes; None: no text).
         self.eos_token_ids: set[int] = set()
@@ -283,9 +286,10 @@ class Scheduler:
         step changes its requests.  Each token is appended (a prompt with ``n`` > 1, or
         a beam kept more than once, forking first), the stop conditions are checked, a
         finished sequence gives its blocks back at once (shared blocks only lose a
-        holder), and a finished request retires.  Returns the step's requests, those
-        aborted since it was scheduled (one that failed alone) left out, for the output
-        processor to turn into outputs."""
+        holder), and a finished request retires.  Returns the step's requests that have
+        news for the output processor to turn into outputs: those that finished and
+        those that stream (those aborted since it was scheduled, one that failed
+        alone, left out)."""
         for v in samples.verified:  # speculative decoding's accepted guesses and more
             self._apply_verified(v)
         for s in samples.finished_beams:  # from the beam as it was when ranked
@@ -295,9 +299,12 @@ class Scheduler:
         for group, beam in samples.dropped_beams:
             self.free_seq(group, beam)
             group.seqs.remove(beam)
+            self._finishing.add(group)
         # Every fork before any sequence grows: a child starts from its parent as it was.
         tokens = samples.tokens
         seqs = [self._fork_sample(s) if s.fork else s.seq for s in tokens]
+        for sampled in samples.sampled:  # a plain step's tokens, as columns
+            self._apply_sampled(sampled)
         traced, check_stop = self.trace.enabled, self.check_stop
         for s, seq in zip(tokens, seqs):
             if traced:
@@ -307,7 +314,7 @@ class Scheduler:
             if seq.logprobs is not None:
                 seq.logprobs.append(s.top_logprobs)
             check_stop(s.group, seq)
-        finished = SequenceStatus.FINISHED
+        finished, finishing = SequenceStatus.FINISHED, self._finishing
         groups = [  # those aborted left out
             g
             for g in dict.fromkeys([s.group for s in scheduler_output.seqs])
@@ -317,9 +324,37 @@ class Scheduler:
             if group.embedding is not None and not group.is_finished:
                 # A pooling request is done once its prompt is: its blocks go back now.
                 self._finish_seq(group, group.seqs[0], "stop", None)
-            if group.is_finished:
+            if group in finishing and group.is_finished:
                 self.retire(group)
+        groups = [g for g in groups if g in finishing or g.streams]
+        finishing.clear()
         return groups
+
+    def _apply_sampled(self, sampled: SampledTokens) -> None:
+        """Append each of ``sampled``'s tokens to its sequence; `check_stop` runs only
+        where a stop could be: a grammar, text needed early (stop strings, a stream), an
+        EOS or stop token, or the length reached.  For any other sequence it would find
+        none: a decode step's common case, kept to a few comparisons per row."""
+        eos, check_stop, traced = self.eos_token_ids, self.check_stop, self.trace.enabled
+        at_length = self._at_length
+        for group, seq, token, logprob, top in zip(
+            sampled.groups, sampled.seqs, sampled.token_ids, sampled.logprobs, sampled.top_logprobs
+        ):
+            if traced:
+                self.append_token(group, seq, token, logprob)
+            else:
+                seq.append_token(token, logprob)
+            if seq.logprobs is not None:
+                seq.logprobs.append(top)
+            params = group.params
+            if (
+                seq.grammar is not None
+                or group.detokenizes_early
+                or token in eos
+                or token in params.stop_token_ids
+                or at_length(params, seq)
+            ):
+                check_stop(group, seq)
 
     def _apply_verified(self, v: Verified) -> None:
         """Keep the slots of ``v``'s accepted guesses, give back the rest, and append its
@@ -388,6 +423,7 @@ class Scheduler:
     def _finish_seq(self, group, seq, reason: str, stop_reason: int | str | None) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.free_seq(group, seq)
+        self._finishing.add(group)
 
     # -- one step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
