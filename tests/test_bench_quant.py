@@ -4,7 +4,9 @@ import json
 import math
 
 from cli_helpers import run_main
+from minipaged.bench.quant import eval_text
 from minipaged.models.loader import read_config
+from minipaged.models.quantization.quantize import calibration_text
 from minipaged.models.tiny import cached_checkpoint
 
 
@@ -40,3 +42,11 @@ def test_results_file(tmp_path):
         assert row["mc_accuracy"] in (0, 1 / 3, 2 / 3, 1)
     assert none["mc_answers_changed"] == 0 and fp32["mc_answers_changed"] == 0
     assert (tmp_path / "ckpt").is_dir() and out.with_suffix(".png").stat().st_size > 0
+
+
+def test_perplexity_text_is_not_in_the_calibration_text():
+    calibration = calibration_text()
+    text = eval_text()
+    chunks = [text[i : i + 120] for i in range(0, len(text) - 120, 120)]
+    assert len(chunks) > 100
+    assert not [c for c in chunks if c in calibration]

@@ -27,7 +27,7 @@ from minipaged.cli import main as cli
 from minipaged.config import EngineConfig
 from minipaged.models.loader import load_model
 from minipaged.models.quantization import formats, resolve_quantization, weight_bytes
-from minipaged.models.quantization.quantize import gptq_quantize, rtn_quantize
+from minipaged.models.quantization.quantize import awq_clip, gptq_quantize, rtn_quantize
 from minipaged.ops.quant_linear import IntWeight
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
 
@@ -226,6 +226,40 @@ def test_gptq_error_feedback_beats_rounding_on_the_layer_output():
         gptq = gptq_quantize(w, h, 4, 32, sym=True, act_order=act_order).dequantize()
         gptq_error = ((x @ (gptq - w).T) ** 2).mean()
         assert gptq_error < 0.7 * ((x @ (rtn - w).T) ** 2).mean()
+
+
+def test_awq_clip_takes_each_groups_best_bound_by_brute_force():
+    """AutoAWQ's clipping search against a per-(row, group) loop over the same bounds
+    with an asymmetric 4-bit rounding written here."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 32, generator=g) * (0.2 + 3 * torch.rand(32, generator=g))
+    w = torch.randn(4, 32, generator=g)
+    w[0, 3], w[2, 20] = 9.0, -7.0  # outliers, which clipping should cut
+    clipped = awq_clip(w, x, bits=4, group_size=16)
+
+    def rounded(v):
+        lo, hi = min(float(v.min()), 0.0), max(float(v.max()), 0.0)
+        scale = max((hi - lo) / 15, 1e-10)
+        zero = round(-lo / scale)
+        return ((v / scale).round() + zero).clamp(0, 15).sub(zero) * scale
+
+    cut = 0
+    for row in range(4):
+        for start in (0, 16):
+            xs, ws = x[:, start : start + 16].double(), w[row, start : start + 16].double()
+            errors = {}
+            for step in range(10):
+                bound = float(ws.abs().max()) * (1 - step / 20)
+                errors[bound] = float(
+                    ((xs @ rounded(ws.clamp(-bound, bound)) - xs @ ws) ** 2).mean()
+                )
+            chosen = clipped[row, start : start + 16].double()
+            bound = float(chosen.abs().max())
+            assert torch.allclose(chosen, ws.clamp(-bound, bound), atol=1e-6)
+            mine = float(((xs @ rounded(chosen) - xs @ ws) ** 2).mean())
+            assert mine <= min(errors.values()) * (1 + 1e-4) + 1e-9
+            cut += bound < float(ws.abs().max()) - 1e-6
+    assert cut >= 2  # at least the outliers' groups
 
 
 # -- refusals ---------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from minipaged.llm import LLM
 from minipaged.models.hub import resolve_model
 from minipaged.models.loader import read_config
 from minipaged.models.quantization import weight_bytes
-from minipaged.models.quantization.quantize import calibration_text, quantize_checkpoint
+from minipaged.models.quantization.quantize import docstrings, quantize_checkpoint
 from minipaged.sampling_params import SamplingParams
 
 NAME = "quant"
@@ -68,7 +68,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 def eval_text() -> str:
     """The fixed text perplexity is measured on (none of it in the calibration text)."""
-    return calibration_text(EVAL_MODULES)
+    return docstrings(EVAL_MODULES)
 
 
 def awq_group_size(config, wanted: int) -> int:

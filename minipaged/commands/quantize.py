@@ -33,7 +33,7 @@ def add_arguments(parser) -> None:
         default=True,
         help="zero points at the middle (rtn and gptq; awq's are always asymmetric)",
     )
-    parser.add_argument("--num-samples", type=int, default=16, help="calibration sequences")
+    parser.add_argument("--num-samples", type=int, default=64, help="calibration sequences")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     parser.add_argument(
         "--threads",

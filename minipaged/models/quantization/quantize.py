@@ -15,19 +15,25 @@ Three ways to pick each group's integers, all with the same grid
   (§"Lazy batch-updates"), via a Cholesky factor of ``H^-1`` (§"Cholesky
   reformulation"), with 1% dampening; ``desc_act`` (act-order) takes the columns in
   order of decreasing ``H``'s diagonal and records each one's group in ``g_idx``;
-- **AWQ** (Lin et al. 2023, §3): a per-input-channel scale ``s = mean|x|^a``, ``a``
-  searched on a grid of 20 per group of projections sharing an input, that minimises
-  the output error of ``Q(W * s) / s``; ``1 / s`` is folded into the op before
-  (RMSNorm's weight, or ``up_proj``'s rows for ``down_proj``), so the model computes
-  the same function, and the salient channels (large activations) lose less to
-  rounding.  AutoAWQ's weight clipping search is left out.
+- **AWQ** (Lin et al. 2023, §3): a per-input-channel scale ``s``, searched on a grid
+  of 20 per group of projections sharing an input, that minimises the output error of
+  ``Q(W * s) / s``; ``s = mean|x|^a / mean|w|^(1-a)`` (AutoAWQ's ``duo_scaling``, its
+  default; ``mean|x|^a`` alone without it); ``1 / s`` is folded into the op before
+  (RMSNorm's weight, ``up_proj``'s rows for ``down_proj``, ``v_proj``'s for
+  ``o_proj`` where there is no GQA), so the model computes the same function, and the
+  salient channels (large activations) lose less to rounding.  Then AutoAWQ's
+  clipping search (``apply_clip``, `awq_clip`) bounds each group of every projection
+  but q and k.
 
 Calibration runs the Hugging Face model layer by layer, each layer on the previous
-layer's quantized outputs, as both papers do.  The calibration text is the docstrings
-of some standard-library modules (`calibration_text`): no download.  By default 16
-sequences of 256 tokens (4,096 tokens; AutoGPTQ's and vLLM's llm-compressor examples
-take 128 x 2048): the Hessian of SmolLM2's widest input (1,536 columns) still has more
-tokens than columns, and 1% dampening keeps its inverse stable.
+layer's quantized outputs, as both papers do.  The calibration text (`calibration_text`)
+needs no download: some standard-library modules' docstrings and the Python language
+reference that ``help()`` prints, about 124,000 SmolLM2 tokens, none of it in the text
+``bench quant`` measures perplexity on.  By default 64 windows of 256 tokens at seeded
+random offsets (16,384 tokens, as GPTQ's scripts draw random C4 windows; theirs take
+128 x 2048, AutoAWQ's 128 x 512, which a shared 2-core machine cannot afford for
+SmolLM2's 30 layers): more than ten tokens per column of SmolLM2's widest input (1,536),
+and 1% dampening keeps the Hessian's inverse stable.
 
 It runs torch on one thread by default: GPTQ's inner loop is thousands of small column
 updates per layer, too small for torch's thread pool to help, and on a machine whose
@@ -40,6 +46,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import pydoc_data.topics
 import shutil
 from pathlib import Path
 
@@ -54,7 +61,10 @@ from minipaged.ops.quant_linear import IntWeight
 
 __all__ = [
     "METHODS",
+    "awq_clip",
+    "calibration_samples",
     "calibration_text",
+    "docstrings",
     "fit_grid",
     "gptq_quantize",
     "quantize_checkpoint",
@@ -62,21 +72,46 @@ __all__ = [
 ]
 
 METHODS = ("rtn", "gptq", "awq")
-CALIBRATION_MODULES = ("argparse", "collections", "logging", "unittest", "subprocess", "json")
+CALIBRATION_MODULES = ("argparse", "logging", "unittest", "subprocess", "json")
 AWQ_GRID = 20
-AWQ_TOKENS = 512  # the search's sample of each group's inputs
+AWQ_TOKENS = 512  # the searches' sample of each group's inputs
+AWQ_MAX_SHRINK = 0.5  # the clipping search's smallest bound: half the largest weight
+AWQ_UNCLIPPED = ("self_attn.q_proj", "self_attn.k_proj")
 
 
-def calibration_text(modules=CALIBRATION_MODULES) -> str:
-    """The docstrings of ``modules`` and of their public classes and functions."""
+def docstrings(modules, imported: bool = True) -> str:
+    """The docstrings of ``modules``, of their public classes and functions and, if
+    ``imported``, of the modules they import."""
     parts = []
     for name in modules:
         module = importlib.import_module(name)
         for obj in (module, *(getattr(module, n) for n in sorted(dir(module)))):
-            doc = inspect.getdoc(obj) if inspect.ismodule(obj) or _public(obj, name) else None
+            own = obj is module or _public(obj, name)
+            doc = inspect.getdoc(obj) if own or (imported and inspect.ismodule(obj)) else None
             if doc and doc not in parts:
                 parts.append(doc)
     return "\n\n".join(parts)
+
+
+def calibration_text() -> str:
+    """The calibration corpus: the docstrings of `CALIBRATION_MODULES` (not of what they
+    import: ``io``'s and ``os``'s are in the bench's perplexity text) and the Python
+    language reference's topics that ``help()`` prints (``pydoc_data``, shipped with
+    Python): English prose and code, about 124,000 SmolLM2 tokens."""
+    topics = pydoc_data.topics.topics
+    own = docstrings(CALIBRATION_MODULES, imported=False)
+    return own + "\n\n" + "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def calibration_samples(tokenizer, num_samples: int, seq_len: int, seed: int = 0) -> list:
+    """``num_samples`` windows of ``seq_len`` tokens at seeded random offsets in
+    `calibration_text`, as GPTQ's and AWQ's scripts draw theirs from C4 or the Pile."""
+    ids = torch.tensor(tokenizer(calibration_text())["input_ids"])
+    if len(ids) < seq_len:
+        raise ValueError(f"seq_len {seq_len} exceeds the calibration text's {len(ids)} tokens")
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(ids) - seq_len + 1, (num_samples,), generator=g)
+    return [ids[i : i + seq_len] for i in starts.tolist()]
 
 
 def _public(obj, module: str) -> bool:
@@ -225,50 +260,99 @@ def _collect(layer, inputs) -> dict[str, torch.Tensor]:
     return {name: torch.cat(xs) for name, xs in seen.items()}
 
 
-def _awq_scale(layer, inputs: dict[str, torch.Tensor], bits, group_size) -> None:
+def _awq_scale(layer, inputs: dict[str, torch.Tensor], bits, group_size, duo_scaling) -> None:
     """AWQ's search (module docstring) for each group of projections sharing an input,
-    the scales folded into the op before; in place."""
-    attn, mlp = layer.self_attn, layer.mlp
+    the scales folded into the op before, and the group's ``inputs`` divided by them
+    (what the projections now see); in place."""
     groups = [
-        (layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], "self_attn.q_proj"),
-        (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], "mlp.gate_proj"),
-        (mlp.up_proj, [mlp.down_proj], "mlp.down_proj"),
+        (layer.input_layernorm, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        (layer.post_attention_layernorm, ("mlp.gate_proj", "mlp.up_proj")),
+        (layer.mlp.up_proj, ("mlp.down_proj",)),
     ]
+    attn = layer.self_attn
     if attn.v_proj.weight.shape == attn.o_proj.weight.shape:  # no GQA: v's rows feed o
-        groups.append((attn.v_proj, [attn.o_proj], "self_attn.o_proj"))
-    for before, linears, name in groups:
-        x = inputs[name]
-        x = x[torch.linspace(0, len(x) - 1, min(len(x), AWQ_TOKENS)).long()]
+        groups.append((attn.v_proj, ("self_attn.o_proj",)))
+    projections = _projections(layer)
+    for before, names in groups:
+        linears = [projections[name] for name in names]
+        x = _awq_sample(inputs[names[0]])
         w = torch.cat([linear.weight.float() for linear in linears])
-        reference = x @ w.T
-        x_mean = x.abs().mean(0)
-        best, best_scale = float("inf"), None
-        for ratio in torch.arange(AWQ_GRID) / AWQ_GRID:
-            s = x_mean.pow(ratio).clamp(min=1e-4)
-            s = s / (s.max() * s.min()).sqrt()
-            wq = rtn_quantize(w * s, bits, group_size, sym=False).dequantize() / s
-            error = float(((x @ wq.T - reference) ** 2).mean())
-            if error < best:
-                best, best_scale = error, s
+        scale = _awq_best_scale(x, w, bits, group_size, duo_scaling)
         dtype = before.weight.dtype
         if isinstance(before, nn.Linear):  # its output rows are the next one's inputs
-            before.weight.copy_((before.weight.float() / best_scale[:, None]).to(dtype))
+            before.weight.copy_((before.weight.float() / scale[:, None]).to(dtype))
         else:
-            before.weight.copy_((before.weight.float() / best_scale).to(dtype))
-        for linear in linears:
-            linear.weight.copy_((linear.weight.float() * best_scale).to(linear.weight.dtype))
+            before.weight.copy_((before.weight.float() / scale).to(dtype))
+        for name, linear in zip(names, linears):
+            linear.weight.copy_((linear.weight.float() * scale).to(linear.weight.dtype))
+            inputs[name] = inputs[name] / scale
+
+
+def _awq_sample(x: torch.Tensor) -> torch.Tensor:
+    """`AWQ_TOKENS` rows of ``x``, evenly spaced: the searches' sample."""
+    return x[torch.linspace(0, len(x) - 1, min(len(x), AWQ_TOKENS)).long()]
+
+
+def _awq_best_scale(x, w, bits, group_size, duo_scaling) -> torch.Tensor:
+    """The per-input-channel scale ``s`` on AWQ's grid that minimises the error of
+    ``x Q(w s)^T / s`` against ``x w^T``: ``s = mean|x|^a``, or with ``duo_scaling``
+    (AutoAWQ's default) ``mean|x|^a / mean|w|^(1-a)``, ``|w|`` relative to its group's
+    largest."""
+    reference = x @ w.T
+    x_mean = x.abs().mean(0)
+    groups = w.abs().reshape(-1, group_size)
+    w_mean = (groups / (groups.amax(1, keepdim=True) + 1e-6)).reshape(w.shape).mean(0)
+    best, best_scale = float("inf"), None
+    for ratio in torch.arange(AWQ_GRID) / AWQ_GRID:
+        s = x_mean.pow(ratio)
+        if duo_scaling:
+            s = s / (w_mean.pow(1 - ratio) + 1e-4)
+        s = s.clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        wq = rtn_quantize(w * s, bits, group_size, sym=False).dequantize() / s
+        error = float(((x @ wq.T - reference) ** 2).mean())
+        if error < best:
+            best, best_scale = error, s
+    return best_scale
+
+
+def awq_clip(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """AutoAWQ's clipping search (``auto_clip``): for each output row and group, the
+    bound ``m = r max|w|``, ``r`` in ``1, 0.95, .. 0.55``, that minimises the error of
+    the group's share of the output, ``x_g Q(clamp(w_g, -m, m))^T``; ``w`` clamped to
+    the best bounds.  Clipping the few largest weights makes every other step finer."""
+    n, k = w.shape
+    x = _awq_sample(x).reshape(-1, k // group_size, group_size)
+    w = w.float().reshape(n, k // group_size, group_size)
+    reference = torch.einsum("tgi,ngi->ntg", x, w)
+    full = w.abs().amax(-1, keepdim=True)
+    best, best_error = full, torch.full_like(full, float("inf"))
+    for step in range(int(AWQ_MAX_SHRINK * AWQ_GRID)):
+        bound = full * (1 - step / AWQ_GRID)
+        clipped = torch.maximum(torch.minimum(w, bound), -bound).reshape(n, k)
+        wq = rtn_quantize(clipped, bits, group_size, sym=False).dequantize()
+        out = torch.einsum("tgi,ngi->ntg", x, wq.reshape(w.shape))
+        error = ((out - reference) ** 2).mean(1)[..., None]
+        better = error < best_error
+        best, best_error = torch.where(better, bound, best), torch.where(better, error, best_error)
+    return torch.maximum(torch.minimum(w, best), -best).reshape(n, k)
 
 
 @torch.no_grad()
-def quantize_layer(layer, inputs, method, bits, group_size, sym, act_order):
+def quantize_layer(
+    layer, inputs, method, bits, group_size, sym, act_order, duo_scaling=True, apply_clip=True
+):
     """Quantize the decoder ``layer`` given its calibration ``inputs``; its projections
     then hold their dequantized weights.  Returns HF name -> `IntWeight`."""
     seen = _collect(layer, inputs) if method != "rtn" else {}
     if method == "awq":
-        _awq_scale(layer, seen, bits, group_size)
+        _awq_scale(layer, seen, bits, group_size, duo_scaling)
     quantized = {}
     for name, linear in _projections(layer).items():
         w = linear.weight.float()
+        # AutoAWQ clips neither q nor k: their error meets in q k^T, not in one output.
+        if method == "awq" and apply_clip and name not in AWQ_UNCLIPPED:
+            w = awq_clip(w, seen[name], bits, group_size)
         if method == "gptq":
             hessian = 2 * seen[name].T @ seen[name] / len(seen[name])
             quantized[name] = gptq_quantize(w, hessian, bits, group_size, sym, act_order)
@@ -286,7 +370,7 @@ def quantize_checkpoint(
     group_size: int = 128,
     sym: bool = True,
     act_order: bool = False,
-    num_samples: int = 16,
+    num_samples: int = 64,
     seq_len: int = 256,
     num_threads: int = 1,
 ) -> Path:
@@ -310,9 +394,7 @@ def quantize_checkpoint(
     if isinstance(saved_dtype, str):
         saved_dtype = getattr(torch, saved_dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-    ids = torch.tensor(tokenizer(calibration_text())["input_ids"])
-    samples = [ids[i * seq_len : (i + 1) * seq_len] for i in range(num_samples)]
-    samples = [s for s in samples if len(s) == seq_len] or [ids[:seq_len]]
+    samples = calibration_samples(tokenizer, num_samples, seq_len)
     threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
@@ -325,7 +407,7 @@ def quantize_checkpoint(
 
 
 @torch.no_grad()
-def _quantize_layers(model, samples, method, bits, group_size, sym, act_order) -> dict:
+def _quantize_layers(model, samples, method, bits, group_size, sym, act_order, **awq) -> dict:
     """Every decoder layer quantized in turn, each calibrated on the previous ones'
     quantized outputs; HF name -> `IntWeight`."""
     quantized = {}
@@ -333,7 +415,7 @@ def _quantize_layers(model, samples, method, bits, group_size, sym, act_order) -
     inputs = _layer_inputs(model, samples) if method != "rtn" else None
     for i, layer in enumerate(tqdm(model.model.layers, desc=f"{method} layers", leave=False)):
         for name, weight in quantize_layer(
-            layer, inputs, method, bits, group_size, sym and method != "awq", act_order
+            layer, inputs, method, bits, group_size, sym and method != "awq", act_order, **awq
         ).items():
             quantized[f"model.layers.{i}.{name}"] = weight
         if inputs is not None:
