@@ -6,6 +6,8 @@ under preemption by recompute and with prefix caching; afterwards every block is
 Combinations it does not support are refused.
 """
 
+import re
+
 import pytest
 
 from engine_helpers import (
@@ -17,8 +19,11 @@ from engine_helpers import (
     random_prompt,
 )
 from minipaged import SamplingParams
+from minipaged.bench import throughput
 from minipaged.config import EngineConfig
 from minipaged.core.memory.block_table import blocks_for
+from minipaged.core.memory.workloads import RequestSpec
+from minipaged.sampling_params import StructuredOutputsParams
 
 MAX_TOKENS = 20
 
@@ -97,6 +102,25 @@ def test_seeded_samples_equal_the_synchronous_engine(llama, async_llm):
     assert_all_blocks_free(async_llm)
 
 
+def test_structured_outputs_keep_their_grammar(llama, async_llm):
+    """A grammar advances on step N's token (in N's update) before step N+1's logits are
+    masked, so sampled completions match their regex, as the synchronous engine's do,
+    token for token."""
+    pytest.importorskip("llguidance")  # absent from a GPU's stock image
+    path, _ = llama
+    regex = r"[a-c]{2,6}-[0-9]{1,4}"
+    spec = StructuredOutputsParams(regex=regex)
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=40, structured_outputs=spec)
+    prompts = [random_prompt(n, seed=700 + n) for n in (3, 6, 11)]
+    outputs = generate(async_llm, prompts, params)
+    assert all(re.fullmatch(regex, o.outputs[0].text) for o in outputs), outputs
+    synchronous = generate(make_llm(path), prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        o.outputs[0].token_ids for o in synchronous
+    ]
+    assert_all_blocks_free(async_llm)
+
+
 def test_greedy_equals_hf_under_preemption_and_prefix_caching(llama):
     """A pool just big enough for the largest request preempts by recompute; prompts
     that share a prefix, generated twice, hit the prefix cache the second time (blocks
@@ -170,3 +194,16 @@ def test_refused_combinations(option):
     (name,) = option
     with pytest.raises(ValueError, match=f"async_scheduling cannot run with {name}"):
         EngineConfig(model="m", async_scheduling=True, **option)
+
+
+def test_bench_throughput_runs_the_async_system(llama):
+    """``minipaged-cpu-async`` in `bench throughput` is the CPU engine with async
+    scheduling: its row says so, and it generates every request's tokens."""
+    requests = [RequestSpec(5, 7), RequestSpec(12, 3), RequestSpec(3, 9)]
+    prompts = [random_prompt(r.prompt_len, seed=600 + i) for i, r in enumerate(requests)]
+    result = throughput.bench_throughput(
+        llama[0], [throughput.ASYNC], requests, prompts, {"device": "cpu"}, progress=False
+    )
+    run = result.runs[throughput.ASYNC]
+    assert run.row["system"] == throughput.ASYNC
+    assert run.generated == [7, 3, 9]

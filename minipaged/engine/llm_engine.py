@@ -20,6 +20,10 @@
   outputs: each finished request's, and what the step added to requests that stream
   (``output_kind``), decoding their text.
 
+With ``async_scheduling`` (vLLM's), the execute phase runs in a worker thread while
+the scheduler schedules the next step, its tokens still placeholders, filled after the
+update (`LLMEngine._step_async`).
+
 Everything about memory is the scheduler's (and, under it, the KV cache manager's); the
 update only ever asks it to fork, append to or free a sequence, so the event trace,
 which the scheduler records, sees every block operation.  The scheduler also owns the

@@ -44,6 +44,11 @@ remembers, per sequence the runner holds, how many of its tokens and blocks it h
 (``_held``), so a running sequence costs a step a few integers, and every sequence whose
 blocks are freed or swapped out is named once in the next output's ``finished_req_ids``.
 
+With async scheduling, the engine asks for the next decode step while this one runs
+(`schedule_ahead`): each sequence's token not sampled yet is a placeholder, in the KV
+cache manager's table (kept out of the prefix cache) and in the runner's diff, until
+`fill_placeholders` writes the sampled one in (vLLM's ``AsyncScheduler``).
+
 With a vision model, admission asks the encoder cache too (`EncoderCacheManager`): a
 request waits until its images fit there, then holds them until it finishes or is
 preempted by recompute; the first chunk that reaches an image's placeholder schedules
