@@ -173,6 +173,40 @@ def test_abort_while_a_step_runs(llama, async_llm):
     assert_all_blocks_free(async_llm)
 
 
+def test_a_failed_step_gives_back_the_step_scheduled_ahead(llama, async_llm, monkeypatch):
+    """A step whose sampling raises (without ``fail_alone``) gives back the placeholders
+    of the step scheduled while it ran, leaving its sequences as a synchronous step
+    would; after aborting its requests every block is free, and the engine goes on to
+    HF's tokens."""
+    _, oracle = llama
+    engine = async_llm.engine
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, n in enumerate((6, 13)):
+        engine.add_request(f"fail-{i}", random_prompt(n, seed=800 + n), params)
+    for _ in range(3):
+        engine.step()
+    ahead_before = engine.num_steps_ahead
+
+    def broken(sampling, logits):
+        raise RuntimeError("sampler broke")
+
+    monkeypatch.setattr(engine, "sample", broken)
+    with pytest.raises(RuntimeError, match="sampler broke"):
+        engine.step()
+    monkeypatch.undo()
+    assert engine.num_steps_ahead == ahead_before and engine._in_flight is None
+    for group in engine.scheduler.running:  # as a synchronous failed step leaves them
+        seq = group.seqs[0]
+        assert engine.kv.num_tokens(seq.seq_id) == seq.num_computed_tokens == len(seq.token_ids)
+    for i in range(2):
+        engine.abort_request(f"fail-{i}")
+    assert_all_blocks_free(async_llm)
+    prompt = random_prompt(9, seed=809)
+    (out,) = generate(async_llm, [prompt], params)
+    assert out.outputs[0].token_ids == oracle.greedy_ignoring_eos(prompt, MAX_TOKENS)
+    assert_all_blocks_free(async_llm)
+
+
 @pytest.mark.parametrize(
     "option",
     [
