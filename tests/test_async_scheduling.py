@@ -130,7 +130,13 @@ def test_greedy_equals_hf_under_preemption_and_prefix_caching(llama):
     prompts = [prefix + random_prompt(n, seed=300 + n) for n in (3, 8, 13)]
     block_size = 8
     largest = max(blocks_for(len(p) + MAX_TOKENS, block_size) for p in prompts)
-    llm = make_llm(path, block_size=block_size, num_gpu_blocks=largest + 2, async_scheduling=True)
+    llm = make_llm(
+        path,
+        block_size=block_size,
+        num_gpu_blocks=largest + 2,
+        async_scheduling=True,
+        trace=True,  # its records of the steps scheduled ahead too
+    )
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     for _ in range(2):
         assert_greedy_matches_hf(generate(llm, prompts, params), prompts, oracle, MAX_TOKENS)

@@ -447,6 +447,10 @@ class Scheduler:
         out.preempted_req_ids = {g.request_id for g in out.preempted}
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        self._trace_schedule(out)
+        return out
+
+    def _trace_schedule(self, out: SchedulerOutput) -> None:
         if self.trace.enabled:
             for s in out.seqs:
                 self.trace.record(
@@ -456,7 +460,6 @@ class Scheduler:
                     start=s.start,
                     num_tokens=s.num_new_tokens,
                 )
-        return out
 
     # -- async scheduling (vLLM's ``AsyncScheduler``) ------------------------------------
     def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
@@ -532,8 +535,13 @@ class Scheduler:
                 self.kv.fill_placeholder(seq.seq_id, token)
                 cached.new_token_ids[i] = [token]
                 keep.append(i)
-        if len(keep) == len(out.seqs):
-            return
+        if len(keep) < len(out.seqs):
+            self._drop_unfilled(out, keep)
+        self._trace_schedule(out)  # what runs
+
+    def _drop_unfilled(self, out: SchedulerOutput, keep: list[int]) -> None:
+        """``out`` with only its sequences at ``keep``."""
+        cached = out.scheduled_cached_reqs
         out.seqs = [out.seqs[i] for i in keep]
         out.num_scheduled_tokens = {s.seq.seq_id: 1 for s in out.seqs}
         for name in (
