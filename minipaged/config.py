@@ -174,6 +174,13 @@ class EngineConfig:
             (`StructuredOutputsConfig`): ``{"backend": "xgrammar"}``, ``"guidance"``
             (llguidance) or ``"auto"`` (the default: guidance in minipaged; vLLM's
             picks xgrammar where it supports the request); None: the default.
+        async_scheduling: schedule the next step while the model runs this one
+            (vLLM's ``async_scheduling``; `LLMEngine.step`): off by default.  A step
+            runs ahead only when every running sequence decodes one token (no
+            waiting, swapped or preempted request, no ``n`` > 1, beam search or
+            image); any other step waits for the one before it.  Not with tensor or
+            pipeline parallelism, speculative decoding, pooling, a KV connector or a
+            contiguous ``memory_mode``.
     """
 
     model: str
@@ -220,6 +227,7 @@ class EngineConfig:
     max_num_encoder_input_tokens: int | None = None
     disable_chunked_mm_input: bool = False
     structured_outputs_config: StructuredOutputsConfig | dict | None = None
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
@@ -274,6 +282,7 @@ class EngineConfig:
             "calculate_kv_scales",
             "enable_expert_parallel",
             "enable_lora",
+            "async_scheduling",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -310,6 +319,26 @@ class EngineConfig:
         self._check_runner()
         self._check_kv_transfer()
         self._check_multimodal()
+        self._check_async_scheduling()
+
+    def _check_async_scheduling(self) -> None:
+        """What async scheduling cannot run with in minipaged: its step ahead is a
+        decode of every running sequence on one process, one token each."""
+        if not self.async_scheduling:
+            return
+        combos = {
+            "tensor_parallel_size": self.tensor_parallel_size > 1,
+            "pipeline_parallel_size": self.pipeline_parallel_size > 1,
+            "speculative_config": self.speculative_config is not None,
+            "kv_transfer_config": self.kv_transfer_config is not None,
+            "runner": self.runner == "pooling",
+            "memory_mode": self.memory_mode != "paged",
+        }
+        for name, refused in combos.items():
+            if refused:
+                raise ValueError(
+                    f"async_scheduling cannot run with {name}={getattr(self, name)!r} in minipaged"
+                )
 
     def _check_multimodal(self) -> None:
         """The multimodal settings' types (whether the model takes images, and what it

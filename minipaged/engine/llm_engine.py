@@ -20,6 +20,10 @@
   outputs: each finished request's, and what the step added to requests that stream
   (``output_kind``), decoding their text.
 
+With ``async_scheduling`` (vLLM's), the execute phase runs in a worker thread while
+the scheduler schedules the next step, its tokens still placeholders, filled after the
+update (`LLMEngine._step_async`).
+
 Everything about memory is the scheduler's (and, under it, the KV cache manager's); the
 update only ever asks it to fork, append to or free a sequence, so the event trace,
 which the scheduler records, sees every block operation.  The scheduler also owns the
@@ -28,6 +32,7 @@ requests (`Scheduler.requests`), from `add_request` until they retire or are abo
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -37,7 +42,7 @@ from minipaged.config import EngineConfig
 from minipaged.core.memory import KVCacheManager
 from minipaged.core.memory.lora_slots import LoRASlots
 from minipaged.core.sched.encoder_cache_manager import EncoderCacheManager
-from minipaged.core.sched.output import ScheduledSeq, StepSamples, logit_rows
+from minipaged.core.sched.output import ScheduledSeq, SchedulerOutput, StepSamples, logit_rows
 from minipaged.core.sched.scheduler import make_scheduler
 from minipaged.distributed.parallel_state import NO_PIPELINE, SINGLE
 from minipaged.engine.adapters import Adapters
@@ -62,7 +67,7 @@ from minipaged.ops import check_supported, kv_quant
 from minipaged.outputs import Output
 from minipaged.sample.beam_search import BeamSearch
 from minipaged.sample.parallel_sampling import ParallelSampling
-from minipaged.sequence import SequenceGroup
+from minipaged.sequence import SequenceGroup, SequenceStatus
 from minipaged.spec_decode.speculator import Speculator, load_draft_model, make_proposer
 from minipaged.structured_output import StructuredOutputManager
 from minipaged.trace import Trace
@@ -269,6 +274,14 @@ class LLMEngine:
         self.num_prompt_tokens = 0  # of every request added
         self.num_generated_tokens = 0  # sampled, by every sequence and beam
         self.failed: dict[str, Exception] = {}  # the last step's, with fail_alone
+        # async_scheduling: the thread that runs forward passes, and the step it runs.
+        self._forward_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="minipaged-forward")
+            if config.async_scheduling
+            else None
+        )
+        self._in_flight: tuple[SchedulerOutput, Future] | None = None
+        self.num_steps_ahead = 0  # steps scheduled while the one before them ran
 
     @property
     def requests(self) -> dict[str, SequenceGroup]:
@@ -363,11 +376,57 @@ class LLMEngine:
         alone: it is aborted, its blocks freed, and its error left in ``failed`` for
         the caller, while the others go on.  Without it (``LLM.generate``) the error
         propagates to the caller."""
+        if self.config.async_scheduling:
+            return self._step_async(fail_alone)
         if self.speculator:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         self.parallel_sampling.remove(batch.finished_req_ids)
         sampling, logits = self.executor.execute(batch)
+        return self._sample_and_update(batch, sampling, logits, fail_alone)
+
+    def _step_async(self, fail_alone: bool) -> list[Output]:
+        """`step` with ``async_scheduling`` (vLLM's ``step_with_batch_queue``): the
+        forward pass of step N runs in a worker thread (torch releases the GIL while it
+        computes) while this thread schedules step N+1 with a placeholder for each
+        token N will sample (`Scheduler.schedule_ahead`); N's tokens then fill the
+        placeholders, after N's update (stops, frees), and N+1 starts before `step`
+        returns N's outputs.  A step that cannot be scheduled ahead waits for N and is
+        scheduled as usual on the next call."""
+        if self._in_flight is None:
+            self._launch(self.scheduler.schedule())
+        (batch, future), self._in_flight = self._in_flight, None
+        ahead = self.scheduler.schedule_ahead(batch)  # while the forward pass runs
+        try:
+            sampling, logits = drop_aborted(*future.result())
+            outputs = self._sample_and_update(batch, sampling, logits, fail_alone)
+        except BaseException:
+            if ahead is not None:
+                self.scheduler.cancel_ahead(ahead)
+            raise
+        if ahead is not None:
+            self.scheduler.fill_placeholders(ahead)
+            if ahead.seqs:
+                self._launch(ahead)
+                self.num_steps_ahead += 1
+            else:
+                self.scheduler.cancel_ahead(ahead)
+        return outputs
+
+    def _launch(self, batch: SchedulerOutput) -> None:
+        """Start ``batch``'s block operations and forward pass in the worker thread."""
+        self.parallel_sampling.remove(batch.finished_req_ids)
+        self._in_flight = batch, self._forward_thread.submit(self.executor.execute, batch)
+
+    def _sample_and_update(
+        self,
+        batch: SchedulerOutput,
+        sampling: list[ScheduledSeq],
+        logits: torch.Tensor | None,
+        fail_alone: bool,
+    ) -> list[Output]:
+        """The sample and update phases of ``batch``, whose forward pass gave
+        ``logits`` for ``sampling``."""
         lost = self._lost_kv_loads()
         if lost and sampling:  # their logits came from KV that never arrived
             keep = [i for i, s in enumerate(sampling) if s.group.request_id not in lost]
@@ -456,6 +515,8 @@ class LLMEngine:
         garbage collected); the engine cannot step afterwards."""
         if self.workers:
             self.workers.shutdown()
+        if getattr(self, "_forward_thread", None) is not None:
+            self._forward_thread.shutdown()
 
     def stats(self) -> dict[str, float]:
         """The pools, the queues and the counters (vLLM's names where it has them),
@@ -507,6 +568,18 @@ class LLMEngine:
             "draft_weight_bytes": sum(p.nbytes for p in self.draft_model.parameters()),
             "draft_kv_cache_block_bytes": self.draft_block_bytes,
         }
+
+
+def drop_aborted(
+    sampling: list[ScheduledSeq], logits: torch.Tensor | None
+) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
+    """``sampling`` and its rows of ``logits`` without the requests aborted while
+    their step ran (with async scheduling, `abort_request` may come then)."""
+    finished = SequenceStatus.FINISHED
+    if not any([s.group.status is finished for s in sampling]):
+        return sampling, logits
+    keep = [i for i, s in enumerate(sampling) if s.group.status is not finished]
+    return [sampling[i] for i in keep], logits[keep]
 
 
 def make_mm_processor(config: EngineConfig, path: Path, model, tokenizer):

@@ -86,7 +86,10 @@ class BlockTable:
         All or nothing: if the pool cannot supply the blocks, raises
         `NoFreeBlocksError` and changes nothing.
         """
-        if len(token_ids) == 1 and (slot := self._append_in_place(token_ids[0])) is not None:
+        if (
+            len(token_ids) == 1
+            and (slot := self._append_in_place(token_ids[0], num_lookahead)) is not None
+        ):
             return [slot], []
         shared = bool(token_ids) and self._last_block_is_shared()
         fresh = self._fresh_blocks_needed(len(token_ids))
@@ -101,6 +104,12 @@ class BlockTable:
         self.token_ids += token_ids
         self._register_full_blocks(len(self.token_ids) - num_lookahead)
         return self.slot_mapping(start, len(self.token_ids)), copies
+
+    def fill_placeholder(self, token_id: int) -> None:
+        """The last token, appended as a placeholder (async scheduling's, provisional),
+        becomes ``token_id``; a block it fills is offered to the prefix cache now."""
+        self.token_ids[-1] = token_id
+        self._register_full_blocks(len(self.token_ids))
 
     def truncate(self, num_tokens: int) -> int:
         """Keep the first ``num_tokens`` tokens (a verified draft's accepted ones) and
@@ -128,15 +137,17 @@ class BlockTable:
             for full in range(len(self.identities), num_tokens // self.block_size):
                 self._register_block(full)
 
-    def _append_in_place(self, token_id: int) -> int | None:
+    def _append_in_place(self, token_id: int, num_lookahead: int = 0) -> int | None:
         """A decode's common case, kept cheap because it runs for every sequence every
         step: one token into a last block that has room and no other holder.  Returns
-        its slot, or None (and changes nothing) when a new block or a copy is needed."""
+        its slot, or None (and changes nothing) when a new block or a copy is needed.
+        With ``num_lookahead`` the token is provisional: its block is not offered to
+        the prefix cache (`fill_placeholder` does, once the token is known)."""
         offset = len(self.token_ids) % self.block_size
         if offset == 0 or self.allocator.ref_counts[self.blocks[-1]] > 1:
             return None
         self.token_ids.append(token_id)
-        if offset == self.block_size - 1 and self._caching:
+        if offset == self.block_size - 1 and self._caching and not num_lookahead:
             self._register_block(len(self.blocks) - 1)
         return self.blocks[-1] * self.block_size + offset
 

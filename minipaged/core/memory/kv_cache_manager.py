@@ -26,6 +26,9 @@ from .allocator import BlockAllocator, NoFreeBlocksError
 from .block_table import BlockCopy, BlockTable, blocks_for
 from .prefix_cache import PrefixCachingBlockAllocator
 
+# A token async scheduling runs before it is sampled (`KVCacheManager.append_placeholder`).
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass(slots=True)
 class Allocation:
@@ -271,6 +274,20 @@ class KVCacheManager:
             return slot, [], table.blocks, len(table.blocks)
         slots, copies = table.append_tokens([token_id])
         return slots[0], copies, table.blocks, len(table.blocks) - 1
+
+    def append_placeholder(self, seq_id: str) -> tuple[int, list[BlockCopy], list[int], int]:
+        """`append_slot` of a token not sampled yet (async scheduling, vLLM's
+        ``num_output_placeholders``): its slot is taken now, its block reaches the
+        prefix cache only once `fill_placeholder` gives the token."""
+        table = self.tables[seq_id]
+        num_blocks = len(table.blocks)
+        slots, copies = table.append_tokens([PLACEHOLDER_TOKEN_ID], num_lookahead=1)
+        return slots[0], copies, table.blocks, num_blocks - (1 if copies else 0)
+
+    def fill_placeholder(self, seq_id: str, token_id: int) -> None:
+        """The placeholder `append_placeholder` put last in ``seq_id``'s table is
+        ``token_id``."""
+        self.tables[seq_id].fill_placeholder(token_id)
 
     def rollback(self, seq_id: str, num_tokens: int) -> int:
         """Keep the first ``num_tokens`` of a running sequence's tokens, giving back the

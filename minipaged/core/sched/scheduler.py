@@ -44,6 +44,11 @@ remembers, per sequence the runner holds, how many of its tokens and blocks it h
 (``_held``), so a running sequence costs a step a few integers, and every sequence whose
 blocks are freed or swapped out is named once in the next output's ``finished_req_ids``.
 
+With async scheduling, the engine asks for the next decode step while this one runs
+(`schedule_ahead`): each sequence's token not sampled yet is a placeholder, in the KV
+cache manager's table (kept out of the prefix cache) and in the runner's diff, until
+`fill_placeholders` writes the sampled one in (vLLM's ``AsyncScheduler``).
+
 With a vision model, admission asks the encoder cache too (`EncoderCacheManager`): a
 request waits until its images fit there, then holds them until it finishes or is
 preempted by recompute; the first chunk that reaches an image's placeholder schedules
@@ -72,6 +77,7 @@ from typing import TYPE_CHECKING
 from minipaged.config import PREEMPTION_MODES
 from minipaged.core.memory import Allocation, KVCacheManager
 from minipaged.core.memory.block_table import blocks_for
+from minipaged.core.memory.kv_cache_manager import PLACEHOLDER_TOKEN_ID
 from minipaged.core.memory.lora_slots import LoRASlots
 from minipaged.core.sched.encoder_cache_manager import EncoderCacheManager
 from minipaged.core.sched.output import (
@@ -441,6 +447,10 @@ class Scheduler:
         out.preempted_req_ids = {g.request_id for g in out.preempted}
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        self._trace_schedule(out)
+        return out
+
+    def _trace_schedule(self, out: SchedulerOutput) -> None:
         if self.trace.enabled:
             for s in out.seqs:
                 self.trace.record(
@@ -450,7 +460,111 @@ class Scheduler:
                     start=s.start,
                     num_tokens=s.num_new_tokens,
                 )
+
+    # -- async scheduling (vLLM's ``AsyncScheduler``) ------------------------------------
+    def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after ``prev``, scheduled while ``prev`` runs, before its tokens are
+        sampled: each sequence's next token is a placeholder (vLLM's
+        ``num_output_placeholders``) that `fill_placeholders` replaces.  Only the
+        common case runs ahead: every running request is one sequence that ``prev``
+        ran to its end and now decodes one token, all fitting the pool, none waiting
+        or swapped.  None otherwise: the engine then waits for ``prev``'s tokens and
+        calls `schedule`."""
+        running = self.running
+        if (
+            self.waiting
+            or self.swapped
+            or not running
+            or len(prev.seqs) != len(running)
+            or len(running) > self.max_num_batched_tokens
+        ):
+            return None
+        in_prev = {id(s.group) for s in prev.seqs if _runs_ahead(s)}
+        if len(in_prev) != len(running) or any(id(g) not in in_prev for g in running):
+            return None
+        if not self._roomy(running, len(running)) and not self._fits(
+            [(g.seqs[0], 1) for g in running]
+        ):
+            return None  # it would preempt: that waits for the tokens
+        out = SchedulerOutput()
+        cached, held_of = out.scheduled_cached_reqs, self._held
+        for group in running:
+            seq = group.seqs[0]
+            start = len(seq.token_ids)  # the placeholder's position
+            held = held_of.get(seq.seq_id)
+            if held is None or held[0] != start:
+                return None  # (nothing appended yet: the first check runs before any)
+            slot, copies, blocks, num_kept = self.kv.append_placeholder(seq.seq_id)
+            for src, dst in copies:
+                out.copies.append((src, dst))
+                self.trace.record("cow", group.request_id, seq.seq_id, src=src, dst=dst)
+            if self.trace.enabled:
+                self.trace.record(
+                    "append",
+                    group.request_id,
+                    seq.seq_id,
+                    num_tokens=1,
+                    num_lookahead=0,
+                    blocks=list(blocks),
+                )
+            seq.num_computed_tokens = start + 1
+            lora_slot = self.lora_slots.slot_of.get(group.lora_id, -1) if group.lora_request else -1
+            out.seqs.append(
+                ScheduledSeq(seq, group, start, 1, blocks, [slot], True, lora_slot, NO_POSITIONS)
+            )
+            kept = min(held[1], num_kept)
+            cached.req_ids.append(seq.seq_id)
+            cached.new_token_ids.append([PLACEHOLDER_TOKEN_ID])
+            cached.num_kept_blocks.append(kept)
+            cached.new_block_ids.append(blocks[kept:])
+            cached.num_computed_tokens.append(start)
+            held[0], held[1] = start + 1, len(blocks)
+            out.num_scheduled_tokens[seq.seq_id] = 1
+        out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
         return out
+
+    def fill_placeholders(self, out: SchedulerOutput) -> None:
+        """Once the step before ``out`` (a `schedule_ahead`) is updated: each
+        placeholder becomes the token sampled for it; a sequence that finished (or was
+        aborted) meanwhile, its blocks already freed, leaves ``out`` unrun."""
+        cached, keep = out.scheduled_cached_reqs, []
+        for i, s in enumerate(out.seqs):
+            seq = s.seq
+            if seq.finish_reason is None and len(seq.token_ids) == s.start + 1:
+                token = seq.token_ids[s.start]
+                self.kv.fill_placeholder(seq.seq_id, token)
+                cached.new_token_ids[i] = [token]
+                keep.append(i)
+        if len(keep) < len(out.seqs):
+            self._drop_unfilled(out, keep)
+        self._trace_schedule(out)  # what runs
+
+    def _drop_unfilled(self, out: SchedulerOutput, keep: list[int]) -> None:
+        """``out`` with only its sequences at ``keep``."""
+        cached = out.scheduled_cached_reqs
+        out.seqs = [out.seqs[i] for i in keep]
+        out.num_scheduled_tokens = {s.seq.seq_id: 1 for s in out.seqs}
+        for name in (
+            "req_ids",
+            "new_token_ids",
+            "num_kept_blocks",
+            "new_block_ids",
+            "num_computed_tokens",
+        ):
+            column = getattr(cached, name)
+            setattr(cached, name, [column[i] for i in keep])
+
+    def cancel_ahead(self, out: SchedulerOutput) -> None:
+        """Undo a `schedule_ahead` that will not run: give back its placeholders'
+        slots, and let the runner drop its sequences (sent whole if they run again)
+        with the rows ``out`` was to drop."""
+        for s in out.seqs:
+            seq = s.seq
+            if self.kv.has_block_table(seq.seq_id):
+                self.kv.rollback(seq.seq_id, s.start)
+                seq.num_computed_tokens = min(seq.num_computed_tokens, s.start)
+                self._forget(seq.seq_id)
+        self._finished_req_ids |= out.finished_req_ids
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         queue, self.running = self.running, []
@@ -903,6 +1017,20 @@ def _plan(group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
             plan.append((seq, n))
             budget -= n
     return plan
+
+
+def _runs_ahead(s: ScheduledSeq) -> bool:
+    """Can the step after this one schedule ``s``'s next token before it is sampled?"""
+    group = s.group
+    return (
+        s.samples
+        and not s.spec_token_ids
+        and group.width == 1
+        and len(group.seqs) == 1
+        and not group.is_beam_search
+        and not group.mm_features
+        and group.embedding is None
+    )
 
 
 def width_of(params: SamplingParams | BeamSearchParams) -> tuple[str, int]:
