@@ -58,6 +58,12 @@ def oracle(llava):
     model = LlavaForConditionalGeneration.from_pretrained(
         llava, local_files_only=True, dtype=torch.float32
     ).eval()
+    return hf_greedy(processor, model)
+
+
+def hf_greedy(processor, model):
+    """``greedy(text, images, add_special_tokens=True)``: HF's prompt ids and greedy
+    continuation by ``processor`` and ``model``, each asked once."""
     cache = {}
 
     def greedy(text, images, add_special_tokens=True):

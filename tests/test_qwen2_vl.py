@@ -25,11 +25,10 @@ from transformers import (
 from engine_helpers import assert_all_blocks_free, make_llm
 from minipaged import SamplingParams
 from minipaged.models.qwen2_vl import mrope_positions
-from minipaged.models.tiny import EOS_ID, QWEN2_VL_TOKENS, make_tiny_model
+from minipaged.models.tiny import QWEN2_VL_TOKENS, make_tiny_model
 from server_helpers import MODEL, in_process_app, openai_client
-from test_multimodal import data_url, noise_image
+from test_multimodal import GREEDY, data_url, hf_greedy, mm_prompt, noise_image
 
-GREEDY = SamplingParams(max_tokens=8, temperature=0)
 V = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPT = f"USER: {V}What is in it? ASSISTANT:"
 IMAGE_ID = QWEN2_VL_TOKENS["image_token_id"]
@@ -62,37 +61,12 @@ def hf(qwen2_vl):
 def oracle(hf):
     """``oracle(text, images, add_special_tokens=True)``: HF's prompt ids and greedy
     continuation."""
-    processor, model = hf
-    cache = {}
-
-    def greedy(text, images, add_special_tokens=True):
-        key = (text, tuple(np.asarray(i).tobytes() for i in images), add_special_tokens)
-        if key not in cache:
-            inputs = processor(
-                text=text,
-                images=images or None,
-                add_special_tokens=add_special_tokens,
-                return_tensors="pt",
-            )
-            out = model.generate(
-                **inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False, eos_token_id=EOS_ID
-            )
-            cache[key] = (
-                inputs["input_ids"][0].tolist(),
-                out[0, inputs["input_ids"].shape[1] :].tolist(),
-            )
-        return cache[key]
-
-    return greedy
+    return hf_greedy(*hf)
 
 
 @pytest.fixture(scope="module")
 def llm(qwen2_vl):
     return make_llm(qwen2_vl, limit_mm_per_prompt={"image": 2}, **CHUNKED)
-
-
-def mm_prompt(text, *images):
-    return {"prompt": text, "multi_modal_data": {"image": list(images)}}
 
 
 def assert_matches(outputs, requests, oracle):
