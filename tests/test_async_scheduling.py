@@ -7,6 +7,7 @@ Combinations it does not support are refused.
 """
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -60,6 +61,15 @@ def test_greedy_equals_hf(llama, async_llm):
     assert {o.outputs[0].finish_reason for o in outputs} == {"stop", "length"}
     assert async_llm.engine.num_steps_ahead - before >= MAX_TOKENS // 2
     assert_all_blocks_free(async_llm)
+    # The count reaches stats() and a server's /metrics.
+    stats = async_llm.stats()
+    assert stats["num_steps_ahead"] == async_llm.engine.num_steps_ahead
+    pytest.importorskip("prometheus_client")
+    from minipaged.server.metrics import make_registry
+
+    registry = make_registry(SimpleNamespace(stats=stats))
+    sample = registry.get_sample_value("minipaged:engine_steps_scheduled_ahead_total")
+    assert sample == stats["num_steps_ahead"]
 
 
 def test_each_request_stops_at_its_own_step(llama, async_llm):

@@ -537,6 +537,7 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_swapped": len(self.scheduler.swapped),
             "num_steps": self.num_steps,
+            "num_steps_ahead": self.num_steps_ahead,  # 0 without async_scheduling
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
             # Prompt tokens run through the model, and those a KV connector loaded.

@@ -107,6 +107,12 @@ METRICS = [
         lambda s: s["num_external_computed_tokens"],
     ),
     ("engine_steps", COUNTER, "Engine steps run, each one batch.", lambda s: s["num_steps"]),
+    (
+        "engine_steps_scheduled_ahead",
+        COUNTER,
+        "Engine steps scheduled while the step before them ran (async_scheduling).",
+        lambda s: s["num_steps_ahead"],
+    ),
 ]
 # With speculative_config only: vLLM's spec_decode counters, under their names.
 SPEC_DECODE_METRICS = [
