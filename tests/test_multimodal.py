@@ -440,3 +440,81 @@ def test_unsupported_combinations_name_the_option(llava, kwargs):
         ValueError, match=f"a multimodal model cannot run with {next(iter(kwargs))}"
     ):
         make_llm(llava, **kwargs)
+
+
+# Its image's placeholder starts at token 16, a block boundary (block_size=4).
+AT_A_BLOCK = "USER: see this <image>\nWhat is in it? ASSISTANT:"
+
+
+def record_chunks(llm, evict_preempted: bool = False) -> list[list[tuple[int, int, list[range]]]]:
+    """Per step from now on: each scheduled sequence's chunk ``(start, end)`` and its
+    request's image placeholders.  ``evict_preempted``: when a request of several
+    sequences is first back in the waiting queue, the prefix cache loses every block
+    (as if other requests' prompts had evicted them)."""
+    steps, scheduler = [], llm.engine.scheduler
+    schedule, evicted = scheduler.schedule, []
+
+    def recording():
+        if evict_preempted and not evicted and any(len(g.seqs) > 1 for g in scheduler.waiting):
+            scheduler.kv.uncache(set(range(scheduler.kv.num_gpu_blocks)))
+            evicted.append(True)
+        out = schedule()
+        steps.append(
+            [(s.start, s.start + s.num_new_tokens, image_ranges(s.group)) for s in out.seqs]
+        )
+        return out
+
+    scheduler.schedule = recording
+    return steps
+
+
+def image_ranges(group) -> list[range]:
+    return [
+        range(p.offset, p.offset + p.length) for p in (f.mm_position for f in group.mm_features)
+    ]
+
+
+def test_a_recomputed_sibling_cached_up_to_an_image_runs_nothing_until_it_fits(llava, oracle):
+    """``n=2``, preempted by recompute after its two completions forked, its prefix
+    cache evicted: readmitted, the first sequence's chunk stops before the image (24
+    tokens cannot hold it after 16, with ``disable_chunked_mm_input``), and its blocks
+    cache the second's prompt up to the image.  The second then runs no token that
+    step and the image whole on a later one (vLLM's ``_try_schedule_encoder_inputs``
+    cuts it to 0 tokens): no chunk ends inside an image, and the tokens equal
+    transformers'."""
+    llm = make_llm(
+        llava,
+        block_size=4,
+        num_gpu_blocks=34,
+        max_num_batched_tokens=24,
+        max_num_seqs=8,
+        disable_chunked_mm_input=True,
+        encoder_cache_size=32,
+    )
+    steps, engine = record_chunks(llm, evict_preempted=True), llm.engine
+    requests = {"long": (PROMPT, noise_image(60)), "n2": (AT_A_BLOCK, noise_image(61))}
+    params = {
+        "long": SamplingParams(max_tokens=60, temperature=0),
+        "n2": SamplingParams(n=2, max_tokens=8, temperature=0),
+    }
+    outputs = {}
+    for request_id, (text, image) in requests.items():  # the second arrives 30 steps on
+        ids, features = engine.process_multimodal(text, [image])
+        engine.add_request(request_id, ids, params[request_id], mm_features=features)
+        for _ in range(30):
+            outputs |= {o.request_id: o for o in engine.step()}
+    while engine.has_unfinished_requests():
+        outputs |= {o.request_id: o for o in engine.step()}
+    assert llm.stats()["num_preemptions"] > 0  # the later one, "n2", of two sequences
+    for request_id, (text, image) in requests.items():
+        _, expected = oracle(text, [image])
+        assert [c.token_ids[:8] for c in outputs[request_id].outputs] == [expected] * len(
+            outputs[request_id].outputs
+        )
+    assert not [
+        b for chunks in steps for _, b, runs in chunks for r in runs if r.start < b < r.stop
+    ]
+    # The case itself: a step runs one of n2's sequences (its image at 16), 0 to 16.
+    n2 = [[(a, b) for a, b, runs in chunks if runs == [range(16, 32)]] for chunks in steps]
+    assert [(0, 16)] in n2
+    assert_all_blocks_free(llm)

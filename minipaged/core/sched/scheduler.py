@@ -57,7 +57,9 @@ step encodes at most ``max_num_encoder_input_tokens`` encoder tokens: a chunk th
 reaches an image that is not encoded and does not fit what is left of them is cut just
 before its placeholder, so the text before it still runs (vLLM's
 ``_try_schedule_encoder_inputs``); so is, with ``disable_chunked_mm_input``, a chunk
-that would end inside an image.
+that would end inside an image.  A readmitted request's later sequence that a sibling's
+blocks just cached up to such an image runs nothing that step: it holds its cached
+prefix and runs from the next (vLLM would leave it waiting).
 
 With a KV connector (``kv_transfer_config``, disaggregated prefill), admission asks
 it too: the prompt tokens past the prefix-cache hit that another engine computed
@@ -717,12 +719,15 @@ class Scheduler:
             )
             external = self._num_external_tokens(group, seq, cached)
             start = cached + external
-            n = min(len(seq.token_ids) - start, budget - used - _later(seqs, k))
             if group.mm_features:
-                # At least one token: `_can_admit` found one for each, but a sibling
-                # may since have cached this one's tokens up to an image that no
-                # longer fits (then the step encodes it beyond the budget).
-                n = max(self._fit_encoder(group, start, n, {}), 1)
+                n = self._fit_encoder(
+                    group, start, min(len(seq.token_ids) - start, budget - used), {}
+                )
+                if not n:  # a sibling cached its tokens up to an image that does not fit
+                    self._hold_cached_prefix(group, seq, start)
+                    continue
+            else:
+                n = min(len(seq.token_ids) - start, budget - used - _later(seqs, k))
             allocation = self.kv.allocate(
                 seq.seq_id, seq.token_ids, external + n, group.cache_key, group.reads_prefix_cache
             )
@@ -742,6 +747,22 @@ class Scheduler:
             self._run(group, seq, start, n, allocation, out)
             used += n
         return used
+
+    def _hold_cached_prefix(self, group: SequenceGroup, seq: Sequence, cached: int) -> None:
+        """Give ``seq`` its ``cached`` prompt tokens' blocks and no slot: it runs from the
+        next step on (vLLM's scheduler leaves such a request waiting).  (The KV cache
+        manager allocates at least one token: its slot goes back at once.)"""
+        self.kv.allocate(seq.seq_id, seq.token_ids, 1, group.cache_key, group.reads_prefix_cache)
+        self.kv.rollback(seq.seq_id, cached)
+        seq.num_computed_tokens = cached
+        self.trace.record(
+            "allocate",
+            group.request_id,
+            seq.seq_id,
+            num_tokens=0,
+            num_cached_tokens=cached,
+            blocks=self.kv.block_table(seq.seq_id),
+        )
 
     def _run(
         self, group, seq, start, n, allocation: Allocation, out, spec=(), num_kept_blocks=0
@@ -977,9 +998,16 @@ class Scheduler:
                 seq.token_ids, group.cache_key, group.reads_prefix_cache
             )
             external = self._num_external_tokens(group, seq, cached)
-            n = min(len(seq.token_ids) - cached - external, budget - _later(seqs, k))
+            n = len(seq.token_ids) - cached - external
             if group.mm_features:
-                n = self._fit_encoder(group, cached + external, n, counted)
+                # Its sequences after the first may run nothing this step (`_allocate`):
+                # none needs budget kept for it.
+                n = self._fit_encoder(group, cached + external, min(n, budget), counted)
+                if not n and k:
+                    plan.append((seq, 1))  # the slot `_hold_cached_prefix` gives back
+                    continue
+            else:
+                n = min(n, budget - _later(seqs, k))
             if n < 1:
                 return None
             plan.append((seq, external + n))  # the blocks take the loaded tokens too
