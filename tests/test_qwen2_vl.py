@@ -24,6 +24,9 @@ from transformers import (
 
 from engine_helpers import assert_all_blocks_free, make_llm
 from minipaged import SamplingParams
+from minipaged.distributed.parallel_state import PipelineStage
+from minipaged.models import llava as llava_model
+from minipaged.models import qwen2_vl as qwen2_vl_model
 from minipaged.models.qwen2_vl import mrope_positions
 from minipaged.models.tiny import QWEN2_VL_TOKENS, make_tiny_model
 from server_helpers import MODEL, in_process_app, openai_client
@@ -191,6 +194,22 @@ def test_too_many_images_and_unsupported_combinations_are_refused(llm, qwen2_vl)
     assert_all_blocks_free(llm)
     with pytest.raises(ValueError, match="a multimodal model cannot run with enable_lora"):
         make_llm(qwen2_vl, enable_lora=True)
+
+
+@pytest.mark.parametrize(
+    "model_class",
+    [llava_model.LlavaForConditionalGeneration, qwen2_vl_model.Qwen2VLForConditionalGeneration],
+)
+def test_both_vision_models_refuse_to_be_split(model_class):
+    """Tensor or pipeline parallelism, refused naming the model (before it is built)."""
+    with pytest.raises(
+        ValueError, match=f"tensor_parallel_size must be 1 for {model_class.__name__}"
+    ):
+        model_class.check_parallel(None, 2)
+    with pytest.raises(
+        ValueError, match=f"pipeline_parallel_size must be 1 for {model_class.__name__}"
+    ):
+        model_class(None, pp=PipelineStage(rank=0, size=2))
 
 
 def test_chat_completions_with_an_image_matches_hf(qwen2_vl, oracle):

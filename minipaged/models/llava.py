@@ -24,7 +24,7 @@ import torch
 from transformers import AutoProcessor, CLIPVisionModel
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-from minipaged.distributed.parallel_state import NO_PIPELINE, SINGLE, PipelineStage
+from minipaged.models.interfaces import SupportsMultiModal
 from minipaged.models.llama import LlamaForCausalLM
 
 __all__ = ["LlavaForConditionalGeneration", "num_image_tokens"]
@@ -38,11 +38,10 @@ def num_image_tokens(hf_config) -> int:
     return patches + (hf_config.vision_feature_select_strategy == "full")
 
 
-class LlavaForConditionalGeneration(LlamaForCausalLM):
+class LlavaForConditionalGeneration(SupportsMultiModal, LlamaForCausalLM):
     """LLaVA-1.5: ``vision_tower`` and ``multi_modal_projector`` beside the Llama
     decoder and head; checkpoints' ``language_model.model.`` names map to ``model.``."""
 
-    supports_pp = False
     # Both layouts: transformers 5's in memory, and the Hub's (which it still saves).
     checkpoint_renames = {
         "model.language_model.": "model.",
@@ -53,32 +52,11 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         "vision_tower.vision_model.": "vision_tower.",
     }
 
-    def __init__(
-        self,
-        config,
-        attention_backend: str = "torch",
-        tp=SINGLE,
-        pp: PipelineStage = NO_PIPELINE,
-    ) -> None:
-        self.check_parallel(config, tp.size)
-        if pp.size > 1:
-            raise ValueError(
-                "pipeline_parallel_size must be 1 for LlavaForConditionalGeneration "
-                "(minipaged runs multimodal models on one device)"
-            )
-        super().__init__(config.text_config, attention_backend, tp, pp)
-        self.hf_config = config
+    def __init__(self, config, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
         self.image_token_id = config.image_token_index
         self.vision_tower = CLIPVisionModel(config.vision_config)
         self.multi_modal_projector = LlavaMultiModalProjector(config)
-
-    @classmethod
-    def check_parallel(cls, config, size: int, expert_parallel: bool = False) -> None:
-        if size != 1 or expert_parallel:
-            raise ValueError(
-                f"tensor_parallel_size must be 1 for LlavaForConditionalGeneration, got "
-                f"{size} (minipaged runs multimodal models on one device)"
-            )
 
     @staticmethod
     def make_processor(path, tokenizer):
@@ -106,14 +84,6 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         if config.vision_feature_select_strategy == "default":
             features = features[:, 1:]
         return self.multi_modal_projector(features)
-
-    def get_input_embeddings(
-        self, input_ids: torch.Tensor, rows: torch.Tensor, embeddings: torch.Tensor
-    ) -> torch.Tensor:
-        """The step's token embeddings with ``rows`` (placeholder positions in the
-        flat batch) replaced by ``embeddings`` (the image features, in order)."""
-        hidden = self.model.embed_tokens(input_ids)
-        return hidden.index_copy(0, rows, embeddings.to(hidden.dtype))
 
 
 MODELS = {"LlavaForConditionalGeneration": LlavaForConditionalGeneration}

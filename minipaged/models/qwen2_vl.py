@@ -38,7 +38,7 @@ from torch import nn
 from transformers import AutoImageProcessor
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-from minipaged.distributed.parallel_state import NO_PIPELINE, SINGLE, PipelineStage
+from minipaged.models.interfaces import SupportsMultiModal
 from minipaged.models.llama import Qwen2ForCausalLM, rope_frequencies
 
 __all__ = ["MRotaryEmbedding", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor"]
@@ -128,43 +128,21 @@ class Qwen2VLProcessor:
         return {**out, "input_ids": torch.tensor([expanded])}
 
 
-class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
+class Qwen2VLForConditionalGeneration(SupportsMultiModal, Qwen2ForCausalLM):
     """Qwen2-VL: ``visual`` (the vision tower and its merger) beside Qwen2's decoder and
     head, with M-RoPE; checkpoints' ``model.language_model.`` names (transformers 5's)
     map to ``model.``, ``model.visual.`` to ``visual.`` (the Hub's names already are)."""
 
-    supports_pp = False
     uses_mrope = True
     image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
     checkpoint_renames = {"model.language_model.": "model.", "model.visual.": "visual."}
 
-    def __init__(
-        self,
-        config,
-        attention_backend: str = "torch",
-        tp=SINGLE,
-        pp: PipelineStage = NO_PIPELINE,
-    ) -> None:
-        self.check_parallel(config, tp.size)
-        if pp.size > 1:
-            raise ValueError(
-                "pipeline_parallel_size must be 1 for Qwen2VLForConditionalGeneration "
-                "(minipaged runs multimodal models on one device)"
-            )
-        super().__init__(config.text_config, attention_backend, tp, pp)
-        self.hf_config = config
+    def __init__(self, config, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
         self.image_token_id = config.image_token_id
         self.merge_size = config.vision_config.spatial_merge_size
         self.model.rotary_emb = MRotaryEmbedding(config.text_config)
         self.visual = Qwen2VisionTransformerPretrainedModel._from_config(config.vision_config)
-
-    @classmethod
-    def check_parallel(cls, config, size: int, expert_parallel: bool = False) -> None:
-        if size != 1 or expert_parallel:
-            raise ValueError(
-                f"tensor_parallel_size must be 1 for Qwen2VLForConditionalGeneration, got "
-                f"{size} (minipaged runs multimodal models on one device)"
-            )
 
     @staticmethod
     def make_processor(path, tokenizer) -> Qwen2VLProcessor:
@@ -195,13 +173,6 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         pixels = pixels.to(visual.device, visual.dtype)
         merged = self.visual(pixels, grid_thw=grids).pooler_output
         return merged.split((grids.prod(-1) // self.merge_size**2).tolist())
-
-    def get_input_embeddings(
-        self, input_ids: torch.Tensor, rows: torch.Tensor, embeddings: torch.Tensor
-    ) -> torch.Tensor:
-        """The step's token embeddings with ``rows`` replaced by the image features."""
-        hidden = self.model.embed_tokens(input_ids)
-        return hidden.index_copy(0, rows, embeddings.to(hidden.dtype))
 
 
 MODELS = {"Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration}
