@@ -442,26 +442,29 @@ def test_unsupported_combinations_name_the_option(llava, kwargs):
         make_llm(llava, **kwargs)
 
 
-# Its image's placeholder starts at token 16, a block boundary (block_size=4).
-AT_A_BLOCK = "USER: see this <image>\nWhat is in it? ASSISTANT:"
-
-
-def record_chunks(llm, evict_preempted: bool = False) -> list[list[tuple[int, int, list[range]]]]:
-    """Per step from now on: each scheduled sequence's chunk ``(start, end)`` and its
-    request's image placeholders.  ``evict_preempted``: when a request of several
-    sequences is first back in the waiting queue, the prefix cache loses every block
-    (as if other requests' prompts had evicted them)."""
+def record_chunks(llm, evict_preempted: int | None = None) -> list[tuple[int, list[tuple]]]:
+    """Per step from now on: the encoder tokens it runs, and per scheduled sequence its
+    request id, its chunk's start and end, and its request's image placeholders.
+    ``evict_preempted``: when a request of several sequences is first back in the
+    waiting queue, the prefix cache keeps only the blocks of that many of its first
+    tokens (as if other requests' prompts had evicted the rest)."""
     steps, scheduler = [], llm.engine.scheduler
-    schedule, evicted = scheduler.schedule, []
+    schedule, evicted, kv = scheduler.schedule, [], scheduler.kv
 
     def recording():
-        if evict_preempted and not evicted and any(len(g.seqs) > 1 for g in scheduler.waiting):
-            scheduler.kv.uncache(set(range(scheduler.kv.num_gpu_blocks)))
+        preempted = [g for g in scheduler.waiting if len(g.seqs) > 1]
+        if evict_preempted is not None and preempted and not evicted:
+            tokens, key = preempted[0].seqs[0].token_ids, preempted[0].cache_key
+            kept = kv.gpu.match_prefix(tokens, key)[: evict_preempted // kv.block_size]
+            kv.uncache(set(range(kv.num_gpu_blocks)) - {entry.block for entry in kept})
             evicted.append(True)
         out = schedule()
-        steps.append(
-            [(s.start, s.start + s.num_new_tokens, image_ranges(s.group)) for s in out.seqs]
-        )
+        encoder = sum(f.num_embeds for f in out.scheduled_encoder_inputs.values())
+        chunks = [
+            (s.group.request_id, s.start, s.start + s.num_new_tokens, image_ranges(s.group))
+            for s in out.seqs
+        ]
+        steps.append((encoder, chunks))
         return out
 
     scheduler.schedule = recording
@@ -474,47 +477,72 @@ def image_ranges(group) -> list[range]:
     ]
 
 
-def test_a_recomputed_sibling_cached_up_to_an_image_runs_nothing_until_it_fits(llava, oracle):
-    """``n=2``, preempted by recompute after its two completions forked, its prefix
-    cache evicted: readmitted, the first sequence's chunk stops before the image (24
-    tokens cannot hold it after 16, with ``disable_chunked_mm_input``), and its blocks
-    cache the second's prompt up to the image.  The second then runs no token that
-    step and the image whole on a later one (vLLM's ``_try_schedule_encoder_inputs``
-    cuts it to 0 tokens): no chunk ends inside an image, and the tokens equal
+# Two ways a readmitted request of several sequences meets an image it cannot split: its
+# first sequence's chunk stops before the image (24 tokens cannot hold it after 16), or
+# starts at it with just its tokens (17 hold it; no budget is kept back for the other
+# two sequences, which would leave 15 and the request waiting forever).
+READMITTED = {
+    "cut-before-the-image": dict(
+        max_num_batched_tokens=24, n=2, num_gpu_blocks=34, long=60, wait=30, cached=0, chunk=(0, 16)
+    ),
+    "cached-up-to-the-image": dict(
+        max_num_batched_tokens=17,
+        n=3,
+        num_gpu_blocks=52,
+        long=140,
+        wait=100,
+        cached=16,
+        chunk=(16, 33),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", READMITTED.values(), ids=READMITTED)
+def test_a_recomputed_sibling_cached_up_to_an_image_runs_nothing_until_it_fits(llava, oracle, case):
+    """``n`` completions with ``disable_chunked_mm_input``, preempted by recompute after
+    they forked (a long request came first and grows), the prefix cache keeping only
+    the first ``cached`` tokens.  Readmitted, the first sequence runs ``chunk``, and its
+    blocks cache the others' prompts up to or past the image; those then run no token
+    that step (vLLM's ``_try_schedule_encoder_inputs`` cuts them to 0) rather than one
+    that splits the image, and the rest on later steps.  No chunk ends inside an image,
+    no step encodes past its budget, the engine finishes, and the tokens equal
     transformers'."""
     llm = make_llm(
         llava,
         block_size=4,
-        num_gpu_blocks=34,
-        max_num_batched_tokens=24,
+        num_gpu_blocks=case["num_gpu_blocks"],
+        max_num_batched_tokens=case["max_num_batched_tokens"],
         max_num_seqs=8,
         disable_chunked_mm_input=True,
         encoder_cache_size=32,
     )
-    steps, engine = record_chunks(llm, evict_preempted=True), llm.engine
-    requests = {"long": (PROMPT, noise_image(60)), "n2": (AT_A_BLOCK, noise_image(61))}
+    budget = llm.engine.scheduler.max_num_encoder_input_tokens
+    steps, engine = record_chunks(llm, evict_preempted=case["cached"]), llm.engine
+    # n's image starts at 16, a block boundary (block_size=4).
+    n = "USER: see this <image>\nWhat is in it? ASSISTANT:"
+    requests = {"long": (PROMPT, noise_image(60)), "n": (n, noise_image(61))}
     params = {
-        "long": SamplingParams(max_tokens=60, temperature=0),
-        "n2": SamplingParams(n=2, max_tokens=8, temperature=0),
+        "long": SamplingParams(max_tokens=case["long"], temperature=0),
+        "n": SamplingParams(n=case["n"], max_tokens=8, temperature=0),
     }
     outputs = {}
-    for request_id, (text, image) in requests.items():  # the second arrives 30 steps on
+    for request_id, (text, image) in requests.items():  # n comes ``wait`` steps on
         ids, features = engine.process_multimodal(text, [image])
         engine.add_request(request_id, ids, params[request_id], mm_features=features)
-        for _ in range(30):
+        for _ in range(case["wait"]):
             outputs |= {o.request_id: o for o in engine.step()}
-    while engine.has_unfinished_requests():
+    for _ in range(300):  # far more steps than the two requests need
         outputs |= {o.request_id: o for o in engine.step()}
-    assert llm.stats()["num_preemptions"] > 0  # the later one, "n2", of two sequences
+    assert not engine.has_unfinished_requests()
+    assert llm.stats()["num_preemptions"] > 0  # of n, the later request
     for request_id, (text, image) in requests.items():
         _, expected = oracle(text, [image])
-        assert [c.token_ids[:8] for c in outputs[request_id].outputs] == [expected] * len(
-            outputs[request_id].outputs
-        )
-    assert not [
-        b for chunks in steps for _, b, runs in chunks for r in runs if r.start < b < r.stop
-    ]
-    # The case itself: a step runs one of n2's sequences (its image at 16), 0 to 16.
-    n2 = [[(a, b) for a, b, runs in chunks if runs == [range(16, 32)]] for chunks in steps]
-    assert [(0, 16)] in n2
+        completions = outputs[request_id].outputs
+        assert [c.token_ids[:8] for c in completions] == [expected] * len(completions)
+    assert max(encoder for encoder, _ in steps) <= budget
+    ends = [(b, runs) for _, chunks in steps for _, _, b, runs in chunks]
+    assert not [b for b, runs in ends for r in runs if r.start < b < r.stop]
+    # The case itself: a step runs one of n's sequences alone, ``chunk``.
+    chunks = [[(a, b) for rid, a, b, _ in chunks if rid == "n"] for _, chunks in steps]
+    assert [case["chunk"]] in chunks
     assert_all_blocks_free(llm)
