@@ -219,3 +219,46 @@ def test_blocks_filled_one_decode_token_at_a_time_become_findable_prefixes():
         full = (n + 1) // 4
         found = pool.match_prefix(tokens)
         assert [e.block for e in found] == table.blocks[:full], f"after {n + 1} tokens"
+
+
+def assert_room_is_the_private_free_tail(table, pool, bs):
+    """``room`` (a decode's fast path) is 0 or the free slots of a last block the table
+    alone holds, and ``next_slot`` is then the slot of the next position (the oracle)."""
+    free = len(table.blocks) * bs - table.num_tokens
+    if table.room:
+        assert table.room == free
+        assert pool.ref_counts[table.blocks[-1]] == 1
+        n = table.num_tokens
+        assert table.next_slot == expected_slots(table.blocks, bs, n, n + 1)[0]
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_fast_decode_path_matches_the_slot_oracle_through_forks_truncates_and_frees(caching):
+    bs, rng = 4, random.Random(7)
+    pool = PrefixCachingBlockAllocator(64, bs) if caching else BlockAllocator(64)
+    tables = [BlockTable(bs, pool)]
+    for _ in range(400):
+        table = rng.choice(tables)
+        op = rng.random()
+        if op < 0.6 or not table.blocks:  # a decode: the fast path when it has room
+            n, token = table.num_tokens, rng.randrange(3)
+            if table.room > 1:
+                slot = table.take_slot(token)
+            else:
+                slot = table.append_tokens([token])[0][0]
+            assert slot == expected_slots(table.blocks, bs, n, n + 1)[0]
+            assert table.token_ids[-1] == token
+        elif op < 0.7:
+            table.append_tokens([rng.randrange(3) for _ in range(rng.randrange(1, 7))])
+        elif op < 0.8 and len(tables) < 6:
+            tables.append(table.fork())
+        elif op < 0.9:
+            lowest = len(table.identities) * bs
+            table.truncate(rng.randrange(lowest, table.num_tokens + 1))
+        else:
+            table.free()
+        for t in tables:
+            assert_room_is_the_private_free_tail(t, pool, bs)
+    # Distinct live tables never share a slot they may still write (copy-on-write).
+    writable = [t.next_slot for t in tables if t.room]
+    assert len(writable) == len(set(writable))

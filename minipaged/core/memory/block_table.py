@@ -10,6 +10,10 @@ Appending tokens takes a new physical block only when the last one is full.  Whe
 last block is shared with a fork (reference count > 1), writing into it would change
 the other sequence's KV, so it is copied first (copy-on-write, §4.4): the table gets
 a private copy and reports the ``(src, dst)`` pair for the cache engine to execute.
+
+Most appends are neither: a decode's one token lands in a last block with room that
+the sequence alone holds.  The table keeps that case's answer ready (``room`` and
+``next_slot``), so the scheduler's per-sequence, per-step work is a few integers.
 """
 
 from __future__ import annotations
@@ -46,6 +50,12 @@ class BlockTable:
         self.token_ids: list[int] = []
         # One identity per full block, kept only when the allocator caches prefixes.
         self.identities: list[BlockIdentity] = []
+        # A decode's fast path (`take_slot`): the free slots of the last block that this
+        # table alone holds, and the first of them.  0 means "ask": the block is full,
+        # shared (a fork), in the CPU pool, or not known to be private; the general
+        # path (`append_tokens`) then decides, and sets them again.
+        self.room = 0
+        self.next_slot = 0
 
     @property
     def num_tokens(self) -> int:
@@ -86,11 +96,8 @@ class BlockTable:
         All or nothing: if the pool cannot supply the blocks, raises
         `NoFreeBlocksError` and changes nothing.
         """
-        if (
-            len(token_ids) == 1
-            and (slot := self._append_in_place(token_ids[0], num_lookahead)) is not None
-        ):
-            return [slot], []
+        if len(token_ids) == 1 and self.room:
+            return [self._append_in_place(token_ids[0], num_lookahead)], []
         shared = bool(token_ids) and self._last_block_is_shared()
         fresh = self._fresh_blocks_needed(len(token_ids))
         if fresh + shared > self.allocator.num_free_blocks:
@@ -103,6 +110,7 @@ class BlockTable:
         self.blocks += [self.allocator.allocate() for _ in range(fresh)]
         self.token_ids += token_ids
         self._register_full_blocks(len(self.token_ids) - num_lookahead)
+        self._update_room()
         return self.slot_mapping(start, len(self.token_ids)), copies
 
     def fill_placeholder(self, token_id: int) -> None:
@@ -128,6 +136,7 @@ class BlockTable:
             self.allocator.free(block)
         del self.blocks[keep:], self.token_ids[num_tokens:]
         self._register_full_blocks(num_tokens)
+        self._update_room()
         return len(dropped)
 
     def _register_full_blocks(self, num_tokens: int) -> None:
@@ -137,19 +146,34 @@ class BlockTable:
             for full in range(len(self.identities), num_tokens // self.block_size):
                 self._register_block(full)
 
-    def _append_in_place(self, token_id: int, num_lookahead: int = 0) -> int | None:
-        """A decode's common case, kept cheap because it runs for every sequence every
-        step: one token into a last block that has room and no other holder.  Returns
-        its slot, or None (and changes nothing) when a new block or a copy is needed.
-        With ``num_lookahead`` the token is provisional: its block is not offered to
-        the prefix cache (`fill_placeholder` does, once the token is known)."""
-        offset = len(self.token_ids) % self.block_size
-        if offset == 0 or self.allocator.ref_counts[self.blocks[-1]] > 1:
-            return None
+    def _update_room(self) -> None:
+        """Set ``room`` and ``next_slot`` from the table as it is now."""
+        free = len(self.blocks) * self.block_size - len(self.token_ids)
+        private = free > 0 and self.allocator.ref_counts[self.blocks[-1]] == 1
+        self.room = free if private else 0
+        if private:  # the last block's first free slot
+            self.next_slot = (self.blocks[-1] + 1) * self.block_size - free
+
+    def take_slot(self, token_id: int) -> int:
+        """The slot of one more token, from the last block's ``room`` (positive).  The
+        scheduler runs these same lines inline for every running sequence, every step (a
+        call would cost as much as the work), when ``room`` is more than 1: a token that
+        fills the block goes through `append_tokens`, which offers the block to the
+        prefix cache."""
+        slot = self.next_slot
+        self.next_slot = slot + 1
+        self.room -= 1
         self.token_ids.append(token_id)
-        if offset == self.block_size - 1 and self._caching and not num_lookahead:
+        return slot
+
+    def _append_in_place(self, token_id: int, num_lookahead: int = 0) -> int:
+        """One token into the last block's ``room``; with ``num_lookahead`` it is
+        provisional: a block it fills is not offered to the prefix cache
+        (`fill_placeholder` does, once the token is known)."""
+        slot = self.take_slot(token_id)
+        if not self.room and self._caching and not num_lookahead:
             self._register_block(len(self.blocks) - 1)
-        return self.blocks[-1] * self.block_size + offset
+        return slot
 
     def _copy_on_write(self) -> BlockCopy:
         src = self.blocks[-1]
@@ -174,6 +198,7 @@ class BlockTable:
             self.blocks.append(entry.block)
             self.token_ids.extend(entry.token_ids)
             self.identities.append(BlockIdentity(entry.block_hash, entry.entry_id))
+        self._update_room()
 
     def fork(self) -> BlockTable:
         """A child table sharing every physical block (parallel sampling, beam search)."""
@@ -183,6 +208,7 @@ class BlockTable:
         child.blocks = list(self.blocks)
         child.token_ids = list(self.token_ids)
         child.identities = list(self.identities)
+        self.room = 0  # the last block is shared now: the next write copies it first
         return child
 
     def free(self) -> None:
@@ -192,8 +218,10 @@ class BlockTable:
         self.blocks.clear()
         self.token_ids.clear()
         self.identities.clear()
+        self.room = 0
 
     def remap(self, mapping: dict[int, int], allocator: BlockAllocator) -> None:
         """Point at new physical blocks in another pool (swap out / swap in, §4.5)."""
         self.blocks = [mapping[b] for b in self.blocks]
         self.allocator = allocator
+        self.room = 0  # swapped out: no slot at all; swapped in: asked again

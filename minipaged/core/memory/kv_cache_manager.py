@@ -262,18 +262,17 @@ class KVCacheManager:
     def append_slot(
         self, seq_id: str, token_id: int
     ) -> tuple[int, list[BlockCopy], list[int], int]:
-        """`append` of one token (a decode), kept lean because every running sequence
-        takes it every step: the token's slot, any copy-on-write copy, the sequence's
-        block table (`live_block_table`) and how many of its leading blocks the append
-        left as they were (all but a new or copied last one)."""
+        """`append` of one token (a decode): the token's slot, any copy-on-write copy,
+        the sequence's block table (`live_block_table`) and how many of its leading
+        blocks the append left as they were (all but a new or copied last one).  The
+        scheduler takes the common case, a slot from the table's ``room``, inline
+        (`BlockTable.take_slot`) and calls this for the rest."""
         table = self.tables[seq_id]
         if table.allocator is not self.gpu:
             raise ValueError(f"seq_id {seq_id!r} is swapped out; swap it in first")
-        slot = table._append_in_place(token_id)
-        if slot is not None:
-            return slot, [], table.blocks, len(table.blocks)
+        num_blocks = len(table.blocks)
         slots, copies = table.append_tokens([token_id])
-        return slots[0], copies, table.blocks, len(table.blocks) - 1
+        return slots[0], copies, table.blocks, num_blocks - len(copies)
 
     def append_placeholder(self, seq_id: str) -> tuple[int, list[BlockCopy], list[int], int]:
         """`append_slot` of a token not sampled yet (async scheduling, vLLM's
@@ -282,7 +281,7 @@ class KVCacheManager:
         table = self.tables[seq_id]
         num_blocks = len(table.blocks)
         slots, copies = table.append_tokens([PLACEHOLDER_TOKEN_ID], num_lookahead=1)
-        return slots[0], copies, table.blocks, num_blocks - (1 if copies else 0)
+        return slots[0], copies, table.blocks, num_blocks - len(copies)
 
     def fill_placeholder(self, seq_id: str, token_id: int) -> None:
         """The placeholder `append_placeholder` put last in ``seq_id``'s table is

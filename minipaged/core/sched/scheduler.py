@@ -73,6 +73,7 @@ Standard library only.
 from __future__ import annotations
 
 import bisect
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -328,6 +329,8 @@ class Scheduler:
             for g in dict.fromkeys([s.group for s in scheduler_output.seqs])
             if g.status is not finished
         ]
+        if not finishing and not [g for g in groups if g.embedding is not None]:
+            return [g for g in groups if g.streams]  # most steps: nobody finished
         for group in groups:
             if group.embedding is not None and not group.is_finished:
                 # A pooling request is done once its prompt is: its blocks go back now.
@@ -341,26 +344,30 @@ class Scheduler:
     def _apply_sampled(self, sampled: SampledTokens) -> None:
         """Append each of ``sampled``'s tokens to its sequence; `check_stop` runs only
         where a stop could be: a grammar, text needed early (stop strings, a stream), an
-        EOS or stop token, or the length reached.  For any other sequence it would find
-        none: a decode step's common case, kept to a few comparisons per row."""
+        EOS or stop token, or the length reached (`_at_length`, inline).  For any other
+        sequence it would find none: a decode step's common case, kept to a few
+        comparisons per row (a call per row would cost as much as the rest)."""
         eos, check_stop, traced = self.eos_token_ids, self.check_stop, self.trace.enabled
-        at_length = self._at_length
+        max_len = self.max_model_len if self.max_model_len is not None else sys.maxsize
         for group, seq, token, logprob, top in zip(
             sampled.groups, sampled.seqs, sampled.token_ids, sampled.logprobs, sampled.top_logprobs
         ):
             if traced:
                 self.append_token(group, seq, token, logprob)
-            else:
-                seq.append_token(token, logprob)
+            else:  # `Sequence.append_token`, inline (no beam here: no candidates to drop)
+                seq.token_ids.append(token)
+                if logprob is not None:
+                    seq.cumulative_logprob += logprob
             if seq.logprobs is not None:
                 seq.logprobs.append(top)
-            params = group.params
+            params, length = group.params, len(seq.token_ids)
             if (
                 seq.grammar is not None
                 or group.detokenizes_early
                 or token in eos
                 or token in params.stop_token_ids
-                or at_length(params, seq)
+                or length - seq.prompt_len >= params.max_tokens
+                or length >= max_len
             ):
                 check_stop(group, seq)
 
@@ -808,9 +815,11 @@ class Scheduler:
     def _decode(self, decodes: list[tuple[SequenceGroup, Sequence]], out: SchedulerOutput) -> None:
         """`_run` for decodes, the step's common case, flattened and batched (every
         running sequence takes one each step): per ``(group, seq)``, one token, its slot,
-        and the diff of a sequence the runner most likely holds."""
-        append_slot, held_of, traced = self.kv.append_slot, self._held.get, self.trace.enabled
-        slot_of, add_seq = self.lora_slots.slot_of, out.seqs.append
+        and the diff of a sequence the runner most likely holds.  Kept to a few
+        operations per sequence (at 256 sequences, 100 ns here is 26 us a step): most
+        tokens take their slot from the table's ``room`` inline (`BlockTable.take_slot`)."""
+        tables, append_slot, traced = self.kv.tables, self.kv.append_slot, self.trace.enabled
+        held_of, add_seq = self._held.get, out.seqs.append
         cached, num_scheduled = out.scheduled_cached_reqs, out.num_scheduled_tokens
         add_id, add_tokens = cached.req_ids.append, cached.new_token_ids.append
         add_kept, add_blocks = cached.num_kept_blocks.append, cached.new_block_ids.append
@@ -818,31 +827,24 @@ class Scheduler:
         for group, seq in decodes:
             seq_id, tokens = seq.seq_id, seq.token_ids
             start = len(tokens) - 1
-            slot, copies, blocks, num_kept = append_slot(seq_id, tokens[start])
-            if copies:
-                for src, dst in copies:
-                    out.copies.append((src, dst))
-                    self.trace.record("cow", group.request_id, seq_id, src=src, dst=dst)
-            if traced:
-                self.trace.record(
-                    "append",
-                    group.request_id,
-                    seq_id,
-                    num_tokens=1,
-                    num_lookahead=0,
-                    blocks=list(blocks),
-                )
+            table = tables[seq_id]
+            blocks = table.blocks
+            if table.room > 1:  # `BlockTable.take_slot`: no new block, no copy, none filled
+                slot = table.next_slot
+                table.next_slot = slot + 1
+                table.room -= 1
+                table.token_ids.append(tokens[start])
+                num_kept = len(blocks)
+                if traced:
+                    self._record_append(group, seq_id, (), blocks, out)
+            else:
+                slot, copies, blocks, num_kept = append_slot(seq_id, tokens[start])
+                self._record_append(group, seq_id, copies, blocks, out)
             seq.num_computed_tokens = start + 1
-            if start < seq.prompt_len:  # a prompt's last chunk of one token
-                self.num_computed_prompt_tokens += 1
-                if group.mm_features:
-                    self._schedule_encoder(group, start, 1, out)
-            lora_slot = slot_of.get(group.lora_id, -1) if group.lora_request else -1
-            positions = (
-                NO_POSITIONS
-                if group.prompt_logprobs is None
-                else group.prompt_logprob_positions(start, 1)
-            )
+            if start < seq.prompt_len or group.lora_request or group.prompt_logprobs is not None:
+                lora_slot, positions = self._decode_extras(group, seq, start, out)
+            else:  # the common case: a plain decode
+                lora_slot, positions = -1, NO_POSITIONS
             add_seq(
                 ScheduledSeq(seq, group, start, 1, blocks, [slot], True, lora_slot, positions, [])
             )
@@ -850,9 +852,11 @@ class Scheduler:
             if held is None:
                 self._send(seq, start, 1, blocks, out, num_kept, lora_slot)
             else:
-                kept = held[1] if held[1] < num_kept else num_kept
+                sent, kept = held
+                if num_kept < kept:
+                    kept = num_kept
                 add_id(seq_id)
-                add_tokens(tokens[held[0] :])
+                add_tokens(tokens[sent:])
                 add_kept(kept)
                 add_blocks(blocks[kept:])
                 add_computed(start)
@@ -860,6 +864,36 @@ class Scheduler:
                 num_scheduled[seq_id] = 1
             if positions:
                 out.prompt_logprob_positions[seq_id] = positions
+
+    def _record_append(self, group, seq_id, copies, blocks, out: SchedulerOutput) -> None:
+        """A decode's copy-on-write copies, for the cache engine, and its trace events."""
+        for src, dst in copies:
+            out.copies.append((src, dst))
+            self.trace.record("cow", group.request_id, seq_id, src=src, dst=dst)
+        if self.trace.enabled:
+            self.trace.record(
+                "append",
+                group.request_id,
+                seq_id,
+                num_tokens=1,
+                num_lookahead=0,
+                blocks=list(blocks),
+            )
+
+    def _decode_extras(self, group, seq: Sequence, start: int, out) -> tuple[int, range]:
+        """A decode's rarer parts: its adapter's slot, the positions scoring a prompt
+        token, and, for a prompt's last token, its count and its images."""
+        if start < seq.prompt_len:  # a prompt's last chunk of one token
+            self.num_computed_prompt_tokens += 1
+            if group.mm_features:
+                self._schedule_encoder(group, start, 1, out)
+        lora_slot = self.lora_slots.slot_of.get(group.lora_id, -1) if group.lora_request else -1
+        positions = (
+            NO_POSITIONS
+            if group.prompt_logprobs is None
+            else group.prompt_logprob_positions(start, 1)
+        )
+        return lora_slot, positions
 
     def _schedule_encoder(self, group: SequenceGroup, start: int, n: int, out) -> None:
         """Run the encoder this step on each image whose placeholder the tokens
