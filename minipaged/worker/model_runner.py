@@ -221,7 +221,7 @@ class ModelRunner:
     def _run_model(self, inputs: StepInputs, kv_caches, hidden=None) -> torch.Tensor:
         """The model over a step's prepared inputs (by replay, where a graph fits)."""
         if self.lora is not None:
-            self.lora.batch.set(inputs.lora_slots, inputs.num_scheduled)
+            self.lora.batch.set(inputs.lora_slots.tolist(), inputs.num_scheduled.tolist())
         out = None
         if self.graphs and hidden is None and inputs.positions.dim() == 1:
             out = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
