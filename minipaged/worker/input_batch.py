@@ -176,8 +176,9 @@ class InputBatch:
         self.req_ids: list[str | None] = []  # row -> sequence id (None: a hole)
         self.req_id_to_index: dict[str, int] = {}
         self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), np.int32)
-        self.num_tokens = np.zeros(max_num_reqs, np.int32)  # tokens known (guesses aside)
-        self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
+        # int64, as positions are: a step's positions are a gather of them, no cast.
+        self.num_tokens = np.zeros(max_num_reqs, np.int64)  # tokens known (guesses aside)
+        self.num_computed_tokens = np.zeros(max_num_reqs, np.int64)
         self.lora_slot = np.full(max_num_reqs, -1, np.int32)
         self.block_table = DeviceBlockTable(
             max_num_reqs, -(-max_model_len // block_size), self.device
@@ -189,6 +190,8 @@ class InputBatch:
         self._last_ids: list[str] | None = None
         self._last_rows = np.zeros(0, np.int64)
         self._id_array: np.ndarray | None = None
+        # A step of decodes only: its rows in batch order, for the last rows looked up.
+        self._decode_order: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -264,7 +267,7 @@ class InputBatch:
         return moves
 
     def _rows_changed(self) -> None:
-        self._last_ids = self._id_array = None
+        self._last_ids = self._id_array = self._decode_order = None
 
     def rows_of(self, req_ids: list[str]) -> np.ndarray:
         """The rows of ``req_ids`` (read only).  A decode step names the sequences of
@@ -288,7 +291,7 @@ class InputBatch:
     def _append_tokens(self, rows: np.ndarray, new_token_ids: list[list[int]]) -> None:
         """Append each row's tokens sampled since the step before (a decode step's:
         one each, one fancy-indexed write)."""
-        starts = self.num_tokens[rows].astype(np.int64)
+        starts = self.num_tokens[rows]
         flat = _one_each(new_token_ids)
         if flat is not None:
             self._ensure(len(self.req_ids), int(starts.max()) + 2)
@@ -314,9 +317,7 @@ class InputBatch:
         table = self.block_table
         had = table.num_blocks[rows]
         if num_kept_blocks == had.tolist():  # only appends: the rows with new ids
-            changed = np.fromiter(
-                itertools.compress(itertools.count(), new_block_ids), np.int64
-            )
+            changed = np.fromiter(itertools.compress(itertools.count(), new_block_ids), np.int64)
             kept = had[changed]
         else:
             kept = np.asarray(num_kept_blocks, np.int64)
@@ -345,11 +346,7 @@ class InputBatch:
         rows, n = self.rows_of(list(ids)), len(ids)
         if not out.scheduled_spec_decode_tokens and set(ids.values()) == {1}:
             # Decodes only (every step once the prompts are in): by LoRA slot alone.
-            ones, zeros = np.ones(n, np.int64), np.zeros(n, np.int64)
-            slots = self.lora_slot[rows]
-            if slots.min() == slots.max():  # one adapter, or none: the scheduler's order
-                return rows, ones, zeros
-            return rows[np.argsort(slots, kind="stable")], ones, zeros
+            return self._decode_rows(rows), np.ones(n, np.int64), np.zeros(n, np.int64)
         counts = np.fromiter(ids.values(), np.int64, n)
         guesses = np.zeros(n, np.int64)
         if out.scheduled_spec_decode_tokens:
@@ -359,6 +356,15 @@ class InputBatch:
         order = np.lexsort((self.lora_slot[rows], counts == 1))
         return rows[order], counts[order], guesses[order]
 
+    def _decode_rows(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` of a step of decodes only, in batch order: by LoRA slot, stably (the
+        last step's answer again for the same rows)."""
+        if self._decode_order is None or self._decode_order[0] is not rows:
+            slots = self.lora_slot[rows]
+            uniform = slots.min() == slots.max()  # one adapter, or none: the scheduler's order
+            self._decode_order = rows, rows if uniform else rows[np.argsort(slots, kind="stable")]
+        return self._decode_order[1]
+
     def prepare(
         self, rows: np.ndarray, counts: np.ndarray, guesses: np.ndarray, key: str = ""
     ) -> StepInputs:
@@ -366,46 +372,77 @@ class InputBatch:
         ``guesses[i]`` a draft's guesses), vectorized over the rows.  ``key`` names the
         device buffers (a pipeline's micro-batches of one step each have their own)."""
         bs, table = self.block_size, self.block_table
-        starts = self.num_computed_tokens[rows].astype(np.int64)
+        starts = self.num_computed_tokens[rows]
         total = int(counts.sum())
         if total == len(rows):  # decodes only: a token per row, at its computed count
-            token_rows, positions, ends, split = rows, starts, None, 0
-        else:
-            ends = np.cumsum(counts)
-            token_rows = np.repeat(rows, counts)
-            positions = np.repeat(starts - (ends - counts), counts) + np.arange(total)
-            split = int(np.count_nonzero(counts != 1))  # the decodes are the trailing rows
+            return self._prepare_decodes(rows, starts, counts, key)
+        ends = np.cumsum(counts)
+        token_rows = np.repeat(rows, counts)
+        positions = np.repeat(starts - (ends - counts), counts) + np.arange(total)
         input_ids = self.token_ids_cpu[token_rows, positions].astype(np.int64)
         slots = table.cpu[token_rows, positions // bs].astype(np.int64) * bs
         slots += positions % bs
         context_lens = (starts + counts).astype(np.int32)
+        split = int(np.count_nonzero(counts != 1))  # the decodes are the trailing rows
+        query_start_loc = np.zeros(split + 1, np.int32)
+        np.cumsum(counts[:split], out=query_start_loc[1:])
         # The rows on the device, for its block table (a CPU's is the host array).
         row_index = self._device(key + "rows", rows) if self.device.type != "cpu" else None
-        decode_context_lens = self._device(key + "decode_context_lens", context_lens[split:])
-        decode_width = int(table.num_blocks[rows[split:]].max()) if split < len(rows) else 1
-        decode_block_tables = table.gather(rows, row_index, split, len(rows), decode_width)
+        num_blocks = table.num_blocks[rows]
+        decode_width = int(num_blocks[split:].max()) if split < len(rows) else 1
+        attn = AttentionMetadata(
+            slot_mapping=self._device(key + "slots", slots),
+            num_prefill_tokens=int(ends[split - 1]),
+            prefill_block_tables=table.gather(
+                rows, row_index, 0, split, int(num_blocks[:split].max())
+            ),
+            prefill_query_start_loc=self._device(key + "query_start_loc", query_start_loc),
+            prefill_context_lens=self._device(key + "prefill_context_lens", context_lens[:split]),
+            max_prefill_query_len=int(counts[:split].max()),
+            decode_block_tables=table.gather(rows, row_index, split, len(rows), decode_width),
+            decode_context_lens=self._device(key + "decode_context_lens", context_lens[split:]),
+            max_decode_context_len=int(context_lens[split:].max()) if split < len(rows) else 0,
+        )
+        # The rows to project: each sampling sequence's last token, after its guesses'.
+        samples = starts + counts - guesses == self.num_tokens[rows]
+        num_logit_rows = np.where(samples, 1 + guesses, 0)
+        cum = np.cumsum(num_logit_rows)
+        logit_index = np.repeat(ends - cum, num_logit_rows) + np.arange(int(cum[-1]))
+        return StepInputs(
+            self._device(key + "input_ids", input_ids),
+            self._device(key + "positions", positions),
+            attn,
+            self.lora_slot[rows],
+            counts,
+            self._device(key + "logit_index", logit_index),
+            self._ids(rows[samples]),
+        )
+
+    def _prepare_decodes(
+        self, rows: np.ndarray, positions: np.ndarray, counts: np.ndarray, key: str
+    ) -> StepInputs:
+        """`prepare` of a step of decodes only (every step once the prompts are in): a
+        token per row, at ``positions`` (its ``num_computed_tokens``), no prefill part."""
+        table = self.block_table
+        input_ids = self.token_ids_cpu[rows, positions].astype(np.int64)
+        block, offset = np.divmod(positions, self.block_size)
+        slots = table.cpu[rows, block].astype(np.int64) * self.block_size + offset
+        context_lens = (positions + 1).astype(np.int32)
+        row_index = self._device(key + "rows", rows) if self.device.type != "cpu" else None
+        width = int(table.num_blocks[rows].max())
         attn = AttentionMetadata.decode(
             self._device(key + "slots", slots),
-            decode_block_tables,
-            decode_context_lens,
-            int(context_lens[split:].max()) if split < len(rows) else 0,
+            table.gather(rows, row_index, 0, len(rows), width),
+            self._device(key + "decode_context_lens", context_lens),
+            int(context_lens.max()),
         )
-        if split:
-            self._prefill_metadata(attn, rows, counts, ends, context_lens, split, row_index, key)
-        # The rows to project: each sampling sequence's last token, after its guesses'.
-        known = context_lens if ends is None else starts + counts - guesses
-        samples = known == self.num_tokens[rows]
-        all_sample = bool(samples.all())
-        if ends is None and all_sample:  # every row samples its one token: all
-            logit_index = slice(None)
+        # A row samples unless it is a prompt's chunk of one token short of its end.
+        samples = self.num_tokens[rows] == context_lens
+        if samples.all():  # every row's logits, as they are
+            logit_index, sampling = slice(None), rows
         else:
-            ends = np.cumsum(counts) if ends is None else ends
-            num_logit_rows = np.where(samples, 1 + guesses, 0)
-            cum = np.cumsum(num_logit_rows)
-            logit_index = self._device(
-                key + "logit_index",
-                np.repeat(ends - cum, num_logit_rows) + np.arange(int(cum[-1])),
-            )
+            logit_index = self._device(key + "logit_index", np.flatnonzero(samples))
+            sampling = rows[samples]
         return StepInputs(
             self._device(key + "input_ids", input_ids),
             self._device(key + "positions", positions),
@@ -413,23 +450,14 @@ class InputBatch:
             self.lora_slot[rows],
             counts,
             logit_index,
-            self._ids(rows if all_sample else rows[samples]),
+            self._ids(sampling),
         )
-
-    def _prefill_metadata(self, attn, rows, counts, ends, context_lens, split, row_index, key):
-        """Fill in ``attn``'s prefill part: the step's first ``split`` rows."""
-        query_start_loc = np.zeros(split + 1, np.int32)
-        np.cumsum(counts[:split], out=query_start_loc[1:])
-        width = int(self.block_table.num_blocks[rows[:split]].max())
-        attn.num_prefill_tokens = int(ends[split - 1])
-        attn.prefill_block_tables = self.block_table.gather(rows, row_index, 0, split, width)
-        attn.prefill_query_start_loc = self._device(key + "query_start_loc", query_start_loc)
-        attn.prefill_context_lens = self._device(key + "prefill_context_lens", context_lens[:split])
-        attn.max_prefill_query_len = int(counts[:split].max())
 
     def _ids(self, rows: np.ndarray) -> list[str]:
         """The sequence ids of ``rows``, picked from an object array of them (kept
         until a row changes) rather than one list lookup per row."""
+        if rows is self._last_rows:  # the ids looked up last, in their order
+            return list(self._last_ids)
         if self._id_array is None:
             self._id_array = np.array(self.req_ids, dtype=object)
         return self._id_array[rows].tolist()
