@@ -32,6 +32,7 @@ class StepRows:
 
     seqs: list[Sequence]
     groups: list[SequenceGroup]
+    params: list  # each group's SamplingParams (or BeamSearchParams)
     beams: list[int]  # the rows of beam search requests (`BeamSearch` ranks them)
     plain: list[int]  # the others (`ParallelSampling` draws them)
     structured: bool  # does any row have a grammar (structured outputs)?
@@ -54,6 +55,7 @@ class StepRows:
         return cls(
             seqs,
             groups,
+            [g.params for g in groups],
             beams,
             plain,
             any([s.grammar is not None for s in seqs]),
@@ -138,14 +140,13 @@ class ParallelSampling:
         """`sample` of a step where no prompt forks (every decode step): one token per
         row of ``rows.plain``, its parameters kept across steps (`SamplingInputBatch`)."""
         plain = rows.plain
-        seqs, groups = rows.seqs, rows.groups
+        seqs, groups, params = rows.seqs, rows.groups, rows.params
         if len(plain) != len(seqs):  # beam search rows among them
             seqs, groups = [seqs[i] for i in plain], [groups[i] for i in plain]
-            logits = logits[plain]
+            params, logits = [params[i] for i in plain], logits[plain]
         batch = self.input_batch
         if batch is None:
             batch = self.input_batch = SamplingInputBatch(logits.shape[1], logits.device)
-        params = [g.params for g in groups]
         metadata = batch.metadata(batch.rows(seqs, params), self.eos_token_ids)
         out = sample(logits, params, generator=self.generator, metadata=metadata)
         # Copies: the update phase gets lists of its own, these may serve the next step.

@@ -192,6 +192,7 @@ class InputBatch:
         self._id_array: np.ndarray | None = None
         # A step of decodes only: its rows in batch order, for the last rows looked up.
         self._decode_order: tuple[np.ndarray, np.ndarray] | None = None
+        self._empty: tuple[torch.Tensor, torch.Tensor] | None = None  # `_none`
 
     @property
     def num_reqs(self) -> int:
@@ -430,11 +431,17 @@ class InputBatch:
         context_lens = (positions + 1).astype(np.int32)
         row_index = self._device(key + "rows", rows) if self.device.type != "cpu" else None
         width = int(table.num_blocks[rows].max())
-        attn = AttentionMetadata.decode(
-            self._device(key + "slots", slots),
-            table.gather(rows, row_index, 0, len(rows), width),
-            self._device(key + "decode_context_lens", context_lens),
-            int(context_lens.max()),
+        none, no_tables = self._none()
+        attn = AttentionMetadata(
+            slot_mapping=self._device(key + "slots", slots),
+            num_prefill_tokens=0,
+            prefill_block_tables=no_tables,
+            prefill_query_start_loc=none,
+            prefill_context_lens=none,
+            max_prefill_query_len=0,
+            decode_block_tables=table.gather(rows, row_index, 0, len(rows), width),
+            decode_context_lens=self._device(key + "decode_context_lens", context_lens),
+            max_decode_context_len=int(context_lens.max()),
         )
         # A row samples unless it is a prompt's chunk of one token short of its end.
         samples = self.num_tokens[rows] == context_lens
@@ -452,6 +459,14 @@ class InputBatch:
             logit_index,
             self._ids(sampling),
         )
+
+    def _none(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty int32 tensors on the device, ``[0]`` and ``[0, 1]``: a decode step's
+        prefill fields (made once: each torch call costs microseconds)."""
+        if self._empty is None:
+            none = torch.empty(0, dtype=torch.int32, device=self.device)
+            self._empty = none, none.view(0, 1)
+        return self._empty
 
     def _ids(self, rows: np.ndarray) -> list[str]:
         """The sequence ids of ``rows``, picked from an object array of them (kept

@@ -158,7 +158,9 @@ class ModelRunner:
             self._prompt_logprobs(scheduler_output, rows, counts, hidden)
         if not inputs.sampling_req_ids:
             return [], None
-        return inputs.sampling_req_ids, self.model.compute_logits(hidden[inputs.logit_index])
+        if not isinstance(inputs.logit_index, slice):  # a slice is all rows: no torch call
+            hidden = hidden[inputs.logit_index]
+        return inputs.sampling_req_ids, self.model.compute_logits(hidden)
 
     def _execute_mm_encoder(self, scheduler_output: SchedulerOutput) -> None:
         """Drop the embeddings the scheduler evicted, then encode the images it
