@@ -18,7 +18,12 @@ scheduler's diff (`minipaged.core.sched.output.SchedulerOutput`) to them:
   positions from ``num_computed_tokens``, the token ids gathered from the token array,
   the slot of each token from the block table (paper §4.2: ``block * block_size +
   offset``), and each buffer goes to the device in one non-blocking copy from pinned
-  memory (on a CPU, the tensors are the arrays' own memory: no copy at all).
+  memory (on a CPU, the tensors are the arrays' own memory: no copy at all);
+- a decode step, every step once the prompts are in, names the sequences of the step
+  before in the same order: their rows, batch order and ids are the last step's again
+  (one comparison of the id lists), its one new token and the new blocks (a row in
+  ``block_size`` gets one) land in one fancy-indexed write each, and its inputs skip
+  the prefill part (`InputBatch._prepare_decodes`).
 
 The batch's order is the scheduler's, with prefills first and decodes last (the decode
 op takes the trailing run of one-token sequences) and, within each, by LoRA slot.
@@ -471,7 +476,7 @@ class InputBatch:
     def _ids(self, rows: np.ndarray) -> list[str]:
         """The sequence ids of ``rows``, picked from an object array of them (kept
         until a row changes) rather than one list lookup per row."""
-        if rows is self._last_rows:  # the ids looked up last, in their order
+        if rows is self._last_rows and self._last_ids is not None:  # looked up last, in order
             return list(self._last_ids)
         if self._id_array is None:
             self._id_array = np.array(self.req_ids, dtype=object)
