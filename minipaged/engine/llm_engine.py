@@ -66,7 +66,7 @@ from minipaged.multimodal.processing import MultiModalProcessor
 from minipaged.ops import check_supported, kv_quant
 from minipaged.outputs import Output
 from minipaged.sample.beam_search import BeamSearch
-from minipaged.sample.parallel_sampling import ParallelSampling
+from minipaged.sample.parallel_sampling import ParallelSampling, StepRows
 from minipaged.sequence import SequenceGroup, SequenceStatus
 from minipaged.spec_decode.speculator import Speculator, load_draft_model, make_proposer
 from minipaged.structured_output import StructuredOutputManager
@@ -250,6 +250,7 @@ class LLMEngine:
             self.input_processor.image_token_id = self.mm_processor.image_token_id
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.parallel_sampling = ParallelSampling(self.eos_token_ids, self.generator)
+        self._step_rows: StepRows | None = None  # the last sample phase's (`StepRows.of`)
         self.beam_search = BeamSearch(self.eos_token_ids, self.tokenizer)
         self.output_processor = OutputProcessor(self.beam_search)
         self.scheduler.eos_token_ids = self.eos_token_ids
@@ -477,7 +478,8 @@ class LLMEngine:
         verify the guesses it ran (with one more row each, `logit_rows`).  Changes no
         request (`Scheduler.update_from_output` applies the choice)."""
         samples = StepSamples()
-        if any([s.spec_token_ids for s in sampling]):
+        # Only a speculator gives sequences guesses: without one, no row is scanned.
+        if self.speculator is not None and any([s.spec_token_ids for s in sampling]):
             rows = logit_rows(sampling)
             spec = [i for i, s in enumerate(sampling) if s.spec_token_ids]
             verifying = [sampling[i] for i in spec]
@@ -486,18 +488,15 @@ class LLMEngine:
             samples.verified = self.speculator.verify(verifying, spec_logits)
             rest = [i for i, s in enumerate(sampling) if not s.spec_token_ids]
             sampling, logits = [sampling[i] for i in rest], logits[[rows[i][0] for i in rest]]
-        beams = [i for i, s in enumerate(sampling) if s.group.is_beam_search]
-        plain = (
-            [i for i, s in enumerate(sampling) if not s.group.is_beam_search]
-            if beams
-            else list(range(len(sampling)))
-        )
-        if plain:
-            self.structured_output.apply(sampling, logits, plain)  # grammars' masks
-            samples.extend(self.parallel_sampling.step(sampling, logits, plain))
-        if beams:
-            self.structured_output.apply(sampling, logits, beams)
-            samples.extend(self.beam_search.rank(sampling, logits, beams))
+        rows = self._step_rows = StepRows.of(sampling, self._step_rows)
+        if rows.plain:
+            if rows.structured:
+                self.structured_output.apply(sampling, logits, rows.plain)  # grammars' masks
+            samples.extend(self.parallel_sampling.step(sampling, logits, rows))
+        if rows.beams:
+            if rows.structured:
+                self.structured_output.apply(sampling, logits, rows.beams)
+            samples.extend(self.beam_search.rank(sampling, logits, rows.beams))
         return samples
 
     def kv_connector_stats(self) -> dict[str, float]:

@@ -16,6 +16,7 @@ history.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -132,6 +133,9 @@ class SamplingInputBatch:
         # step's are the same, so its rows are found without a lookup per sequence.
         self._last_seqs: list | None = None
         self._last_rows = np.zeros(0, np.int64)
+        # The last rows' `_draw_metadata` (dropped whenever a row is added or freed).
+        self._draw_rows: np.ndarray | None = None
+        self._draw: SamplingMetadata | None = None
 
     def rows(self, seqs: Sequence, params: Sequence[SamplingParams]) -> np.ndarray:
         """The rows of ``seqs`` (each with its request's ``params``), adding those not
@@ -155,7 +159,7 @@ class SamplingInputBatch:
             if row is not None:
                 self.seqs[row] = self.params[row] = None
                 self._free.append(row)
-                self._last_seqs = None
+                self._last_seqs = self._draw_rows = None
 
     def _add(self, seq, p: SamplingParams) -> int:
         self.remove([seq.seq_id])
@@ -178,7 +182,7 @@ class SamplingInputBatch:
         self.penalized[row], self.min_tokens[row] = p.penalized, bool(p.min_tokens)
         self.seeded[row] = seq.generator is not None
         self.wants_logprobs[row] = p.logprobs is not None
-        self._device_params = None
+        self._device_params = self._draw_rows = None
         if p.penalized:
             self._start_counts(row, seq)
         return row
@@ -260,42 +264,22 @@ class SamplingInputBatch:
 
     def metadata(self, rows: np.ndarray, eos_token_ids: Collection[int] = ()) -> SamplingMetadata:
         """The `SamplingMetadata` of a step whose logits rows are sequences ``rows``."""
-        greedy = self.greedy[rows]
-        all_greedy, all_random = bool(greedy.all()), not greedy.any()
-        random_rows = list(range(len(rows))) if all_random else np.flatnonzero(~greedy).tolist()
-        params = self._on_device()
-        index = torch.from_numpy(rows).to(self.device)
-
-        def gather(name, used=True):
-            return params[name].index_select(0, index) if used else None
-
-        md = SamplingMetadata(
-            gather("temperature", not all_greedy),
-            all_greedy,
-            all_random,
-            random_rows,
-            gather("top_k", self.uses_top_k[rows].any()),
-            gather("top_p", self.uses_top_p[rows].any()),
-            gather("min_p", self.uses_min_p[rows].any()),
-            [self.seqs[r].generator for r in rows.tolist()] if self.seeded[rows].any() else None,
-            logprobs=[
-                (self.params[r].logprobs if w else None)
-                for r, w in zip(rows.tolist(), self.wants_logprobs[rows].tolist())
-            ]
-            if self.wants_logprobs[rows].any()
-            else None,
-        )
+        md = self._draw_metadata(rows)
         penalized = np.flatnonzero(self.penalized[rows])
+        short = self.min_tokens[rows].any()
+        if not len(penalized) and not short:
+            return md  # the sampler only reads it: the next step may take it again
+        md = copy.copy(md)
         if len(penalized):
             store_rows = rows[penalized]
             self._count_new_tokens(store_rows.tolist())
-            at = torch.from_numpy(store_rows).to(self.device)
+            params, at = self._on_device(), torch.from_numpy(store_rows).to(self.device)
             md.penalized_rows = penalized.tolist()
             for name in ("frequency_penalties", "presence_penalties", "repetition_penalties"):
                 setattr(md, name, params[name].index_select(0, at)[:, None])
             md.output_token_counts = self.output_token_counts.index_select(0, at)
             md.prompt_token_mask = self.prompt_token_mask.index_select(0, at)
-        if self.min_tokens[rows].any():
+        if short:
             seqs = [self.seqs[r] for r in rows.tolist()]
             md.min_tokens_cells = min_tokens_cells(
                 [self.params[r] for r in rows.tolist()],
@@ -305,3 +289,41 @@ class SamplingInputBatch:
                 self.device,
             )
         return md
+
+    def _draw_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """What `metadata` gives whatever the step (which rows are greedy, the others'
+        temperature, filters, generators, logprobs): the last step's again for the same
+        ``rows`` array (`rows` returns the same one while the sequences stay)."""
+        if rows is self._draw_rows:
+            return self._draw
+        greedy = self.greedy[rows]
+        all_greedy, all_random = bool(greedy.all()), not greedy.any()
+        random_rows = list(range(len(rows))) if all_random else np.flatnonzero(~greedy).tolist()
+        params = self._on_device()
+        index = torch.from_numpy(rows).to(self.device)
+
+        def gather(name, used=True):
+            return params[name].index_select(0, index) if used else None
+
+        self._draw_rows, self._draw = (
+            rows,
+            SamplingMetadata(
+                gather("temperature", not all_greedy),
+                all_greedy,
+                all_random,
+                random_rows,
+                gather("top_k", self.uses_top_k[rows].any()),
+                gather("top_p", self.uses_top_p[rows].any()),
+                gather("min_p", self.uses_min_p[rows].any()),
+                [self.seqs[r].generator for r in rows.tolist()]
+                if self.seeded[rows].any()
+                else None,
+                logprobs=[
+                    (self.params[r].logprobs if w else None)
+                    for r, w in zip(rows.tolist(), self.wants_logprobs[rows].tolist())
+                ]
+                if self.wants_logprobs[rows].any()
+                else None,
+            ),
+        )
+        return self._draw

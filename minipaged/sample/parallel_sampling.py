@@ -15,11 +15,52 @@ and freeing are the update phase's (`OutputProcessor.update_from_output`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from minipaged.core.sched.output import Sample, SampledTokens, ScheduledSeq, StepSamples
 from minipaged.sample.metadata import SamplingInputBatch
 from minipaged.sample.sampler import sample, seq_generator
+from minipaged.sequence import Sequence, SequenceGroup
+
+
+@dataclass(slots=True)
+class StepRows:
+    """What the sample phase reads of a step's sampling sequences, read once, column by
+    column (read only: a decode step's are kept for the next, `StepRows.of`)."""
+
+    seqs: list[Sequence]
+    groups: list[SequenceGroup]
+    params: list  # each group's SamplingParams (or BeamSearchParams)
+    beams: list[int]  # the rows of beam search requests (`BeamSearch` ranks them)
+    plain: list[int]  # the others (`ParallelSampling` draws them)
+    structured: bool  # does any row have a grammar (structured outputs)?
+    forks: bool  # does a prompt with n > 1 sample (its forks' first tokens)?
+
+    @classmethod
+    def of(cls, sampling: list[ScheduledSeq], last: StepRows | None = None) -> StepRows:
+        """``sampling``'s rows; ``last`` (the step before's) again if it sampled the same
+        sequences in the same order and none forked: a decode step's, told by one
+        identity comparison per row.  (What is read here never changes for a sequence:
+        its group, the group's parameters and kind, its grammar; and a group that has
+        forked keeps its sequences, so no prompt of ``last`` forks again.)"""
+        seqs = [s.seq for s in sampling]
+        if last is not None and not last.forks and seqs == last.seqs:
+            return last
+        groups = [s.group for s in sampling]
+        beams = [i for i, g in enumerate(groups) if g.is_beam_search]
+        plain = [i for i, g in enumerate(groups) if not g.is_beam_search] if beams else None
+        plain = list(range(len(seqs))) if plain is None else plain
+        return cls(
+            seqs,
+            groups,
+            [g.params for g in groups],
+            beams,
+            plain,
+            any([s.grammar is not None for s in seqs]),
+            any([groups[i].params.n > 1 and len(groups[i].seqs) == 1 for i in plain]),
+        )
 
 
 class ParallelSampling:
@@ -39,14 +80,14 @@ class ParallelSampling:
             self.input_batch.remove(seq_ids)
 
     def step(
-        self, sampling: list[ScheduledSeq], logits: torch.Tensor, rows: list[int]
+        self, sampling: list[ScheduledSeq], logits: torch.Tensor, rows: StepRows
     ) -> StepSamples:
-        """`sample` for the engine's sample phase: a step where no prompt forks (every
-        decode step) as columns (`SampledTokens`), without a `Sample` per row."""
-        scheduled = sampling if len(rows) == len(sampling) else [sampling[i] for i in rows]
-        if self._forks(scheduled):
-            return StepSamples(tokens=self._sample_forking(sampling, logits, rows))
-        return StepSamples(sampled=[self._sample_unforked(scheduled, logits, rows)])
+        """`sample` for the engine's sample phase, of ``rows.plain``: a step where no
+        prompt forks (every decode step) as columns (`SampledTokens`), without a
+        `Sample` per row."""
+        if rows.forks:
+            return StepSamples(tokens=self._sample_forking(sampling, logits, rows.plain))
+        return StepSamples(sampled=[self._sample_unforked(rows, logits)])
 
     def sample(
         self, sampling: list[ScheduledSeq], logits: torch.Tensor, rows: list[int]
@@ -54,14 +95,12 @@ class ParallelSampling:
         """One token per sequence of ``rows``; a prompt with ``n`` > 1 draws ``n``, the
         ``n - 1`` after its own for the forks it will become, from its one row of logits."""
         scheduled = sampling if len(rows) == len(sampling) else [sampling[i] for i in rows]
-        if self._forks(scheduled):
+        step_rows = StepRows.of(scheduled)
+        if step_rows.forks:
             return self._sample_forking(sampling, logits, rows)
-        return self._sample_unforked(scheduled, logits, rows).samples()
-
-    @staticmethod
-    def _forks(scheduled: list[ScheduledSeq]) -> bool:
-        """Does a prompt with ``n`` > 1 sample (its first tokens, for its forks)?"""
-        return any([s.group.params.n > 1 and len(s.group.seqs) == 1 for s in scheduled])
+        if len(rows) != logits.shape[0]:
+            logits = logits[rows]
+        return self._sample_unforked(step_rows, logits).samples()
 
     def _sample_forking(
         self, sampling: list[ScheduledSeq], logits: torch.Tensor, rows: list[int]
@@ -97,20 +136,20 @@ class ParallelSampling:
             )
         ]
 
-    def _sample_unforked(
-        self, scheduled: list[ScheduledSeq], logits: torch.Tensor, rows: list[int]
-    ) -> SampledTokens:
+    def _sample_unforked(self, rows: StepRows, logits: torch.Tensor) -> SampledTokens:
         """`sample` of a step where no prompt forks (every decode step): one token per
-        row of ``scheduled`` (``rows`` of the logits), its parameters kept across steps
-        (`SamplingInputBatch`)."""
-        if len(rows) != logits.shape[0]:
-            logits = logits[rows]
+        row of ``rows.plain``, its parameters kept across steps (`SamplingInputBatch`)."""
+        plain = rows.plain
+        seqs, groups, params = rows.seqs, rows.groups, rows.params
+        if len(plain) != len(seqs):  # beam search rows among them
+            seqs, groups = [seqs[i] for i in plain], [groups[i] for i in plain]
+            params, logits = [params[i] for i in plain], logits[plain]
         batch = self.input_batch
         if batch is None:
             batch = self.input_batch = SamplingInputBatch(logits.shape[1], logits.device)
-        groups = [s.group for s in scheduled]
-        seqs = [s.seq for s in scheduled]
-        params = [g.params for g in groups]
         metadata = batch.metadata(batch.rows(seqs, params), self.eos_token_ids)
         out = sample(logits, params, generator=self.generator, metadata=metadata)
-        return SampledTokens(groups, seqs, out.token_ids, out.logprobs, out.top_logprobs)
+        # Copies: the update phase gets lists of its own, these may serve the next step.
+        return SampledTokens(
+            list(groups), list(seqs), out.token_ids, out.logprobs, out.top_logprobs
+        )

@@ -18,7 +18,12 @@ scheduler's diff (`minipaged.core.sched.output.SchedulerOutput`) to them:
   positions from ``num_computed_tokens``, the token ids gathered from the token array,
   the slot of each token from the block table (paper §4.2: ``block * block_size +
   offset``), and each buffer goes to the device in one non-blocking copy from pinned
-  memory (on a CPU, the tensors are the arrays' own memory: no copy at all).
+  memory (on a CPU, the tensors are the arrays' own memory: no copy at all);
+- a decode step, every step once the prompts are in, names the sequences of the step
+  before in the same order: their rows, batch order and ids are the last step's again
+  (one comparison of the id lists), its one new token and the new blocks (a row in
+  ``block_size`` gets one) land in one fancy-indexed write each, and its inputs skip
+  the prefill part (`InputBatch._prepare_decodes`).
 
 The batch's order is the scheduler's, with prefills first and decodes last (the decode
 op takes the trailing run of one-token sequences) and, within each, by LoRA slot.
@@ -48,6 +53,16 @@ def _grown(array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return grown
 
 
+def _one_each(lists: list[list[int]]) -> np.ndarray | None:
+    """The items of ``lists`` as an int32 array if each holds exactly one (a decode
+    step's new tokens, or its new blocks), else None."""
+    if [] in lists:
+        return None
+    items = itertools.chain.from_iterable(lists)
+    flat = np.fromiter(items, np.int32, len(lists))  # none empty: at least that many
+    return flat if next(items, None) is None else None
+
+
 class DeviceBlockTable:
     """Each row's block ids, on the host and on the device, the device's updated from the
     entries that changed (vLLM V1's ``worker/block_table.py``)."""
@@ -56,7 +71,8 @@ class DeviceBlockTable:
         self.device = device
         self.num_blocks = np.zeros(max_num_reqs, np.int32)
         self._allocate(np.zeros((max_num_reqs, max(1, max_num_blocks)), np.int32))
-        self._writes: list[tuple[int, int, list[int]]] = []  # (row, first column, ids)
+        # The entries written since the last `commit`, as (rows, columns, ids) arrays.
+        self._writes: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 
     def _allocate(self, cpu: np.ndarray) -> None:
         self.cpu = cpu
@@ -83,7 +99,32 @@ class DeviceBlockTable:
         self.cpu[row, start:end] = block_ids
         self.num_blocks[row] = end
         if block_ids and self.device.type != "cpu":
-            self._writes.append((row, start, block_ids))
+            ids = np.asarray(block_ids, np.int32)
+            self._writes.append((np.full(len(ids), row), np.arange(start, end), ids))
+
+    def set_rows(self, rows: np.ndarray, starts: np.ndarray, block_ids: list[list[int]]) -> None:
+        """`set_row` for each of ``rows`` at once: one scatter into the host table (a
+        decode step gives a new block to 1 row in ``block_size``, every step)."""
+        ids = _one_each(block_ids)
+        if ids is not None:  # one block each: a decode step's
+            self.ensure(int(rows.max()) + 1, int(starts.max()) + 1)
+            self.cpu[rows, starts] = ids
+            self.num_blocks[rows] = starts + 1
+            if self.device.type != "cpu":
+                self._writes.append((rows, starts, ids))
+            return
+        lens = np.fromiter(map(len, block_ids), np.int64, len(rows))
+        ends = starts + lens
+        self.ensure(int(rows.max()) + 1, int(ends.max()))
+        total = int(lens.sum())
+        if total:
+            row_of = np.repeat(rows, lens)
+            columns = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(total)
+            ids = np.fromiter(itertools.chain.from_iterable(block_ids), np.int32, total)
+            self.cpu[row_of, columns] = ids
+            if self.device.type != "cpu":
+                self._writes.append((row_of, columns, ids))
+        self.num_blocks[rows] = ends
 
     def move_rows(self, src: list[int], dst: list[int]) -> None:
         """Row ``src[i]`` becomes row ``dst[i]`` (condensing), on both sides."""
@@ -94,24 +135,24 @@ class DeviceBlockTable:
             index = torch.tensor(src, device=self.device)
             self.gpu[torch.tensor(dst, device=self.device)] = self.gpu[index]
 
-    def gather(self, rows: np.ndarray, index: torch.Tensor, width: int) -> torch.Tensor:
-        """Rows ``rows`` of the table (``index``: the same ids on the device), ``width``
-        blocks wide.  On a CPU, numpy gathers from the host array at a third of torch's
-        cost."""
+    def gather(
+        self, rows: np.ndarray, index: torch.Tensor | None, first: int, last: int, width: int
+    ) -> torch.Tensor:
+        """Rows ``rows[first:last]`` of the table (``index``: ``rows`` on the device,
+        None on a CPU), ``width`` blocks wide.  On a CPU, numpy gathers from the host
+        array at a third of torch's cost."""
         if self.device.type == "cpu":
-            return torch.from_numpy(self.cpu[rows, :width])
-        return self.gpu[index, :width]
+            return torch.from_numpy(self.cpu[rows[first:last], :width])
+        return self.gpu[index[first:last], :width]
 
     def commit(self) -> None:
         """The step's new block ids to the device: one copy of (row, column, id) triples,
         one scatter."""
         if not self._writes:
             return
-        rows = [r for r, _, ids in self._writes for _ in ids]
-        cols = [c for _, start, ids in self._writes for c in range(start, start + len(ids))]
-        vals = [b for _, _, ids in self._writes for b in ids]
+        packed = np.concatenate([np.stack(w) for w in self._writes], axis=1)
         self._writes.clear()
-        packed = torch.tensor([rows, cols, vals], dtype=torch.long).pin_memory()
+        packed = torch.from_numpy(packed.astype(np.int64)).pin_memory()
         packed = packed.to(self.device, non_blocking=True)
         self.gpu[packed[0], packed[1]] = packed[2].to(self.gpu.dtype)
 
@@ -123,8 +164,8 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn: AttentionMetadata
-    lora_slots: list[int]
-    num_scheduled: list[int]
+    lora_slots: np.ndarray  # each row's adapter slot (-1: none)...
+    num_scheduled: np.ndarray  # ... for its tokens
     # Rows of the hidden states to project to logits (a slice of all, where all are).
     logit_index: torch.Tensor | slice
     sampling_req_ids: list[str]  # their sequences, in order (one more row per guess)
@@ -140,14 +181,23 @@ class InputBatch:
         self.req_ids: list[str | None] = []  # row -> sequence id (None: a hole)
         self.req_id_to_index: dict[str, int] = {}
         self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), np.int32)
-        self.num_tokens = np.zeros(max_num_reqs, np.int32)  # tokens known (guesses aside)
-        self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
+        # int64, as positions are: a step's positions are a gather of them, no cast.
+        self.num_tokens = np.zeros(max_num_reqs, np.int64)  # tokens known (guesses aside)
+        self.num_computed_tokens = np.zeros(max_num_reqs, np.int64)
         self.lora_slot = np.full(max_num_reqs, -1, np.int32)
         self.block_table = DeviceBlockTable(
             max_num_reqs, -(-max_model_len // block_size), self.device
         )
         self._pinned: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._num_holes = 0
+        # The last ids looked up and their rows (`rows_of`), and the ids as an object
+        # array, to pick a step's by row: both kept until a row is added, freed or moved.
+        self._last_ids: list[str] | None = None
+        self._last_rows = np.zeros(0, np.int64)
+        self._id_array: np.ndarray | None = None
+        # A step of decodes only: its rows in batch order, for the last rows looked up.
+        self._decode_order: tuple[np.ndarray, np.ndarray] | None = None
+        self._empty: tuple[torch.Tensor, torch.Tensor] | None = None  # `_none`
 
     @property
     def num_reqs(self) -> int:
@@ -173,6 +223,7 @@ class InputBatch:
     def add_request(self, new: NewRequestData) -> int:
         row = len(self.req_ids)
         self._ensure(row + 1, len(new.token_ids) + 1)
+        self._rows_changed()
         self.req_ids.append(new.req_id)
         self.req_id_to_index[new.req_id] = row
         self.token_ids_cpu[row, : len(new.token_ids)] = new.token_ids
@@ -188,6 +239,7 @@ class InputBatch:
         if row is not None:
             self.req_ids[row] = None
             self._num_holes += 1
+            self._rows_changed()
         return row
 
     def condense(self) -> list[tuple[int, int]]:
@@ -209,6 +261,7 @@ class InputBatch:
             self.req_id_to_index[req_id] = hole
             last -= 1
         if moves:
+            self._rows_changed()
             src, dst = [s for s, _ in moves], [d for _, d in moves]
             for array in (self.num_tokens, self.num_computed_tokens, self.lora_slot):
                 array[dst] = array[src]
@@ -219,32 +272,68 @@ class InputBatch:
             self.req_ids.pop()
         return moves
 
+    def _rows_changed(self) -> None:
+        self._last_ids = self._id_array = self._decode_order = None
+
+    def rows_of(self, req_ids: list[str]) -> np.ndarray:
+        """The rows of ``req_ids`` (read only).  A decode step names the sequences of
+        the step before, in its order: comparing the lists (an identity check per id)
+        finds the last answer without a lookup per sequence."""
+        if req_ids != self._last_ids:
+            index = self.req_id_to_index
+            rows = np.fromiter(map(index.__getitem__, req_ids), np.int64, len(req_ids))
+            self._last_ids, self._last_rows = list(req_ids), rows
+        return self._last_rows
+
     def _update_cached(self, out: SchedulerOutput) -> None:
         cached = out.scheduled_cached_reqs
         if not cached.req_ids:
             return
-        index = self.req_id_to_index
-        rows = np.fromiter(map(index.__getitem__, cached.req_ids), np.int64, len(cached.req_ids))
-        lens = np.fromiter(map(len, cached.new_token_ids), np.int64, len(rows))
+        rows = self.rows_of(cached.req_ids)
+        self._append_tokens(rows, cached.new_token_ids)
+        self.num_computed_tokens[rows] = cached.num_computed_tokens
+        self._update_block_tables(rows, cached.num_kept_blocks, cached.new_block_ids)
+
+    def _append_tokens(self, rows: np.ndarray, new_token_ids: list[list[int]]) -> None:
+        """Append each row's tokens sampled since the step before (a decode step's:
+        one each, one fancy-indexed write)."""
+        starts = self.num_tokens[rows]
+        flat = _one_each(new_token_ids)
+        if flat is not None:
+            self._ensure(len(self.req_ids), int(starts.max()) + 2)
+            self.token_ids_cpu[rows, starts] = flat
+            self.num_tokens[rows] = starts + 1
+            return
+        lens = np.fromiter(map(len, new_token_ids), np.int64, len(rows))
         total = int(lens.sum())
         if total:
-            flat = np.fromiter(itertools.chain.from_iterable(cached.new_token_ids), np.int32, total)
-            starts = self.num_tokens[rows].astype(np.int64)
+            flat = np.fromiter(itertools.chain.from_iterable(new_token_ids), np.int32, total)
             self._ensure(len(self.req_ids), int((starts + lens).max()) + 1)
-            if total == len(rows) and lens.min() == 1:  # one each: a decode step's
-                self.token_ids_cpu[rows, starts] = flat
-            else:
-                ends = np.cumsum(lens)
-                columns = np.repeat(starts - (ends - lens), lens) + np.arange(total)
-                self.token_ids_cpu[np.repeat(rows, lens), columns] = flat
-            self.num_tokens[rows] = starts + lens
-        self.num_computed_tokens[rows] = cached.num_computed_tokens
-        kept = np.asarray(cached.num_kept_blocks)
-        changed = np.fromiter(map(bool, cached.new_block_ids), bool, len(rows)) | (
-            kept < self.block_table.num_blocks[rows]
-        )
-        for i in np.flatnonzero(changed).tolist():
-            self.block_table.set_row(int(rows[i]), int(kept[i]), cached.new_block_ids[i])
+            ends = np.cumsum(lens)
+            columns = np.repeat(starts - (ends - lens), lens) + np.arange(total)
+            self.token_ids_cpu[np.repeat(rows, lens), columns] = flat
+        self.num_tokens[rows] = starts + lens
+
+    def _update_block_tables(
+        self, rows: np.ndarray, num_kept_blocks: list[int], new_block_ids: list[list[int]]
+    ) -> None:
+        """Rewrite the tables of the rows that gained blocks or kept fewer than they
+        had (a copy-on-write's replaced last block, a rollback).  A decode step keeps
+        every row's blocks, which one list comparison tells."""
+        table = self.block_table
+        had = table.num_blocks[rows]
+        if num_kept_blocks == had.tolist():  # only appends: the rows with new ids
+            changed = np.fromiter(itertools.compress(itertools.count(), new_block_ids), np.int64)
+            kept = had[changed]
+        else:
+            kept = np.asarray(num_kept_blocks, np.int64)
+            changed = np.flatnonzero(
+                np.fromiter(map(bool, new_block_ids), bool, len(rows)) | (kept < had)
+            )
+            kept = kept[changed]
+        if len(changed):
+            changed_ids = [new_block_ids[i] for i in changed.tolist()]
+            table.set_rows(rows[changed], kept.astype(np.int64), changed_ids)
 
     def _ensure(self, num_rows: int, num_columns: int) -> None:
         if num_rows > self.token_ids_cpu.shape[0] or num_columns > self.token_ids_cpu.shape[1]:
@@ -257,11 +346,15 @@ class InputBatch:
     # -- a step's inputs ----------------------------------------------------------------
     def order(self, out: SchedulerOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The step's rows in batch order (prefills, then decodes; each by LoRA slot,
-        stably from the scheduler's order), their token counts and their guesses."""
+        stably from the scheduler's order), their token counts and their guesses (all
+        three read only)."""
         ids = out.num_scheduled_tokens
-        rows = np.fromiter(map(self.req_id_to_index.__getitem__, ids), np.int64, len(ids))
-        counts = np.fromiter(ids.values(), np.int64, len(ids))
-        guesses = np.zeros(len(ids), np.int64)
+        rows, n = self.rows_of(list(ids)), len(ids)
+        if not out.scheduled_spec_decode_tokens and set(ids.values()) == {1}:
+            # Decodes only (every step once the prompts are in): by LoRA slot alone.
+            return self._decode_rows(rows), np.ones(n, np.int64), np.zeros(n, np.int64)
+        counts = np.fromiter(ids.values(), np.int64, n)
+        guesses = np.zeros(n, np.int64)
         if out.scheduled_spec_decode_tokens:
             position = {r: i for i, r in enumerate(ids)}
             for req_id, spec in out.scheduled_spec_decode_tokens.items():
@@ -269,65 +362,125 @@ class InputBatch:
         order = np.lexsort((self.lora_slot[rows], counts == 1))
         return rows[order], counts[order], guesses[order]
 
+    def _decode_rows(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` of a step of decodes only, in batch order: by LoRA slot, stably (the
+        last step's answer again for the same rows)."""
+        if self._decode_order is None or self._decode_order[0] is not rows:
+            slots = self.lora_slot[rows]
+            uniform = slots.min() == slots.max()  # one adapter, or none: the scheduler's order
+            self._decode_order = rows, rows if uniform else rows[np.argsort(slots, kind="stable")]
+        return self._decode_order[1]
+
     def prepare(
         self, rows: np.ndarray, counts: np.ndarray, guesses: np.ndarray, key: str = ""
     ) -> StepInputs:
         """The inputs of running ``counts[i]`` tokens of row ``rows[i]`` (its last
         ``guesses[i]`` a draft's guesses), vectorized over the rows.  ``key`` names the
         device buffers (a pipeline's micro-batches of one step each have their own)."""
-        bs = self.block_size
-        starts = self.num_computed_tokens[rows].astype(np.int64)
-        ends = np.cumsum(counts)
-        total = int(ends[-1])
+        bs, table = self.block_size, self.block_table
+        starts = self.num_computed_tokens[rows]
+        total = int(counts.sum())
         if total == len(rows):  # decodes only: a token per row, at its computed count
-            token_rows, positions = rows, starts
-        else:
-            token_rows = np.repeat(rows, counts)
-            positions = np.repeat(starts - (ends - counts), counts) + np.arange(total)
+            return self._prepare_decodes(rows, starts, counts, key)
+        ends = np.cumsum(counts)
+        token_rows = np.repeat(rows, counts)
+        positions = np.repeat(starts - (ends - counts), counts) + np.arange(total)
         input_ids = self.token_ids_cpu[token_rows, positions].astype(np.int64)
-        slots = self.block_table.cpu[token_rows, positions // bs].astype(np.int64) * bs
+        slots = table.cpu[token_rows, positions // bs].astype(np.int64) * bs
         slots += positions % bs
         context_lens = (starts + counts).astype(np.int32)
         split = int(np.count_nonzero(counts != 1))  # the decodes are the trailing rows
         query_start_loc = np.zeros(split + 1, np.int32)
         np.cumsum(counts[:split], out=query_start_loc[1:])
-        row_index = self._device(key + "rows", rows)
-        num_blocks = self.block_table.num_blocks[rows]
-        table = self.block_table
-        prefill_width = int(num_blocks[:split].max()) if split else 1
+        # The rows on the device, for its block table (a CPU's is the host array).
+        row_index = self._device(key + "rows", rows) if self.device.type != "cpu" else None
+        num_blocks = table.num_blocks[rows]
         decode_width = int(num_blocks[split:].max()) if split < len(rows) else 1
         attn = AttentionMetadata(
             slot_mapping=self._device(key + "slots", slots),
-            num_prefill_tokens=int(ends[split - 1]) if split else 0,
-            prefill_block_tables=table.gather(rows[:split], row_index[:split], prefill_width),
+            num_prefill_tokens=int(ends[split - 1]),
+            prefill_block_tables=table.gather(
+                rows, row_index, 0, split, int(num_blocks[:split].max())
+            ),
             prefill_query_start_loc=self._device(key + "query_start_loc", query_start_loc),
             prefill_context_lens=self._device(key + "prefill_context_lens", context_lens[:split]),
-            max_prefill_query_len=int(counts[:split].max()) if split else 0,
-            decode_block_tables=table.gather(rows[split:], row_index[split:], decode_width),
+            max_prefill_query_len=int(counts[:split].max()),
+            decode_block_tables=table.gather(rows, row_index, split, len(rows), decode_width),
             decode_context_lens=self._device(key + "decode_context_lens", context_lens[split:]),
             max_decode_context_len=int(context_lens[split:].max()) if split < len(rows) else 0,
         )
         # The rows to project: each sampling sequence's last token, after its guesses'.
         samples = starts + counts - guesses == self.num_tokens[rows]
-        if total == len(rows) and samples.all():  # every row samples its one token: all
-            logit_index = slice(None)
-        else:
-            num_logit_rows = np.where(samples, 1 + guesses, 0)
-            cum = np.cumsum(num_logit_rows)
-            logit_index = self._device(
-                key + "logit_index",
-                np.repeat(ends - cum, num_logit_rows) + np.arange(int(cum[-1])),
-            )
-        req_ids = self.req_ids
+        num_logit_rows = np.where(samples, 1 + guesses, 0)
+        cum = np.cumsum(num_logit_rows)
+        logit_index = np.repeat(ends - cum, num_logit_rows) + np.arange(int(cum[-1]))
         return StepInputs(
             self._device(key + "input_ids", input_ids),
             self._device(key + "positions", positions),
             attn,
-            self.lora_slot[rows].tolist(),
-            counts.tolist(),
-            logit_index,
-            [req_ids[r] for r in rows[samples].tolist()],
+            self.lora_slot[rows],
+            counts,
+            self._device(key + "logit_index", logit_index),
+            self._ids(rows[samples]),
         )
+
+    def _prepare_decodes(
+        self, rows: np.ndarray, positions: np.ndarray, counts: np.ndarray, key: str
+    ) -> StepInputs:
+        """`prepare` of a step of decodes only (every step once the prompts are in): a
+        token per row, at ``positions`` (its ``num_computed_tokens``), no prefill part."""
+        table = self.block_table
+        input_ids = self.token_ids_cpu[rows, positions].astype(np.int64)
+        block, offset = np.divmod(positions, self.block_size)
+        slots = table.cpu[rows, block].astype(np.int64) * self.block_size + offset
+        context_lens = (positions + 1).astype(np.int32)
+        row_index = self._device(key + "rows", rows) if self.device.type != "cpu" else None
+        width = int(table.num_blocks[rows].max())
+        none, no_tables = self._none()
+        attn = AttentionMetadata(
+            slot_mapping=self._device(key + "slots", slots),
+            num_prefill_tokens=0,
+            prefill_block_tables=no_tables,
+            prefill_query_start_loc=none,
+            prefill_context_lens=none,
+            max_prefill_query_len=0,
+            decode_block_tables=table.gather(rows, row_index, 0, len(rows), width),
+            decode_context_lens=self._device(key + "decode_context_lens", context_lens),
+            max_decode_context_len=int(context_lens.max()),
+        )
+        # A row samples unless it is a prompt's chunk of one token short of its end.
+        samples = self.num_tokens[rows] == context_lens
+        if samples.all():  # every row's logits, as they are
+            logit_index, sampling = slice(None), rows
+        else:
+            logit_index = self._device(key + "logit_index", np.flatnonzero(samples))
+            sampling = rows[samples]
+        return StepInputs(
+            self._device(key + "input_ids", input_ids),
+            self._device(key + "positions", positions),
+            attn,
+            self.lora_slot[rows],
+            counts,
+            logit_index,
+            self._ids(sampling),
+        )
+
+    def _none(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty int32 tensors on the device, ``[0]`` and ``[0, 1]``: a decode step's
+        prefill fields (made once: each torch call costs microseconds)."""
+        if self._empty is None:
+            none = torch.empty(0, dtype=torch.int32, device=self.device)
+            self._empty = none, none.view(0, 1)
+        return self._empty
+
+    def _ids(self, rows: np.ndarray) -> list[str]:
+        """The sequence ids of ``rows``, picked from an object array of them (kept
+        until a row changes) rather than one list lookup per row."""
+        if rows is self._last_rows and self._last_ids is not None:  # looked up last, in order
+            return list(self._last_ids)
+        if self._id_array is None:
+            self._id_array = np.array(self.req_ids, dtype=object)
+        return self._id_array[rows].tolist()
 
     def _device(self, name: str, array: np.ndarray) -> torch.Tensor:
         """``array`` on the device: on a CPU, the array's own memory; on a GPU, one

@@ -158,7 +158,9 @@ class ModelRunner:
             self._prompt_logprobs(scheduler_output, rows, counts, hidden)
         if not inputs.sampling_req_ids:
             return [], None
-        return inputs.sampling_req_ids, self.model.compute_logits(hidden[inputs.logit_index])
+        if not isinstance(inputs.logit_index, slice):  # a slice is all rows: no torch call
+            hidden = hidden[inputs.logit_index]
+        return inputs.sampling_req_ids, self.model.compute_logits(hidden)
 
     def _execute_mm_encoder(self, scheduler_output: SchedulerOutput) -> None:
         """Drop the embeddings the scheduler evicted, then encode the images it
@@ -221,7 +223,7 @@ class ModelRunner:
     def _run_model(self, inputs: StepInputs, kv_caches, hidden=None) -> torch.Tensor:
         """The model over a step's prepared inputs (by replay, where a graph fits)."""
         if self.lora is not None:
-            self.lora.batch.set(inputs.lora_slots, inputs.num_scheduled)
+            self.lora.batch.set(inputs.lora_slots.tolist(), inputs.num_scheduled.tolist())
         out = None
         if self.graphs and hidden is None and inputs.positions.dim() == 1:
             out = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
