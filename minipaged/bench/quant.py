@@ -33,19 +33,22 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import statistics
 from pathlib import Path
 
 import torch
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
 from minipaged.arg_utils import add_model_flag
-from minipaged.bench import common
+from minipaged.bench import common, vllm_quant
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column, one_cpu_thread
 from minipaged.bench.kv_quality import mc_answers, mc_questions
+from minipaged.bench.vllm_peer import SYSTEM as VLLM_CPU
+from minipaged.bench.vllm_peer import PeerUnavailableError, peer_python
+from minipaged.bench.vllm_quant import LOGPROB_PROMPTS, NUM_LOGPROBS, decode_prompts
 from minipaged.llm import LLM
 from minipaged.models.hub import resolve_model
 from minipaged.models.loader import read_config
@@ -127,9 +130,7 @@ def projection_bytes(model) -> int:
 
 def decode_rates(engines: dict, batch: int, steps: int, prompt_len: int) -> dict[str, float]:
     """Each engine's decode tokens/s at ``batch``, the engines' steps taken in turn."""
-    rng = random.Random(0)
-    vocab = next(iter(engines.values())).vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    prompts = decode_prompts(next(iter(engines.values())).vocab_size, batch, prompt_len)
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     for engine in engines.values():
         for i, prompt in enumerate(prompts):
@@ -145,6 +146,13 @@ def decode_rates(engines: dict, batch: int, steps: int, prompt_len: int) -> dict
     return {name: batch / statistics.median(t) for name, t in times.items()}
 
 
+def first_token_logprobs(llm: LLM, prompts: list[list[int]]) -> list[dict[int, float]]:
+    """The first (greedy) token's top logprobs of each prompt: the peer's cross-check."""
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=NUM_LOGPROBS)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [dict(o.outputs[0].logprobs[0]) for o in outputs]
+
+
 def bench_quant(
     model: Path,
     workdir: Path,
@@ -157,8 +165,10 @@ def bench_quant(
     window: int = 256,
     max_windows: int = 8,
     mc_count: int | None = None,
+    logprob_prompts: list[list[int]] = (),
 ) -> list[dict]:
-    """One row per scheme: bytes, perplexity, decode tokens/s per batch (module docstring)."""
+    """One row per scheme: bytes, perplexity, decode tokens/s per batch (module docstring),
+    and the first token's top logprobs for each of ``logprob_prompts``."""
     text, questions = eval_text(), mc_questions(count=mc_count)
     engines, rows, answers = {}, [], {}
     with one_cpu_thread("cpu"):
@@ -175,6 +185,7 @@ def bench_quant(
                     "weight_bytes": weight_bytes(engine.model),
                     "projection_bytes": projection_bytes(engine.model),
                     "perplexity": perplexity(llm, text, window, max_windows),
+                    "first_token_logprobs": first_token_logprobs(llm, list(logprob_prompts)),
                 }
             )
             answers[scheme] = mc_answers(llm, questions)
@@ -269,13 +280,65 @@ def add_arguments(parser) -> None:
         default=Path.home() / ".cache" / "minipaged" / "quantized",
         help="where the INT4 checkpoints are written once (default: %(default)s)",
     )
+    parser.add_argument(
+        "--peer",
+        choices=[VLLM_CPU],
+        help="also run vLLM's CPU build (make peer-vllm) on each scheme it loads, on one "
+        "thread in --dtype: its decode tokens/s beside minipaged's, and its first-token "
+        "logprobs against minipaged's (`minipaged.bench.vllm_quant`)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="the peer's timed generate pairs per batch, the median reported "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="the peer runs eagerly, as minipaged does on a CPU (default: it compiles, as "
+        "its CPU build chooses; minutes at start on a busy machine)",
+    )
     add_output_flags(parser, NAME)
+
+
+def run_peer(model: Path, rows: list[dict], args, logprob_prompts) -> None:
+    """The peer's fields in ``rows`` (`vllm_quant.add_peer`) on the same checkpoints,
+    dtypes and prompts as minipaged's, one thread as minipaged's."""
+    schemes = {
+        r["scheme"]: {"dtype": args.dtype}
+        | engine_args(model, r["scheme"], args.group_size, args.workdir)
+        for r in rows
+    }
+    prompts = decode_prompts(read_config(model).vocab_size, max(args.batches), args.prompt_len)
+
+    def make_workload(path: str, dtype: str) -> vllm_quant.DecodeWorkload:
+        return vllm_quant.decode_workload(
+            path,
+            dtype,
+            prompts,
+            args.batches,
+            args.steps,
+            args.repeats,
+            logprob_prompts,
+            args.enforce_eager,
+        )
+
+    vllm_quant.add_peer(rows, schemes, args.batches, make_workload)
 
 
 def main(args) -> None:
     if args.schemes[0] != "none":
         raise ValueError("--schemes must start with none, the baseline of every ratio")
+    if args.peer:
+        try:
+            peer_python()  # before the minutes of minipaged's part
+        except PeerUnavailableError as error:
+            raise ValueError(f"--peer {args.peer}: {error}") from error
     model = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    logprob_prompts = [tokenizer(text)["input_ids"] for text in LOGPROB_PROMPTS]
     load_start = list(os.getloadavg())  # a shared machine's load slows every rate
     rows = bench_quant(
         model,
@@ -289,8 +352,12 @@ def main(args) -> None:
         args.window,
         args.max_windows,
         args.mc_questions,
+        logprob_prompts,
     )
     print(format_table(rows, args.batches))
+    if args.peer:
+        run_peer(model, rows, args, logprob_prompts)
+        print(vllm_quant.format_table(rows, args.batches))
     title = f"{model.name} ({args.dtype}) on a CPU, one thread: quantized weights"
     write(
         args,
