@@ -53,7 +53,7 @@ from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column, one_cpu_thread
 from minipaged.bench.kv_quality import mc_answers, mc_questions
 from minipaged.bench.vllm_peer import SYSTEM as VLLM_CPU
-from minipaged.bench.vllm_peer import PeerUnavailableError, peer_python
+from minipaged.bench.vllm_peer import PeerUnavailableError, peer_env, peer_python
 from minipaged.bench.vllm_quant import LOGPROB_PROMPTS, NUM_LOGPROBS, decode_prompts
 from minipaged.llm import LLM
 from minipaged.models.hub import resolve_model
@@ -376,4 +376,9 @@ def main(args) -> None:
         group_size=args.group_size,
         load_average_start=load_start,
         load_average_end=list(os.getloadavg()),
+        **(
+            {"peer": args.peer, "peer_env": peer_env(1), "peer_repeats": args.repeats}
+            if args.peer
+            else {}
+        ),
     )
