@@ -4,7 +4,6 @@ where vLLM's CPU build is not installed.  No test here needs vLLM."""
 
 import dataclasses
 import json
-import math
 import sys
 
 import pytest
@@ -160,9 +159,11 @@ def test_the_peer_rows_beside_minipaged(tiny, fake_venv, monkeypatch):
     assert "100.0" in table and "2.800" in table
 
 
-def test_logprob_gap_needs_a_token_in_common():
-    assert vq.logprob_gap({1: -0.5}, {"1": -0.75}) == pytest.approx(0.25)
-    assert math.isnan(vq.logprob_gap({1: -0.5}, {"2": -0.5}))
+def test_logprob_gaps_are_over_the_tokens_both_list():
+    ours, theirs = [{1: -0.5, 3: -2.0}, {4: -1.0}], [{"1": -0.75, "2": -1.0}, {"5": -0.1}]
+    assert vq.logprob_gaps(ours, theirs) == [0.25]
+    assert vq.same_first_tokens(ours, theirs) is False
+    assert vq.same_first_tokens(ours[:1], [{"1": -0.1, "3": -0.2}]) is True
 
 
 def test_bench_quant_says_how_to_install_a_missing_peer(tiny, tmp_path, monkeypatch, capsys):

@@ -181,16 +181,24 @@ def run_decode_peer(workload: DecodeWorkload, python: Path | None = None) -> Dec
     return parse_decode_result(doc, workload)
 
 
-def logprob_gap(ours: dict, theirs: dict) -> float:
-    """The largest difference between two tokens -> logprob maps over the tokens both
-    hold (keys compared as strings: JSON's)."""
-    ours = {str(k): v for k, v in ours.items()}
-    common_tokens = ours.keys() & theirs.keys()
-    return max((abs(ours[t] - theirs[t]) for t in common_tokens), default=float("nan"))
+def logprob_gaps(ours: list[dict], theirs: list[dict]) -> list[float]:
+    """Prompt by prompt, how far two token -> logprob maps differ on each token both
+    list (keys compared as strings: JSON's)."""
+    gaps = []
+    for a, b in zip(ours, theirs, strict=True):
+        a, b = _str_keys(a), _str_keys(b)
+        gaps += [abs(a[t] - b[t]) for t in a.keys() & b.keys()]
+    return gaps
 
 
-def top_token(logprobs: dict) -> str:
-    return str(max(logprobs, key=logprobs.get))
+def same_first_tokens(ours: list[dict], theirs: list[dict]) -> bool:
+    """Whether both pick the same (most likely) first token for every prompt."""
+    pairs = zip(map(_str_keys, ours), map(_str_keys, theirs), strict=True)
+    return all(max(a, key=a.get) == max(b, key=b.get) for a, b in pairs)
+
+
+def _str_keys(logprobs: dict) -> dict[str, float]:
+    return {str(k): v for k, v in logprobs.items()}
 
 
 def add_peer(rows: list[dict], scheme_args: dict[str, dict], batches, make_workload) -> None:
@@ -219,13 +227,9 @@ def add_peer(rows: list[dict], scheme_args: dict[str, dict], batches, make_workl
             row[f"{PREFIX}decode_tokens_per_s_b{batch}"] = statistics.median(rates)
         row[PREFIX + "first_token_logprobs"] = result.logprobs
         ours = row["first_token_logprobs"]
-        row[PREFIX + "logprob_max_gap"] = max(
-            logprob_gap(a, b) for a, b in zip(ours, result.logprobs)
-        )
-        row[PREFIX + "same_first_token"] = all(
-            top_token({str(k): v for k, v in a.items()}) == top_token(b)
-            for a, b in zip(ours, result.logprobs)
-        )
+        gaps = logprob_gaps(ours, result.logprobs)
+        row[PREFIX + "logprob_max_gap"] = max(gaps, default=float("nan"))
+        row[PREFIX + "same_first_token"] = same_first_tokens(ours, result.logprobs)
     base = rows[0]
     for row in rows:
         for batch in batches:
@@ -240,7 +244,6 @@ def add_peer(rows: list[dict], scheme_args: dict[str, dict], batches, make_workl
 
 def format_table(rows: list[dict], batches) -> str:
     """The peer's rates beside minipaged's, per scheme; a scheme it did not run, why."""
-
     columns = [Column("scheme", "scheme"), Column(SYSTEM, lambda r: r[PREFIX + "status"][:70])]
     for b in batches:
         columns += [
