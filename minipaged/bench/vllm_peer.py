@@ -209,7 +209,7 @@ def parse_result(doc: dict, workload: PeerWorkload) -> PeerResult:
 def run_driver(driver: Path, workload, num_threads: int, python: Path | None = None) -> dict:
     """Run the peer's script ``driver`` on ``workload`` (anything with ``write(path)``)
     with the peer's ``python`` (`peer_python` by default) on ``num_threads`` cores, and
-    return the JSON it wrote; its log goes to stderr."""
+    return the JSON it wrote; its log (vLLM's logger writes to stdout) goes to stderr."""
     python = python or peer_python()
     with tempfile.TemporaryDirectory(prefix="minipaged-vllm-") as tmp:
         workload_path, result_path = Path(tmp, "workload.json"), Path(tmp, "result.json")
@@ -217,7 +217,7 @@ def run_driver(driver: Path, workload, num_threads: int, python: Path | None = N
         done = subprocess.run(
             [str(python), str(driver), str(workload_path), str(result_path)],
             env={**os.environ, **peer_env(num_threads)},
-            stdout=subprocess.DEVNULL,
+            stdout=2,  # vLLM logs to stdout: its log goes with ours, the tables stay clean
             check=False,
         )
         if done.returncode != 0 or not result_path.is_file():
