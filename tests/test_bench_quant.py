@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cli_helpers import run_main
-from minipaged.bench.quant import eval_text
+from engine_helpers import make_llm
+from minipaged.bench.quant import eval_text, hf_perplexity, perplexity
 from minipaged.bench.vllm_quant import LOGPROB_PROMPTS
 from minipaged.models.loader import read_config
 from minipaged.models.quantization.quantize import calibration_text
@@ -66,3 +67,12 @@ def test_perplexity_text_is_not_in_the_calibration_text():
     chunks = [text[i : i + 120] for i in range(0, len(text) - 120, 120)]
     assert len(chunks) > 100
     assert not [c for c in chunks if c in calibration]
+
+
+def test_hf_perplexity_equals_the_engines(tiny):
+    """The calibration studies' measure (Hugging Face's model) and the bench's (the
+    engine's prompt logprobs) on the same weights and windows."""
+    path, oracle = tiny("llama")
+    engine = perplexity(make_llm(path, dtype="float32"), eval_text(), 32, 3)
+    hf = hf_perplexity(oracle.hf, oracle.tokenizer, eval_text(), 32, 3)
+    assert math.isclose(engine, hf, rel_tol=1e-4)

@@ -9,6 +9,7 @@ format (not minipaged's), dequantized, and saved as an ordinary float32 checkpoi
 transformers loads.  The online schemes' oracle rounds the weights here, by the rule.
 """
 
+import copy
 import json
 
 import pytest
@@ -26,7 +27,7 @@ from engine_helpers import (
 from minipaged.cli import main as cli
 from minipaged.config import EngineConfig
 from minipaged.models.loader import load_model
-from minipaged.models.quantization import formats, resolve_quantization, weight_bytes
+from minipaged.models.quantization import formats, quantize, resolve_quantization, weight_bytes
 from minipaged.models.quantization.quantize import awq_clip, gptq_quantize, rtn_quantize
 from minipaged.ops.quant_linear import IntWeight
 from minipaged.sampling_params import BeamSearchParams, SamplingParams
@@ -141,6 +142,8 @@ def checkpoints(base, tmp_path_factory):
         "rtn": ["--method", "rtn"],
         "gptq": ["--method", "gptq", "--desc-act", "--no-sym"],
         "awq": ["--method", "awq"],
+        # AWQ's scales folded in, then GPTQ with every option: a plain GPTQ checkpoint.
+        "awq-gptq": ["--method", "awq-gptq", "--desc-act", "--mse", "--true-sequential"],
     }
     out = {}
     for name, flags in runs.items():
@@ -151,7 +154,7 @@ def checkpoints(base, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", ["rtn", "gptq", "awq"])
+@pytest.mark.parametrize("name", ["rtn", "gptq", "awq", "awq-gptq"])
 def test_int4_checkpoint_equals_hf_on_its_dequantized_weights(checkpoints, name):
     path, oracle = checkpoints[name]
     llm = make_llm(path)  # quantization detected from config.json
@@ -436,3 +439,153 @@ def test_quantized_model_with_the_engines_other_features(checkpoints):
     assert busy.stats()["num_preemptions"] > 0
     beams = make_llm(path).beam_search(prompts[:1], BeamSearchParams(beam_width=2, max_tokens=4))
     assert len(beams[0].sequences) == 2
+
+
+def _grid_error(v, shrink, sym):
+    """``sum |v - Q(v)|^2.4`` for 4-bit rounding on the range ``[min, max]`` (both
+    including 0; symmetric about 0 if ``sym``) shrunk by ``shrink``, written here."""
+    lo, hi = min(float(v.min()), 0.0), max(float(v.max()), 0.0)
+    if sym:
+        hi = max(-lo, hi)
+        lo = -hi
+    lo, hi = lo * shrink, hi * shrink
+    scale = max((hi - lo) / 15, 1e-10)
+    zero = 8 if sym else round(-lo / scale)
+    q = ((v / scale).round() + zero).clamp(0, 15)
+    return float(((v - (q - zero) * scale).abs() ** 2.4).sum())
+
+
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "zero-points"])
+def test_mse_grid_search_is_a_brute_force_search_never_worse_than_min_max(sym):
+    """GPTQ's ``mse`` range search: each group's error is the least of the 80 shrunk
+    ranges a per-(row, group) loop tries, so never more than min/max rounding's."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 64, generator=g, dtype=torch.float64)
+    w[0, 3], w[4, 40] = 8.0, -6.0  # outliers, where a narrower range pays off
+    searched = rtn_quantize(w, 4, 32, sym, mse=True).dequantize().double()
+    plain = rtn_quantize(w, 4, 32, sym).dequantize().double()
+    shrunk = 0
+    for row in range(6):
+        for start in (0, 32):
+            v = w[row, start : start + 32]
+            mine = float(((v - searched[row, start : start + 32]).abs() ** 2.4).sum())
+            best = min(_grid_error(v, 1 - i / 100, sym) for i in range(80))
+            assert mine == pytest.approx(best, rel=1e-5)
+            assert mine <= float(((v - plain[row, start : start + 32]).abs() ** 2.4).sum())
+            shrunk += mine < _grid_error(v, 1.0, sym) * (1 - 1e-6)
+    assert shrunk > 0  # the search did narrow some ranges
+
+
+def test_mse_never_raises_any_groups_error_on_random_weights():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(128, 256, generator=g) * torch.rand(1, 256, generator=g) * 3
+    for sym in (True, False):
+        errors = [
+            (rtn_quantize(w, 4, 32, sym, mse=mse).dequantize() - w).abs().pow(2.4)
+            for mse in (False, True)
+        ]
+        plain, searched = (e.reshape(128, -1, 32).sum(-1) for e in errors)
+        assert (searched <= plain * (1 + 1e-5)).all() and (searched < plain).float().mean() > 0.3
+
+
+@pytest.fixture(scope="module")
+def calibrated_layer(base):
+    """The tiny model's first decoder layer and its inputs on four random prompts."""
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    samples = [torch.tensor(random_prompt(32, seed=s)) for s in range(4)]
+    return hf.model.layers[0], quantize._layer_inputs(hf, samples)
+
+
+def _hessians(monkeypatch, layer, inputs, **options) -> dict:
+    """Each projection's Hessian as `quantize_layer` hands it to GPTQ (a copy of
+    ``layer`` is quantized), and the quantized weights."""
+    seen = {}
+    real = quantize.gptq_quantize
+
+    def spy(w, hessian, *args, **kwargs):
+        seen[len(seen)] = hessian.clone()
+        return real(w, hessian, *args, **kwargs)
+
+    monkeypatch.setattr(quantize, "gptq_quantize", spy)
+    layer = copy.deepcopy(layer)
+    weights = quantize.quantize_layer(layer, inputs, "gptq", 4, 32, True, False, **options)
+    return dict(zip(weights, seen.values())), weights
+
+
+def test_true_sequential_calibrates_each_group_on_the_quantized_ones_before(
+    calibrated_layer, monkeypatch
+):
+    """AutoGPTQ's ``true_sequential``: q, k, v see what the plain run's see; o sees the
+    attention through the quantized q, k, v, which this test recomputes with a forward
+    hook on a copy of the layer holding those weights (``2 X^T X / n``)."""
+    layer, inputs = calibrated_layer
+    plain, _ = _hessians(monkeypatch, layer, inputs)
+    sequential, weights = _hessians(monkeypatch, layer, inputs, true_sequential=True)
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+        torch.testing.assert_close(sequential[name], plain[name], rtol=0, atol=0)
+    for name in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+        assert not torch.allclose(sequential[name], plain[name], rtol=1e-4, atol=1e-6)
+    oracle = copy.deepcopy(layer)
+    xs = []
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            w = getattr(oracle.self_attn, name).weight
+            w.copy_(weights[f"self_attn.{name}"].dequantize(w.dtype))
+        hook = oracle.self_attn.o_proj.register_forward_hook(
+            lambda m, args, out: xs.append(args[0].reshape(-1, args[0].shape[-1]))
+        )
+        for hidden, kwargs in inputs:
+            oracle(hidden, **kwargs)
+        hook.remove()
+    x = torch.cat(xs)
+    torch.testing.assert_close(sequential["self_attn.o_proj"], 2 * x.T @ x / len(x))
+
+
+def test_awq_scales_fold_into_the_ops_before_leaving_the_layer_unchanged(calibrated_layer):
+    """What awq-gptq writes before rounding: AWQ's scales (searched on a symmetric
+    grid, GPTQ's) divided out of the norms and ``up_proj``/``v_proj`` rows and
+    multiplied into the projections, so the layer computes the same function."""
+    layer, inputs = calibrated_layer
+    scaled = copy.deepcopy(layer)
+    with torch.no_grad():
+        seen = quantize._collect(scaled, inputs)
+        quantize._awq_scale(scaled, seen, 4, 32, duo_scaling=True, sym=True)
+        assert not torch.allclose(scaled.mlp.down_proj.weight, layer.mlp.down_proj.weight)
+        for (hidden, kwargs), (out, _) in zip(inputs, quantize._run_layer(scaled, inputs)):
+            expected = layer(hidden, **kwargs)
+            expected = expected[0] if isinstance(expected, tuple) else expected
+            torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-4)
+
+
+def test_awq_gptq_is_closer_to_the_unquantized_model_than_rounding(base, checkpoints):
+    """The awq-gptq checkpoint, read by this file's own GPTQ reader, against the
+    unquantized model on its calibration windows (what GPTQ and AWQ minimise the error
+    on; a random model has no other text it models): its logits' error is below plain
+    rounding's (RTN's checkpoint) by the margin GPTQ's own test asks."""
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    ids = torch.stack(quantize.calibration_samples(checkpoints["rtn"][1].tokenizer, 4, 64))
+    with torch.no_grad():
+        reference = hf(ids).logits
+        errors = {
+            name: float((checkpoints[name][1].hf(ids).logits - reference).pow(2).mean())
+            for name in ("rtn", "awq-gptq")
+        }
+    config = json.loads((checkpoints["awq-gptq"][0] / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "gptq"
+    assert config["quantization_config"]["true_sequential"] is True
+    assert errors["awq-gptq"] < 0.7 * errors["rtn"]
+
+
+@pytest.mark.parametrize(
+    "method,option",
+    [("awq", "act_order"), ("rtn", "true_sequential"), ("awq", "true_sequential"), ("awq", "mse")],
+)
+def test_options_of_other_methods_are_refused(base, tmp_path, method, option):
+    with pytest.raises(ValueError, match=option):
+        quantize.quantize_checkpoint(base, tmp_path, method=method, **{option: True})
+
+
+def test_the_commands_methods_are_the_modules():
+    from minipaged.commands import quantize as command
+
+    assert command.METHODS == quantize.METHODS

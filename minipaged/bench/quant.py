@@ -114,20 +114,34 @@ def engine_args(
     return {"model": str(model), "quantization": None if scheme == "none" else scheme}
 
 
+def perplexity_windows(tokenizer, text: str, window: int, max_windows: int) -> list[list[int]]:
+    """The first ``max_windows`` windows of ``window`` tokens of ``text``."""
+    ids = tokenizer(text)["input_ids"]
+    windows = [ids[i : i + window] for i in range(0, len(ids) - window + 1, window)]
+    return windows[:max_windows]
+
+
 def perplexity(llm: LLM, text: str, window: int, max_windows: int) -> float:
     """``exp(-mean log p)`` of ``text``'s tokens, in windows of ``window`` tokens."""
-    ids = llm.get_tokenizer()(text)["input_ids"]
-    windows = [ids[i : i + window] for i in range(0, len(ids) - window + 1, window)]
+    windows = perplexity_windows(llm.get_tokenizer(), text, window, max_windows)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    outputs = llm.generate(
-        [{"prompt_token_ids": w} for w in windows[:max_windows]], params, use_tqdm=False
-    )
+    outputs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
     logprobs = [
         entry[token]
         for out in outputs
         for token, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])
     ]
     return math.exp(-sum(logprobs) / len(logprobs))
+
+
+@torch.no_grad()
+def hf_perplexity(model, tokenizer, text: str, window: int, max_windows: int) -> float:
+    """`perplexity` of a Hugging Face model on the same windows (the calibration
+    studies' measure: its float32 model holding the dequantized weights)."""
+    ids = torch.tensor(perplexity_windows(tokenizer, text, window, max_windows))
+    logits = model(ids, use_cache=False).logits.float()
+    logprobs = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])
+    return math.exp(-float(logprobs.mean()))
 
 
 def projection_bytes(model) -> int:

@@ -1,5 +1,5 @@
-"""``minipaged quantize MODEL --method {rtn,gptq,awq} --bits 4 --group-size 128 OUT``:
-`minipaged.models.quantization.quantize.quantize_checkpoint`."""
+"""``minipaged quantize MODEL --method {rtn,gptq,awq,awq-gptq} --bits 4 --group-size 128
+OUT``: `minipaged.models.quantization.quantize.quantize_checkpoint`."""
 
 from __future__ import annotations
 
@@ -7,19 +7,26 @@ import argparse
 
 from minipaged.arg_utils import MODEL_HELP
 
+METHODS = ("rtn", "gptq", "awq", "awq-gptq")  # the quantize module's, without importing it
+
 NAME = "quantize"
 HELP = "write an INT4 GPTQ or AWQ checkpoint of a model"
 DESCRIPTION = (
     "Quantize a 16/32-bit checkpoint's projections to 4 bits, group-wise, by rounding "
-    "(rtn), GPTQ or AWQ on a small calibration text, and write it in Hugging Face's "
-    "GPTQ or AWQ format, which `minipaged generate --model OUT` and vLLM load."
+    "(rtn), GPTQ, AWQ or AWQ's scales then GPTQ on a small calibration text, and write "
+    "it in Hugging Face's GPTQ or AWQ format, which `minipaged generate --model OUT` and vLLM load."
 )
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("model", help=MODEL_HELP)
     parser.add_argument("out", help="directory to write (created if missing)")
-    parser.add_argument("--method", choices=("rtn", "gptq", "awq"), default="gptq")
+    parser.add_argument(
+        "--method",
+        choices=METHODS,
+        default="gptq",
+        help="awq-gptq: AWQ's scales, then GPTQ's rounding, as a GPTQ checkpoint",
+    )
     parser.add_argument("--bits", type=int, default=4, help="bits per weight (4)")
     parser.add_argument(
         "--group-size", type=int, default=128, help="input columns per scale: 32, 64, 128 or -1"
@@ -32,6 +39,16 @@ def add_arguments(parser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="zero points at the middle (rtn and gptq; awq's are always asymmetric)",
+    )
+    parser.add_argument(
+        "--mse",
+        action="store_true",
+        help="each group's range by GPTQ's MSE grid search (rtn, gptq, awq-gptq)",
+    )
+    parser.add_argument(
+        "--true-sequential",
+        action="store_true",
+        help="AutoGPTQ's: q/k/v, then o, gate/up, down, each on the quantized ones' outputs",
     )
     parser.add_argument("--num-samples", type=int, default=64, help="calibration sequences")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
@@ -58,6 +75,8 @@ def main(args) -> None:
         num_samples=args.num_samples,
         seq_len=args.seq_len,
         num_threads=args.threads,
+        mse=args.mse,
+        true_sequential=args.true_sequential,
     )
     print(f"wrote a {args.bits}-bit {args.method} checkpoint to {out}:")
     for file in sorted(out.iterdir()):

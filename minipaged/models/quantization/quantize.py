@@ -1,8 +1,8 @@
 """Make an INT4 checkpoint from a 16/32-bit one: ``minipaged quantize MODEL --method
-{rtn,gptq,awq} --bits 4 --group-size 128 OUT``, written in Hugging Face's format
+{rtn,gptq,awq,awq-gptq} --bits 4 --group-size 128 OUT``, written in Hugging Face's format
 (`formats`), so that minipaged, vLLM or transformers load it as any GPTQ or AWQ model.
 
-Three ways to pick each group's integers, all with the same grid
+Four ways to pick each group's integers, all with the same grid
 (``W ~ (q - z) * s``, ``q`` in ``0 .. 15``):
 
 - **RTN** (round to nearest): each weight rounded on its group's grid, nothing else.
@@ -23,7 +23,18 @@ Three ways to pick each group's integers, all with the same grid
   ``o_proj`` where there is no GQA), so the model computes the same function, and the
   salient channels (large activations) lose less to rounding.  Then AutoAWQ's
   clipping search (``apply_clip``, `awq_clip`) bounds each group of every projection
-  but q and k.
+  but q and k;
+- **AWQ then GPTQ** (``awq-gptq``): AWQ's scales folded in as above, then GPTQ rounds
+  the scaled weights (no clipping), llm-compressor's recipe of an ``AWQModifier``
+  followed by a ``GPTQModifier`` (AWQ's paper, §5: the two are orthogonal).  The
+  scales live in the norms' and projections' weights, so the result is a plain GPTQ
+  checkpoint.
+
+Two standard GPTQ options: ``mse`` (GPTQ's reference ``Quantizer(mse=True)``,
+GPTQModel's ``mse``) searches each group's range for the least rounding error
+(`fit_grid`; for RTN too), and ``true_sequential`` (AutoGPTQ's) quantizes q/k/v, then
+o, then gate/up, then down, each group calibrated on inputs that went through the
+groups already quantized (`quantize_layer`).
 
 Calibration runs the Hugging Face model layer by layer, each layer on the previous
 layer's quantized outputs, as both papers do.  The calibration text (`calibration_text`)
@@ -71,12 +82,23 @@ __all__ = [
     "rtn_quantize",
 ]
 
-METHODS = ("rtn", "gptq", "awq")
+METHODS = ("rtn", "gptq", "awq", "awq-gptq")
+GPTQ_METHODS = ("gptq", "awq-gptq")  # the ones with a Hessian
 CALIBRATION_MODULES = ("argparse", "logging", "unittest", "subprocess", "json")
 AWQ_GRID = 20
 AWQ_TOKENS = 512  # the searches' sample of each group's inputs
 AWQ_MAX_SHRINK = 0.5  # the clipping search's smallest bound: half the largest weight
 AWQ_UNCLIPPED = ("self_attn.q_proj", "self_attn.k_proj")
+# GPTQ's reference Quantizer's defaults for its ``mse`` search (grid, maxshrink, norm).
+MSE_GRID, MSE_MAX_SHRINK, MSE_NORM = 100, 0.8, 2.4
+# AutoGPTQ's ``true_sequential`` order for Llama: each group quantized on inputs that
+# went through the groups quantized before it.
+TRUE_SEQUENTIAL = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
 
 
 def docstrings(modules, imported: bool = True) -> str:
@@ -118,16 +140,41 @@ def _public(obj, module: str) -> bool:
     return (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__ == module
 
 
-def fit_grid(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def fit_grid(
+    w: torch.Tensor, bits: int, sym: bool, mse: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's scale and integer zero point for the values ``w [N, g]``: symmetric
-    (zero at the middle, ``2**(bits-1)``) or spanning ``[min(w, 0), max(w, 0)]``."""
-    maxq = 2**bits - 1
+    (zero at the middle, ``2**(bits-1)``) or spanning ``[min(w, 0), max(w, 0)]``.
+
+    With ``mse``, GPTQ's reference ``Quantizer(mse=True)`` (GPTQModel's ``mse``): the
+    range shrunk to ``1 - i / MSE_GRID`` of itself, ``i < MSE_MAX_SHRINK * MSE_GRID``,
+    and each row keeps the shrink whose rounding error ``sum |w - Q(w)|^MSE_NORM`` is
+    least (the full range is the first candidate, so it is never worse)."""
     lo, hi = w.min(1).values.clamp(max=0), w.max(1).values.clamp(min=0)
     if sym:
         hi = torch.maximum(-lo, hi)
-        scale = (2 * hi / maxq).clamp(min=1e-10)
-        return scale, torch.full_like(scale, 2 ** (bits - 1))
+        lo = -hi
+    if not mse:
+        return _grid(lo, hi, bits, sym)
+    best = torch.full_like(lo, float("inf"))
+    scale, zero = _grid(lo, hi, bits, sym)
+    for i in range(int(MSE_MAX_SHRINK * MSE_GRID)):
+        shrink = 1 - i / MSE_GRID
+        s, z = _grid(shrink * lo, shrink * hi, bits, sym)
+        q = _round(w, s, z, bits)
+        error = ((q - z[:, None]) * s[:, None] - w).abs().pow(MSE_NORM).sum(1)
+        better = error < best
+        best = torch.where(better, error, best)
+        scale, zero = torch.where(better, s, scale), torch.where(better, z, zero)
+    return scale, zero
+
+
+def _grid(lo, hi, bits, sym):
+    """The scale and zero point whose grid spans ``[lo, hi]`` (``lo = -hi`` if ``sym``)."""
+    maxq = 2**bits - 1
     scale = ((hi - lo) / maxq).clamp(min=1e-10)
+    if sym:
+        return scale, torch.full_like(scale, 2 ** (bits - 1))
     return scale, torch.round(-lo / scale).clamp(0, maxq)
 
 
@@ -135,14 +182,16 @@ def _round(w, scale, zero, bits):
     return torch.clamp(torch.round(w / scale[:, None]) + zero[:, None], 0, 2**bits - 1)
 
 
-def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool) -> IntWeight:
-    """Round to nearest, group by group."""
+def rtn_quantize(
+    weight: torch.Tensor, bits: int, group_size: int, sym: bool, mse: bool = False
+) -> IntWeight:
+    """Round to nearest, group by group (each group's grid by `fit_grid`)."""
     n, k = weight.shape
     size = k if group_size == -1 else group_size
     q, scales, zeros = torch.empty(n, k), [], []
     for start in range(0, k, size):
         w = weight[:, start : start + size].float()
-        scale, zero = fit_grid(w, bits, sym)
+        scale, zero = fit_grid(w, bits, sym, mse)
         q[:, start : start + size] = _round(w, scale, zero, bits)
         scales.append(scale), zeros.append(zero)
     return _int_weight(q, scales, zeros, torch.arange(k) // size, bits)
@@ -168,6 +217,7 @@ def gptq_quantize(
     act_order: bool = False,
     damp: float = 0.01,
     block: int = 128,
+    mse: bool = False,
 ) -> IntWeight:
     """GPTQ (module docstring) of ``weight [N, K]`` given ``hessian [K, K]``."""
     w, h = weight.float().clone(), hessian.float().clone()
@@ -185,7 +235,9 @@ def gptq_quantize(
         w1, err1, hinv1 = w[:, i1:i2].clone(), torch.zeros(n, i2 - i1), hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             if (i1 + i) % size == 0:  # a group starts: its grid from the updated weights
-                scale, zero = fit_grid(torch.cat([w1[:, i:], w[:, i2:]], 1)[:, :size], bits, sym)
+                scale, zero = fit_grid(
+                    torch.cat([w1[:, i:], w[:, i2:]], 1)[:, :size], bits, sym, mse
+                )
                 scales.append(scale), zeros.append(zero)
             col = w1[:, i]
             q[:, i1 + i] = _round(col[:, None], scale, zero, bits)[:, 0]
@@ -260,7 +312,9 @@ def _collect(layer, inputs) -> dict[str, torch.Tensor]:
     return {name: torch.cat(xs) for name, xs in seen.items()}
 
 
-def _awq_scale(layer, inputs: dict[str, torch.Tensor], bits, group_size, duo_scaling) -> None:
+def _awq_scale(
+    layer, inputs: dict[str, torch.Tensor], bits, group_size, duo_scaling, sym=False
+) -> None:
     """AWQ's search (module docstring) for each group of projections sharing an input,
     the scales folded into the op before, and the group's ``inputs`` divided by them
     (what the projections now see); in place."""
@@ -277,7 +331,7 @@ def _awq_scale(layer, inputs: dict[str, torch.Tensor], bits, group_size, duo_sca
         linears = [projections[name] for name in names]
         x = _awq_sample(inputs[names[0]])
         w = torch.cat([linear.weight.float() for linear in linears])
-        scale = _awq_best_scale(x, w, bits, group_size, duo_scaling)
+        scale = _awq_best_scale(x, w, bits, group_size, duo_scaling, sym)
         dtype = before.weight.dtype
         if isinstance(before, nn.Linear):  # its output rows are the next one's inputs
             before.weight.copy_((before.weight.float() / scale[:, None]).to(dtype))
@@ -293,15 +347,17 @@ def _awq_sample(x: torch.Tensor) -> torch.Tensor:
     return x[torch.linspace(0, len(x) - 1, min(len(x), AWQ_TOKENS)).long()]
 
 
-def _awq_best_scale(x, w, bits, group_size, duo_scaling) -> torch.Tensor:
+def _awq_best_scale(x, w, bits, group_size, duo_scaling, sym=False) -> torch.Tensor:
     """The per-input-channel scale ``s`` on AWQ's grid that minimises the error of
-    ``x Q(w s)^T / s`` against ``x w^T``: ``s = mean|x|^a``, or with ``duo_scaling``
-    (AutoAWQ's default) ``mean|x|^a / mean|w|^(1-a)``, ``|w|`` relative to its group's
-    largest."""
+    ``x Q(w s)^T / s`` against ``x w^T`` (``Q`` with zero points, AWQ's, unless
+    ``sym``): ``s = mean|x|^a``, or with ``duo_scaling`` (AutoAWQ's default)
+    ``mean|x|^a / mean|w|^(1-a)``, ``|w|`` relative to its group's largest."""
     reference = x @ w.T
     x_mean = x.abs().mean(0)
-    groups = w.abs().reshape(-1, group_size)
-    w_mean = (groups / (groups.amax(1, keepdim=True) + 1e-6)).reshape(w.shape).mean(0)
+    size = w.shape[1] if group_size == -1 else group_size
+    w_mean = torch.cat(
+        [g / (g.amax(1, keepdim=True) + 1e-6) for g in w.abs().split(size, dim=1)], 1
+    ).mean(0)
     best, best_scale = float("inf"), None
     for ratio in torch.arange(AWQ_GRID) / AWQ_GRID:
         s = x_mean.pow(ratio)
@@ -309,7 +365,7 @@ def _awq_best_scale(x, w, bits, group_size, duo_scaling) -> torch.Tensor:
             s = s / (w_mean.pow(1 - ratio) + 1e-4)
         s = s.clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        wq = rtn_quantize(w * s, bits, group_size, sym=False).dequantize() / s
+        wq = rtn_quantize(w * s, bits, group_size, sym).dequantize() / s
         error = float(((x @ wq.T - reference) ** 2).mean())
         if error < best:
             best, best_scale = error, s
@@ -340,25 +396,49 @@ def awq_clip(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int) -> to
 
 @torch.no_grad()
 def quantize_layer(
-    layer, inputs, method, bits, group_size, sym, act_order, duo_scaling=True, apply_clip=True
+    layer,
+    inputs,
+    method,
+    bits,
+    group_size,
+    sym,
+    act_order,
+    duo_scaling=True,
+    apply_clip=True,
+    mse=False,
+    true_sequential=False,
 ):
     """Quantize the decoder ``layer`` given its calibration ``inputs``; its projections
-    then hold their dequantized weights.  Returns HF name -> `IntWeight`."""
+    then hold their dequantized weights.  Returns HF name -> `IntWeight`.
+
+    ``awq-gptq`` is AWQ's scaling (no clipping: GPTQ does the rounding) followed by GPTQ,
+    llm-compressor's recipe of an ``AWQModifier`` then a ``GPTQModifier`` (AWQ's paper,
+    §5, finds the two orthogonal).  With ``true_sequential`` (AutoGPTQ's option), the
+    groups of `TRUE_SEQUENTIAL` are quantized in turn, each on inputs collected again
+    through the groups already quantized; without it every projection's inputs come
+    from the unquantized layer."""
+    projections = _projections(layer)
     seen = _collect(layer, inputs) if method != "rtn" else {}
-    if method == "awq":
-        _awq_scale(layer, seen, bits, group_size, duo_scaling)
+    if method in ("awq", "awq-gptq"):
+        _awq_scale(layer, seen, bits, group_size, duo_scaling, sym)
     quantized = {}
-    for name, linear in _projections(layer).items():
-        w = linear.weight.float()
-        # AutoAWQ clips neither q nor k: their error meets in q k^T, not in one output.
-        if method == "awq" and apply_clip and name not in AWQ_UNCLIPPED:
-            w = awq_clip(w, seen[name], bits, group_size)
-        if method == "gptq":
-            hessian = 2 * seen[name].T @ seen[name] / len(seen[name])
-            quantized[name] = gptq_quantize(w, hessian, bits, group_size, sym, act_order)
-        else:
-            quantized[name] = rtn_quantize(w, bits, group_size, sym)
-        linear.weight.copy_(quantized[name].dequantize(linear.weight.dtype))
+    steps = TRUE_SEQUENTIAL if true_sequential else (tuple(projections),)
+    for i, names in enumerate(steps):
+        if i > 0:  # what the next group sees through the ones already quantized
+            seen = _collect(layer, inputs)
+        for name in names:
+            linear, w = projections[name], projections[name].weight.float()
+            # AutoAWQ clips neither q nor k: their error meets in q k^T, not in one output.
+            if method == "awq" and apply_clip and name not in AWQ_UNCLIPPED:
+                w = awq_clip(w, seen[name], bits, group_size)
+            if method in ("gptq", "awq-gptq"):
+                hessian = 2 * seen[name].T @ seen[name] / len(seen[name])
+                quantized[name] = gptq_quantize(
+                    w, hessian, bits, group_size, sym, act_order, mse=mse
+                )
+            else:
+                quantized[name] = rtn_quantize(w, bits, group_size, sym, mse)
+            linear.weight.copy_(quantized[name].dequantize(linear.weight.dtype))
     return quantized
 
 
@@ -373,19 +453,27 @@ def quantize_checkpoint(
     num_samples: int = 64,
     seq_len: int = 256,
     num_threads: int = 1,
+    mse: bool = False,
+    true_sequential: bool = False,
 ) -> Path:
     """Quantize the checkpoint in ``model_path`` with ``method`` and write it to ``out``
-    in Hugging Face's format (GPTQ's for rtn and gptq, AWQ's for awq), torch on
-    ``num_threads`` threads (module docstring).  AWQ's zero points are always
-    asymmetric (``sym`` is GPTQ's and RTN's)."""
+    in Hugging Face's format (GPTQ's for rtn, gptq and awq-gptq, AWQ's for awq), torch
+    on ``num_threads`` threads (module docstring).  AWQ's zero points are always
+    asymmetric (``sym`` is the GPTQ format's).  ``mse`` searches each group's range
+    (`fit_grid`); ``true_sequential`` calibrates each projection group on the ones
+    quantized before it (`quantize_layer`)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if bits != 4:
         raise ValueError(f"bits must be 4 (the formats minipaged writes), got {bits!r}")
     if group_size not in (-1, 32, 64, 128):
         raise ValueError(f"group_size must be -1, 32, 64 or 128, got {group_size!r}")
-    if act_order and method != "gptq":
-        raise ValueError("act_order (desc_act) is GPTQ's")
+    if act_order and method not in GPTQ_METHODS:
+        raise ValueError(f"act_order (desc_act) is GPTQ's ({GPTQ_METHODS}), not {method!r}'s")
+    if true_sequential and method not in GPTQ_METHODS:
+        raise ValueError(f"true_sequential is GPTQ's ({GPTQ_METHODS}), not {method!r}'s")
+    if mse and method == "awq":
+        raise ValueError("mse is the GPTQ format's (rtn, gptq, awq-gptq); awq clips instead")
     model_path, out = Path(model_path), Path(out)
     model = AutoModelForCausalLM.from_pretrained(
         model_path, dtype=torch.float32, local_files_only=True
@@ -398,16 +486,39 @@ def quantize_checkpoint(
     threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        quantized = _quantize_layers(model, samples, method, bits, group_size, sym, act_order)
+        quantized = _quantize_layers(
+            model,
+            samples,
+            method,
+            bits,
+            group_size,
+            sym,
+            act_order,
+            mse=mse,
+            true_sequential=true_sequential,
+        )
     finally:
         torch.set_num_threads(threads)
     sym = sym and method != "awq"
-    _write(model, model_path, out, quantized, method, bits, group_size, sym, act_order, saved_dtype)
+    options = {"mse": mse, "true_sequential": true_sequential}
+    _write(
+        model,
+        model_path,
+        out,
+        quantized,
+        method,
+        bits,
+        group_size,
+        sym,
+        act_order,
+        saved_dtype,
+        options,
+    )
     return out
 
 
 @torch.no_grad()
-def _quantize_layers(model, samples, method, bits, group_size, sym, act_order, **awq) -> dict:
+def _quantize_layers(model, samples, method, bits, group_size, sym, act_order, **options) -> dict:
     """Every decoder layer quantized in turn, each calibrated on the previous ones'
     quantized outputs; HF name -> `IntWeight`."""
     quantized = {}
@@ -415,7 +526,7 @@ def _quantize_layers(model, samples, method, bits, group_size, sym, act_order, *
     inputs = _layer_inputs(model, samples) if method != "rtn" else None
     for i, layer in enumerate(tqdm(model.model.layers, desc=f"{method} layers", leave=False)):
         for name, weight in quantize_layer(
-            layer, inputs, method, bits, group_size, sym and method != "awq", act_order, **awq
+            layer, inputs, method, bits, group_size, sym and method != "awq", act_order, **options
         ).items():
             quantized[f"model.layers.{i}.{name}"] = weight
         if inputs is not None:
@@ -423,7 +534,7 @@ def _quantize_layers(model, samples, method, bits, group_size, sym, act_order, *
     return quantized
 
 
-def _write(model, source, out, quantized, method, bits, group_size, sym, act_order, dtype):
+def _write(model, source, out, quantized, method, bits, group_size, sym, act_order, dtype, options):
     out.mkdir(parents=True, exist_ok=True)
     pack = formats.pack_awq if method == "awq" else formats.pack_gptq
     tensors = {}
@@ -455,6 +566,8 @@ def _write(model, source, out, quantized, method, bits, group_size, sym, act_ord
             "sym": sym,
             "checkpoint_format": "gptq",
             "damp_percent": 0.01,
+            # AutoGPTQ's true_sequential and GPTQModel's mse, as they record them.
+            **options,
             # Not a key of the format: how the integers were chosen, for the reader.
             "minipaged_method": method,
         }
