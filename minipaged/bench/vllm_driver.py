@@ -68,7 +68,9 @@ def settings(llm) -> dict:
     }
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], run=run) -> None:
+    """``WORKLOAD.json RESULT.json``: the workload in, ``run``'s result out (this
+    driver's run, or another peer driver's that imports this one)."""
     workload_path, result_path = argv
     with open(workload_path) as f:
         workload = json.load(f)

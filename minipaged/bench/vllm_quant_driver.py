@@ -15,11 +15,10 @@ and vLLM only.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
-from vllm_driver import settings, versions  # beside this file, on sys.path as its folder
+from vllm_driver import main, settings, versions  # beside this file, on sys.path as its folder
 
 
 def first_token_logprobs(llm, prompts: list[list[int]], num_logprobs: int) -> list[dict]:
@@ -72,14 +71,5 @@ def run(workload: dict) -> dict:
     }
 
 
-def main(argv: list[str]) -> None:
-    workload_path, result_path = argv
-    with open(workload_path) as f:
-        workload = json.load(f)
-    result = run(workload)
-    with open(result_path, "w") as f:
-        json.dump(result, f)
-
-
 if __name__ == "__main__":  # vLLM starts its engine in child processes that import this
-    main(sys.argv[1:])
+    main(sys.argv[1:], run)
