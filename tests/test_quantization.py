@@ -105,6 +105,20 @@ def random_int4(n: int, k: int, group_size: int, act_order: bool) -> IntWeight:
     )
 
 
+def test_a_zero_point_of_0_is_refused_naming_where():
+    """GPTQ's format stores zero points minus one: a zero point of 0 (which asymmetric
+    grids can choose) is refused, naming the projection, the output and the group; AWQ's
+    format, which stores them as they are, packs it."""
+    weight = random_int4(24, 64, 32, act_order=False)
+    weight.zeros[5, 1] = 0
+    with pytest.raises(ValueError, match=r"^layers\.0\.up_proj: 1 group\(s\) .* output 5, group 1"):
+        formats.check_gptq_zeros(weight, "layers.0.up_proj")
+    with pytest.raises(ValueError, match="zero points minus one"):
+        formats.pack_gptq(weight)
+    back = formats.unpack_awq(*formats.pack_awq(weight).values(), 32)
+    assert torch.equal(back.zeros, weight.zeros)
+
+
 @pytest.mark.parametrize(
     "fmt,act_order",
     [("gptq", False), ("gptq", True), ("awq", False)],

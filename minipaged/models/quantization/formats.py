@@ -77,11 +77,23 @@ def unpack_awq(qweight, qzeros, scales, group_size: int) -> IntWeight:
     )
 
 
-def pack_gptq(weight: IntWeight, dtype=torch.float16) -> dict[str, torch.Tensor]:
-    """``weight`` as GPTQ's ``qweight``, ``qzeros``, ``scales`` (in ``dtype``), ``g_idx``.
-    A zero point of 0 has no GPTQ form (stored minus one, it would wrap to 15)."""
-    if bool((weight.zeros < 1).any()):
-        raise ValueError("GPTQ's format stores zero points minus one: a zero point of 0 has none")
+def check_gptq_zeros(weight: IntWeight, name: str) -> None:
+    """Refuse a ``weight`` (the projection ``name``) with a zero point of 0: GPTQ's format
+    stores zero points minus one, so 0 has no form (it would wrap to 15; gptqmodel's
+    "v2" format, which stores them as they are, has one)."""
+    groups = (weight.zeros < 1).nonzero()
+    if len(groups):
+        raise ValueError(
+            f"{name}: {len(groups)} group(s) have a zero point of 0 (the first: output "
+            f"{groups[0, 0].item()}, group {groups[0, 1].item()}), which GPTQ's format "
+            "cannot store (it stores zero points minus one)"
+        )
+
+
+def pack_gptq(weight: IntWeight, dtype=torch.float16, name="weight") -> dict[str, torch.Tensor]:
+    """``weight`` as GPTQ's ``qweight``, ``qzeros``, ``scales`` (in ``dtype``), ``g_idx``;
+    refused if it has a zero point of 0 (`check_gptq_zeros`)."""
+    check_gptq_zeros(weight, name)
     return {
         "qweight": _pack(weight.q.T, 0),
         "qzeros": _pack(weight.zeros.T.to(torch.int64) - 1, 1),

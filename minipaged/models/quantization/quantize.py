@@ -528,6 +528,8 @@ def _quantize_layers(model, samples, method, bits, group_size, sym, act_order, *
         for name, weight in quantize_layer(
             layer, inputs, method, bits, group_size, sym and method != "awq", act_order, **options
         ).items():
+            if method != "awq":  # a GPTQ checkpoint: refused now, not after every layer
+                formats.check_gptq_zeros(weight, f"model.layers.{i}.{name}")
             quantized[f"model.layers.{i}.{name}"] = weight
         if inputs is not None:
             inputs = _run_layer(layer, inputs)
