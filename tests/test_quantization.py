@@ -105,6 +105,32 @@ def random_int4(n: int, k: int, group_size: int, act_order: bool) -> IntWeight:
     )
 
 
+@pytest.mark.parametrize("mse", [False, True], ids=["min-max", "mse"])
+def test_gptq_grids_keep_zero_points_it_can_store(mse):
+    """Rows that barely go below 0 would take a zero point of 0 on a zero-point grid;
+    for GPTQ's format (``min_zero`` 1) they take 1, their grid's top level still the
+    row's largest weight (without the MSE search), every weight within half a step
+    of its level, and the other rows keep their grids."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(16, 32, generator=g) * 0.1
+    w[8:] -= 0.05  # these rows go well below 0
+    w[:8, 0] = -1e-4  # these only just
+    plain = rtn_quantize(w, 4, 32, sym=False, mse=mse)
+    kept = rtn_quantize(w, 4, 32, sym=False, mse=mse, min_zero=1)
+    assert (plain.zeros[:8] == 0).all() and (kept.zeros[:8] == 1).all()
+    assert torch.equal(kept.zeros[8:], plain.zeros[8:])
+    assert torch.equal(kept.scales[8:], plain.scales[8:])
+    back = kept.dequantize()
+    if mse:  # the search's first candidate is the full range: never worse than it
+        full = rtn_quantize(w, 4, 32, sym=False, min_zero=1).dequantize()
+        error = (back - w).abs().pow(2.4).sum(1)
+        assert (error <= (full - w).abs().pow(2.4).sum(1) * (1 + 1e-5)).all()
+    else:
+        torch.testing.assert_close(back[:8].amax(1), w[:8].amax(1))
+        assert ((back - w).abs() <= kept.scales[:, [0]] / 2 + 1e-7).all()
+    formats.check_gptq_zeros(kept, "w")  # storable
+
+
 def test_a_zero_point_of_0_is_refused_naming_where():
     """GPTQ's format stores zero points minus one: a zero point of 0 (which asymmetric
     grids can choose) is refused, naming the projection, the output and the group; AWQ's

@@ -141,10 +141,11 @@ def _public(obj, module: str) -> bool:
 
 
 def fit_grid(
-    w: torch.Tensor, bits: int, sym: bool, mse: bool = False
+    w: torch.Tensor, bits: int, sym: bool, mse: bool = False, min_zero: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's scale and integer zero point for the values ``w [N, g]``: symmetric
-    (zero at the middle, ``2**(bits-1)``) or spanning ``[min(w, 0), max(w, 0)]``.
+    (zero at the middle, ``2**(bits-1)``) or spanning ``[min(w, 0), max(w, 0)]``, with a
+    zero point of at least ``min_zero`` (`_grid`).
 
     With ``mse``, GPTQ's reference ``Quantizer(mse=True)`` (GPTQModel's ``mse``): the
     range shrunk to ``1 - i / MSE_GRID`` of itself, ``i < MSE_MAX_SHRINK * MSE_GRID``,
@@ -155,12 +156,12 @@ def fit_grid(
         hi = torch.maximum(-lo, hi)
         lo = -hi
     if not mse:
-        return _grid(lo, hi, bits, sym)
+        return _grid(lo, hi, bits, sym, min_zero)
     best = torch.full_like(lo, float("inf"))
-    scale, zero = _grid(lo, hi, bits, sym)
+    scale, zero = _grid(lo, hi, bits, sym, min_zero)
     for i in range(int(MSE_MAX_SHRINK * MSE_GRID)):
         shrink = 1 - i / MSE_GRID
-        s, z = _grid(shrink * lo, shrink * hi, bits, sym)
+        s, z = _grid(shrink * lo, shrink * hi, bits, sym, min_zero)
         q = _round(w, s, z, bits)
         error = ((q - z[:, None]) * s[:, None] - w).abs().pow(MSE_NORM).sum(1)
         better = error < best
@@ -169,13 +170,19 @@ def fit_grid(
     return scale, zero
 
 
-def _grid(lo, hi, bits, sym):
-    """The scale and zero point whose grid spans ``[lo, hi]`` (``lo = -hi`` if ``sym``)."""
+def _grid(lo, hi, bits, sym, min_zero=0):
+    """The scale and zero point whose grid spans ``[lo, hi]`` (``lo = -hi`` if ``sym``).
+    A zero point below ``min_zero`` (GPTQ's format stores zero points minus one, so it
+    needs 1: `formats.check_gptq_zeros`) becomes ``min_zero``, its grid's top still
+    reaching ``hi``: one level of 16 spent below 0 on a row that barely goes there."""
     maxq = 2**bits - 1
     scale = ((hi - lo) / maxq).clamp(min=1e-10)
     if sym:
         return scale, torch.full_like(scale, 2 ** (bits - 1))
-    return scale, torch.round(-lo / scale).clamp(0, maxq)
+    zero = torch.round(-lo / scale).clamp(0, maxq)
+    low = zero < min_zero
+    scale = torch.where(low, (hi / (maxq - min_zero)).clamp(min=1e-10), scale)
+    return scale, torch.where(low, float(min_zero), zero)
 
 
 def _round(w, scale, zero, bits):
@@ -183,7 +190,7 @@ def _round(w, scale, zero, bits):
 
 
 def rtn_quantize(
-    weight: torch.Tensor, bits: int, group_size: int, sym: bool, mse: bool = False
+    weight: torch.Tensor, bits: int, group_size: int, sym: bool, mse: bool = False, min_zero=0
 ) -> IntWeight:
     """Round to nearest, group by group (each group's grid by `fit_grid`)."""
     n, k = weight.shape
@@ -191,7 +198,7 @@ def rtn_quantize(
     q, scales, zeros = torch.empty(n, k), [], []
     for start in range(0, k, size):
         w = weight[:, start : start + size].float()
-        scale, zero = fit_grid(w, bits, sym, mse)
+        scale, zero = fit_grid(w, bits, sym, mse, min_zero)
         q[:, start : start + size] = _round(w, scale, zero, bits)
         scales.append(scale), zeros.append(zero)
     return _int_weight(q, scales, zeros, torch.arange(k) // size, bits)
@@ -218,6 +225,7 @@ def gptq_quantize(
     damp: float = 0.01,
     block: int = 128,
     mse: bool = False,
+    min_zero: int = 0,
 ) -> IntWeight:
     """GPTQ (module docstring) of ``weight [N, K]`` given ``hessian [K, K]``."""
     w, h = weight.float().clone(), hessian.float().clone()
@@ -236,7 +244,7 @@ def gptq_quantize(
         for i in range(i2 - i1):
             if (i1 + i) % size == 0:  # a group starts: its grid from the updated weights
                 scale, zero = fit_grid(
-                    torch.cat([w1[:, i:], w[:, i2:]], 1)[:, :size], bits, sym, mse
+                    torch.cat([w1[:, i:], w[:, i2:]], 1)[:, :size], bits, sym, mse, min_zero
                 )
                 scales.append(scale), zeros.append(zero)
             col = w1[:, i]
@@ -418,6 +426,7 @@ def quantize_layer(
     through the groups already quantized; without it every projection's inputs come
     from the unquantized layer."""
     projections = _projections(layer)
+    min_zero = 0 if method == "awq" else 1  # GPTQ's format stores zero points minus one
     seen = _collect(layer, inputs) if method != "rtn" else {}
     if method in ("awq", "awq-gptq"):
         _awq_scale(layer, seen, bits, group_size, duo_scaling, sym)
@@ -434,10 +443,10 @@ def quantize_layer(
             if method in ("gptq", "awq-gptq"):
                 hessian = 2 * seen[name].T @ seen[name] / len(seen[name])
                 quantized[name] = gptq_quantize(
-                    w, hessian, bits, group_size, sym, act_order, mse=mse
+                    w, hessian, bits, group_size, sym, act_order, mse=mse, min_zero=min_zero
                 )
             else:
-                quantized[name] = rtn_quantize(w, bits, group_size, sym, mse)
+                quantized[name] = rtn_quantize(w, bits, group_size, sym, mse, min_zero)
             linear.weight.copy_(quantized[name].dequantize(linear.weight.dtype))
     return quantized
 
