@@ -26,7 +26,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minipaged.bench.quant import eval_text, hf_perplexity
 from minipaged.models.hub import resolve_model
-from minipaged.models.quantization.quantize import METHODS, _quantize_layers, calibration_samples
+from minipaged.models.quantization.quantize import (
+    METHODS,
+    _quantize_layers,
+    calibration_samples,
+    min_zero_point,
+)
 
 
 def main() -> None:
@@ -68,6 +73,8 @@ def main() -> None:
         "desc_act": args.desc_act,
         "mse": args.mse,
         "true_sequential": args.true_sequential,
+        # The least zero point its grids took (rows without it predate the rule).
+        "min_zero_point": None if sym or args.method == "none" else min_zero_point(args.method),
         "num_samples": args.num_samples,
         "seq_len": args.seq_len,
         "perplexity": hf_perplexity(model, tokenizer, eval_text(), 256, 8),

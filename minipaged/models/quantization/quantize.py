@@ -170,6 +170,12 @@ def fit_grid(
     return scale, zero
 
 
+def min_zero_point(method: str) -> int:
+    """The least zero point ``method``'s checkpoint format can store: 1 for GPTQ's (it
+    stores zero points minus one: `formats.check_gptq_zeros`), 0 for AWQ's."""
+    return 0 if method == "awq" else 1
+
+
 def _grid(lo, hi, bits, sym, min_zero=0):
     """The scale and zero point whose grid spans ``[lo, hi]`` (``lo = -hi`` if ``sym``).
     A zero point below ``min_zero`` (GPTQ's format stores zero points minus one, so it
@@ -426,7 +432,7 @@ def quantize_layer(
     through the groups already quantized; without it every projection's inputs come
     from the unquantized layer."""
     projections = _projections(layer)
-    min_zero = 0 if method == "awq" else 1  # GPTQ's format stores zero points minus one
+    min_zero = min_zero_point(method)
     seen = _collect(layer, inputs) if method != "rtn" else {}
     if method in ("awq", "awq-gptq"):
         _awq_scale(layer, seen, bits, group_size, duo_scaling, sym)
@@ -537,8 +543,6 @@ def _quantize_layers(model, samples, method, bits, group_size, sym, act_order, *
         for name, weight in quantize_layer(
             layer, inputs, method, bits, group_size, sym and method != "awq", act_order, **options
         ).items():
-            if method != "awq":  # a GPTQ checkpoint: refused now, not after every layer
-                formats.check_gptq_zeros(weight, f"model.layers.{i}.{name}")
             quantized[f"model.layers.{i}.{name}"] = weight
         if inputs is not None:
             inputs = _run_layer(layer, inputs)
