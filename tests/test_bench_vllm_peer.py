@@ -5,7 +5,6 @@ minipaged's on SmolLM2."""
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from minipaged.bench import vllm_peer as peer
 from minipaged.bench.common import usable_cores
 from minipaged.core.memory.workloads import RequestSpec
 from minipaged.models import make_tiny_model
+from peer_helpers import install_fake_peer
 
 REQUESTS = [RequestSpec(3, 5), RequestSpec(7, 2), RequestSpec(4, 6)]
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20, 21, 22, 23]]
@@ -55,13 +55,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture
 def fake_venv(tmp_path, monkeypatch):
     """A peer environment whose Python runs the fake driver (`MINIPAGED_VLLM_VENV`)."""
-    (tmp_path / "venv" / "bin").mkdir(parents=True)
-    (tmp_path / "venv" / "bin" / "python").symlink_to(sys.executable)
-    driver = tmp_path / "fake_driver.py"
-    driver.write_text(FAKE_DRIVER)
-    monkeypatch.setenv(peer.VENV_VARIABLE, str(tmp_path / "venv"))
-    monkeypatch.setattr(peer, "DRIVER", driver)
-    return driver
+    return install_fake_peer(tmp_path, monkeypatch, peer, FAKE_DRIVER)
 
 
 def test_the_workload_file_round_trips_what_minipaged_runs(tiny, tmp_path):

@@ -4,7 +4,6 @@ where vLLM's CPU build is not installed.  No test here needs vLLM."""
 
 import dataclasses
 import json
-import sys
 
 import pytest
 
@@ -12,6 +11,7 @@ from cli_helpers import run_main
 from minipaged.bench import vllm_peer
 from minipaged.bench import vllm_quant as vq
 from minipaged.models.tiny import cached_checkpoint
+from peer_helpers import install_fake_peer
 
 # A stand-in for vllm_quant_driver.py, answering from the workload alone: a model whose
 # name ends in "broken" does not load; any other decodes at FAKE_RATES[model] tokens/s
@@ -48,13 +48,8 @@ def tiny():
 
 @pytest.fixture
 def fake_venv(tmp_path, monkeypatch):
-    (tmp_path / "venv" / "bin").mkdir(parents=True)
-    (tmp_path / "venv" / "bin" / "python").symlink_to(sys.executable)
-    driver = tmp_path / "fake_driver.py"
-    driver.write_text(FAKE_DRIVER)
-    monkeypatch.setenv(vllm_peer.VENV_VARIABLE, str(tmp_path / "venv"))
-    monkeypatch.setattr(vq, "DRIVER", driver)
-    return driver
+    """A peer environment whose Python runs the fake driver (`MINIPAGED_VLLM_VENV`)."""
+    return install_fake_peer(tmp_path, monkeypatch, vq, FAKE_DRIVER)
 
 
 def workload(tiny, **changes) -> vq.DecodeWorkload:
