@@ -2,6 +2,8 @@
 Hugging Face's greedy tokens.  All ``gpu``-marked: they skip on a CPU-only machine and
 run with ``make gpu-test`` on a GPU one."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -105,3 +107,67 @@ def test_pool_sized_by_profiling_fits_the_memory_share(checkpoint, prompts):
 def test_auto_backend_picks_a_gpu_kernel(checkpoint):
     llm = LLM(checkpoint, device="cuda", num_gpu_blocks=64)
     assert llm.engine.attention_backend in ("triton", "cuda")
+
+
+def _outputs(llm, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_async_scheduling_on_the_gpu_gives_the_same_tokens(checkpoint, prompts, backend):
+    """With ``async_scheduling`` a worker thread replays the decode graphs while this
+    one schedules the next step: greedy tokens are Hugging Face's, and greedy and
+    seeded sampling equal the synchronous engine's."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS),
+    ]
+    outs = {}
+    for on in (False, True):
+        llm = LLM(
+            checkpoint,
+            device="cuda",
+            dtype="float32",
+            attention_backend=backend,
+            num_gpu_blocks=64,
+            async_scheduling=on,
+        )
+        assert llm.engine.runner.graphs is not None
+        outs[on] = [_outputs(llm, prompts, p) for p in params]
+        assert_all_free(llm)
+    assert outs[True][0] == hf_greedy(checkpoint, prompts, torch.float32)
+    assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "int8", "fp8"])
+def test_quantized_weights_on_the_gpu_equal_hf_on_what_they_stand_for(
+    checkpoint, prompts, tmp_path, method
+):
+    """INT4 checkpoints that ``minipaged quantize`` writes, read by the CPU tests' own
+    reading of each format, and int8/fp8 online, whose weights the CPU tests round by
+    the rule: Hugging Face's greedy tokens on those weights, float32 on the GPU.  The
+    integer ones run the Triton GEMM (in IEEE precision) inside the decode graphs."""
+    from minipaged.cli import main as cli
+    from test_quantization import dequantized_checkpoint, rounded_checkpoint
+
+    if method in ("int8", "fp8"):
+        path, quantization = checkpoint, method
+        dense = rounded_checkpoint(Path(checkpoint), tmp_path / "rounded", method)
+    else:
+        path, quantization = tmp_path / method, None  # detected from config.json
+        flags = ["--desc-act", "--no-sym"] if method == "gptq" else []
+        quantize = ["--group-size", "32", "--num-samples", "4", "--seq-len", "64"]
+        cli(["quantize", str(checkpoint), str(path), "--method", method, *flags, *quantize])
+        dense = dequantized_checkpoint(path, tmp_path / "dense")
+    llm = LLM(
+        path,
+        device="cuda",
+        dtype="float32",
+        attention_backend="triton",
+        num_gpu_blocks=64,
+        quantization=quantization,
+    )
+    assert llm.engine.runner.graphs is not None
+    assert greedy(llm, prompts) == hf_greedy(dense, prompts, torch.float32)
+    assert_all_free(llm)

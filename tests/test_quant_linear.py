@@ -3,6 +3,8 @@ against the plain-torch reference (dequantize, then ``F.linear``), which is chec
 against a loop over the definition first: ragged shapes, group sizes 32, 64 and 128,
 groups in order and act-order's ``g_idx``, symmetric INT8 per channel."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -115,3 +117,44 @@ def test_triton_in_float16():
     out = ops.TritonQuantLinear(w, torch.float16)(x)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.float(), reference(x.float(), w), atol=2e-2, rtol=1e-2)
+
+
+# Qwen2.5-0.5B's projections (hidden 896, MLP 4864) as [N, K]: the GPU's real sizes.
+GPU_SHAPES = [(4864, 896), (896, 4864)]
+# bits, group size, act-order; group None: INT8, one scale per output channel.
+GPU_SCHEMES = [(4, 32, False), (4, 64, True), (4, 128, False), (8, None, False)]
+# One unit in the last place of each dtype at 1.0: the output's own rounding.
+ULP = {torch.float32: 2**-23, torch.bfloat16: 2**-7, torch.float16: 2**-10}
+
+
+def _on(weight: IntWeight, device: str) -> IntWeight:
+    return IntWeight(
+        q=weight.q.to(device),
+        scales=weight.scales.to(device),
+        zeros=None if weight.zeros is None else weight.zeros.to(device),
+        g_idx=weight.g_idx.to(device),
+        bits=weight.bits,
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(ULP), ids=str)
+@pytest.mark.parametrize("bits,group_size,act_order", GPU_SCHEMES)
+@pytest.mark.parametrize("n,k", GPU_SHAPES)
+@pytest.mark.parametrize("m", [1, 100])
+def test_triton_on_the_gpu_equals_reference(m, n, k, bits, group_size, act_order, dtype):
+    """Compiled for the GPU (not interpreted), at real sizes, in every dtype: the kernel
+    against a float32 product with the weight dequantized as the kernel's tile is (its
+    scales stored in ``dtype``, the tile rounded to ``dtype``).  What may differ is the
+    order of the float32 sums and the output's rounding to ``dtype``: a few units in its
+    last place, and near zero a bound on float32's error on the terms' magnitudes."""
+    w = int4_weight(n, k, group_size, act_order) if bits == 4 else int8_weight(n, k)
+    w, x = _on(w, "cuda"), activations(m, k).to(dtype).cuda()
+    out = _triton().TritonQuantLinear(w, dtype)(x)
+    rounded = dataclasses.replace(w, scales=w.scales.to(dtype).float())  # stored in dtype
+    dense = rounded.dequantize(dtype).float()
+    expected = x.float() @ dense.T
+    magnitude = x.float().abs() @ dense.abs().T
+    error = (out.float() - expected).abs()
+    assert out.dtype == dtype
+    assert (error <= 4 * ULP[dtype] * expected.abs() + 1e-4 * magnitude).all(), error.max()

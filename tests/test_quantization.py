@@ -218,8 +218,9 @@ def test_the_checkpoints_carry_their_formats(checkpoints):
     assert "model.layers.0.mlp.up_proj.weight" not in awq
 
 
-@pytest.mark.parametrize("method", ["int8", "fp8"])
-def test_online_quantization_equals_hf_on_rounded_weights(base, tmp_path, method):
+def rounded_checkpoint(base, out, method: str):
+    """``base`` with its projections' weights rounded here by ``method``'s rule (int8:
+    symmetric per row; fp8: E4M3 per row), saved at ``out`` as a dense checkpoint."""
     hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, module in hf.named_modules():
@@ -231,10 +232,15 @@ def test_online_quantization_equals_hf_on_rounded_weights(base, tmp_path, method
                 else:
                     scale = w.abs().amax(1, keepdim=True) / 448
                     w.copy_((w / scale).to(torch.float8_e4m3fn).float() * scale)
-    hf.save_pretrained(tmp_path / "rounded")
+    hf.save_pretrained(out)
     for file in base.glob("tokenizer*"):
-        (tmp_path / "rounded" / file.name).write_bytes(file.read_bytes())
-    oracle = Oracle(tmp_path / "rounded")
+        (out / file.name).write_bytes(file.read_bytes())
+    return out
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_online_quantization_equals_hf_on_rounded_weights(base, tmp_path, method):
+    oracle = Oracle(rounded_checkpoint(base, tmp_path / "rounded", method))
     llm = make_llm(base, quantization=method)
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=3)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)

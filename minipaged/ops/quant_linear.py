@@ -64,7 +64,8 @@ class IntWeight:
         groups of ``group_size`` consecutive columns, ``g_idx`` ascending; None if
         no such order exists (groups of different sizes, other than a shorter last)."""
         order = torch.argsort(self.g_idx, stable=True)
-        perm = None if torch.equal(order, torch.arange(len(order))) else order
+        in_order = torch.equal(order, torch.arange(len(order), device=order.device))
+        perm = None if in_order else order
         counts = torch.bincount(self.g_idx)
         size = int(counts[0])
         if bool((counts[:-1] != size).any()) or int(counts[-1]) > size:

@@ -43,6 +43,7 @@ def quant_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
@@ -67,7 +68,7 @@ def quant_matmul_kernel(
         scale = tl.load(scales_ptr + gn, mask=w_mask, other=0.0)
         zero = tl.load(zeros_ptr + gn, mask=w_mask, other=0)
         w = ((q - zero).to(tl.float32) * scale.to(tl.float32)).to(x.dtype)
-        acc += tl.dot(x, w)
+        acc += tl.dot(x, w, input_precision=PRECISION)
     out = acc.to(out_ptr.dtype.element_ty)
     tl.store(
         out_ptr + offs_m[:, None] * N + offs_n[None, :],
@@ -96,7 +97,7 @@ def pack(weight: IntWeight, dtype: torch.dtype) -> TritonQuantWeight:
     offset = 1 << (weight.bits - 1) if weight.q.dtype == torch.int8 else 0
     q = (weight.q.to(torch.int64) + offset).T  # [K, N], unsigned
     q = torch.cat([q, q.new_zeros(-k % per_int, n)]).view(-1, per_int, n)
-    shifts = torch.arange(per_int, dtype=torch.int64)[None, :, None] * weight.bits
+    shifts = torch.arange(per_int, dtype=torch.int64, device=q.device)[None, :, None] * weight.bits
     packed = (q << shifts).sum(dim=1)  # the bit fields do not overlap: sum == or
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
     zeros = weight.zeros if weight.zeros is not None else torch.zeros_like(weight.scales)
@@ -137,6 +138,9 @@ def quant_matmul(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        # A float32 model is the engine's exact mode: on a GPU tl.dot would round its
+        # float32 inputs to TF32 (10 mantissa bits) unless told otherwise.
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )
     out = out.reshape(*x.shape[:-1], n)
     return out if bias is None else out + bias

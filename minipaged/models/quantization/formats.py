@@ -34,7 +34,8 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 def _unpack(packed: torch.Tensor, dim: int, order=tuple(range(PACK))) -> torch.Tensor:
     """``packed`` int32 -> its 4-bit values (uint8), ``PACK`` times as long on ``dim``;
     slot ``i`` of each int32 goes to position ``order[i]`` of its eight."""
-    shifts = torch.tensor([BITS * order.index(j) for j in range(PACK)], dtype=torch.int32)
+    shifts = [BITS * order.index(j) for j in range(PACK)]
+    shifts = torch.tensor(shifts, dtype=torch.int32, device=packed.device)
     packed = packed.unsqueeze(dim + 1)
     shape = [1] * packed.dim()
     shape[dim + 1] = PACK
@@ -46,7 +47,7 @@ def _pack(values: torch.Tensor, dim: int, order=tuple(range(PACK))) -> torch.Ten
     """The inverse of `_unpack`: 4-bit ``values`` -> int32, ``PACK`` times shorter on ``dim``."""
     values = values.to(torch.int64).movedim(dim, -1)
     values = values.reshape(*values.shape[:-1], -1, PACK)[..., list(order)]
-    shifts = torch.arange(PACK, dtype=torch.int64) * BITS
+    shifts = torch.arange(PACK, dtype=torch.int64, device=values.device) * BITS
     packed = (values << shifts).sum(-1)  # the fields do not overlap: sum == or
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
     return packed.movedim(-1, dim).contiguous()
@@ -72,7 +73,7 @@ def unpack_awq(qweight, qzeros, scales, group_size: int) -> IntWeight:
         q=_unpack(qweight, 1, AWQ_ORDER).T.contiguous(),
         scales=scales.T.contiguous(),
         zeros=_unpack(qzeros, 1, AWQ_ORDER).to(torch.int16).T.contiguous(),
-        g_idx=torch.arange(k) // group_size,
+        g_idx=torch.arange(k, device=qweight.device) // group_size,
         bits=BITS,
     )
 

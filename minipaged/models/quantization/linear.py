@@ -53,7 +53,8 @@ def quantize_int8(weight: torch.Tensor) -> IntWeight:
     """Symmetric INT8, one scale per output row: ``scale = max|w| / 127``."""
     scales = weight.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
     q = torch.round(weight.float() / scales).clamp(-128, 127).to(torch.int8)
-    return IntWeight(q, scales, None, torch.zeros(weight.shape[1], dtype=torch.int64), 8)
+    g_idx = torch.zeros(weight.shape[1], dtype=torch.int64, device=weight.device)
+    return IntWeight(q, scales, None, g_idx, 8)
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,7 +257,9 @@ class GPTQMethod(CheckpointMethod):
         super().check(layer, weight)
         k, start = weight.shape[1], _first_input(layer)
         if not self.config.desc_act and self.config.group_size != -1:
-            expected = (start + torch.arange(k)) // self.config.group_size
+            expected = (
+                start + torch.arange(k, device=weight.g_idx.device)
+            ) // self.config.group_size
             if not torch.equal(weight.g_idx, expected):
                 raise ValueError(
                     f"{layer.quant_prefix}.g_idx is not k // group_size, and the config "
@@ -291,7 +294,8 @@ class AWQMethod(CheckpointMethod):
     def int_weight(self, layer, weight) -> IntWeight:
         size = self.config.group_size
         weight = formats.unpack_awq(layer.qweight, layer.qzeros, layer.scales, size)
-        weight.g_idx = (_first_input(layer) + torch.arange(weight.shape[1])) // size
+        columns = torch.arange(weight.shape[1], device=weight.q.device)
+        weight.g_idx = (_first_input(layer) + columns) // size
         return weight
 
 
