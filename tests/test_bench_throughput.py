@@ -4,12 +4,13 @@ workload it records, exact output lengths, the engine-overhead probe, and clear 
 import contextlib
 import io
 import json
+import warnings
 
 import pytest
 import torch
 
 from cli_helpers import run_main
-from minipaged.bench import hf_baselines, presets
+from minipaged.bench import hf_baselines, presets, step_profile
 from minipaged.bench import overhead as probe
 from minipaged.bench import throughput as bench
 from minipaged.cli import main
@@ -237,7 +238,6 @@ def test_step_profile_counts_the_tokens_and_operators_of_its_steps(tiny):
     """Three requests prefilled in the warm-up, so each profiled step decodes exactly
     three tokens; the model's projections are among the host's operators; nothing is
     left in the engine after."""
-    from minipaged.bench import step_profile
     from minipaged.llm import LLM
 
     llm = LLM(str(tiny), device="cpu", attention_backend="torch")
@@ -251,11 +251,44 @@ def test_step_profile_counts_the_tokens_and_operators_of_its_steps(tiny):
     names = [op["name"] for op in summary["top_host_ops"]]
     assert any("linear" in n or "mm" in n for n in names), names
     assert summary["device_busy_ms_per_step"] is None and summary["top_device_kernels"] == []
+    assert summary["decode_steps"] == 4 and summary["mixed_steps"] == 0
+    assert summary["mixed_ms_per_step"] is None and summary["sync_sites"] is None
     assert not engine.requests
     counters = engine.counters()
     assert counters["num_free_gpu_blocks"] == counters["num_gpu_blocks"]
     with pytest.raises(ValueError, match="num_steps"):
         step_profile.profile_steps(engine, prompts, [60, 60, 60], num_steps=0)
+
+
+def test_step_profile_times_mixed_steps_apart(tiny):
+    """Two sequences at a time: the third request is prefilled, in a step that also
+    decodes, when the first finishes inside the timed steps."""
+    from minipaged.llm import LLM
+
+    llm = LLM(str(tiny), device="cpu", attention_backend="torch", max_num_seqs=2)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
+    summary = step_profile.profile_steps(llm.engine, prompts, [10, 60, 60], num_steps=8)
+    assert (summary["decode_steps"], summary["mixed_steps"]) == (7, 1)
+    assert summary["decode_ms_per_step"] > 0 and summary["mixed_ms_per_step"] > 0
+    assert "7 decode" in step_profile.format_profile("x", summary)
+
+
+def test_step_profile_by_kind_and_sync_sites_count_what_they_are_given():
+    walls = [(0.002, False), (0.004, False), (0.010, True)]
+    assert step_profile.by_kind(walls) == pytest.approx(
+        {"decode_steps": 2, "decode_ms_per_step": 3.0, "mixed_steps": 1, "mixed_ms_per_step": 10.0}
+    )
+    assert step_profile.by_kind([])["decode_ms_per_step"] is None
+
+    def warning(path, line, text="called a synchronizing CUDA operation"):
+        return warnings.WarningMessage(UserWarning(text), UserWarning, path, line)
+
+    caught = [warning("/x/minipaged/sample/sampler.py", 170)] * 4
+    caught += [warning("/x/minipaged/worker/input_batch.py", 9), warning("/y/z.py", 3, "other")]
+    assert step_profile.top_sites(caught, num_steps=2) == [
+        {"site": "minipaged/sample/sampler.py:170", "calls_per_step": 2.0},
+        {"site": "minipaged/worker/input_batch.py:9", "calls_per_step": 0.5},
+    ]
 
 
 def test_lengths_are_scaled_to_the_models_context():

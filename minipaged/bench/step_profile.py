@@ -6,19 +6,28 @@ out.  On an H200 it measured 2.6 ms of bookkeeping in a step that took 7.8 ms en
 one: `torch.profiler` over ``N`` steps of the bench's own workload, on the engine that
 just ran it, after ``N`` steps timed bare (the profiler slows the host down).
 
-Per step it reports the wall time (the bare steps'), the tokens through the model, and,
+Per step it reports the wall time (the bare steps'), apart for the steps that only
+decoded (on a GPU, the ones that replay a CUDA graph) and the mixed ones that also
+computed prompt tokens (run eagerly), the tokens through the model, and,
 on a GPU, how long the device was busy (its kernels' summed time: what is left of the
 step the device waited for the host), how many kernels ran and how many launches the
 host made for them, CUDA graph replays among them (a replay launches a whole decode
 step's kernels at once); and the operators that took the most host and device time.
 A GPU kept busy shows device time near the wall time; launches near the kernel count,
-with no graph replays, say the steps ran eagerly, one launch per kernel.
+with no graph replays, say the steps ran eagerly, one launch per kernel.  On a GPU it
+also steps ``N`` more times with torch's sync debug mode on and counts where the host
+waited for the device (`sync_sites`): each wait leaves the GPU idle until the host
+launches again.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+import warnings
+from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -50,18 +59,20 @@ def profile_steps(
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
     try:
         _steps(engine, max(MIN_WARMUP_STEPS, num_steps))
-        wall_s = _steps(engine, num_steps)
+        walls = _timed_steps(engine, num_steps)
         before, running = _tokens(engine), len(engine.scheduler.running)
         with profile(activities=activities) as prof:
             profiled_s = _steps(engine, num_steps)
         tokens = _tokens(engine) - before
+        syncs = sync_sites(engine, num_steps) if on_gpu else None
     finally:
         for request_id in ids:
             if request_id in engine.requests:
                 engine.abort_request(request_id)
     # How many requests the profiled steps began with: none, when the workload was too
     # short to outlast the warm-up and the timed steps.
-    summary = {"num_running": running}
+    wall_s = sum(seconds for seconds, _ in walls)
+    summary = {"num_running": running, **by_kind(walls), "sync_sites": syncs}
     return summary | summarize(prof.events(), num_steps, wall_s, profiled_s, tokens, on_gpu)
 
 
@@ -73,6 +84,59 @@ def _steps(engine, n: int) -> float:
         engine.step()
     sync(engine.device)
     return time.perf_counter() - start
+
+
+def _timed_steps(engine, n: int) -> list[tuple[float, bool]]:
+    """``n`` steps, each as (seconds, whether it computed prompt tokens).  No sync
+    between them: each step ends waiting for its sampled tokens anyway."""
+    sync(engine.device)
+    walls = []
+    for _ in range(n):
+        prompt_tokens = engine.counters()["num_computed_prompt_tokens"]
+        start = time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - start
+        walls.append((seconds, engine.counters()["num_computed_prompt_tokens"] > prompt_tokens))
+    return walls
+
+
+def by_kind(walls: list[tuple[float, bool]]) -> dict:
+    """The steps that only decoded and the mixed ones: how many, and their mean wall
+    time in milliseconds (None where there were none)."""
+    out = {}
+    for kind, mixed in (("decode", False), ("mixed", True)):
+        times = [seconds for seconds, was_mixed in walls if was_mixed == mixed]
+        out[f"{kind}_steps"] = len(times)
+        out[f"{kind}_ms_per_step"] = statistics.fmean(times) * 1e3 if times else None
+    return out
+
+
+def sync_sites(engine, n: int) -> list[dict]:
+    """Where ``n`` steps made the host wait for the GPU: torch's sync debug mode warns
+    at each synchronizing call, from the Python line that made it; the ``TOP`` lines
+    with their calls per step."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _steps(engine, n)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return top_sites(caught, n)
+
+
+def top_sites(caught, num_steps: int) -> list[dict]:
+    """The ``TOP`` source lines among the sync warnings ``caught``, with their calls
+    per step; a path inside the package is shown from it."""
+    counts = Counter(
+        f"{_short(w.filename)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+    )
+    return [{"site": site, "calls_per_step": n / num_steps} for site, n in counts.most_common(TOP)]
+
+
+def _short(filename: str) -> str:
+    parts = Path(filename).parts
+    return str(Path(*parts[parts.index("minipaged") :])) if "minipaged" in parts else filename
 
 
 def _tokens(engine) -> int:
@@ -136,10 +200,15 @@ def format_profile(system: str, summary: dict) -> str:
         if summary["device_busy_ms_per_step"] is not None
         else ""
     )
+    kinds = ", ".join(
+        f"{summary[f'{kind}_steps']} {kind} {summary[f'{kind}_ms_per_step']:.2f} ms"
+        for kind in ("decode", "mixed")
+        if summary[f"{kind}_steps"]
+    )
     lines = [
         f"{system}, {summary['num_steps']} real steps from {summary['num_running']} running "
         f"requests: {summary['wall_ms_per_step']:.2f} ms and "
-        f"{summary['tokens_per_step']:.0f} tokens a step{device}",
+        f"{summary['tokens_per_step']:.0f} tokens a step ({kinds}){device}",
         f"  profiled: {summary['profiled_ms_per_step']:.2f} ms a step, "
         f"{summary['host_ops_ms_per_step']:.2f} ms of it in operators on the host",
         "  most host time: "
@@ -151,5 +220,10 @@ def format_profile(system: str, summary: dict) -> str:
             + ", ".join(
                 f"{o['name'][:40]} {o['ms_per_step']:.2f} ms" for o in summary["top_device_kernels"]
             )
+        )
+    if summary["sync_sites"]:
+        lines.append(
+            "  host waited for the device at: "
+            + ", ".join(f"{o['site']} x{o['calls_per_step']:.1f}" for o in summary["sync_sites"])
         )
     return "\n".join(lines)
