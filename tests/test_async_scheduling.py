@@ -112,6 +112,25 @@ def test_seeded_samples_equal_the_synchronous_engine(llama, async_llm):
     assert_all_blocks_free(async_llm)
 
 
+def test_launching_in_this_thread_as_on_a_gpu_gives_the_same_tokens(llama):
+    """On a GPU the forward pass is launched by the stepping thread itself (no worker
+    thread, `LLMEngine._launch`); made to do so on a CPU, the engine still decodes
+    HF's greedy tokens, steps ahead, and samples what the synchronous engine samples."""
+    path, oracle = llama
+    llm = make_llm(path, async_scheduling=True)
+    llm.engine._forward_thread.shutdown()
+    llm.engine._forward_thread = None  # what the engine does on a GPU
+    prompts = workload(oracle)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    assert_greedy_matches_hf(generate(llm, prompts, greedy), prompts, oracle, MAX_TOKENS)
+    assert llm.engine.num_steps_ahead > 0
+    seeded = SamplingParams(temperature=1.0, max_tokens=12, seed=3)
+    assert [o.outputs[0].token_ids for o in generate(llm, prompts, seeded)] == [
+        o.outputs[0].token_ids for o in generate(make_llm(path), prompts, seeded)
+    ]
+    assert_all_blocks_free(llm)
+
+
 def test_structured_outputs_keep_their_grammar(llama, async_llm):
     """A grammar advances on step N's token (in N's update) before step N+1's logits are
     masked, so sampled completions match their regex, as the synchronous engine's do,
