@@ -1,7 +1,10 @@
-"""The fused CPU ops (``kernels/cpu/fused_ops.cpp``) against Hugging Face's own modules
-(``LlamaRMSNorm``, ``apply_rotary_pos_emb``, ``ACT2FN["silu"]``), built for each
-instruction set this machine runs (`attention_cases.CPU_ISAS`), in float32, float16
-and bfloat16, at a decode step's shapes and at odd ones (a vector's tail).
+"""The fused ops against Hugging Face's own modules (``LlamaRMSNorm``,
+``apply_rotary_pos_emb``, ``ACT2FN["silu"]``): the C++ ones (``kernels/cpu/fused_ops.cpp``)
+built for each instruction set this machine runs (`attention_cases.CPU_ISAS`) and the
+Triton ones (`minipaged.ops.triton_fused`, in Triton's interpreter here, which gets
+bfloat16 wrong: float32 and float16 only), in float32, float16 and bfloat16, at a
+decode step's shapes and at odd ones (a vector's tail); the ``gpu`` tests run the
+Triton ones compiled, at a real model's sizes.
 
 Tolerances (`minipaged.ops.testing`): both sides round the same float32 math to the
 dtype, HF after each op and the kernels once at the end (or where HF's order makes it
@@ -24,10 +27,23 @@ EPS = 1e-5
 NORM_SHAPES = ((1, 576), (7, 67), (33, 1536), (0, 64))
 
 
-@pytest.fixture(params=CPU_ISAS, scope="module")
+@pytest.fixture(params=[*CPU_ISAS, "triton"], scope="module")
 def ops(request):
-    """The fused ops of the build for one instruction set."""
+    """The fused ops of the build for one instruction set, or Triton's."""
+    if request.param == "triton":
+        from minipaged.ops import triton_fused  # after conftest set TRITON_INTERPRET
+
+        return triton_fused
     return cpu_ops.build(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_dtypes(request):
+    """Triton's interpreter computes bfloat16 wrongly: those cases are not its."""
+    params = getattr(request.node, "callspec", None)
+    params = params.params if params else {}
+    if params.get("ops") == "triton" and params.get("dtype") == torch.bfloat16:
+        pytest.skip("Triton's interpreter gets bfloat16 wrong")
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -115,9 +131,9 @@ def test_rotary_embedding_rotates_q_and_k_in_place_as_hf(ops, dtype, shape):
 
 def test_the_ops_pick_the_kernels_on_a_cpu_and_reference_ops_the_torch_path():
     x = randn(3, 576, dtype=torch.bfloat16, seed=10)
-    assert fused.uses_cpu_kernels(x)
+    assert fused.uses_cpu_kernels(x) and fused.kernels_for(x) is cpu_ops
     with fused.reference_ops():
-        assert not fused.uses_cpu_kernels(x)
+        assert not fused.uses_cpu_kernels(x) and fused.kernels_for(x) is None
     assert fused.uses_cpu_kernels(x)
     assert not fused.uses_cpu_kernels(x.double())  # a dtype the kernels do not take
 
@@ -156,3 +172,36 @@ def test_get_act_fn_is_transformers_activation(name):
 def test_an_unknown_activation_is_refused_by_name():
     with pytest.raises(ValueError, match="hidden_act must be one of .*'quick_gelu'"):
         fused.get_act_fn("quick_gelu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 256, 2048])
+def test_triton_ops_on_the_gpu_equal_hf(dtype, tokens):
+    """Compiled for the GPU, at Qwen2.5-0.5B's sizes (hidden 896, MLP 4864, 14 query and
+    2 KV heads of 64): a decode step, a batch of them, a prefill chunk; and what the
+    model calls (`fused`) picks them for CUDA tensors."""
+    from minipaged.ops import triton_fused
+
+    def cuda(*shape, seed, scale=1.0):
+        return randn(*shape, dtype=dtype, seed=seed, scale=scale).cuda()
+
+    x, residual = cuda(tokens, 896, seed=20, scale=3.0), cuda(tokens, 896, seed=21)
+    weight = cuda(896, seed=22) + 1
+    assert fused.kernels_for(x) is triton_fused
+    assert_close(fused.rms_norm(x, weight, EPS), hf_rms_norm(x, weight))
+    expected_residual = residual + x
+    out, new_residual = fused.fused_add_rms_norm(x.clone(), residual.clone(), weight, EPS)
+    assert torch.equal(new_residual, expected_residual)
+    assert_close(out, hf_rms_norm(expected_residual, weight))
+    gate_up = cuda(tokens, 2 * 4864, seed=23, scale=4.0)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert_close(fused.silu_and_mul(gate_up), ACT2FN["silu"](gate) * up)
+    qkv = cuda(tokens, (14 + 2 * 2) * 64, seed=24)
+    q, k, _ = qkv.split([14 * 64, 2 * 64, 2 * 64], dim=-1)
+    q, k = q.view(tokens, 14, 64), k.view(tokens, 2, 64)
+    cos, sin = (t.cuda() for t in cos_sin(tokens, 64, dtype))
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1), k.transpose(0, 1), cos, sin, 0)
+    rotated_q, rotated_k = fused.rotary_embedding(q, k, cos, sin)
+    assert_close(rotated_q, hf_q.transpose(0, 1))
+    assert_close(rotated_k, hf_k.transpose(0, 1))

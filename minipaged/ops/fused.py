@@ -1,4 +1,5 @@
-"""The small ops around a decoder layer's projections and attention, fused on the CPU.
+"""The small ops around a decoder layer's projections and attention, fused on the CPU
+and on the GPU.
 
 A decode step's projections and attention run in oneDNN and C++; what is left of a
 layer is RMSNorm, the residual adds, SwiGLU's activation and the rotary embedding, a
@@ -12,10 +13,14 @@ does ``kernels/cpu/fused_ops.cpp`` (`cpu_ops`):
 - `silu_and_mul`: SwiGLU's ``silu(gate) * up`` from the packed gate/up projection;
 - `rotary_embedding`: the query's and key's rotation, in place.
 
-Each function here is the torch reference, the readable definition that runs on CUDA,
-in other dtypes, and wherever the C++ extension cannot be built, and this one place
-picks the C++ op instead for CPU tensors (`uses_cpu_kernels`).  `reference_ops` forces
-the torch path, to compare the two in one process (``tests/test_fused_ops.py``,
+On a GPU the same four ops are Triton kernels (`triton_fused`): written as torch ops
+they are about 30 of a layer's 37 kernels, each a launch from Python in the steps that
+run eagerly.
+
+Each function here is the torch reference, the readable definition that runs in other
+dtypes and wherever the kernels cannot, and this one place picks the kernels instead
+(`kernels_for`: the C++ ops for CPU tensors, Triton's for CUDA ones).  `reference_ops`
+forces the torch path, to compare them in one process (``tests/test_fused_ops.py``,
 ``minipaged bench cpu_step``).
 """
 
@@ -36,6 +41,7 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "kernels_for",
     "uses_cpu_kernels",
 ]
 
@@ -54,6 +60,18 @@ def uses_cpu_kernels(x: torch.Tensor) -> bool:
     )
 
 
+def kernels_for(x: torch.Tensor):
+    """The module whose kernels take ``x`` (`cpu_ops` on a CPU, `triton_fused` on CUDA,
+    each with the same four ops), or None: the torch reference runs."""
+    if uses_cpu_kernels(x):
+        return cpu_ops
+    if x.device.type == "cuda" and x.dtype in KERNEL_DTYPES and not _force_reference:
+        from minipaged.ops import triton_fused  # noqa: PLC0415  (Triton only on a GPU)
+
+        return triton_fused if triton_fused.supports(x) else None
+    return None
+
+
 @contextlib.contextmanager
 def reference_ops():
     """Run the torch references, not the C++ ops, inside the ``with`` block."""
@@ -69,8 +87,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension (Zhang & Sennrich
     2019), as HF's ``LlamaRMSNorm``: normalised in float32, cast back to ``x``'s dtype
     before the weight multiplies."""
-    if weight.dtype == x.dtype and uses_cpu_kernels(x):
-        return cpu_ops.rms_norm(x, weight, eps)
+    if weight.dtype == x.dtype and (kernels := kernels_for(x)) is not None:
+        return kernels.rms_norm(x, weight, eps)
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -83,10 +101,16 @@ def fused_add_rms_norm(
     """``residual = x + residual`` (in ``x``'s dtype, as HF's layers add), then
     ``(rms_norm(residual), residual)``.  The C++ op writes both into ``x`` and
     ``residual`` (vLLM's in-place semantics): use the returned tensors, not those."""
-    if weight.dtype == x.dtype == residual.dtype and uses_cpu_kernels(x):
-        return cpu_ops.fused_add_rms_norm(x, residual, weight, eps)
+    kernels = kernels_for(x)
+    if weight.dtype == x.dtype == residual.dtype and kernels and _same_rows(x, residual):
+        return kernels.fused_add_rms_norm(x, residual, weight, eps)
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
+
+
+def _same_rows(x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether the in-place add can walk both tensors' rows together."""
+    return x.shape == residual.shape and residual.stride(-1) == 1
 
 
 # config.json's `hidden_act` names the families here use, each the function transformers'
@@ -111,8 +135,8 @@ def get_act_fn(name: str):
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's ``silu(gate) * up`` (Shazeer 2020) from ``gate_up [..., 2 * d]``, the gate
     projection's outputs then the up projection's (the packed ``gate_up_proj``)."""
-    if uses_cpu_kernels(gate_up):
-        return cpu_ops.silu_and_mul(gate_up)
+    if (kernels := kernels_for(gate_up)) is not None:
+        return kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -124,9 +148,10 @@ def rotary_embedding(
     ``cos, sin [T, head_dim]`` (RoFormer, Su et al. 2021; HF's layout pairs dimension
     ``i`` with ``i + head_dim / 2``, not adjacent pairs as in the paper).  The C++ op
     rotates them in place (vLLM's): use the returned tensors."""
-    if query.dtype == key.dtype == cos.dtype and uses_cpu_kernels(query):
+    kernels = kernels_for(query)
+    if query.dtype == key.dtype == cos.dtype and kernels and kernels_for(key) is kernels:
         half = query.shape[-1] // 2  # HF's cos and sin repeat their first half
-        return cpu_ops.rotary_embedding(query, key, cos[:, :half], sin[:, :half])
+        return kernels.rotary_embedding(query, key, cos[:, :half], sin[:, :half])
     return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
 
 
