@@ -242,6 +242,39 @@ def test_a_failed_step_gives_back_the_step_scheduled_ahead(llama, async_llm, mon
     assert_all_blocks_free(async_llm)
 
 
+def test_a_request_failing_alone_leaves_the_step_ahead_to_the_others(llama, monkeypatch):
+    """With ``fail_alone`` (a server's), a request whose sampling raises is aborted
+    after the next step already started with its row (token 0, no sample to give it):
+    that row is dropped, the other request gets HF's tokens, no block is leaked."""
+    path, oracle = llama
+    engine = make_llm(path, async_scheduling=True).engine
+    prompts = [random_prompt(n, seed=900 + n) for n in (5, 11)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"alone-{i}", prompt, params)
+    for _ in range(4):
+        engine.step(fail_alone=True)
+    sample = engine.sample
+
+    def breaks_for_the_first(sampling, logits):
+        if any(s.group.request_id == "alone-0" for s in sampling):
+            raise RuntimeError("this request's sampling broke")
+        return sample(sampling, logits)
+
+    monkeypatch.setattr(engine, "sample", breaks_for_the_first)
+    ahead_before = engine.num_steps_ahead
+    engine.step(fail_alone=True)
+    assert set(engine.failed) == {"alone-0"}
+    assert engine.num_steps_ahead == ahead_before + 1  # the next step ran with its row
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step(fail_alone=True)
+    assert [o.request_id for o in outputs] == ["alone-1"]
+    assert outputs[0].outputs[0].token_ids == oracle.greedy_ignoring_eos(prompts[1], MAX_TOKENS)
+    counters = engine.counters()
+    assert counters["num_free_gpu_blocks"] == counters["num_gpu_blocks"]
+
+
 @pytest.mark.parametrize(
     "option",
     [

@@ -388,31 +388,33 @@ class LLMEngine:
         return self._sample_and_update(batch, sampling, logits, fail_alone)
 
     def _step_async(self, fail_alone: bool) -> list[Output]:
-        """`step` with ``async_scheduling`` (vLLM's ``step_with_batch_queue``): the
-        forward pass of step N runs (`_launch`) while this thread schedules step N+1
-        with a placeholder for each
-        token N will sample (`Scheduler.schedule_ahead`); N's tokens then fill the
-        placeholders, after N's update (stops, frees), and N+1 starts before `step`
-        returns N's outputs.  A step that cannot be scheduled ahead waits for N and is
-        scheduled as usual on the next call."""
+        """`step` with ``async_scheduling`` (vLLM's ``step_with_batch_queue``): while the
+        forward pass of step N runs (`_launch`), this thread schedules step N+1 with a
+        placeholder for each token N will sample (`Scheduler.schedule_ahead`).  Once N
+        is sampled, N+1 starts at once, its placeholders' input tokens those just
+        sampled (`Scheduler.write_sampled`), and runs while N is updated (stops, frees)
+        and its outputs made: a sequence that finished at N ran one step for nothing,
+        its row dropped when N+1 is sampled, as vLLM discards such tokens.  A step that
+        cannot be scheduled ahead waits for N and is scheduled as usual on the next
+        call."""
         if self._in_flight is None:
             self._launch(self.scheduler.schedule())
         (batch, future), self._in_flight = self._in_flight, None
         ahead = self.scheduler.schedule_ahead(batch)  # while the forward pass runs
         try:
             sampling, logits = drop_aborted(*future.result())
-            outputs = self._sample_and_update(batch, sampling, logits, fail_alone)
+            samples, lost = self._sample_step(sampling, logits, fail_alone)
         except BaseException:
             if ahead is not None:
                 self.scheduler.cancel_ahead(ahead)
             raise
         if ahead is not None:
+            self.scheduler.write_sampled(ahead, samples)
+            self._launch(ahead)
+            self.num_steps_ahead += 1
+        outputs = self._update(batch, samples, lost, fail_alone)
+        if ahead is not None:
             self.scheduler.fill_placeholders(ahead)
-            if ahead.seqs:
-                self._launch(ahead)
-                self.num_steps_ahead += 1
-            else:
-                self.scheduler.cancel_ahead(ahead)
         return outputs
 
     def _launch(self, batch: SchedulerOutput) -> None:
@@ -442,6 +444,15 @@ class LLMEngine:
     ) -> list[Output]:
         """The sample and update phases of ``batch``, whose forward pass gave
         ``logits`` for ``sampling``."""
+        samples, lost = self._sample_step(sampling, logits, fail_alone)
+        return self._update(batch, samples, lost, fail_alone)
+
+    def _sample_step(
+        self, sampling: list[ScheduledSeq], logits: torch.Tensor | None, fail_alone: bool
+    ) -> tuple[StepSamples, dict[str, Exception]]:
+        """The sample phase, and the requests whose KV never arrived (their rows left
+        out); with ``fail_alone``, a request whose sampling raised is left in
+        ``failed``."""
         lost = self._lost_kv_loads()
         if lost and sampling:  # their logits came from KV that never arrived
             keep = [i for i, s in enumerate(sampling) if s.group.request_id not in lost]
@@ -453,6 +464,17 @@ class LLMEngine:
             )
         elif sampling:
             samples = self.sample(sampling, logits)
+        return samples, lost
+
+    def _update(
+        self,
+        batch: SchedulerOutput,
+        samples: StepSamples,
+        lost: dict[str, Exception],
+        fail_alone: bool,
+    ) -> list[Output]:
+        """The update phase of ``batch``: the failed and lost requests aborted, the
+        samples applied (`Scheduler.update_from_output`), the outputs made."""
         self.failed.update(lost)
         for request_id in self.failed:
             self.abort_request(request_id)

@@ -230,6 +230,14 @@ class StepSamples:
             + sum(v.num_appended for v in self.verified)
         )
 
+    def token_ids_by_seq(self) -> dict[int, int]:
+        """Each sequence's sampled token, by sequence id: a plain step's (what async
+        scheduling runs ahead of its update; no fork, beam or guesses there)."""
+        by_seq = {s.seq.seq_id: s.token_id for s in self.tokens}
+        for chunk in self.sampled:
+            by_seq.update(zip([seq.seq_id for seq in chunk.seqs], chunk.token_ids))
+        return by_seq
+
     def extend(self, other: StepSamples) -> None:
         self.tokens += other.tokens
         self.sampled += other.sampled

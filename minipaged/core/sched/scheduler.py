@@ -46,8 +46,10 @@ blocks are freed or swapped out is named once in the next output's ``finished_re
 
 With async scheduling, the engine asks for the next decode step while this one runs
 (`schedule_ahead`): each sequence's token not sampled yet is a placeholder, in the KV
-cache manager's table (kept out of the prefix cache) and in the runner's diff, until
-`fill_placeholders` writes the sampled one in (vLLM's ``AsyncScheduler``).
+cache manager's table (kept out of the prefix cache) and in the runner's diff;
+`write_sampled` gives the runner the sampled token before the step launches, and
+`fill_placeholders` the KV cache manager once the step before is updated (vLLM's
+``AsyncScheduler``).
 
 With a vision model, admission asks the encoder cache too (`EncoderCacheManager`): a
 request waits until its images fit there, then holds them until it finishes or is
@@ -480,15 +482,18 @@ class Scheduler:
         or swapped.  None otherwise: the engine then waits for ``prev``'s tokens and
         calls `schedule`."""
         running = self.running
+        finished = SequenceStatus.FINISHED
+        # (A sequence that finished while ``prev`` ran ahead of its update is in it.)
+        prev_seqs = [s for s in prev.seqs if s.group.status is not finished]
         if (
             self.waiting
             or self.swapped
             or not running
-            or len(prev.seqs) != len(running)
+            or len(prev_seqs) != len(running)
             or len(running) > self.max_num_batched_tokens
         ):
             return None
-        in_prev = {id(s.group) for s in prev.seqs if _runs_ahead(s)}
+        in_prev = {id(s.group) for s in prev_seqs if _runs_ahead(s)}
         if len(in_prev) != len(running) or any(id(g) not in in_prev for g in running):
             return None
         if not self._roomy(running, len(running)) and not self._fits(
@@ -532,36 +537,28 @@ class Scheduler:
         out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
         return out
 
-    def fill_placeholders(self, out: SchedulerOutput) -> None:
-        """Once the step before ``out`` (a `schedule_ahead`) is updated: each
-        placeholder becomes the token sampled for it; a sequence that finished (or was
-        aborted) meanwhile, its blocks already freed, leaves ``out`` unrun."""
-        cached, keep = out.scheduled_cached_reqs, []
+    def write_sampled(self, out: SchedulerOutput, samples: StepSamples) -> None:
+        """Before ``out`` (a `schedule_ahead`) launches, while the step before it is not
+        updated yet: each placeholder's input token becomes the one ``samples`` chose
+        for its sequence.  A sequence that sampled none (its request failed alone)
+        runs token 0 for nothing; its row is dropped when ``out`` is sampled."""
+        tokens = samples.token_ids_by_seq()
+        new_token_ids = out.scheduled_cached_reqs.new_token_ids
         for i, s in enumerate(out.seqs):
+            new_token_ids[i] = [tokens.get(s.seq.seq_id, 0)]
+
+    def fill_placeholders(self, out: SchedulerOutput) -> None:
+        """Once the step before ``out`` is updated (``out`` already running): each
+        surviving sequence's placeholder in the KV cache manager becomes its token.  A
+        sequence that finished (or was aborted) meanwhile, its blocks already freed,
+        ran one token for nothing: ``out``'s sampling drops its row (`drop_aborted`),
+        and the device wrote its key and value into a freed slot before any later step
+        can reuse it (one stream, in order)."""
+        for s in out.seqs:
             seq = s.seq
             if seq.finish_reason is None and len(seq.token_ids) == s.start + 1:
-                token = seq.token_ids[s.start]
-                self.kv.fill_placeholder(seq.seq_id, token)
-                cached.new_token_ids[i] = [token]
-                keep.append(i)
-        if len(keep) < len(out.seqs):
-            self._drop_unfilled(out, keep)
+                self.kv.fill_placeholder(seq.seq_id, seq.token_ids[s.start])
         self._trace_schedule(out)  # what runs
-
-    def _drop_unfilled(self, out: SchedulerOutput, keep: list[int]) -> None:
-        """``out`` with only its sequences at ``keep``."""
-        cached = out.scheduled_cached_reqs
-        out.seqs = [out.seqs[i] for i in keep]
-        out.num_scheduled_tokens = {s.seq.seq_id: 1 for s in out.seqs}
-        for name in (
-            "req_ids",
-            "new_token_ids",
-            "num_kept_blocks",
-            "new_block_ids",
-            "num_computed_tokens",
-        ):
-            column = getattr(cached, name)
-            setattr(cached, name, [column[i] for i in keep])
 
     def cancel_ahead(self, out: SchedulerOutput) -> None:
         """Undo a `schedule_ahead` that will not run: give back its placeholders'
