@@ -47,7 +47,9 @@ class SamplingMetadata:
     Attributes:
         temperature: ``[N]`` float32, each row's; None when ``all_greedy``.
         all_greedy / all_random: every row greedy / none greedy.
-        random_rows: the rows that are not greedy (all of them when ``all_random``).
+        random_rows: the rows that are not greedy (all of them when ``all_random``);
+            ``random_index``: them on the device where the rows mix greedy and random
+            ones (None: the sampler makes it).
         top_k: ``[N]`` the number of tokens each row keeps (the vocabulary when off);
             None when no row uses top-k.  ``top_p``, ``min_p``: ``[N]`` float32, or None
             when no row uses them.
@@ -79,6 +81,7 @@ class SamplingMetadata:
     prompt_token_mask: torch.Tensor | None = None
     min_tokens_cells: tuple[torch.Tensor, torch.Tensor] | None = None
     logprobs: Sequence[int | None] | None = None
+    random_index: torch.Tensor | None = None
 
     @property
     def no_penalties(self) -> bool:
@@ -319,7 +322,9 @@ class SamplingInputBatch:
             return self._draw
         greedy = self.greedy[rows]
         all_greedy, all_random = bool(greedy.all()), not greedy.any()
-        random_rows = list(range(len(rows))) if all_random else np.flatnonzero(~greedy).tolist()
+        random = None if all_random else np.flatnonzero(~greedy)
+        random_rows = list(range(len(rows))) if all_random else random.tolist()
+        mixed = not all_random and not all_greedy
         params = self._on_device()
         index = self._to_device("rows", rows)
 
@@ -345,6 +350,7 @@ class SamplingInputBatch:
                 ]
                 if self.wants_logprobs[rows].any()
                 else None,
+                random_index=self._to_device("random_rows", random) if mixed else None,
             ),
         )
         return self._draw
