@@ -2,6 +2,7 @@
 Hugging Face's greedy tokens.  All ``gpu``-marked: they skip on a CPU-only machine and
 run with ``make gpu-test`` on a GPU one."""
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -170,4 +171,99 @@ def test_quantized_weights_on_the_gpu_equal_hf_on_what_they_stand_for(
     )
     assert llm.engine.runner.graphs is not None
     assert greedy(llm, prompts) == hf_greedy(dense, prompts, torch.float32)
+    assert_all_free(llm)
+
+
+def _sampled_ids_copy() -> tuple[Path, int]:
+    """The sampler's line that copies the sampled ids to the host: the one wait for the
+    device a step needs (found by its text, not by its number)."""
+    from minipaged.sample import sampler
+
+    path = Path(sampler.__file__).resolve()
+    lines = [
+        i for i, line in enumerate(path.read_text().splitlines(), 1) if "next_ids.tolist()" in line
+    ]
+    assert len(lines) == 1, lines
+    return path, lines[0]
+
+
+def _waits(step) -> tuple[list, list[tuple[Path, int]]]:
+    """``step()``'s result and the lines where it made the host wait for the device:
+    torch's sync debug mode warns at each synchronizing call, from its Python line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites = [
+        (Path(w.filename).resolve(), w.lineno) for w in caught if "synchroniz" in str(w.message)
+    ]
+    return result, sites
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_decode_step_waits_for_the_gpu_only_for_the_sampled_ids(
+    checkpoint, prompts, async_scheduling
+):
+    """Each decode step's host waits for the device once, for the sampled ids (vLLM V1's
+    one sync a step): the inputs, the sampling parameters, the rows and the condensed
+    block table rows cross from pinned buffers.  Greedy and random rows mixed, requests
+    finishing at different steps (rows freed and condensed, the sampling rows changed);
+    then requests joining (their parameters copied), whose steps also run a prefill and
+    may wait there, but never in the code that stages the inputs.  The greedy rows give
+    Hugging Face's tokens."""
+    from minipaged.sample import metadata
+    from minipaged.worker import cpu_gpu_buffer, input_batch
+
+    llm = LLM(
+        checkpoint,
+        device="cuda",
+        dtype="float32",
+        num_gpu_blocks=128,
+        async_scheduling=async_scheduling,
+    )
+    engine, sampled_ids = llm.engine, _sampled_ids_copy()
+    hf = hf_greedy(checkpoint, prompts, torch.float32)
+    greedy_max = {}
+    for i, prompt in enumerate(prompts):
+        n = MAX_TOKENS - 3 * i  # each finishes at its own step
+        greedy_max[f"greedy-{i}"] = i, n
+        engine.add_request(f"greedy-{i}", prompt, SamplingParams(temperature=0, max_tokens=n))
+        random = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=n - 1)
+        engine.add_request(f"random-{i}", prompt, random)
+    outputs = []
+    for _ in range(3):  # the prompts in, and a first decode step
+        outputs += engine.step()
+    decode_waits = []
+    while engine.has_unfinished_requests():
+        out, sites = _waits(engine.step)
+        outputs += out
+        decode_waits.append(sites)
+    assert len(decode_waits) > 10
+    assert all(sites == [sampled_ids] for sites in decode_waits), decode_waits
+
+    staging = {Path(m.__file__).resolve() for m in (metadata, input_batch, cpu_gpu_buffer)}
+    for i, prompt in enumerate(prompts[:3]):  # joining one at a time, while others decode
+        engine.add_request(f"late-{i}", prompt, SamplingParams(temperature=0.5, max_tokens=8))
+        engine.add_request(f"late-greedy-{i}", prompt, SamplingParams(temperature=0, max_tokens=8))
+    joined_waits = []
+    while engine.has_unfinished_requests():
+        out, sites = _waits(engine.step)
+        outputs += out
+        joined_waits += sites
+    assert not [site for site in joined_waits if site[0] in staging], joined_waits
+
+    tokens = {o.request_id: o.outputs[0].token_ids for o in outputs}
+    for request_id, (i, n) in greedy_max.items():
+        assert tokens[request_id] == hf[i][:n], request_id
+    for i in range(3):
+        assert tokens[f"late-greedy-{i}"] == hf[i][:8]
+    # The parameters on the device are the host's (the float32 table's top-k exact).
+    batch = engine.parallel_sampling.input_batch
+    for name, on_device in batch._on_device().items():
+        host = getattr(batch, name)
+        assert torch.equal(on_device.cpu(), host), name
+    assert set(batch._on_device()) == set(metadata.PARAMS)
     assert_all_free(llm)

@@ -24,8 +24,20 @@ import numpy as np
 import torch
 
 from minipaged.sampling_params import SamplingParams
+from minipaged.worker.cpu_gpu_buffer import CpuGpuBuffers
 
 __all__ = ["SamplingMetadata", "SamplingInputBatch"]
+
+# The per-row parameter arrays `SamplingInputBatch` keeps, in their order on the device.
+PARAMS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "frequency_penalties",
+    "presence_penalties",
+    "repetition_penalties",
+)
 
 
 @dataclass
@@ -35,7 +47,9 @@ class SamplingMetadata:
     Attributes:
         temperature: ``[N]`` float32, each row's; None when ``all_greedy``.
         all_greedy / all_random: every row greedy / none greedy.
-        random_rows: the rows that are not greedy (all of them when ``all_random``).
+        random_rows: the rows that are not greedy (all of them when ``all_random``);
+            ``random_index``: them on the device where the rows mix greedy and random
+            ones (None: the sampler makes it).
         top_k: ``[N]`` the number of tokens each row keeps (the vocabulary when off);
             None when no row uses top-k.  ``top_p``, ``min_p``: ``[N]`` float32, or None
             when no row uses them.
@@ -67,6 +81,7 @@ class SamplingMetadata:
     prompt_token_mask: torch.Tensor | None = None
     min_tokens_cells: tuple[torch.Tensor, torch.Tensor] | None = None
     logprobs: Sequence[int | None] | None = None
+    random_index: torch.Tensor | None = None
 
     @property
     def no_penalties(self) -> bool:
@@ -129,6 +144,8 @@ class SamplingInputBatch:
         self.prompt_token_mask: torch.Tensor | None = None
         self.num_counted = np.zeros(n, np.int64)
         self._device_params: dict[str, torch.Tensor] | None = None
+        self._staging = CpuGpuBuffers(self.device)
+        self._to_device = self._staging.to_device
         # The last step's sequences (compared by identity) and their rows: a decode
         # step's are the same, so its rows are found without a lookup per sequence.
         self._last_seqs: list | None = None
@@ -213,7 +230,7 @@ class SamplingInputBatch:
                 cells_tokens += new
                 self.num_counted[row] = len(tokens)
         if cells_rows:
-            index = torch.tensor([cells_rows, cells_tokens], device=self.device)
+            index = self._to_device("new_tokens", np.array([cells_rows, cells_tokens], np.int64))
             ones = torch.ones(len(cells_rows), device=self.device)
             self.output_token_counts.index_put_((index[0], index[1]), ones, accumulate=True)
 
@@ -255,11 +272,18 @@ class SamplingInputBatch:
             setattr(self, name, new)
 
     def _on_device(self) -> dict[str, torch.Tensor]:
-        """The parameter arrays on the device, copied again only after a row changed."""
+        """The parameter arrays on the device, copied again only after a row changed: on
+        a GPU one non-blocking copy of all seven as rows of one float32 table (top-k, a
+        count up to the vocabulary, is exact in float32 below 2**24); on a CPU the
+        arrays themselves."""
         if self._device_params is None:
-            names = ("temperature", "top_k", "top_p", "min_p")
-            names += ("frequency_penalties", "presence_penalties", "repetition_penalties")
-            self._device_params = {n: getattr(self, n).to(self.device) for n in names}
+            host = [getattr(self, name) for name in PARAMS]
+            if not self._staging.crosses:
+                self._device_params = dict(zip(PARAMS, host))
+            else:
+                table = self._to_device("params", torch.stack([t.float() for t in host]))
+                self._device_params = dict(zip(PARAMS, table))
+                self._device_params["top_k"] = table[PARAMS.index("top_k")].long()
         return self._device_params
 
     def metadata(self, rows: np.ndarray, eos_token_ids: Collection[int] = ()) -> SamplingMetadata:
@@ -273,7 +297,7 @@ class SamplingInputBatch:
         if len(penalized):
             store_rows = rows[penalized]
             self._count_new_tokens(store_rows.tolist())
-            params, at = self._on_device(), torch.from_numpy(store_rows).to(self.device)
+            params, at = self._on_device(), self._to_device("penalized_rows", store_rows)
             md.penalized_rows = penalized.tolist()
             for name in ("frequency_penalties", "presence_penalties", "repetition_penalties"):
                 setattr(md, name, params[name].index_select(0, at)[:, None])
@@ -298,9 +322,11 @@ class SamplingInputBatch:
             return self._draw
         greedy = self.greedy[rows]
         all_greedy, all_random = bool(greedy.all()), not greedy.any()
-        random_rows = list(range(len(rows))) if all_random else np.flatnonzero(~greedy).tolist()
+        random = None if all_random else np.flatnonzero(~greedy)
+        random_rows = list(range(len(rows))) if all_random else random.tolist()
+        mixed = not all_random and not all_greedy
         params = self._on_device()
-        index = torch.from_numpy(rows).to(self.device)
+        index = self._to_device("rows", rows)
 
         def gather(name, used=True):
             return params[name].index_select(0, index) if used else None
@@ -324,6 +350,7 @@ class SamplingInputBatch:
                 ]
                 if self.wants_logprobs[rows].any()
                 else None,
+                random_index=self._to_device("random_rows", random) if mixed else None,
             ),
         )
         return self._draw

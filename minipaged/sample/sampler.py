@@ -160,7 +160,9 @@ def sample_with_metadata(
     else:
         next_ids = logits.argmax(dim=-1)  # greedy rows keep this
         rows = metadata.random_rows
-        index = torch.tensor(rows, device=logits.device)
+        index = metadata.random_index
+        if index is None:
+            index = torch.tensor(rows, device=logits.device)
         generators = metadata.generators
         next_ids[index] = _draw(
             _probs(logits[index], metadata, index),

@@ -39,6 +39,7 @@ import torch
 
 from minipaged.core.sched.output import NewRequestData, SchedulerOutput
 from minipaged.models.attention import AttentionMetadata
+from minipaged.worker.cpu_gpu_buffer import CpuGpuBuffers
 
 
 def _grown(array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -69,6 +70,7 @@ class DeviceBlockTable:
 
     def __init__(self, max_num_reqs: int, max_num_blocks: int, device: torch.device) -> None:
         self.device = device
+        self._to_device = CpuGpuBuffers(device).to_device
         self.num_blocks = np.zeros(max_num_reqs, np.int32)
         self._allocate(np.zeros((max_num_reqs, max(1, max_num_blocks)), np.int32))
         # The entries written since the last `commit`, as (rows, columns, ids) arrays.
@@ -132,8 +134,8 @@ class DeviceBlockTable:
         self.num_blocks[dst] = self.num_blocks[src]
         if self.device.type != "cpu":
             self.commit()  # the writes recorded so far land in the old rows first
-            index = torch.tensor(src, device=self.device)
-            self.gpu[torch.tensor(dst, device=self.device)] = self.gpu[index]
+            moves = self._to_device("moves", np.array([src, dst], np.int64))
+            self.gpu[moves[1]] = self.gpu[moves[0]]
 
     def gather(
         self, rows: np.ndarray, index: torch.Tensor | None, first: int, last: int, width: int
@@ -152,8 +154,7 @@ class DeviceBlockTable:
             return
         packed = np.concatenate([np.stack(w) for w in self._writes], axis=1)
         self._writes.clear()
-        packed = torch.from_numpy(packed.astype(np.int64)).pin_memory()
-        packed = packed.to(self.device, non_blocking=True)
+        packed = self._to_device("writes", packed.astype(np.int64))
         self.gpu[packed[0], packed[1]] = packed[2].to(self.gpu.dtype)
 
 
@@ -188,7 +189,7 @@ class InputBatch:
         self.block_table = DeviceBlockTable(
             max_num_reqs, -(-max_model_len // block_size), self.device
         )
-        self._pinned: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._device = CpuGpuBuffers(self.device).to_device
         self._num_holes = 0
         # The last ids looked up and their rows (`rows_of`), and the ids as an object
         # array, to pick a step's by row: both kept until a row is added, freed or moved.
@@ -481,20 +482,3 @@ class InputBatch:
         if self._id_array is None:
             self._id_array = np.array(self.req_ids, dtype=object)
         return self._id_array[rows].tolist()
-
-    def _device(self, name: str, array: np.ndarray) -> torch.Tensor:
-        """``array`` on the device: on a CPU, the array's own memory; on a GPU, one
-        non-blocking copy through a pinned buffer kept for ``name``."""
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type == "cpu":
-            return tensor
-        pinned, device = self._pinned.get(name, (None, None))
-        if pinned is None or pinned.numel() < tensor.numel():
-            size = max(tensor.numel(), 2 * (pinned.numel() if pinned is not None else 256))
-            pinned = torch.empty(size, dtype=tensor.dtype).pin_memory()
-            device = torch.empty(size, dtype=tensor.dtype, device=self.device)
-            self._pinned[name] = pinned, device
-        n = tensor.numel()
-        pinned[:n].copy_(tensor)
-        device[:n].copy_(pinned[:n], non_blocking=True)
-        return device[:n]
