@@ -10,6 +10,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from engine_helpers import (
     EOS,
@@ -309,3 +310,14 @@ def test_bench_throughput_runs_the_async_system(llama):
     run = result.runs[throughput.ASYNC]
     assert run.row["system"] == throughput.ASYNC
     assert run.generated == [7, 3, 9]
+
+
+def test_the_rows_kept_of_a_step_ahead_are_those_indexing_picks():
+    """`drop_aborted` joins slices instead of indexing with a list (which would wait
+    for a GPU): the same rows for every ascending subset of ten."""
+    from minipaged.engine.llm_engine import _rows
+
+    logits = torch.randn(10, 7)
+    for mask in range(2**10):
+        keep = [i for i in range(10) if mask >> i & 1]
+        assert torch.equal(_rows(logits, keep), logits[keep])

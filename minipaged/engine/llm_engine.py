@@ -615,7 +615,16 @@ def drop_aborted(
     if not any([s.group.status is finished for s in sampling]):
         return sampling, logits
     keep = [i for i, s in enumerate(sampling) if s.group.status is not finished]
-    return [sampling[i] for i in keep], logits[keep]
+    return [sampling[i] for i in keep], _rows(logits, keep)
+
+
+def _rows(logits: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    """``logits[keep]`` (``keep`` ascending, one row per sequence) joined from slices:
+    indexing a GPU tensor with a list copies the list there from pageable memory,
+    which waits for the device (a step's only wait is its sampled tokens')."""
+    starts = [i for j, i in enumerate(keep) if j == 0 or keep[j - 1] != i - 1]
+    ends = [i + 1 for j, i in enumerate(keep) if j == len(keep) - 1 or keep[j + 1] != i + 1]
+    return torch.cat([logits[a:b] for a, b in zip(starts, ends)]) if keep else logits[:0]
 
 
 def make_mm_processor(config: EngineConfig, path: Path, model, tokenizer):
