@@ -16,7 +16,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from minipaged.ops import triton_fused as tf
 from minipaged.ops import triton_kernels as tk
+from minipaged.ops import triton_quant as tq
 
 # (kernel, constexprs as a launch in triton_ops passes them): GQA 32/8 heads, head_dim 128.
 # An unquantized cache (QUANTIZED=False): the scale pointers are unused.
@@ -48,12 +50,22 @@ KERNELS = [
         ),
     ),
 ]
+# The layers' fused ops (hidden 896, head_dim 64) and the INT4 dequantizing GEMM.
+KERNELS += [
+    (tf.rms_norm_kernel, dict(ADD_RESIDUAL=False, BLOCK=1024)),
+    (tf.rms_norm_kernel, dict(ADD_RESIDUAL=True, BLOCK=1024)),
+    (tf.silu_and_mul_kernel, dict(BLOCK=1024)),
+    (tf.rotary_kernel, dict(HALF=32)),
+    (tq.quant_matmul_kernel, dict(BITS=4, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, PRECISION="tf32")),
+]
 TARGETS = [(80, "fp16"), (90, "bf16"), (90, "fp16")]
 # Split-KV partial results and their log-sum-exps are float32 whatever the cache holds.
 FLOAT32_POINTERS = {"partial_ptr", "lse_ptr"}
 
 
 INDEX_POINTERS = {"slot_mapping_ptr", "block_tables_ptr", "context_lens_ptr", "query_start_loc_ptr"}
+INDEX_POINTERS |= {"qweight_ptr", "zeros_ptr", "g_idx_ptr"}  # packed integers, group ids
+FLOAT_ARGS = {"qk_scale", "eps"}
 
 
 def signature(kernel, constexprs: dict, dtype: str) -> tuple[dict, dict, dict]:
@@ -75,7 +87,7 @@ def signature(kernel, constexprs: dict, dtype: str) -> tuple[dict, dict, dict]:
         elif name.endswith("_ptr"):
             types[name] = f"*{'fp32' if name in FLOAT32_POINTERS else dtype}"
         else:
-            types[name] = "fp32" if name == "qk_scale" else "i32"
+            types[name] = "fp32" if name in FLOAT_ARGS else "i32"
         if name.endswith("_ptr") or name.startswith("stride_"):
             hints[(i,)] = [["tt.divisibility", 16]]
     return types, constants, hints

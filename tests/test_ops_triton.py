@@ -177,7 +177,7 @@ def test_kernels_compile_for_gpus_without_one():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("sm_90 bf16") == 5
+    assert result.stdout.count("sm_90 bf16") == 10
 
 
 # How many splits: enough programs to fill the GPU, but never splits of a few tokens.
