@@ -15,9 +15,13 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from minipaged.core.memory.contiguous import POLICIES
 from minipaged.pooling_params import PoolerConfig
+
+if TYPE_CHECKING:
+    import torch
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda", "flash_attn", "flashinfer")
 DEVICES = ("auto", "cpu", "cuda")
@@ -175,7 +179,10 @@ class EngineConfig:
             (llguidance) or ``"auto"`` (the default: guidance in minipaged; vLLM's
             picks xgrammar where it supports the request); None: the default.
         async_scheduling: schedule the next step while the model runs this one
-            (vLLM's ``async_scheduling``; `LLMEngine.step`): off by default.  A step
+            (vLLM's ``async_scheduling``; `LLMEngine.step`).  None (the default) turns
+            it on where it runs on a GPU and none of the settings below rules it out,
+            off on a CPU, as vLLM 0.14 does (on by default, its CPU backend excluded;
+            on an H200 it measured 4% faster end to end, 22% per decode step).  A step
             runs ahead only when every running sequence decodes one token (no
             waiting, swapped or preempted request, no ``n`` > 1, beam search or
             image); any other step waits for the one before it.  Not with tensor or
@@ -227,7 +234,7 @@ class EngineConfig:
     max_num_encoder_input_tokens: int | None = None
     disable_chunked_mm_input: bool = False
     structured_outputs_config: StructuredOutputsConfig | dict | None = None
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
@@ -282,7 +289,6 @@ class EngineConfig:
             "calculate_kv_scales",
             "enable_expert_parallel",
             "enable_lora",
-            "async_scheduling",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -324,8 +330,20 @@ class EngineConfig:
     def _check_async_scheduling(self) -> None:
         """What async scheduling cannot run with in minipaged: its step ahead is a
         decode of every running sequence on one process, one token each."""
-        if not self.async_scheduling:
-            return
+        if self.async_scheduling is None:
+            return  # `resolve_async_scheduling` decides once the device is known
+        if not isinstance(self.async_scheduling, bool):
+            got = self.async_scheduling
+            raise ValueError(f"async_scheduling must be a bool or None, got {got!r}")
+        ruled_out = self._rules_out_async_scheduling() if self.async_scheduling else []
+        if ruled_out:
+            name = ruled_out[0]
+            raise ValueError(
+                f"async_scheduling cannot run with {name}={getattr(self, name)!r} in minipaged"
+            )
+
+    def _rules_out_async_scheduling(self) -> list[str]:
+        """The settings asked for that async scheduling cannot run with."""
         combos = {
             "tensor_parallel_size": self.tensor_parallel_size > 1,
             "pipeline_parallel_size": self.pipeline_parallel_size > 1,
@@ -334,11 +352,14 @@ class EngineConfig:
             "runner": self.runner == "pooling",
             "memory_mode": self.memory_mode != "paged",
         }
-        for name, refused in combos.items():
-            if refused:
-                raise ValueError(
-                    f"async_scheduling cannot run with {name}={getattr(self, name)!r} in minipaged"
-                )
+        return [name for name, refused in combos.items() if refused]
+
+    def resolve_async_scheduling(self, device: torch.device) -> bool:
+        """``async_scheduling`` None made True or False for ``device`` (the engine asks
+        once it resolved the device): on a GPU unless a setting rules it out."""
+        if self.async_scheduling is None:
+            self.async_scheduling = device.type == "cuda" and not self._rules_out_async_scheduling()
+        return self.async_scheduling
 
     def _check_multimodal(self) -> None:
         """The multimodal settings' types (whether the model takes images, and what it

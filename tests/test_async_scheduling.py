@@ -312,6 +312,23 @@ def test_bench_throughput_runs_the_async_system(llama):
     assert run.generated == [7, 3, 9]
 
 
+def test_by_default_on_a_gpu_unless_a_setting_rules_it_out_and_off_on_a_cpu(llama):
+    """``async_scheduling`` None, as vLLM 0.14's default: on for CUDA where nothing rules
+    it out, off on a CPU or beside a setting it cannot run with (no error then, unlike
+    asking for it)."""
+    assert EngineConfig(model="m").async_scheduling is None
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert EngineConfig(model="m").resolve_async_scheduling(cuda) is True
+    assert EngineConfig(model="m").resolve_async_scheduling(cpu) is False
+    for option in ({"tensor_parallel_size": 2}, {"memory_mode": "contiguous-max"}):
+        assert EngineConfig(model="m", **option).resolve_async_scheduling(cuda) is False
+    assert EngineConfig(model="m", async_scheduling=False).resolve_async_scheduling(cuda) is False
+    with pytest.raises(ValueError, match="async_scheduling must be a bool or None, got 'yes'"):
+        EngineConfig(model="m", async_scheduling="yes")
+    engine = make_llm(llama[0]).engine  # on this CPU
+    assert engine.config.async_scheduling is False and engine._forward_thread is None
+
+
 def test_the_rows_kept_of_a_step_ahead_are_those_indexing_picks():
     """`drop_aborted` joins slices instead of indexing with a list (which would wait
     for a GPU): the same rows for every ascending subset of ten."""

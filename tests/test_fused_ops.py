@@ -47,7 +47,7 @@ def _interpreter_dtypes(request):
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    norm = LlamaRMSNorm(x.shape[-1], eps=EPS).to(x.dtype)
+    norm = LlamaRMSNorm(x.shape[-1], eps=EPS).to(x.device, x.dtype)
     with torch.no_grad():
         norm.weight.copy_(weight)
         return norm(x)

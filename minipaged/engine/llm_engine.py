@@ -279,7 +279,7 @@ class LLMEngine:
         # the device once launched: `_launch`), and the step in flight.
         self._forward_thread = (
             ThreadPoolExecutor(1, thread_name_prefix="minipaged-forward")
-            if config.async_scheduling and self.device.type == "cpu"
+            if config.resolve_async_scheduling(self.device) and self.device.type == "cpu"
             else None
         )
         self._in_flight: tuple[SchedulerOutput, Future] | None = None
