@@ -521,12 +521,8 @@ class Scheduler:
             out.seqs.append(
                 ScheduledSeq(seq, group, start, 1, blocks, [slot], True, lora_slot, NO_POSITIONS)
             )
-            kept = min(held[1], num_kept)
-            cached.req_ids.append(seq.seq_id)
-            cached.new_token_ids.append([PLACEHOLDER_TOKEN_ID])
-            cached.num_kept_blocks.append(kept)
-            cached.new_block_ids.append(blocks[kept:])
-            cached.num_computed_tokens.append(start)
+            cached.add(seq.seq_id, [PLACEHOLDER_TOKEN_ID], start)
+            cached.add_blocks(seq.seq_id, blocks, held[1], num_kept)
             held[0], held[1] = start + 1, len(blocks)
             out.num_scheduled_tokens[seq.seq_id] = 1
         out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
@@ -542,26 +538,30 @@ class Scheduler:
             if seq.finish_reason is None and len(seq.token_ids) == s.start + 1:
                 token = seq.token_ids[s.start]
                 self.kv.fill_placeholder(seq.seq_id, token)
-                cached.new_token_ids[i] = [token]
+                cached.new_token_ids[i] = token  # (one token each: the i-th is row i's)
                 keep.append(i)
         if len(keep) < len(out.seqs):
             self._drop_unfilled(out, keep)
         self._trace_schedule(out)  # what runs
 
     def _drop_unfilled(self, out: SchedulerOutput, keep: list[int]) -> None:
-        """``out`` with only its sequences at ``keep``."""
+        """``out`` (a `schedule_ahead`'s: one token per sequence) with only its
+        sequences at ``keep``."""
         cached = out.scheduled_cached_reqs
         out.seqs = [out.seqs[i] for i in keep]
         out.num_scheduled_tokens = {s.seq.seq_id: 1 for s in out.seqs}
         for name in (
             "req_ids",
             "new_token_ids",
-            "num_kept_blocks",
+            "num_new_tokens",
             "new_block_ids",
             "num_computed_tokens",
         ):
             column = getattr(cached, name)
             setattr(cached, name, [column[i] for i in keep])
+        cached.num_kept_blocks = {
+            r: n for r, n in cached.num_kept_blocks.items() if r in out.num_scheduled_tokens
+        }
 
     def cancel_ahead(self, out: SchedulerOutput) -> None:
         """Undo a `schedule_ahead` that will not run: give back its placeholders'
@@ -821,8 +821,8 @@ class Scheduler:
         tables, append_slot, traced = self.kv.tables, self.kv.append_slot, self.trace.enabled
         held_of, add_seq = self._held.get, out.seqs.append
         cached, num_scheduled = out.scheduled_cached_reqs, out.num_scheduled_tokens
-        add_id, add_tokens = cached.req_ids.append, cached.new_token_ids.append
-        add_kept, add_blocks = cached.num_kept_blocks.append, cached.new_block_ids.append
+        add_id, add_token = cached.req_ids.append, cached.new_token_ids.append
+        add_count, add_blocks = cached.num_new_tokens.append, cached.new_block_ids.append
         add_computed = cached.num_computed_tokens.append
         for group, seq in decodes:
             seq_id, tokens = seq.seq_id, seq.token_ids
@@ -851,14 +851,19 @@ class Scheduler:
             held = held_of(seq_id)
             if held is None:
                 self._send(seq, start, 1, blocks, out, num_kept, lora_slot)
-            else:
-                sent, kept = held
-                if num_kept < kept:
-                    kept = num_kept
+            else:  # `CachedRequestData.add` and `add_blocks`, inline for the common case
+                sent, had = held
                 add_id(seq_id)
-                add_tokens(tokens[sent:])
-                add_kept(kept)
-                add_blocks(blocks[kept:])
+                if sent == start:  # one new token: the one sampled for it last step
+                    add_token(tokens[start])
+                    add_count(1)
+                else:
+                    cached.new_token_ids += tokens[sent:]
+                    add_count(start + 1 - sent)
+                if num_kept == had == len(blocks):  # no block new or replaced
+                    add_blocks(None)
+                else:
+                    cached.add_blocks(seq_id, blocks, had, num_kept)
                 add_computed(start)
                 held[0], held[1] = start + 1, len(blocks)
                 num_scheduled[seq_id] = 1
@@ -951,13 +956,9 @@ class Scheduler:
                 NewRequestData(seq_id, list(seq.token_ids), list(blocks), start, lora_slot)
             )
         else:
-            kept = min(held[1], num_kept_blocks)
             cached = out.scheduled_cached_reqs
-            cached.req_ids.append(seq_id)
-            cached.new_token_ids.append(seq.token_ids[held[0] :])
-            cached.num_kept_blocks.append(kept)
-            cached.new_block_ids.append(blocks[kept:])
-            cached.num_computed_tokens.append(start)
+            cached.add(seq_id, seq.token_ids[held[0] :], start)
+            cached.add_blocks(seq_id, blocks, held[1], num_kept_blocks)
             held[0], held[1] = len(seq.token_ids), len(blocks)
         out.num_scheduled_tokens[seq_id] = n
 
