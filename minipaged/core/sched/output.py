@@ -54,13 +54,14 @@ class ScheduledSeq:
     # Positions whose logits score a prompt token (SamplingParams.prompt_logprobs).
     prompt_logprob_positions: range = range(0)
     # A draft's guesses, run after the sequence's real tokens (the last ones of the
-    # step's ``num_new_tokens``) to be verified: their slots are lookahead slots.
-    spec_token_ids: list[int] = field(default_factory=list)
+    # step's ``num_new_tokens``) to be verified: their slots are lookahead slots.  A
+    # decode without any shares the empty tuple: no list per sequence, every step.
+    spec_token_ids: list[int] | tuple[()] = ()
 
     def input_token_ids(self) -> list[int]:
         """The tokens this step runs: the sequence's, then the guesses."""
         end = self.start + self.num_new_tokens - len(self.spec_token_ids)
-        return self.seq.token_ids[self.start : end] + self.spec_token_ids
+        return [*self.seq.token_ids[self.start : end], *self.spec_token_ids]
 
     @property
     def num_logit_rows(self) -> int:

@@ -845,9 +845,7 @@ class Scheduler:
                 lora_slot, positions = self._decode_extras(group, seq, start, out)
             else:  # the common case: a plain decode
                 lora_slot, positions = -1, NO_POSITIONS
-            add_seq(
-                ScheduledSeq(seq, group, start, 1, blocks, [slot], True, lora_slot, positions, [])
-            )
+            add_seq(ScheduledSeq(seq, group, start, 1, blocks, [slot], True, lora_slot, positions))
             held = held_of(seq_id)
             if held is None:
                 self._send(seq, start, 1, blocks, out, num_kept, lora_slot)
