@@ -161,6 +161,9 @@ class Scheduler:
         # The update phase's stop checks: the engine's EOS tokens, and the front end's
         # check of stop strings on the text so far (which detokenizes; None: no text).
         self.eos_token_ids: set[int] = set()
+        # Does the engine pool (a pooling runner)?  Then a request finishes once its
+        # prompt's embedding is in, which the update phase checks for.
+        self.pools = False
         self.check_stop_strings: Callable[[SequenceGroup, Sequence], str | None] | None = None
         # Disaggregated prefill: the scheduler's side of the KV connector (None: off),
         # and where prompt tokens' KV came from: computed here, or loaded through it.
@@ -324,13 +327,10 @@ class Scheduler:
                 seq.logprobs.append(s.top_logprobs)
             check_stop(s.group, seq)
         finished, finishing = SequenceStatus.FINISHED, self._finishing
-        groups = [  # those aborted left out
-            g
-            for g in dict.fromkeys([s.group for s in scheduler_output.seqs])
-            if g.status is not finished
-        ]
-        if not finishing and not [g for g in groups if g.embedding is not None]:
-            return [g for g in groups if g.streams]  # most steps: nobody finished
+        groups = dict.fromkeys([s.group for s in scheduler_output.seqs])
+        if not finishing and not self.pools:  # most steps: nobody finished (aborted: left out)
+            return [g for g in groups if g.streams and g.status is not finished]
+        groups = [g for g in groups if g.status is not finished]
         for group in groups:
             if group.embedding is not None and not group.is_finished:
                 # A pooling request is done once its prompt is: its blocks go back now.
