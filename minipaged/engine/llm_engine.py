@@ -254,6 +254,7 @@ class LLMEngine:
         self.beam_search = BeamSearch(self.eos_token_ids, self.tokenizer)
         self.output_processor = OutputProcessor(self.beam_search)
         self.scheduler.eos_token_ids = self.eos_token_ids
+        self.scheduler.pools = self.runner.pooler is not None
         self.scheduler.check_stop_strings = self.output_processor.check_stop_strings
         self.speculator = None
         if spec := config.speculative_config:

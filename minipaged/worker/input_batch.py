@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minipaged.core.sched.output import NewRequestData, SchedulerOutput
+from minipaged.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from minipaged.models.attention import AttentionMetadata
 from minipaged.worker.cpu_gpu_buffer import CpuGpuBuffers
 
@@ -291,50 +291,44 @@ class InputBatch:
         if not cached.req_ids:
             return
         rows = self.rows_of(cached.req_ids)
-        self._append_tokens(rows, cached.new_token_ids)
+        self._append_tokens(rows, cached.new_token_ids, cached.num_new_tokens)
         self.num_computed_tokens[rows] = cached.num_computed_tokens
-        self._update_block_tables(rows, cached.num_kept_blocks, cached.new_block_ids)
+        self._update_block_tables(rows, cached)
 
-    def _append_tokens(self, rows: np.ndarray, new_token_ids: list[list[int]]) -> None:
-        """Append each row's tokens sampled since the step before (a decode step's:
-        one each, one fancy-indexed write)."""
+    def _append_tokens(self, rows: np.ndarray, flat: list[int], counts: list[int]) -> None:
+        """Append each row's tokens sampled since the step before, ``counts[i]`` of
+        ``flat`` for row ``rows[i]`` (a decode step's: one each, one fancy-indexed
+        write)."""
         starts = self.num_tokens[rows]
-        flat = _one_each(new_token_ids)
-        if flat is not None:
+        if counts.count(1) == len(rows):
             self._ensure(len(self.req_ids), int(starts.max()) + 2)
             self.token_ids_cpu[rows, starts] = flat
             self.num_tokens[rows] = starts + 1
             return
-        lens = np.fromiter(map(len, new_token_ids), np.int64, len(rows))
-        total = int(lens.sum())
-        if total:
-            flat = np.fromiter(itertools.chain.from_iterable(new_token_ids), np.int32, total)
+        lens = np.asarray(counts, np.int64)
+        if flat:
             self._ensure(len(self.req_ids), int((starts + lens).max()) + 1)
             ends = np.cumsum(lens)
-            columns = np.repeat(starts - (ends - lens), lens) + np.arange(total)
+            columns = np.repeat(starts - (ends - lens), lens) + np.arange(len(flat))
             self.token_ids_cpu[np.repeat(rows, lens), columns] = flat
         self.num_tokens[rows] = starts + lens
 
-    def _update_block_tables(
-        self, rows: np.ndarray, num_kept_blocks: list[int], new_block_ids: list[list[int]]
-    ) -> None:
-        """Rewrite the tables of the rows that gained blocks or kept fewer than they
-        had (a copy-on-write's replaced last block, a rollback).  A decode step keeps
-        every row's blocks, which one list comparison tells."""
-        table = self.block_table
-        had = table.num_blocks[rows]
-        if num_kept_blocks == had.tolist():  # only appends: the rows with new ids
-            changed = np.fromiter(itertools.compress(itertools.count(), new_block_ids), np.int64)
-            kept = had[changed]
-        else:
-            kept = np.asarray(num_kept_blocks, np.int64)
-            changed = np.flatnonzero(
-                np.fromiter(map(bool, new_block_ids), bool, len(rows)) | (kept < had)
-            )
-            kept = kept[changed]
+    def _update_block_tables(self, rows: np.ndarray, cached: CachedRequestData) -> None:
+        """Append each row's new block ids after the blocks it has; a row in
+        ``num_kept_blocks`` (a copy-on-write's replaced last block, a rollback) is
+        rewritten from there.  A decode step gives new ids to a row in ``block_size``
+        and cuts none."""
+        new_block_ids, cut = cached.new_block_ids, cached.num_kept_blocks
+        changed = np.fromiter(itertools.compress(itertools.count(), new_block_ids), np.int64)
+        kept = self.block_table.num_blocks[rows].astype(np.int64)
+        if cut:
+            index = {req_id: i for i, req_id in enumerate(cached.req_ids)}
+            cut_rows = [index[req_id] for req_id in cut]
+            kept[cut_rows] = list(cut.values())
+            changed = np.union1d(changed, cut_rows)
         if len(changed):
-            changed_ids = [new_block_ids[i] for i in changed.tolist()]
-            table.set_rows(rows[changed], kept.astype(np.int64), changed_ids)
+            changed_ids = [new_block_ids[i] or [] for i in changed.tolist()]
+            self.block_table.set_rows(rows[changed], kept[changed], changed_ids)
 
     def _ensure(self, num_rows: int, num_columns: int) -> None:
         if num_rows > self.token_ids_cpu.shape[0] or num_columns > self.token_ids_cpu.shape[1]:

@@ -96,8 +96,15 @@ class BlockTable:
         All or nothing: if the pool cannot supply the blocks, raises
         `NoFreeBlocksError` and changes nothing.
         """
-        if len(token_ids) == 1 and self.room:
-            return [self._append_in_place(token_ids[0], num_lookahead)], []
+        if len(token_ids) == 1:
+            if self.room:
+                return [self._append_in_place(token_ids[0], num_lookahead)], []
+            if (
+                self.block_size > 1
+                and len(self.token_ids) == len(self.blocks) * self.block_size
+                and self.allocator.num_free_blocks  # (else the general path says why not)
+            ):
+                return [self._append_to_new_block(token_ids[0])], []
         shared = bool(token_ids) and self._last_block_is_shared()
         fresh = self._fresh_blocks_needed(len(token_ids))
         if fresh + shared > self.allocator.num_free_blocks:
@@ -174,6 +181,17 @@ class BlockTable:
         if not self.room and self._caching and not num_lookahead:
             self._register_block(len(self.blocks) - 1)
         return slot
+
+    def _append_to_new_block(self, token_id: int) -> int:
+        """One token into a fresh block, the last one being full, or none (a decode's
+        every ``block_size``-th token): nothing shared to copy, no block filled for the
+        prefix cache (at a block size above 1), and `_update_room`'s answer known."""
+        block = self.allocator.allocate()
+        self.blocks.append(block)
+        self.token_ids.append(token_id)
+        self.room = self.block_size - 1
+        self.next_slot = block * self.block_size + 1
+        return block * self.block_size
 
     def _copy_on_write(self) -> BlockCopy:
         src = self.blocks[-1]

@@ -54,13 +54,14 @@ class ScheduledSeq:
     # Positions whose logits score a prompt token (SamplingParams.prompt_logprobs).
     prompt_logprob_positions: range = range(0)
     # A draft's guesses, run after the sequence's real tokens (the last ones of the
-    # step's ``num_new_tokens``) to be verified: their slots are lookahead slots.
-    spec_token_ids: list[int] = field(default_factory=list)
+    # step's ``num_new_tokens``) to be verified: their slots are lookahead slots.  A
+    # decode without any shares the empty tuple: no list per sequence, every step.
+    spec_token_ids: list[int] | tuple[()] = ()
 
     def input_token_ids(self) -> list[int]:
         """The tokens this step runs: the sequence's, then the guesses."""
         end = self.start + self.num_new_tokens - len(self.spec_token_ids)
-        return self.seq.token_ids[self.start : end] + self.spec_token_ids
+        return [*self.seq.token_ids[self.start : end], *self.spec_token_ids]
 
     @property
     def num_logit_rows(self) -> int:
@@ -101,16 +102,37 @@ class NewRequestData:
 
 @dataclass(slots=True)
 class CachedRequestData:
-    """What changed, since the step that last ran them, of sequences the runner holds:
-    per sequence, the tokens appended since (the sampled ones), its block table from
-    ``num_kept_blocks`` on (the new blocks; a copy-on-write also replaces the last one,
-    a rollback drops some) and where this step's tokens start."""
+    """What changed, since the step that last ran them, of sequences the runner holds
+    (vLLM V1's ``CachedRequestData``), as columns of values the scheduler already has,
+    so that a decode allocates nothing for it: per sequence, the tokens appended since
+    (the sampled ones, all rows' in one flat list, ``num_new_tokens`` of each: vLLM's
+    runner samples them itself, ours are the engine's), its new block ids (None: none,
+    a decode's common case) and where this step's tokens start.  A sequence whose table
+    lost blocks (a copy-on-write replaced its last one, a rollback dropped some) is in
+    ``num_kept_blocks`` too: its table is rewritten from that many on (vLLM's
+    ``resumed_req_ids`` replace a table whole); the others' new blocks are appended."""
 
     req_ids: list[str] = field(default_factory=list)
-    new_token_ids: list[list[int]] = field(default_factory=list)
-    num_kept_blocks: list[int] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_token_ids: list[int] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    new_block_ids: list[list[int] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    num_kept_blocks: dict[str, int] = field(default_factory=dict)
+
+    def add(self, req_id: str, tokens: list[int], num_computed_tokens: int) -> None:
+        """``req_id``, its ``tokens`` appended since it last ran, and this step's start
+        (its blocks: `add_blocks`)."""
+        self.req_ids.append(req_id)
+        self.new_token_ids += tokens
+        self.num_new_tokens.append(len(tokens))
+        self.num_computed_tokens.append(num_computed_tokens)
+
+    def add_blocks(self, req_id: str, blocks: list[int], held: int, num_kept: int) -> None:
+        """The last added sequence's table ``blocks``, of which the runner holds the
+        first ``held`` and this step left the first ``num_kept`` unchanged."""
+        if num_kept < held:
+            self.num_kept_blocks[req_id] = held = num_kept
+        self.new_block_ids.append(blocks[held:] if held < len(blocks) else None)
 
 
 @dataclass

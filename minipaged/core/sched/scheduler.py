@@ -163,6 +163,9 @@ class Scheduler:
         # The update phase's stop checks: the engine's EOS tokens, and the front end's
         # check of stop strings on the text so far (which detokenizes; None: no text).
         self.eos_token_ids: set[int] = set()
+        # Does the engine pool (a pooling runner)?  Then a request finishes once its
+        # prompt's embedding is in, which the update phase checks for.
+        self.pools = False
         self.check_stop_strings: Callable[[SequenceGroup, Sequence], str | None] | None = None
         # Disaggregated prefill: the scheduler's side of the KV connector (None: off),
         # and where prompt tokens' KV came from: computed here, or loaded through it.
@@ -326,13 +329,10 @@ class Scheduler:
                 seq.logprobs.append(s.top_logprobs)
             check_stop(s.group, seq)
         finished, finishing = SequenceStatus.FINISHED, self._finishing
-        groups = [  # those aborted left out
-            g
-            for g in dict.fromkeys([s.group for s in scheduler_output.seqs])
-            if g.status is not finished
-        ]
-        if not finishing and not [g for g in groups if g.embedding is not None]:
-            return [g for g in groups if g.streams]  # most steps: nobody finished
+        groups = dict.fromkeys([s.group for s in scheduler_output.seqs])
+        if not finishing and not self.pools:  # most steps: nobody finished (aborted: left out)
+            return [g for g in groups if g.streams and g.status is not finished]
+        groups = [g for g in groups if g.status is not finished]
         for group in groups:
             if group.embedding is not None and not group.is_finished:
                 # A pooling request is done once its prompt is: its blocks go back now.
@@ -526,12 +526,8 @@ class Scheduler:
             out.seqs.append(
                 ScheduledSeq(seq, group, start, 1, blocks, [slot], True, lora_slot, NO_POSITIONS)
             )
-            kept = min(held[1], num_kept)
-            cached.req_ids.append(seq.seq_id)
-            cached.new_token_ids.append([PLACEHOLDER_TOKEN_ID])
-            cached.num_kept_blocks.append(kept)
-            cached.new_block_ids.append(blocks[kept:])
-            cached.num_computed_tokens.append(start)
+            cached.add(seq.seq_id, [PLACEHOLDER_TOKEN_ID], start)
+            cached.add_blocks(seq.seq_id, blocks, held[1], num_kept)
             held[0], held[1] = start + 1, len(blocks)
             out.num_scheduled_tokens[seq.seq_id] = 1
         out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
@@ -544,8 +540,8 @@ class Scheduler:
         runs token 0 for nothing; its row is dropped when ``out`` is sampled."""
         tokens = samples.token_ids_by_seq()
         new_token_ids = out.scheduled_cached_reqs.new_token_ids
-        for i, s in enumerate(out.seqs):
-            new_token_ids[i] = [tokens.get(s.seq.seq_id, 0)]
+        for i, s in enumerate(out.seqs):  # one token each: the i-th is row i's
+            new_token_ids[i] = tokens.get(s.seq.seq_id, 0)
 
     def fill_placeholders(self, out: SchedulerOutput) -> None:
         """Once the step before ``out`` is updated (``out`` already running): each
@@ -818,8 +814,8 @@ class Scheduler:
         tables, append_slot, traced = self.kv.tables, self.kv.append_slot, self.trace.enabled
         held_of, add_seq = self._held.get, out.seqs.append
         cached, num_scheduled = out.scheduled_cached_reqs, out.num_scheduled_tokens
-        add_id, add_tokens = cached.req_ids.append, cached.new_token_ids.append
-        add_kept, add_blocks = cached.num_kept_blocks.append, cached.new_block_ids.append
+        add_id, add_token = cached.req_ids.append, cached.new_token_ids.append
+        add_count, add_blocks = cached.num_new_tokens.append, cached.new_block_ids.append
         add_computed = cached.num_computed_tokens.append
         for group, seq in decodes:
             seq_id, tokens = seq.seq_id, seq.token_ids
@@ -842,20 +838,23 @@ class Scheduler:
                 lora_slot, positions = self._decode_extras(group, seq, start, out)
             else:  # the common case: a plain decode
                 lora_slot, positions = -1, NO_POSITIONS
-            add_seq(
-                ScheduledSeq(seq, group, start, 1, blocks, [slot], True, lora_slot, positions, [])
-            )
+            add_seq(ScheduledSeq(seq, group, start, 1, blocks, [slot], True, lora_slot, positions))
             held = held_of(seq_id)
             if held is None:
                 self._send(seq, start, 1, blocks, out, num_kept, lora_slot)
-            else:
-                sent, kept = held
-                if num_kept < kept:
-                    kept = num_kept
+            else:  # `CachedRequestData.add` and `add_blocks`, inline for the common case
+                sent, had = held
                 add_id(seq_id)
-                add_tokens(tokens[sent:])
-                add_kept(kept)
-                add_blocks(blocks[kept:])
+                if sent == start:  # one new token: the one sampled for it last step
+                    add_token(tokens[start])
+                    add_count(1)
+                else:
+                    cached.new_token_ids += tokens[sent:]
+                    add_count(start + 1 - sent)
+                if num_kept == had == len(blocks):  # no block new or replaced
+                    add_blocks(None)
+                else:
+                    cached.add_blocks(seq_id, blocks, had, num_kept)
                 add_computed(start)
                 held[0], held[1] = start + 1, len(blocks)
                 num_scheduled[seq_id] = 1
@@ -948,13 +947,9 @@ class Scheduler:
                 NewRequestData(seq_id, list(seq.token_ids), list(blocks), start, lora_slot)
             )
         else:
-            kept = min(held[1], num_kept_blocks)
             cached = out.scheduled_cached_reqs
-            cached.req_ids.append(seq_id)
-            cached.new_token_ids.append(seq.token_ids[held[0] :])
-            cached.num_kept_blocks.append(kept)
-            cached.new_block_ids.append(blocks[kept:])
-            cached.num_computed_tokens.append(start)
+            cached.add(seq_id, seq.token_ids[held[0] :], start)
+            cached.add_blocks(seq_id, blocks, held[1], num_kept_blocks)
             held[0], held[1] = len(seq.token_ids), len(blocks)
         out.num_scheduled_tokens[seq_id] = n
 
