@@ -239,17 +239,7 @@ class SamplingInputBatch:
         if num_rows <= have:
             return
         size = max(num_rows, 2 * have)
-        for name in (
-            "temperature",
-            "top_k",
-            "top_p",
-            "min_p",
-            "frequency_penalties",
-            "presence_penalties",
-            "repetition_penalties",
-            "output_token_counts",
-            "prompt_token_mask",
-        ):
+        for name in (*PARAMS, "output_token_counts", "prompt_token_mask"):
             old = getattr(self, name)
             if old is not None:
                 new = torch.zeros((size, *old.shape[1:]), dtype=old.dtype, device=old.device)
