@@ -115,11 +115,13 @@ def sync_sites(engine, n: int) -> list[dict]:
     """Where ``n`` steps made the host wait for the GPU: torch's sync debug mode warns
     at each synchronizing call, from the Python line that made it; the ``TOP`` lines
     with their calls per step."""
+    sync(engine.device)  # (outside the watch: the harness's own waits are not the steps')
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            _steps(engine, n)
+            for _ in range(n):
+                engine.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return top_sites(caught, n)
