@@ -6,6 +6,14 @@ eight windows of 256 tokens), against the unquantized model's.
     python scripts/quant_quality.py gptq --group-size 128 --desc-act --mse \\
         --append benchmarks/results/cpu/quant-quality.json
 
+``--format awq`` keeps the zero points AWQ's format can store (0 and up) instead of
+GPTQ's (1 and up: `min_zero_point`).  With ``--engine DTYPE`` it measures instead a
+checkpoint that ``minipaged quantize`` wrote (``--checkpoint OUT``; method ``none``:
+the unquantized model) through minipaged's engine in ``DTYPE``, on the same windows:
+
+    python scripts/quant_quality.py awq-gptq --engine float32 --checkpoint OUT \\
+        --append benchmarks/results/cpu/quant-quality.json
+
 Each run appends one row (the configuration, its perplexity, the seconds it took and
 the load average) to the ``--append`` file, so runs can go one at a time on a shared
 machine; lesson 18 prints the committed file.  Nothing here is tuned on the perplexity
@@ -24,35 +32,28 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from minipaged.bench.quant import eval_text, hf_perplexity
+from minipaged.bench.common import one_cpu_thread
+from minipaged.bench.quant import eval_text, hf_perplexity, perplexity
 from minipaged.models.hub import resolve_model
 from minipaged.models.quantization.quantize import (
+    FORMATS,
     METHODS,
     _quantize_layers,
     calibration_samples,
+    default_format,
     min_zero_point,
 )
 
+WINDOW, WINDOWS = 256, 8  # bench quant's
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("method", choices=("none", *METHODS))
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--group-size", type=int, default=128)
-    parser.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--desc-act", action="store_true")
-    parser.add_argument("--mse", action="store_true")
-    parser.add_argument("--true-sequential", action="store_true")
-    parser.add_argument("--num-samples", type=int, default=64)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--append", type=Path, required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    load_start, start = os.getloadavg(), time.perf_counter()
+
+def hf_row(args) -> dict:
+    """The configuration quantized in memory, Hugging Face's float32 model on it."""
     path = resolve_model(args.model)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     sym = args.sym and args.method != "awq"
+    fmt = args.format or default_format(args.method)
     if args.method != "none":
         samples = calibration_samples(tokenizer, args.num_samples, args.seq_len)
         _quantize_layers(
@@ -65,8 +66,9 @@ def main() -> None:
             args.desc_act,
             mse=args.mse,
             true_sequential=args.true_sequential,
+            checkpoint_format=fmt,
         )
-    row = {
+    return {
         "method": args.method,
         "group_size": args.group_size,
         "sym": sym,
@@ -74,14 +76,60 @@ def main() -> None:
         "mse": args.mse,
         "true_sequential": args.true_sequential,
         # The least zero point its grids took (rows without it predate the rule).
-        "min_zero_point": None if sym or args.method == "none" else min_zero_point(args.method),
+        "min_zero_point": None if sym or args.method == "none" else min_zero_point(fmt),
+        "format": None if args.method == "none" else fmt,
         "num_samples": args.num_samples,
         "seq_len": args.seq_len,
-        "perplexity": hf_perplexity(model, tokenizer, eval_text(), 256, 8),
-        "seconds": time.perf_counter() - start,
-        "load_average_start": list(load_start),
-        "load_average_end": list(os.getloadavg()),
+        "perplexity": hf_perplexity(model, tokenizer, eval_text(), WINDOW, WINDOWS),
     }
+
+
+def engine_row(args) -> dict:
+    """``--checkpoint`` (or the unquantized model) through minipaged's engine."""
+    from minipaged.llm import LLM
+
+    path = args.checkpoint or resolve_model(args.model)
+    config = json.loads((path / "config.json").read_text()).get("quantization_config", {})
+    if config.get("minipaged_method", config.get("quant_method", "none")) != args.method:
+        raise ValueError(f"{path} is not a {args.method!r} checkpoint: {config}")
+    with one_cpu_thread("cpu"):
+        llm = LLM(str(path), device="cpu", dtype=args.engine, swap_space=0)
+        value = perplexity(llm, eval_text(), WINDOW, WINDOWS)
+    return {
+        "method": args.method,
+        "engine_dtype": args.engine,
+        "checkpoint": str(path),
+        "quantization_config": config or None,
+        "perplexity": value,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("method", choices=("none", *METHODS))
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--desc-act", action="store_true")
+    parser.add_argument("--mse", action="store_true")
+    parser.add_argument("--true-sequential", action="store_true")
+    parser.add_argument("--format", choices=FORMATS, help="whose zero points (default: gptq's)")
+    parser.add_argument("--num-samples", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--engine", choices=("float32", "bfloat16"), help="minipaged's engine")
+    parser.add_argument("--checkpoint", type=Path, help="with --engine: what quantize wrote")
+    parser.add_argument("--append", type=Path, required=True)
+    args = parser.parse_args()
+    if args.engine and args.method != "none" and args.checkpoint is None:
+        parser.error("--engine measures a --checkpoint (or method none)")
+    torch.set_num_threads(1)
+    load_start, start = os.getloadavg(), time.perf_counter()
+    row = engine_row(args) if args.engine else hf_row(args)
+    row.update(
+        seconds=time.perf_counter() - start,
+        load_average_start=list(load_start),
+        load_average_end=list(os.getloadavg()),
+    )
     print(json.dumps(row))
     with open(args.append, "a+") as f:  # runs may finish at once: one writer at a time
         fcntl.flock(f, fcntl.LOCK_EX)
