@@ -28,7 +28,13 @@ Four ways to pick each group's integers, all with the same grid
   the scaled weights (no clipping), llm-compressor's recipe of an ``AWQModifier``
   followed by a ``GPTQModifier`` (AWQ's paper, §5: the two are orthogonal).  The
   scales live in the norms' and projections' weights, so the result is a plain GPTQ
-  checkpoint.
+  checkpoint, or AWQ one (below).
+
+Each method's integers are written in GPTQ's format (``checkpoint_format="gptq"``, the
+default but for awq) or AWQ's (``"awq"``, the default for awq): the same grid, packed
+two ways (`formats`).  GPTQ's stores zero points minus one, so its grids keep them at 1
+or more (`min_zero_point`), and has act-order's ``g_idx``; AWQ's stores zero points of
+0 and has no ``g_idx``, so its groups stay in column order (no ``desc_act``).
 
 Two standard GPTQ options: ``mse`` (GPTQ's reference ``Quantizer(mse=True)``,
 GPTQModel's ``mse``) searches each group's range for the least rounding error
