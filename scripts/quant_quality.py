@@ -12,7 +12,8 @@ one scale per output row (the engine's) or, ``--fp8-scale tensor``, per vLLM mer
 weight (vLLM's online ``fp8``).  With ``--engine DTYPE`` it measures instead a
 checkpoint that ``minipaged quantize`` wrote (``--checkpoint OUT``; methods ``none``,
 ``fp8`` and ``int8``: the unquantized model, as it is or quantized online) through
-minipaged's engine in ``DTYPE``, on the same windows:
+minipaged's engine in ``DTYPE``, on the same windows (``--num-samples`` and
+``--seq-len`` then say what the checkpoint was calibrated on, as recorded):
 
     python scripts/quant_quality.py awq-gptq --engine float32 --checkpoint OUT \\
         --append benchmarks/results/cpu/quant-quality.json
@@ -130,11 +131,14 @@ def engine_row(args) -> dict:
     with one_cpu_thread("cpu"):
         llm = LLM(str(path), device="cpu", dtype=args.engine, swap_space=0, quantization=online)
         value = perplexity(llm, eval_text(), WINDOW, WINDOWS)
+    calibration = {"num_samples": args.num_samples, "seq_len": args.seq_len}
     return {
         "method": args.method,
         "engine_dtype": args.engine,
         "checkpoint": str(path),
         "quantization_config": config or None,
+        # As given: the checkpoint does not record its calibration.
+        **(calibration if config else {}),
         "perplexity": value,
     }
 
