@@ -184,6 +184,11 @@ def checkpoints(base, tmp_path_factory):
         "awq": ["--method", "awq"],
         # AWQ's scales folded in, then GPTQ with every option: a plain GPTQ checkpoint.
         "awq-gptq": ["--method", "awq-gptq", "--desc-act", "--mse", "--true-sequential"],
+        # The same in AWQ's format: zero points of 0 kept, groups in order (no act-order).
+        "awq-gptq-awq": [
+            *("--method", "awq-gptq", "--format", "awq", "--no-sym", "--mse"),
+            "--true-sequential",
+        ],
     }
     out = {}
     for name, flags in runs.items():
@@ -194,7 +199,7 @@ def checkpoints(base, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", ["rtn", "gptq", "awq", "awq-gptq"])
+@pytest.mark.parametrize("name", ["rtn", "gptq", "awq", "awq-gptq", "awq-gptq-awq"])
 def test_int4_checkpoint_equals_hf_on_its_dequantized_weights(checkpoints, name):
     path, oracle = checkpoints[name]
     llm = make_llm(path)  # quantization detected from config.json
@@ -213,9 +218,14 @@ def test_the_checkpoints_carry_their_formats(checkpoints):
     g_idx = tensors["model.layers.0.self_attn.q_proj.g_idx"]
     assert not torch.equal(g_idx, torch.arange(len(g_idx)) // 32)  # act-order reordered
     assert torch.equal(g_idx, tensors["model.layers.0.self_attn.k_proj.g_idx"])
-    awq = load_file(checkpoints["awq"][0] / "model.safetensors")
-    assert awq["model.layers.0.mlp.up_proj.qweight"].shape == (64, 128 // 8)  # [K, N/8]
-    assert "model.layers.0.mlp.up_proj.weight" not in awq
+    for name in ("awq", "awq-gptq-awq"):
+        awq = load_file(checkpoints[name][0] / "model.safetensors")
+        assert awq["model.layers.0.mlp.up_proj.qweight"].shape == (64, 128 // 8)  # [K, N/8]
+        assert "model.layers.0.mlp.up_proj.weight" not in awq
+        assert "model.layers.0.mlp.up_proj.g_idx" not in awq
+    config = json.loads((checkpoints["awq-gptq-awq"][0] / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "awq"
+    assert config["quantization_config"]["minipaged_method"] == "awq-gptq"
 
 
 def rounded_checkpoint(base, out, method: str):
@@ -631,7 +641,39 @@ def test_options_of_other_methods_are_refused(base, tmp_path, method, option):
         quantize.quantize_checkpoint(base, tmp_path, method=method, **{option: True})
 
 
+@pytest.mark.parametrize(
+    "options,match",
+    [({"act_order": True}, "act_order"), ({"group_size": -1}, "group_size"), ({}, "one of")],
+)
+def test_what_awqs_format_cannot_hold_is_refused(base, tmp_path, options, match):
+    """AWQ's format has no ``g_idx`` (so no act-order) and no group of a whole row."""
+    fmt = "awq" if options else "marlin"
+    with pytest.raises(ValueError, match=match):
+        quantize.quantize_checkpoint(
+            base, tmp_path, method="awq-gptq", checkpoint_format=fmt, **options
+        )
+
+
+def test_awqs_format_keeps_the_zero_points_of_0_gptqs_cannot(calibrated_layer):
+    """A projection whose weights are all >= 0 takes zero points of 0 on a zero-point
+    grid: AWQ's format keeps them (so awq-gptq written in it loses no level), GPTQ's
+    raises them to 1 (`quantize.min_zero_point`)."""
+    layer, inputs = calibrated_layer
+    zeros = {}
+    for fmt in ("awq", "gptq"):
+        copied = copy.deepcopy(layer)
+        with torch.no_grad():
+            copied.mlp.down_proj.weight.abs_()
+        weights = quantize.quantize_layer(
+            copied, inputs, "awq-gptq", 4, 32, False, False, checkpoint_format=fmt
+        )
+        zeros[fmt] = weights["mlp.down_proj"].zeros
+    assert (zeros["awq"] == 0).float().mean() > 0.5 and zeros["gptq"].min() == 1
+    formats.check_gptq_zeros(weights["mlp.down_proj"], "down_proj")
+
+
 def test_the_commands_methods_are_the_modules():
     from minipaged.commands import quantize as command
 
     assert command.METHODS == quantize.METHODS
+    assert command.FORMATS == quantize.FORMATS

@@ -4,17 +4,21 @@ OUT``: `minipaged.models.quantization.quantize.quantize_checkpoint`."""
 from __future__ import annotations
 
 import argparse
+import json
 
 from minipaged.arg_utils import MODEL_HELP
 
-METHODS = ("rtn", "gptq", "awq", "awq-gptq")  # the quantize module's, without importing it
+# The quantize module's, without importing it.
+METHODS = ("rtn", "gptq", "awq", "awq-gptq")
+FORMATS = ("gptq", "awq")
 
 NAME = "quantize"
 HELP = "write an INT4 GPTQ or AWQ checkpoint of a model"
 DESCRIPTION = (
     "Quantize a 16/32-bit checkpoint's projections to 4 bits, group-wise, by rounding "
     "(rtn), GPTQ, AWQ or AWQ's scales then GPTQ on a small calibration text, and write "
-    "it in Hugging Face's GPTQ or AWQ format, which `minipaged generate --model OUT` and vLLM load."
+    "it in Hugging Face's GPTQ or AWQ format (--format), which `minipaged generate --model "
+    "OUT` and vLLM load."
 )
 
 
@@ -25,7 +29,15 @@ def add_arguments(parser) -> None:
         "--method",
         choices=METHODS,
         default="gptq",
-        help="awq-gptq: AWQ's scales, then GPTQ's rounding, as a GPTQ checkpoint",
+        help="awq-gptq: AWQ's scales, then GPTQ's rounding",
+    )
+    parser.add_argument(
+        "--format",
+        dest="checkpoint_format",
+        choices=FORMATS,
+        default=None,
+        help="the checkpoint's format (default: awq for --method awq, else gptq); awq's "
+        "stores zero points of 0, gptq's needs them >= 1 but has act-order's g_idx",
     )
     parser.add_argument("--bits", type=int, default=4, help="bits per weight (4)")
     parser.add_argument(
@@ -77,7 +89,9 @@ def main(args) -> None:
         num_threads=args.threads,
         mse=args.mse,
         true_sequential=args.true_sequential,
+        checkpoint_format=args.checkpoint_format,
     )
-    print(f"wrote a {args.bits}-bit {args.method} checkpoint to {out}:")
+    fmt = json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"]
+    print(f"wrote a {args.bits}-bit {args.method} checkpoint in {fmt}'s format to {out}:")
     for file in sorted(out.iterdir()):
         print(f"  {file.name:<28} {file.stat().st_size:>12,} bytes")

@@ -28,7 +28,13 @@ Four ways to pick each group's integers, all with the same grid
   the scaled weights (no clipping), llm-compressor's recipe of an ``AWQModifier``
   followed by a ``GPTQModifier`` (AWQ's paper, §5: the two are orthogonal).  The
   scales live in the norms' and projections' weights, so the result is a plain GPTQ
-  checkpoint.
+  checkpoint, or AWQ one (below).
+
+Each method's integers are written in GPTQ's format (``checkpoint_format="gptq"``, the
+default but for awq) or AWQ's (``"awq"``, the default for awq): the same grid, packed
+two ways (`formats`).  GPTQ's stores zero points minus one, so its grids keep them at 1
+or more (`min_zero_point`), and has act-order's ``g_idx``; AWQ's stores zero points of
+0 and has no ``g_idx``, so its groups stay in column order (no ``desc_act``).
 
 Two standard GPTQ options: ``mse`` (GPTQ's reference ``Quantizer(mse=True)``,
 GPTQModel's ``mse``) searches each group's range for the least rounding error
@@ -71,6 +77,7 @@ from minipaged.models.quantization import formats
 from minipaged.ops.quant_linear import IntWeight
 
 __all__ = [
+    "FORMATS",
     "METHODS",
     "awq_clip",
     "calibration_samples",
@@ -83,6 +90,7 @@ __all__ = [
 ]
 
 METHODS = ("rtn", "gptq", "awq", "awq-gptq")
+FORMATS = ("gptq", "awq")  # the checkpoint formats it writes (`formats`)
 GPTQ_METHODS = ("gptq", "awq-gptq")  # the ones with a Hessian
 CALIBRATION_MODULES = ("argparse", "logging", "unittest", "subprocess", "json")
 AWQ_GRID = 20
@@ -170,10 +178,16 @@ def fit_grid(
     return scale, zero
 
 
-def min_zero_point(method: str) -> int:
-    """The least zero point ``method``'s checkpoint format can store: 1 for GPTQ's (it
-    stores zero points minus one: `formats.check_gptq_zeros`), 0 for AWQ's."""
-    return 0 if method == "awq" else 1
+def default_format(method: str) -> str:
+    """The checkpoint format ``method`` writes unless told: AWQ's for awq, GPTQ's for
+    the others."""
+    return "awq" if method == "awq" else "gptq"
+
+
+def min_zero_point(checkpoint_format: str) -> int:
+    """The least zero point ``checkpoint_format`` can store: 1 for GPTQ's (it stores
+    zero points minus one: `formats.check_gptq_zeros`), 0 for AWQ's."""
+    return 0 if checkpoint_format == "awq" else 1
 
 
 def _grid(lo, hi, bits, sym, min_zero=0):
@@ -421,9 +435,11 @@ def quantize_layer(
     apply_clip=True,
     mse=False,
     true_sequential=False,
+    checkpoint_format=None,
 ):
     """Quantize the decoder ``layer`` given its calibration ``inputs``; its projections
-    then hold their dequantized weights.  Returns HF name -> `IntWeight`.
+    then hold their dequantized weights.  Returns HF name -> `IntWeight`, every zero
+    point one ``checkpoint_format`` (by default `default_format`'s) can store.
 
     ``awq-gptq`` is AWQ's scaling (no clipping: GPTQ does the rounding) followed by GPTQ,
     llm-compressor's recipe of an ``AWQModifier`` then a ``GPTQModifier`` (AWQ's paper,
@@ -432,7 +448,7 @@ def quantize_layer(
     through the groups already quantized; without it every projection's inputs come
     from the unquantized layer."""
     projections = _projections(layer)
-    min_zero = min_zero_point(method)
+    min_zero = min_zero_point(checkpoint_format or default_format(method))
     seen = _collect(layer, inputs) if method != "rtn" else {}
     if method in ("awq", "awq-gptq"):
         _awq_scale(layer, seen, bits, group_size, duo_scaling, sym)
@@ -470,15 +486,28 @@ def quantize_checkpoint(
     num_threads: int = 1,
     mse: bool = False,
     true_sequential: bool = False,
+    checkpoint_format: str | None = None,
 ) -> Path:
     """Quantize the checkpoint in ``model_path`` with ``method`` and write it to ``out``
-    in Hugging Face's format (GPTQ's for rtn, gptq and awq-gptq, AWQ's for awq), torch
-    on ``num_threads`` threads (module docstring).  AWQ's zero points are always
-    asymmetric (``sym`` is the GPTQ format's).  ``mse`` searches each group's range
-    (`fit_grid`); ``true_sequential`` calibrates each projection group on the ones
-    quantized before it (`quantize_layer`)."""
+    in Hugging Face's ``checkpoint_format``, GPTQ's or AWQ's (by default GPTQ's for
+    rtn, gptq and awq-gptq, AWQ's for awq), torch on ``num_threads`` threads (module
+    docstring).  The awq method's zero points are always asymmetric.  AWQ's format
+    stores zero points of 0, which GPTQ's cannot (`min_zero_point`), and has no
+    ``g_idx``, so no act-order.  ``mse`` searches each group's range (`fit_grid`);
+    ``true_sequential`` calibrates each projection group on the ones quantized before
+    it (`quantize_layer`)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    checkpoint_format = checkpoint_format or default_format(method)
+    if checkpoint_format not in FORMATS:
+        raise ValueError(f"checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}")
+    if group_size == -1 and checkpoint_format == "awq":
+        raise ValueError("group_size -1 (one group per row) needs GPTQ's format, not AWQ's")
+    if act_order and checkpoint_format == "awq":
+        raise ValueError(
+            "act_order (desc_act) needs GPTQ's format: AWQ's has no g_idx, its groups "
+            "are always in column order"
+        )
     if bits != 4:
         raise ValueError(f"bits must be 4 (the formats minipaged writes), got {bits!r}")
     if group_size not in (-1, 32, 64, 128):
@@ -511,6 +540,7 @@ def quantize_checkpoint(
             act_order,
             mse=mse,
             true_sequential=true_sequential,
+            checkpoint_format=checkpoint_format,
         )
     finally:
         torch.set_num_threads(threads)
@@ -522,6 +552,7 @@ def quantize_checkpoint(
         out,
         quantized,
         method,
+        checkpoint_format,
         bits,
         group_size,
         sym,
@@ -549,9 +580,11 @@ def _quantize_layers(model, samples, method, bits, group_size, sym, act_order, *
     return quantized
 
 
-def _write(model, source, out, quantized, method, bits, group_size, sym, act_order, dtype, options):
+def _write(
+    model, source, out, quantized, method, fmt, bits, group_size, sym, act_order, dtype, options
+):
     out.mkdir(parents=True, exist_ok=True)
-    pack = formats.pack_awq if method == "awq" else formats.pack_gptq
+    pack = formats.pack_awq if fmt == "awq" else formats.pack_gptq
     tensors = {}
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
@@ -564,7 +597,7 @@ def _write(model, source, out, quantized, method, bits, group_size, sym, act_ord
             tensors[name] = tensor.to(dtype).contiguous()
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text())
-    if method == "awq":
+    if fmt == "awq":
         config["quantization_config"] = {
             "quant_method": "awq",
             "bits": bits,
@@ -572,6 +605,8 @@ def _write(model, source, out, quantized, method, bits, group_size, sym, act_ord
             "zero_point": True,
             "version": "gemm",
         }
+        if method != "awq":  # not keys of the format: how the integers were chosen
+            config["quantization_config"].update(options, minipaged_method=method)
     else:
         config["quantization_config"] = {
             "quant_method": "gptq",
