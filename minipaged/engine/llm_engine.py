@@ -20,9 +20,11 @@
   outputs: each finished request's, and what the step added to requests that stream
   (``output_kind``), decoding their text.
 
-With ``async_scheduling`` (vLLM's), the execute phase runs in a worker thread while
-the scheduler schedules the next step, its tokens still placeholders, filled after the
-update (`LLMEngine._step_async`).
+With ``async_scheduling`` (vLLM's; on by default on a GPU), the scheduler schedules the
+next step while this one's forward pass runs (in a worker thread on a CPU, on the
+device on a GPU), its tokens still placeholders; once this step is sampled the next
+one starts with the sampled tokens, and this one's update runs after
+(`LLMEngine._step_async`).
 
 Everything about memory is the scheduler's (and, under it, the KV cache manager's); the
 update only ever asks it to fork, append to or free a sequence, so the event trace,
