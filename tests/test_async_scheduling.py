@@ -91,6 +91,7 @@ def test_each_request_stops_at_its_own_step(llama, async_llm):
             expected = expected[: expected.index(EOS) + 1]
         assert out.outputs[0].token_ids == expected
     assert outputs[3].outputs[0].finish_reason == "stop"
+    assert async_llm.engine._in_flight is None  # the last step ahead, all finished: drained
     assert_all_blocks_free(async_llm)
 
 

@@ -397,9 +397,9 @@ class LLMEngine:
         is sampled, N+1 starts at once, its placeholders' input tokens those just
         sampled (`Scheduler.write_sampled`), and runs while N is updated (stops, frees)
         and its outputs made: a sequence that finished at N ran one step for nothing,
-        its row dropped when N+1 is sampled, as vLLM discards such tokens.  A step that
-        cannot be scheduled ahead waits for N and is scheduled as usual on the next
-        call."""
+        its row dropped when N+1 is sampled, as vLLM discards such tokens (and if every
+        one finished, N+1 is waited for at once: `_drain`).  A step that cannot be
+        scheduled ahead waits for N and is scheduled as usual on the next call."""
         if self._in_flight is None:
             self._launch(self.scheduler.schedule())
         (batch, future), self._in_flight = self._in_flight, None
@@ -418,7 +418,15 @@ class LLMEngine:
         outputs = self._update(batch, samples, lost, fail_alone)
         if ahead is not None:
             self.scheduler.fill_placeholders(ahead)
+            if not self.scheduler.has_unfinished():
+                self._drain()
         return outputs
+
+    def _drain(self) -> None:
+        """Wait for the step in flight whose sequences all finished meanwhile (its rows
+        would all be dropped), so that an idle engine holds no step and its logits."""
+        (_, future), self._in_flight = self._in_flight, None
+        future.result()
 
     def _launch(self, batch: SchedulerOutput) -> None:
         """Start ``batch``'s block operations and forward pass.  On a CPU in the worker
