@@ -481,10 +481,10 @@ class Scheduler:
         ran to its end and now decodes one token, all fitting the pool, none waiting
         or swapped.  None otherwise: the engine then waits for ``prev``'s tokens and
         calls `schedule`."""
-        running = self.running
-        finished = SequenceStatus.FINISHED
-        # (A sequence that finished while ``prev`` ran ahead of its update is in it.)
-        prev_seqs = [s for s in prev.seqs if s.group.status is not finished]
+        running, prev_seqs = self.running, prev.seqs
+        if len(prev_seqs) != len(running):  # one may have finished while ``prev`` ran ahead
+            finished = SequenceStatus.FINISHED
+            prev_seqs = [s for s in prev_seqs if s.group.status is not finished]
         if (
             self.waiting
             or self.swapped
